@@ -1,0 +1,628 @@
+//! The agent: configuration, backends, local registrations, the remote table and notifications.
+//!
+//! Transfers (prepped descriptor lists and requests, with the generation gate) live in `xfer`.
+//! The agent keeps all bookkeeping itself and is safe to call from any thread whatever `sync_mode` says:
+//! tables are behind `parking_lot` locks, and the transfer fast path takes none of them.
+//! It does not open sockets or spawn threads; backends do.
+
+mod section;
+mod xfer;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use parking_lot::RwLock;
+
+use crate::backend::{self, Backend, BackendInit, Caps, Params, Peer, RegionKey, Target};
+use crate::md::{AgentMd, SectionMd};
+use crate::mem::{Desc, MemType, RegDList, XferDList};
+use crate::status::{Error, Result};
+use section::Section;
+
+pub use xfer::{NotifUpdate, PreppedDList, XferOpts, XferReq, XferTelemetry};
+
+/// `nixl_thread_sync_t`. gixl is thread-safe in every mode; the value is kept for callers that read it back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SyncMode {
+    #[default]
+    None = 0,
+    Strict = 1,
+    Rw = 2,
+}
+
+impl SyncMode {
+    pub fn from_u32(v: u32) -> Result<SyncMode> {
+        match v {
+            0 => Ok(SyncMode::None),
+            1 => Ok(SyncMode::Strict),
+            2 => Ok(SyncMode::Rw),
+            _ => Err(Error::invalid_param(format!("unknown thread sync mode {v}"))),
+        }
+    }
+}
+
+/// `nixlAgentConfig`, plus gixl's own switches.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    pub prog_thread: bool,
+    pub listen_thread: bool,
+    pub listen_port: u16,
+    pub sync_mode: SyncMode,
+    /// Worker threads for large copies; 0 lets the backend choose.
+    pub num_workers: u32,
+    pub pthr_delay_us: u64,
+    pub lthr_delay_us: u64,
+    pub capture_telemetry: bool,
+    /// NIXL 1.4 behaviour: a peer found disconnected is invalidated at once, so its restarted incarnation can
+    /// be loaded without calling `invalidate_remote_md` first. Off by default (NIXL 1.5). Also switched on by
+    /// the environment variable `GIXL_INVALIDATE_ON_DISCONNECT=1`.
+    pub invalidate_on_disconnect: bool,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        AgentConfig {
+            prog_thread: false,
+            listen_thread: false,
+            listen_port: crate::DEFAULT_COMM_PORT,
+            sync_mode: SyncMode::None,
+            num_workers: 0,
+            pthr_delay_us: 0,
+            lthr_delay_us: 100_000,
+            capture_telemetry: false,
+            invalidate_on_disconnect: false,
+        }
+    }
+}
+
+/// Index of a backend in its agent, in creation order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BackendId(pub u32);
+
+pub(crate) struct BackendSlot {
+    pub id: BackendId,
+    pub name: &'static str,
+    pub caps: Caps,
+    pub be: Arc<dyn Backend>,
+}
+
+pub(crate) struct LocalEntry {
+    pub public: Vec<u8>,
+    pub key: Option<RegionKey>,
+}
+
+pub(crate) struct RemoteEntry {
+    pub public: Vec<u8>,
+    pub key: Option<RegionKey>,
+}
+
+/// One incarnation of a peer as loaded from its metadata. Handles built against it hold it by `Arc`, so
+/// nothing it owns is freed while they live; `invalidated` is what the generation gate reads.
+pub(crate) struct RemoteAgent {
+    pub name: String,
+    pub incarnation: u128,
+    pub invalidated: AtomicBool,
+    pub conns: Vec<(String, Vec<u8>)>,
+    pub peers: Vec<(BackendId, Arc<dyn Peer>)>,
+    pub sections: RwLock<HashMap<(BackendId, MemType), Section<RemoteEntry>>>,
+}
+
+impl RemoteAgent {
+    pub fn peer(&self, id: BackendId) -> Option<&Arc<dyn Peer>> {
+        self.peers.iter().find(|(b, _)| *b == id).map(|(_, p)| p)
+    }
+}
+
+pub struct Agent {
+    pub(crate) inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub name: String,
+    pub incarnation: u128,
+    pub secret: u128,
+    pub cfg: AgentConfig,
+    pub telemetry: bool,
+    pub backends: RwLock<Vec<Arc<BackendSlot>>>,
+    pub regs: RwLock<HashMap<(BackendId, MemType), Section<LocalEntry>>>,
+    pub remotes: RwLock<HashMap<String, Arc<RemoteAgent>>>,
+}
+
+impl Agent {
+    pub fn new(name: &str, cfg: AgentConfig) -> Result<Agent> {
+        if name.is_empty() {
+            return Err(Error::invalid_param("agent name must not be empty"));
+        }
+        let mut cfg = cfg;
+        if env_flag("GIXL_INVALIDATE_ON_DISCONNECT") == Some(true) {
+            cfg.invalidate_on_disconnect = true;
+        }
+        let telemetry = match env_flag("NIXL_TELEMETRY_ENABLE") {
+            Some(on) => on,
+            None => cfg.capture_telemetry,
+        };
+        Ok(Agent {
+            inner: Arc::new(Inner {
+                name: name.to_owned(),
+                incarnation: crate::util::random_u128(),
+                secret: crate::util::random_u128(),
+                cfg,
+                telemetry,
+                backends: RwLock::new(Vec::new()),
+                regs: RwLock::new(HashMap::new()),
+                remotes: RwLock::new(HashMap::new()),
+            }),
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Random 128-bit id of this agent's life; a restarted agent with the same name gets a new one.
+    pub fn incarnation(&self) -> u128 {
+        self.inner.incarnation
+    }
+
+    pub fn config(&self) -> &AgentConfig {
+        &self.inner.cfg
+    }
+
+    pub fn telemetry_enabled(&self) -> bool {
+        self.inner.telemetry
+    }
+
+    // ----- plugins and backends -----
+
+    pub fn available_plugins(&self) -> Vec<String> {
+        backend::plugins().iter().map(|p| p.name.to_owned()).collect()
+    }
+
+    pub fn plugin_params(&self, plugin: &str) -> Result<(Params, Vec<MemType>)> {
+        let p = backend::plugin(plugin)?;
+        Ok(((p.defaults)(), p.mems.to_vec()))
+    }
+
+    pub fn create_backend(&self, plugin: &str, params: &Params) -> Result<BackendId> {
+        let p = backend::plugin(plugin)?;
+        let mut backends = self.inner.backends.write();
+        if backends.iter().any(|b| b.name == p.name) {
+            return Err(Error::invalid_param(format!("backend {plugin} already exists in agent '{}'", self.inner.name)));
+        }
+        let be = (p.create)(BackendInit {
+            agent_name: self.inner.name.clone(),
+            incarnation: self.inner.incarnation,
+            params: params.clone(),
+            num_workers: self.inner.cfg.num_workers,
+        })?;
+        let caps = be.caps();
+        if caps.remote && !caps.notif {
+            return Err(Error::backend(format!("backend {plugin} is remote-capable but has no notifications")));
+        }
+        let id = BackendId(backends.len() as u32);
+        backends.push(Arc::new(BackendSlot { id, name: p.name, caps, be }));
+        Ok(id)
+    }
+
+    pub fn backend_params(&self, id: BackendId) -> Result<(Params, Vec<MemType>)> {
+        let slot = self.slot(id)?;
+        Ok((slot.be.params(), slot.caps.mems.clone()))
+    }
+
+    pub fn backend_name(&self, id: BackendId) -> Result<&'static str> {
+        Ok(self.slot(id)?.name)
+    }
+
+    /// The backends in creation order.
+    pub fn backends(&self) -> Vec<(BackendId, &'static str)> {
+        self.inner.backends.read().iter().map(|b| (b.id, b.name)).collect()
+    }
+
+    pub(crate) fn slot(&self, id: BackendId) -> Result<Arc<BackendSlot>> {
+        self.inner
+            .backends
+            .read()
+            .get(id.0 as usize)
+            .cloned()
+            .ok_or_else(|| Error::invalid_param(format!("backend handle {} does not belong to this agent", id.0)))
+    }
+
+    /// Backends in creation order, restricted to `hints` when given, that pass `keep`.
+    pub(crate) fn chosen(&self, hints: &[BackendId], keep: impl Fn(&BackendSlot) -> bool) -> Result<Vec<Arc<BackendSlot>>> {
+        let all = self.inner.backends.read();
+        for h in hints {
+            if all.get(h.0 as usize).is_none() {
+                return Err(Error::invalid_param(format!("backend handle {} does not belong to this agent", h.0)));
+            }
+        }
+        Ok(all.iter().filter(|b| (hints.is_empty() || hints.contains(&b.id)) && keep(b)).cloned().collect())
+    }
+
+    // ----- registration -----
+
+    pub fn register_mem(&self, descs: &RegDList, hints: &[BackendId]) -> Result<()> {
+        let mem = descs.mem_type();
+        let chosen = self.chosen(hints, |b| b.caps.mems.contains(&mem))?;
+        if chosen.is_empty() {
+            return Err(Error::not_found(format!("no backend supports {}", mem.seg_name())));
+        }
+        for d in descs.iter() {
+            check_reg_desc(mem, &d.desc)?;
+        }
+        let mut done: Vec<(BackendId, Desc, LocalEntry)> = Vec::new();
+        for d in descs.iter() {
+            let mut accepted = false;
+            let mut last_err = None;
+            for b in &chosen {
+                match b.be.register(mem, d) {
+                    Ok(r) => {
+                        accepted = true;
+                        done.push((b.id, d.desc, LocalEntry { public: r.public, key: r.key }));
+                    }
+                    Err(e) => last_err = Some(e),
+                }
+            }
+            if !accepted {
+                for (id, desc, e) in done {
+                    if let Ok(slot) = self.slot(id) {
+                        slot.be.deregister(mem, &desc, e.key.as_ref());
+                    }
+                }
+                let why = last_err.map(|e| e.to_string()).unwrap_or_default();
+                return Err(Error::backend(format!("no backend accepted {:?}: {why}", d.desc)));
+            }
+        }
+        let mut regs = self.inner.regs.write();
+        for (id, desc, e) in done {
+            regs.entry((id, mem)).or_insert_with(|| Section::new(mem)).insert(desc, e);
+        }
+        Ok(())
+    }
+
+    /// Each descriptor must match a registration exactly (address, length, device); nothing is removed
+    /// unless all of them do.
+    pub fn deregister_mem(&self, descs: &RegDList, hints: &[BackendId]) -> Result<()> {
+        let mem = descs.mem_type();
+        let chosen = self.chosen(hints, |b| b.caps.mems.contains(&mem))?;
+        if chosen.is_empty() {
+            return Err(Error::not_found(format!("no backend supports {}", mem.seg_name())));
+        }
+        let mut regs = self.inner.regs.write();
+        for d in descs.iter() {
+            let found = chosen
+                .iter()
+                .any(|b| regs.get(&(b.id, mem)).is_some_and(|s| s.find_exact(&d.desc).is_some()));
+            if !found {
+                return Err(Error::not_found(format!("{:?} is not registered", d.desc)));
+            }
+        }
+        for d in descs.iter() {
+            for b in &chosen {
+                if let Some(s) = regs.get_mut(&(b.id, mem)) {
+                    if let Some(i) = s.find_exact(&d.desc) {
+                        let (desc, e) = s.remove(i);
+                        b.be.deregister(mem, &desc, e.key.as_ref());
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub fn query_mem(&self, descs: &RegDList, backend: BackendId) -> Result<Vec<Option<Params>>> {
+        self.slot(backend)?.be.query_mem(descs)
+    }
+
+    // ----- metadata -----
+
+    /// Full metadata: connection info of every remote-capable backend and all their registrations.
+    pub fn local_md(&self) -> Result<Vec<u8>> {
+        let remote = self.chosen(&[], |b| b.caps.remote)?;
+        if remote.is_empty() {
+            return Err(Error::invalid_param("no remote-capable backend: nothing to put in metadata"));
+        }
+        let regs = self.inner.regs.read();
+        let mut sections = Vec::new();
+        for b in &remote {
+            for mem in &b.caps.mems {
+                if let Some(s) = regs.get(&(b.id, *mem)).filter(|s| !s.is_empty()) {
+                    let regions = s.iter().map(|(d, e)| (*d, e.public.clone())).collect();
+                    sections.push(SectionMd { backend: b.name.to_owned(), mem: *mem, regions });
+                }
+            }
+        }
+        Ok(self.md(false, true, &remote, sections).encode())
+    }
+
+    /// Metadata for some registered descriptors only (each must match a registration exactly),
+    /// with or without connection info.
+    pub fn local_partial_md(&self, descs: &RegDList, include_conn: bool, hints: &[BackendId]) -> Result<Vec<u8>> {
+        let mem = descs.mem_type();
+        let remote = self.chosen(hints, |b| b.caps.remote)?;
+        if remote.is_empty() {
+            return Err(Error::invalid_param("no remote-capable backend: nothing to put in metadata"));
+        }
+        let regs = self.inner.regs.read();
+        let mut sections = Vec::new();
+        for d in descs.iter() {
+            if !remote.iter().any(|b| regs.get(&(b.id, mem)).is_some_and(|s| s.find_exact(&d.desc).is_some())) {
+                return Err(Error::not_found(format!("{:?} is not registered with a remote-capable backend", d.desc)));
+            }
+        }
+        for b in &remote {
+            let Some(s) = regs.get(&(b.id, mem)) else { continue };
+            let regions: Vec<_> = descs
+                .iter()
+                .filter_map(|d| s.find_exact(&d.desc).map(|i| (d.desc, s.get(i).1.public.clone())))
+                .collect();
+            if !regions.is_empty() {
+                sections.push(SectionMd { backend: b.name.to_owned(), mem, regions });
+            }
+        }
+        Ok(self.md(true, include_conn, &remote, sections).encode())
+    }
+
+    fn md(&self, partial: bool, include_conn: bool, remote: &[Arc<BackendSlot>], sections: Vec<SectionMd>) -> AgentMd {
+        let conns = if include_conn { remote.iter().map(|b| (b.name.to_owned(), b.be.conn_info())).collect() } else { Vec::new() };
+        AgentMd {
+            name: self.inner.name.clone(),
+            incarnation: self.inner.incarnation,
+            secret: self.inner.secret,
+            partial,
+            conns,
+            sections,
+        }
+    }
+
+    /// Load a peer's metadata and return its name. Loading the same incarnation again merges new regions
+    /// and keeps every handle valid; another incarnation under a loaded name is NOT_ALLOWED until the old
+    /// one is invalidated.
+    pub fn load_remote_md(&self, blob: &[u8]) -> Result<String> {
+        let md = AgentMd::decode(blob)?;
+        if md.name == self.inner.name {
+            return Err(Error::invalid_param("cannot load this agent's own metadata"));
+        }
+        let backends: Vec<Arc<BackendSlot>> = self.inner.backends.read().clone();
+        let by_name = |n: &str| backends.iter().find(|b| b.name == n && b.caps.remote).cloned();
+
+        let mut remotes = self.inner.remotes.write();
+        let existing = remotes.get(&md.name).cloned();
+        let ra = match existing {
+            Some(ra) if ra.incarnation != md.incarnation => {
+                return Err(Error::not_allowed(format!(
+                    "agent '{}' is loaded with incarnation {:032x}; metadata is for {:032x} (a restarted peer): invalidate it first",
+                    md.name, ra.incarnation, md.incarnation
+                )));
+            }
+            Some(ra) => {
+                if !md.conns.is_empty() && md.conns != ra.conns {
+                    return Err(Error::not_allowed(format!("agent '{}' sent different connection info for the same incarnation", md.name)));
+                }
+                ra
+            }
+            None => {
+                if md.conns.is_empty() {
+                    return Err(Error::not_found(format!("agent '{}' is not loaded and its metadata has no connection info", md.name)));
+                }
+                let mut peers = Vec::new();
+                let mut last_err = None;
+                for (bname, info) in &md.conns {
+                    let Some(b) = by_name(bname) else { continue };
+                    match b.be.load_peer(&md.name, md.incarnation, info) {
+                        Ok(p) => peers.push((b.id, p)),
+                        Err(e) => last_err = Some(e),
+                    }
+                }
+                if peers.is_empty() {
+                    return Err(last_err.unwrap_or_else(|| Error::backend(format!("no backend in common with agent '{}'", md.name))));
+                }
+                Arc::new(RemoteAgent {
+                    name: md.name.clone(),
+                    incarnation: md.incarnation,
+                    invalidated: AtomicBool::new(false),
+                    conns: md.conns.clone(),
+                    peers,
+                    sections: RwLock::new(HashMap::new()),
+                })
+            }
+        };
+
+        // Resolve every region before changing anything, so a bad section leaves the cache as it was.
+        let mut adds: Vec<((BackendId, MemType), Desc, RemoteEntry)> = Vec::new();
+        {
+            let sections = ra.sections.read();
+            for s in &md.sections {
+                let Some(b) = by_name(&s.backend) else { continue };
+                let Some(peer) = ra.peer(b.id) else { continue };
+                if s.regions.is_empty() {
+                    return Err(Error::not_found(format!("agent '{}' sent an empty {} section", md.name, s.mem.seg_name())));
+                }
+                let cur = sections.get(&(b.id, s.mem));
+                for (d, public) in &s.regions {
+                    if let Some(i) = cur.and_then(|c| c.find_exact(d)) {
+                        if cur.map(|c| &c.get(i).1.public) != Some(public) {
+                            return Err(Error::not_allowed(format!("agent '{}' changed the access data of region {d:?}", md.name)));
+                        }
+                        continue;
+                    }
+                    let key = b.be.load_remote_region(peer, s.mem, d, public)?;
+                    adds.push(((b.id, s.mem), *d, RemoteEntry { public: public.clone(), key }));
+                }
+            }
+        }
+        if !adds.is_empty() {
+            let mut sections = ra.sections.write();
+            for (k, d, e) in adds {
+                sections.entry(k).or_insert_with(|| Section::new(k.1)).insert(d, e);
+            }
+        }
+        remotes.entry(md.name.clone()).or_insert(ra);
+        Ok(md.name)
+    }
+
+    /// Forget a peer. Handles built against it stay allocated but are refused from now on (NOT_FOUND).
+    pub fn invalidate_remote_md(&self, name: &str) -> Result<()> {
+        if name == self.inner.name {
+            return Err(Error::invalid_param("cannot invalidate this agent's own metadata"));
+        }
+        let ra = self
+            .inner
+            .remotes
+            .write()
+            .remove(name)
+            .ok_or_else(|| Error::not_found(format!("agent '{name}' is not loaded")))?;
+        self.retire(&ra);
+        Ok(())
+    }
+
+    fn retire(&self, ra: &RemoteAgent) {
+        ra.invalidated.store(true, Ordering::Release);
+        for (id, peer) in &ra.peers {
+            if let Ok(slot) = self.slot(*id) {
+                slot.be.disconnect(peer);
+            }
+        }
+    }
+
+    /// NIXL 1.4 mode: drop `ra` from the table if it is still the loaded incarnation.
+    pub(crate) fn on_disconnect(&self, ra: &Arc<RemoteAgent>) {
+        if !self.inner.cfg.invalidate_on_disconnect {
+            return;
+        }
+        let mut remotes = self.inner.remotes.write();
+        if remotes.get(&ra.name).is_some_and(|cur| Arc::ptr_eq(cur, ra)) {
+            remotes.remove(&ra.name);
+            drop(remotes);
+            self.retire(ra);
+        }
+    }
+
+    /// Ok if `name` is loaded and (when `descs` is not empty) one backend covers every descriptor.
+    pub fn check_remote_md(&self, name: &str, descs: &XferDList) -> Result<()> {
+        let ra = self.remote(name)?;
+        if descs.is_empty() {
+            return Ok(());
+        }
+        let sections = ra.sections.read();
+        let covered = ra.peers.iter().any(|(id, _)| {
+            sections
+                .get(&(*id, descs.mem_type()))
+                .is_some_and(|s| descs.iter().all(|d| s.find_cover(d).is_some()))
+        });
+        if covered {
+            Ok(())
+        } else {
+            Err(Error::not_found(format!("agent '{name}' has not registered all of these descriptors")))
+        }
+    }
+
+    /// The incarnation id of the loaded peer `name` (a gixl addition).
+    pub fn remote_incarnation(&self, name: &str) -> Result<u128> {
+        Ok(self.remote(name)?.incarnation)
+    }
+
+    pub(crate) fn remote(&self, name: &str) -> Result<Arc<RemoteAgent>> {
+        self.inner
+            .remotes
+            .read()
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::not_found(format!("agent '{name}' is not loaded")))
+    }
+
+    pub fn make_connection(&self, name: &str, hints: &[BackendId]) -> Result<()> {
+        let ra = self.remote(name)?;
+        let mut any = false;
+        for (id, peer) in &ra.peers {
+            if hints.is_empty() || hints.contains(id) {
+                self.slot(*id)?.be.connect(peer)?;
+                any = true;
+            }
+        }
+        if any {
+            Ok(())
+        } else {
+            Err(Error::backend(format!("no chosen backend is shared with agent '{name}'")))
+        }
+    }
+
+    // ----- notifications -----
+
+    /// Notifications that arrived since the last call, per sender in arrival order.
+    pub fn notifs(&self, hints: &[BackendId]) -> Result<Vec<(String, Vec<u8>)>> {
+        let chosen = self.chosen(hints, |b| b.caps.notif)?;
+        if chosen.is_empty() {
+            return Err(Error::backend("no backend with notification support"));
+        }
+        let mut out = Vec::new();
+        for b in &chosen {
+            b.be.notifs(&mut out)?;
+        }
+        Ok(out)
+    }
+
+    /// Send a notification on its own; `remote` may be this agent's own name.
+    pub fn gen_notif(&self, remote: &str, msg: &[u8], hints: &[BackendId]) -> Result<()> {
+        if remote == self.inner.name {
+            let chosen = self.chosen(hints, |b| b.caps.notif && b.caps.local)?;
+            let b = chosen.first().ok_or_else(|| Error::backend("no local backend with notification support"))?;
+            return b.be.gen_notif(&Target::Local, msg);
+        }
+        let ra = self.remote(remote)?;
+        let chosen = self.chosen(hints, |b| b.caps.notif && ra.peer(b.id).is_some())?;
+        let b = chosen
+            .first()
+            .ok_or_else(|| Error::backend(format!("no backend with notification support is shared with agent '{remote}'")))?;
+        let peer = ra.peer(b.id).cloned().expect("filtered on peer presence");
+        if peer.disconnected() {
+            self.on_disconnect(&ra);
+            return Err(Error::disconnected(format!("agent '{remote}' has disconnected")));
+        }
+        b.be.gen_notif(&Target::Remote(peer), msg)
+    }
+
+    // ----- metadata exchange through a listener or etcd -----
+
+    /// `send_local_md` / `fetch_remote_md` / `invalidate_local_md` through a peer's listener or etcd are not
+    /// in this build yet: with an address they answer NOT_SUPPORTED; without one INVALID_PARAM, as NIXL does
+    /// when no metadata store is configured.
+    pub fn md_exchange_unavailable(&self, ip: Option<&str>) -> Error {
+        match ip {
+            Some(ip) if !ip.is_empty() => Error::not_supported(format!(
+                "metadata exchange through a listener ({ip}) is not available in this gixl build; pass metadata in-band"
+            )),
+            _ => Error::invalid_param("no peer address given and no metadata store (NIXL_ETCD_ENDPOINTS) configured"),
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        // Retire every loaded peer so handles that outlive the agent are refused, not used.
+        let remotes: Vec<_> = self.inner.remotes.write().drain().map(|(_, ra)| ra).collect();
+        for ra in remotes {
+            ra.invalidated.store(true, Ordering::Release);
+        }
+    }
+}
+
+fn check_reg_desc(mem: MemType, d: &Desc) -> Result<()> {
+    if d.end().is_none() {
+        return Err(Error::invalid_param(format!("{d:?}: address + length overflows")));
+    }
+    if matches!(mem, MemType::Dram | MemType::Vram) && d.addr == 0 {
+        return Err(Error::invalid_param(format!("{d:?}: NULL address")));
+    }
+    Ok(())
+}
+
+/// Reads a yes/no environment variable the way NIXL does ("y", "yes", "1", "true", "on" and their opposites).
+pub(crate) fn env_flag(name: &str) -> Option<bool> {
+    let v = std::env::var(name).ok()?;
+    match v.trim().to_ascii_lowercase().as_str() {
+        "y" | "yes" | "1" | "true" | "on" => Some(true),
+        "n" | "no" | "0" | "false" | "off" => Some(false),
+        _ => None,
+    }
+}

@@ -1,0 +1,76 @@
+//! Sorted region tables: the registrations of one (backend, memory type), local or remote.
+//!
+//! Regions may overlap (NIXL does not forbid it), so a lookup finds the last region starting at or before
+//! the query and walks back over the same device until one covers it.
+
+use crate::mem::{Desc, MemType};
+
+pub(crate) struct Section<T> {
+    mem: MemType,
+    regions: Vec<(Desc, T)>,
+}
+
+impl<T> Section<T> {
+    pub fn new(mem: MemType) -> Self {
+        Section { mem, regions: Vec::new() }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.regions.is_empty()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &(Desc, T)> {
+        self.regions.iter()
+    }
+
+    /// Index of a region that covers `q`, if any.
+    pub fn find_cover(&self, q: &Desc) -> Option<usize> {
+        // First region ordered after (q.dev, q.addr, MAX): every candidate is before it.
+        let end = self.regions.partition_point(|(d, _)| (d.dev, d.addr) <= (q.dev, q.addr));
+        self.regions[..end]
+            .iter()
+            .rev()
+            .take_while(|(d, _)| d.dev == q.dev)
+            .position(|(d, _)| d.covers(q, self.mem))
+            .map(|back| end - 1 - back)
+    }
+
+    pub fn find_exact(&self, q: &Desc) -> Option<usize> {
+        self.regions.binary_search_by(|(d, _)| d.cmp(q)).ok()
+    }
+
+    pub fn get(&self, i: usize) -> &(Desc, T) {
+        &self.regions[i]
+    }
+
+    /// Insert keeping the order; an identical descriptor goes after its equals.
+    pub fn insert(&mut self, d: Desc, v: T) {
+        let at = self.regions.partition_point(|(x, _)| x <= &d);
+        self.regions.insert(at, (d, v));
+    }
+
+    pub fn remove(&mut self, i: usize) -> (Desc, T) {
+        self.regions.remove(i)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_covering_region_among_overlaps() {
+        let mut s = Section::new(MemType::Dram);
+        s.insert(Desc::new(0, 1000, 0), 'a');
+        s.insert(Desc::new(100, 10, 0), 'b');
+        s.insert(Desc::new(0, 1000, 1), 'c');
+        let i = s.find_cover(&Desc::new(500, 100, 0)).unwrap();
+        assert_eq!(s.get(i).1, 'a');
+        let i = s.find_cover(&Desc::new(100, 10, 0)).unwrap();
+        assert_eq!(s.get(i).1, 'b');
+        assert!(s.find_cover(&Desc::new(990, 20, 0)).is_none());
+        assert!(s.find_cover(&Desc::new(0, 10, 2)).is_none());
+        assert_eq!(s.get(s.find_exact(&Desc::new(0, 1000, 1)).unwrap()).1, 'c');
+        assert!(s.find_exact(&Desc::new(0, 999, 1)).is_none());
+    }
+}

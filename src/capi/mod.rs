@@ -1,0 +1,1 @@
+//! The C ABI (filled in by the C-layer work).

@@ -1,0 +1,36 @@
+//! gixl: a Rust drop-in for NVIDIA NIXL, the point-to-point data mover inference servers use to ship
+//! KV-cache blocks between workers.
+//!
+//! gixl keeps NIXL's API (this crate's [`Agent`], the C ABI in [`capi`], and the Python `nixl` package built
+//! on top) and adds one guarantee NIXL lacks: every prepped list and transfer request knows which
+//! incarnation of which peer it was built against. After that peer is invalidated or replaced, the handle
+//! is refused with `NIXL_ERR_NOT_FOUND`; a peer found dead gives `NIXL_ERR_REMOTE_DISCONNECT`; and nothing
+//! is freed while a handle can still reach it.
+//!
+//! What it is not (yet): it does not load NIXL's C++ plugins, and this build moves data within one host
+//! only (same process: memcpy; other process: cross-memory attach). Cross-host TCP, listener/etcd metadata
+//! exchange, RDMA and CUDA memory are planned.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod agent;
+pub mod backend;
+pub mod capi;
+pub mod md;
+pub mod mem;
+pub mod status;
+pub(crate) mod util;
+
+pub use agent::{Agent, AgentConfig, BackendId, NotifUpdate, PreppedDList, SyncMode, XferOpts, XferReq, XferTelemetry};
+pub use backend::{Params, XferOp};
+pub use mem::{Desc, MemType, RegDList, RegDesc, RemoteDList, RemoteDesc, XferDList};
+pub use status::{Error, Result, Status};
+
+/// NIXL's default listener port.
+pub const DEFAULT_COMM_PORT: u16 = 8888;
+
+/// The NIXL API level this library implements; also the Python distribution's version.
+pub const NIXL_API_VERSION: &str = "1.5.1";
+
+/// This library's own version.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
