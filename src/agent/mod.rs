@@ -5,6 +5,8 @@
 //! tables are behind `parking_lot` locks, and the transfer fast path takes none of them.
 //! It does not open sockets or spawn threads; backends do.
 
+#[cfg(test)]
+mod harness;
 mod section;
 mod xfer;
 

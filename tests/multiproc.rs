@@ -1,0 +1,233 @@
+//! Two real processes on one host: the decode side (this test) reads from a prefill child over cross-memory
+//! attach, with notifications; the child is killed mid-transfer and restarted under the same name.
+//!
+//! The child is this same test binary re-run with `GIXL_CHILD=prefill`; it speaks a line protocol on
+//! stdin/stdout so the parent can drive it.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use gixl::*;
+
+const MIB: usize = 1 << 20;
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+}
+
+/// The prefill child: registers `size` bytes filled with `fill`, prints its metadata and buffer address,
+/// then answers commands: `notifs` (prints them), `sum` (prints a checksum of its buffer), `exit`.
+fn prefill_child() {
+    let size: usize = std::env::var("GIXL_SIZE").unwrap().parse().unwrap();
+    let fill: u8 = std::env::var("GIXL_FILL").unwrap().parse().unwrap();
+    let a = Agent::new("prefill", AgentConfig::default()).unwrap();
+    a.create_backend("UCX", &Params::new()).unwrap();
+    let buf = vec![fill; size];
+    let d = Desc::new(buf.as_ptr() as u64, size as u64, 0);
+    a.register_mem(&RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: d, meta: vec![] }]), &[]).unwrap();
+    let out = std::io::stdout();
+    let mut out = out.lock();
+    writeln!(out, "\n@md {} {}", hex(&a.local_md().unwrap()), buf.as_ptr() as u64).unwrap();
+    out.flush().unwrap();
+    for line in std::io::stdin().lock().lines() {
+        match line.unwrap().as_str() {
+            "notifs" => {
+                for (from, msg) in a.notifs(&[]).unwrap() {
+                    writeln!(out, "notif {from} {}", hex(&msg)).unwrap();
+                }
+                writeln!(out, "end").unwrap();
+            }
+            "sum" => writeln!(out, "sum {}", buf.iter().map(|&b| b as u64).sum::<u64>()).unwrap(),
+            _ => break,
+        }
+        out.flush().unwrap();
+    }
+}
+
+struct Prefill {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    md: Vec<u8>,
+    addr: u64,
+}
+
+impl Prefill {
+    fn start(size: usize, fill: u8) -> Prefill {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+            .env("GIXL_CHILD", "prefill")
+            .env("GIXL_SIZE", size.to_string())
+            .env("GIXL_FILL", fill.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(stdout.read_line(&mut line).unwrap() > 0, "child exited before printing metadata");
+            if let Some(rest) = line.trim().strip_prefix("@md ") {
+                let mut it = rest.split(' ');
+                let md = unhex(it.next().unwrap());
+                let addr = it.next().unwrap().parse().unwrap();
+                return Prefill { child, stdin, stdout, md, addr };
+            }
+        }
+    }
+
+    fn ask(&mut self, cmd: &str, until: &str) -> Vec<String> {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        let mut lines = Vec::new();
+        loop {
+            let mut l = String::new();
+            assert!(self.stdout.read_line(&mut l).unwrap() > 0);
+            let l = l.trim().to_owned();
+            let done = l.starts_with(until);
+            lines.push(l);
+            if done {
+                return lines;
+            }
+        }
+    }
+
+    fn notifs(&mut self) -> Vec<String> {
+        self.ask("notifs", "end").into_iter().filter(|l| l.starts_with("notif ")).collect()
+    }
+
+    fn sum(&mut self) -> u64 {
+        self.ask("sum", "sum")[0][4..].parse().unwrap()
+    }
+
+    fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+#[test]
+fn child_entry() {
+    if std::env::var("GIXL_CHILD").as_deref() == Ok("prefill") {
+        prefill_child();
+    }
+}
+
+fn wait(a: &Agent, r: &XferReq, limit: Duration) -> Result<Status> {
+    let t = Instant::now();
+    loop {
+        match a.xfer_status(r)? {
+            Status::InProg if t.elapsed() < limit => std::thread::sleep(Duration::from_micros(50)),
+            s => return Ok(s),
+        }
+    }
+}
+
+fn one(addr: u64, len: usize) -> XferDList {
+    XferDList::with_descs(MemType::Dram, vec![Desc::new(addr, len as u64, 0)])
+}
+
+#[test]
+fn cross_process_read_notify_kill_and_restart() {
+    let size = 64 * MIB;
+    let mut p = Prefill::start(size, 7);
+    let d = Agent::new("decode", AgentConfig::default()).unwrap();
+    d.create_backend("UCX", &Params::new()).unwrap();
+    let dst = vec![0u8; size];
+    let dd = Desc::new(dst.as_ptr() as u64, size as u64, 0);
+    d.register_mem(&RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: dd, meta: vec![] }]), &[]).unwrap();
+    assert_eq!(d.load_remote_md(&p.md).unwrap(), "prefill");
+
+    // 64 MiB READ with a notification, split across copy threads.
+    let opts = XferOpts { notif: Some(b"kv-ready\0bin".to_vec()), ..Default::default() };
+    let r = d.create_xfer_req(XferOp::Read, &one(dd.addr, size), &one(p.addr, size), "prefill", &opts).unwrap();
+    d.post_xfer_req(&r, NotifUpdate::Keep).unwrap();
+    assert_eq!(wait(&d, &r, Duration::from_secs(10)).unwrap(), Status::Success);
+    assert!(dst.iter().all(|&b| b == 7));
+    let t = Instant::now();
+    let mut n = p.notifs();
+    while n.is_empty() && t.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(5));
+        n = p.notifs();
+    }
+    assert_eq!(n, vec![format!("notif decode {}", hex(b"kv-ready\0bin"))]);
+
+    // Kill the prefill while a large transfer runs: REMOTE_DISCONNECT within a second of the kill.
+    let big = d.create_xfer_req(XferOp::Read, &one(dd.addr, size), &one(p.addr, size), "prefill", &XferOpts::default()).unwrap();
+    let st = d.post_xfer_req(&big, NotifUpdate::Keep);
+    p.kill();
+    let killed = Instant::now();
+    let outcome = match st {
+        Ok(Status::InProg) => wait(&d, &big, Duration::from_secs(5)),
+        other => other,
+    };
+    // The copy may have finished before the kill landed; otherwise it must be a prompt disconnect.
+    if let Err(e) = &outcome {
+        assert_eq!(e.status(), Status::RemoteDisconnect, "{e}");
+    }
+    assert!(killed.elapsed() < Duration::from_secs(1), "took {:?}", killed.elapsed());
+    let t = Instant::now();
+    let e = loop {
+        match d.post_xfer_req(&r, NotifUpdate::Keep).and_then(|_| wait(&d, &r, Duration::from_secs(2))) {
+            Err(e) => break e,
+            Ok(_) if t.elapsed() < Duration::from_secs(1) => std::thread::sleep(Duration::from_millis(10)),
+            Ok(s) => panic!("post to a killed peer still gave {s}"),
+        }
+    };
+    assert_eq!(e.status(), Status::RemoteDisconnect);
+
+    // Restart under the same name with a different buffer.
+    let mut p2 = Prefill::start(size, 9);
+    assert_eq!(d.load_remote_md(&p2.md).unwrap_err().status(), Status::NotAllowed);
+    d.invalidate_remote_md("prefill").unwrap();
+    d.load_remote_md(&p2.md).unwrap();
+    // The old handle is stale: refused, and not one byte reaches the new incarnation through it.
+    let w = d.create_xfer_req(XferOp::Write, &one(dd.addr, 4096), &one(p2.addr, 4096), "prefill", &XferOpts::default()).unwrap();
+    assert_eq!(d.post_xfer_req(&r, NotifUpdate::Keep).unwrap_err().status(), Status::NotFound);
+    assert_eq!(p2.sum(), 9 * size as u64);
+    // A new handle works.
+    assert_eq!(wait(&d, &w, Duration::ZERO).unwrap_err().status(), Status::NotPosted);
+    let r2 = d.create_xfer_req(XferOp::Read, &one(dd.addr, size), &one(p2.addr, size), "prefill", &XferOpts::default()).unwrap();
+    d.post_xfer_req(&r2, NotifUpdate::Keep).unwrap();
+    assert_eq!(wait(&d, &r2, Duration::from_secs(10)).unwrap(), Status::Success);
+    assert!(dst.iter().all(|&b| b == 9));
+    p2.kill();
+}
+
+#[test]
+fn many_small_blocks_cross_process() {
+    let blocks = 1024;
+    let bs = 16 * 1024;
+    let mut p = Prefill::start(blocks * bs, 3);
+    let d = Agent::new("decode-kv", AgentConfig::default()).unwrap();
+    d.create_backend("UCX", &Params::new()).unwrap();
+    let dst = vec![0u8; blocks * bs];
+    let dd = Desc::new(dst.as_ptr() as u64, dst.len() as u64, 0);
+    d.register_mem(&RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: dd, meta: vec![] }]), &[]).unwrap();
+    d.load_remote_md(&p.md).unwrap();
+    let l = XferDList::with_descs(MemType::Dram, (0..blocks).map(|i| Desc::new(dd.addr + (i * bs) as u64, bs as u64, 0)).collect());
+    let r = XferDList::with_descs(MemType::Dram, (0..blocks).map(|i| Desc::new(p.addr + (i * bs) as u64, bs as u64, 0)).collect());
+    let lp = d.prep_xfer_dlist("", &l, &[]).unwrap();
+    let rp = d.prep_xfer_dlist("prefill", &r, &[]).unwrap();
+    // Reversed remote order so nothing merges: 1024 separate pieces.
+    let li: Vec<i64> = (0..blocks as i64).collect();
+    let ri: Vec<i64> = (0..blocks as i64).rev().collect();
+    let x = d.make_xfer_req(XferOp::Read, &lp, &li, &rp, &ri, &XferOpts::default()).unwrap();
+    assert_eq!(x.desc_count(), blocks as u64);
+    d.post_xfer_req(&x, NotifUpdate::Set(b"blocks".to_vec())).unwrap();
+    assert_eq!(wait(&d, &x, Duration::from_secs(10)).unwrap(), Status::Success);
+    assert!(dst.iter().all(|&b| b == 3));
+    d.gen_notif("prefill", b"heartbeat", &[]).unwrap();
+    let t = Instant::now();
+    let mut got = Vec::new();
+    while got.len() < 2 && t.elapsed() < Duration::from_secs(5) {
+        got.extend(p.notifs());
+    }
+    assert_eq!(got, vec![format!("notif decode-kv {}", hex(b"blocks")), format!("notif decode-kv {}", hex(b"heartbeat"))]);
+    p.kill();
+}
