@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# scripts/setup.sh — install everything the demo and the tests need, on a fresh Debian machine or this one.
+# Idempotent: a second run only checks. Needs: a Rust toolchain (cargo), python3 ≥ 3.10, and root for apt.
+#
+#   .venv/gixl   gixl installed from this checkout (`pip install .`), plus pytest, numpy, mypy
+#   .venv/nixl   the real NVIDIA NIXL 1.5.1 (nixl-cu12, CPU/UCX is enough), the oracle the tests compare with
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+
+apt_missing=()
+command -v cc >/dev/null || apt_missing+=(build-essential)
+command -v g++ >/dev/null || apt_missing+=(g++)
+# bindgen (used by the nixl-sys consumer test) loads libclang at build time.
+ls /usr/lib/llvm-*/lib/libclang.so* /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1 || apt_missing+=(libclang-dev)
+command -v etcd >/dev/null || apt_missing+=(etcd-server)
+command -v ip >/dev/null || apt_missing+=(iproute2)
+if ((${#apt_missing[@]})); then
+    echo "setup: apt-get install ${apt_missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${apt_missing[@]}" >/dev/null
+fi
+
+py=${PYTHON:-python3}
+if [ ! -x .venv/nixl/bin/python ]; then
+    echo "setup: .venv/nixl (nixl-cu12==1.5.1, the reference implementation)"
+    "$py" -m venv .venv/nixl
+    .venv/nixl/bin/pip install -q pytest numpy
+    .venv/nixl/bin/pip install -q --no-deps nixl-cu12==1.5.1
+fi
+if [ ! -x .venv/gixl/bin/python ]; then
+    echo "setup: .venv/gixl"
+    "$py" -m venv .venv/gixl
+    .venv/gixl/bin/pip install -q pytest numpy mypy maturin
+fi
+# Always reinstall gixl itself so the venv matches the checkout.
+echo "setup: pip install . (builds the gixl wheel)"
+.venv/gixl/bin/pip install -q --force-reinstall --no-deps .
+.venv/gixl/bin/python -c "import nixl._api, nixl._bindings, gixl._gixl"
+echo "setup: done"
