@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# scripts/build-capi.sh [--release]
+#
+# Builds gixl's C library and puts it in target/capi/:
+#   libgixl.so        the shared library (cargo's cdylib)
+#   libnixl_capi.so   the same library under NIXL's name, for programs and crates (nixl-sys with the
+#                     `stub-api` feature dlopen()s "libnixl_capi.so") written against NVIDIA NIXL
+#   libgixl.a         the static library
+#   gixl.h            a copy of include/gixl.h
+# Link with: cc ... -Itarget/capi -Ltarget/capi -lnixl_capi   (or -lgixl); run with LD_LIBRARY_PATH=target/capi.
+set -euo pipefail
+
+root="$(cd "$(dirname "$0")/.." && pwd)"
+profile=debug
+args=()
+case "${1:-}" in
+    --release) profile=release; args=(--release) ;;
+    "") ;;
+    *) echo "usage: $0 [--release]" >&2; exit 2 ;;
+esac
+
+cd "$root"
+cargo build --lib "${args[@]}"
+target="${CARGO_TARGET_DIR:-$root/target}"
+out="$target/capi"
+mkdir -p "$out"
+# Copy (not link) so the files stay what they were when this ran, whatever cargo rebuilds later.
+cp -f "$target/$profile/libgixl.so" "$out/libgixl.so"
+cp -f "$target/$profile/libgixl.so" "$out/libnixl_capi.so"
+cp -f "$target/$profile/libgixl.a" "$out/libgixl.a"
+cp -f "$root/include/gixl.h" "$out/gixl.h"
+n=$(nm -D --defined-only "$out/libnixl_capi.so" | grep -c ' T nixl_capi_' || true)
+echo "target/capi ($profile): libgixl.so, libnixl_capi.so, libgixl.a, gixl.h; $n nixl_capi_* functions exported"
