@@ -125,7 +125,7 @@ mod tests {
         st.abortable.store(true, Ordering::Release);
         let be: Arc<dyn Backend> = Arc::new(Fake { st: st.clone() });
         let caps = be.caps();
-        a.inner.backends.write().push(Arc::new(BackendSlot { id: BackendId(0), name: "UCX", caps, be }));
+        a.inner.backends.write().push(Arc::new(BackendSlot { id: BackendId(0), name: "UCX", caps, params: Default::default(), be }));
         let l = RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: Desc::new(0x10000, 4096, 0), meta: vec![] }]);
         a.register_mem(&l, &[]).unwrap();
         (a, st)

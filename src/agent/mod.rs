@@ -86,6 +86,8 @@ pub(crate) struct BackendSlot {
     pub id: BackendId,
     pub name: &'static str,
     pub caps: Caps,
+    /// The init parameters it was created with; `backend_params` reports them, as NIXL does.
+    pub params: Params,
     pub be: Arc<dyn Backend>,
 }
 
@@ -203,13 +205,13 @@ impl Agent {
             return Err(Error::backend(format!("backend {plugin} is remote-capable but has no notifications")));
         }
         let id = BackendId(backends.len() as u32);
-        backends.push(Arc::new(BackendSlot { id, name: p.name, caps, be }));
+        backends.push(Arc::new(BackendSlot { id, name: p.name, caps, params: params.clone(), be }));
         Ok(id)
     }
 
     pub fn backend_params(&self, id: BackendId) -> Result<(Params, Vec<MemType>)> {
         let slot = self.slot(id)?;
-        Ok((slot.be.params(), slot.caps.mems.clone()))
+        Ok((slot.params.clone(), slot.caps.mems.clone()))
     }
 
     pub fn backend_name(&self, id: BackendId) -> Result<&'static str> {
@@ -248,6 +250,9 @@ impl Agent {
         let chosen = self.chosen(hints, |b| b.caps.mems.contains(&mem))?;
         if chosen.is_empty() {
             return Err(Error::not_found(format!("no backend supports {}", mem.seg_name())));
+        }
+        if descs.is_empty() {
+            return Err(Error::backend("nothing to register: the descriptor list is empty"));
         }
         for d in descs.iter() {
             check_reg_desc(mem, &d.desc)?;
@@ -502,6 +507,18 @@ impl Agent {
 
     /// Ok if `name` is loaded and (when `descs` is not empty) one backend covers every descriptor.
     pub fn check_remote_md(&self, name: &str, descs: &XferDList) -> Result<()> {
+        if name == self.inner.name {
+            // NIXL keeps a "self" section once a local-capable backend holds registrations: it answers for the
+            // name itself, while any descriptor checked against it is NOT_FOUND.
+            let local = self.chosen(&[], |b| b.caps.local)?;
+            let regs = self.inner.regs.read();
+            let any = local.iter().any(|b| regs.iter().any(|((id, _), s)| *id == b.id && !s.is_empty()));
+            return if any && descs.is_empty() {
+                Ok(())
+            } else {
+                Err(Error::not_found("this agent's own name has no remote section to check descriptors against"))
+            };
+        }
         let ra = self.remote(name)?;
         if descs.is_empty() {
             return Ok(());
@@ -566,6 +583,9 @@ impl Agent {
 
     /// Send a notification on its own; `remote` may be this agent's own name.
     pub fn gen_notif(&self, remote: &str, msg: &[u8], hints: &[BackendId]) -> Result<()> {
+        if self.chosen(hints, |b| b.caps.notif)?.is_empty() {
+            return Err(Error::backend("no backend with notification support"));
+        }
         if remote == self.inner.name {
             let chosen = self.chosen(hints, |b| b.caps.notif && b.caps.local)?;
             let b = chosen.first().ok_or_else(|| Error::backend("no local backend with notification support"))?;

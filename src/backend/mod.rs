@@ -119,7 +119,8 @@ pub trait Backend: Send + Sync + 'static {
     /// The plugin name this backend answers to ("UCX", "POSIX").
     fn name(&self) -> &'static str;
     fn caps(&self) -> Caps;
-    /// Options in effect, as `get_backend_params` reports them.
+    /// Options in effect (after defaults and parsing). `get_backend_params` reports the init parameters as
+    /// given, like NIXL; this is what the backend actually uses, for logs and gixl's own queries.
     fn params(&self) -> Params {
         Params::new()
     }
@@ -173,6 +174,15 @@ pub struct Plugin {
     pub create: fn(BackendInit) -> Result<Arc<dyn Backend>>,
 }
 
+/// The defaults NIXL's UCX plugin reports. gixl's engine reads `num_workers` / `num_threads` (copy threads) and
+/// accepts the others without effect.
+fn ucx_defaults() -> Params {
+    [("num_workers", "1"), ("ucx_devices", ""), ("ucx_error_handling_mode", "peer")]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
 /// Every plugin built into this library, sorted by name like NIXL's plugin directory listing.
 pub fn plugins() -> &'static [Plugin] {
     &PLUGINS
@@ -194,8 +204,9 @@ static PLUGINS: [Plugin; 2] = [
     },
     Plugin {
         name: "UCX",
-        mems: &[MemType::Dram],
-        defaults: engine::default_params,
+        // As NIXL's UCX plugin reports; VRAM registration needs the `cuda` feature and fails without it.
+        mems: &[MemType::Dram, MemType::Vram],
+        defaults: ucx_defaults,
         create: engine::create,
     },
 ];
