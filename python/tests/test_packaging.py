@@ -29,7 +29,10 @@ def test_alias_packages_map_to_nixl(alias):
         f"print('ok')\n"
     )
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([ALIASES, _impl.PYTHON_DIR] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    if os.environ.get("GIXL_TEST_INSTALLED") != "1":
+        # Testing the checkout: the aliases are not installed, so put them (and python/) on the path.
+        # Testing an installed wheel: check the aliases it installed.
+        env["PYTHONPATH"] = os.pathsep.join([ALIASES, _impl.PYTHON_DIR] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")

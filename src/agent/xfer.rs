@@ -327,7 +327,8 @@ impl Agent {
             return Err(Error::invalid_param(format!("length mismatch: local {a:?}, remote {b:?}")));
         }
         if remote_agent.is_empty() {
-            return Err(Error::invalid_param("remote agent name is empty"));
+            // As in NIXL: "" names no loaded agent (it is not the initiator side here).
+            return Err(Error::not_found("remote agent name is empty"));
         }
         let l = self.prep_xfer_dlist("", local, &opts.backends)?;
         let r = self.prep_xfer_dlist(remote_agent, remote, &opts.backends)?;

@@ -1,0 +1,190 @@
+//! Reading numpy arrays in place, without numpy's C API and without a Python object per element.
+//!
+//! The wheel is abi3 for Python 3.10, where the buffer protocol is not part of the limited API, so arrays
+//! are read through numpy's `__array_interface__` (data pointer, shape, strides, type string). The values
+//! are copied out while the caller holds a reference to the array and is attached to the interpreter, so
+//! the memory cannot be freed underneath the copy. This module does not decide what the numbers mean.
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyTuple, PyType};
+
+static NDARRAY: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// Whether `obj` is a numpy array (numpy is imported on first use; without numpy nothing is an array).
+pub(crate) fn is_ndarray(obj: &Bound<'_, PyAny>) -> bool {
+    match NDARRAY.import(obj.py(), "numpy", "ndarray") {
+        Ok(t) => obj.is_instance(t).unwrap_or(false),
+        Err(_) => false,
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Int,
+    UInt,
+    Float,
+    Bool,
+}
+
+/// A view of an array's memory as numpy describes it.
+pub(crate) struct ArrayView<'py> {
+    /// Keeps the array (and so its memory) alive while the view is used.
+    _owner: Bound<'py, PyAny>,
+    data: usize,
+    pub shape: Vec<usize>,
+    /// Byte strides, always filled in (C order when numpy reports none).
+    pub strides: Vec<isize>,
+    pub kind: Kind,
+    pub itemsize: usize,
+    /// The array's memory is in C order with no gaps.
+    pub c_contiguous: bool,
+}
+
+impl<'py> ArrayView<'py> {
+    pub fn new(arr: &Bound<'py, PyAny>) -> PyResult<ArrayView<'py>> {
+        let py = arr.py();
+        let iface = arr.getattr(pyo3::intern!(py, "__array_interface__"))?;
+        let iface = iface.cast::<PyDict>()?;
+        let get = |k: &str| -> PyResult<Bound<'py, PyAny>> {
+            iface
+                .get_item(k)?
+                .ok_or_else(|| PyTypeError::new_err(format!("__array_interface__ lacks '{k}'")))
+        };
+        let typestr: String = get("typestr")?.extract()?;
+        let shape: Vec<usize> = get("shape")?.extract()?;
+        let data = get("data")?;
+        let data: usize = if data.is_none() {
+            return Err(PyTypeError::new_err("array does not expose a data pointer"));
+        } else {
+            data.cast::<PyTuple>()?.get_item(0)?.extract()?
+        };
+        let (kind, itemsize) = parse_typestr(&typestr)?;
+        let c_strides = c_order_strides(&shape, itemsize);
+        let strides_obj = iface.get_item("strides")?;
+        let (strides, c_contiguous) = match strides_obj {
+            Some(s) if !s.is_none() => {
+                let s: Vec<isize> = s.extract()?;
+                if s.len() != shape.len() {
+                    return Err(PyValueError::new_err(
+                        "__array_interface__ strides do not match its shape",
+                    ));
+                }
+                let contiguous = shape
+                    .iter()
+                    .zip(s.iter().zip(&c_strides))
+                    .all(|(&n, (a, b))| n <= 1 || a == b);
+                (s, contiguous)
+            }
+            _ => (c_strides, true),
+        };
+        Ok(ArrayView {
+            _owner: arr.clone(),
+            data,
+            shape,
+            strides,
+            kind,
+            itemsize,
+            c_contiguous,
+        })
+    }
+
+    /// Element `idx` (one index per dimension, each in bounds) converted to `i128`; floats are truncated
+    /// toward zero like a C cast.
+    pub fn get(&self, idx: &[usize]) -> i128 {
+        debug_assert_eq!(idx.len(), self.shape.len());
+        let off: isize = idx.iter().zip(&self.strides).map(|(&i, &s)| i as isize * s).sum();
+        let p = (self.data as isize + off) as *const u8;
+        // SAFETY: every index is within `shape`, so `p` points at one element inside the array's memory,
+        // which numpy keeps valid while `_owner` holds the array and the caller is attached to the
+        // interpreter. Elements may be unaligned (numpy allows it), hence `read_unaligned`.
+        unsafe {
+            match (self.kind, self.itemsize) {
+                (Kind::Int, 1) => p.cast::<i8>().read_unaligned() as i128,
+                (Kind::Int, 2) => p.cast::<i16>().read_unaligned() as i128,
+                (Kind::Int, 4) => p.cast::<i32>().read_unaligned() as i128,
+                (Kind::Int, 8) => p.cast::<i64>().read_unaligned() as i128,
+                (Kind::UInt, 1) | (Kind::Bool, 1) => p.read_unaligned() as i128,
+                (Kind::UInt, 2) => p.cast::<u16>().read_unaligned() as i128,
+                (Kind::UInt, 4) => p.cast::<u32>().read_unaligned() as i128,
+                (Kind::UInt, 8) => p.cast::<u64>().read_unaligned() as i128,
+                (Kind::Float, 4) => p.cast::<f32>().read_unaligned() as i128,
+                (Kind::Float, 8) => p.cast::<f64>().read_unaligned() as i128,
+                _ => unreachable!("parse_typestr admits no other element type"),
+            }
+        }
+    }
+
+    /// A C-contiguous `N x cols` array of 64-bit integers as rows of `u64` (int64 values are
+    /// reinterpreted, as NIXL does). Errors use NIXL's messages.
+    pub fn rows_u64<const COLS: usize>(&self) -> PyResult<Vec<[u64; COLS]>> {
+        if self.shape.len() != 2 || self.shape[1] != COLS {
+            return Err(PyValueError::new_err(format!("descs must be a Nx{COLS} numpy array")));
+        }
+        if !matches!(self.kind, Kind::Int | Kind::UInt) || self.itemsize != 8 {
+            return Err(PyValueError::new_err(format!(
+                "descs must be a Nx{COLS} numpy array of uint64 or int64"
+            )));
+        }
+        if !self.c_contiguous {
+            return Err(PyValueError::new_err("descs must be a C-contiguous numpy array"));
+        }
+        let n = self.shape[0];
+        let mut out = Vec::with_capacity(n);
+        let base = self.data as *const u8;
+        for r in 0..n {
+            let mut row = [0u64; COLS];
+            for (c, v) in row.iter_mut().enumerate() {
+                // SAFETY: the array is C-contiguous with `n * COLS` 8-byte elements starting at `base`, kept
+                // alive by `_owner`; `(r * COLS + c) < n * COLS`.
+                *v = unsafe { base.add((r * COLS + c) * 8).cast::<u64>().read_unaligned() };
+            }
+            out.push(row);
+        }
+        Ok(out)
+    }
+}
+
+fn parse_typestr(t: &str) -> PyResult<(Kind, usize)> {
+    let b = t.as_bytes();
+    let bad = || PyValueError::new_err(format!("unsupported numpy element type '{t}'"));
+    if b.len() < 3 {
+        return Err(bad());
+    }
+    let native_le = cfg!(target_endian = "little");
+    match b[0] {
+        b'|' | b'=' => {}
+        b'<' if native_le => {}
+        b'>' if !native_le => {}
+        _ => return Err(bad()),
+    }
+    let size: usize = t[2..].parse().map_err(|_| bad())?;
+    let kind = match b[1] {
+        b'i' => Kind::Int,
+        b'u' => Kind::UInt,
+        b'f' => Kind::Float,
+        b'b' => Kind::Bool,
+        _ => return Err(bad()),
+    };
+    let ok = match kind {
+        Kind::Int | Kind::UInt => matches!(size, 1 | 2 | 4 | 8),
+        Kind::Float => matches!(size, 4 | 8),
+        Kind::Bool => size == 1,
+    };
+    if ok {
+        Ok((kind, size))
+    } else {
+        Err(bad())
+    }
+}
+
+fn c_order_strides(shape: &[usize], itemsize: usize) -> Vec<isize> {
+    let mut strides = vec![0isize; shape.len()];
+    let mut acc = itemsize as isize;
+    for i in (0..shape.len()).rev() {
+        strides[i] = acc;
+        acc *= shape[i].max(1) as isize;
+    }
+    strides
+}

@@ -1,0 +1,1 @@
+../../../aliases/nixl_cu12/__init__.py

@@ -1,0 +1,1 @@
+../../../aliases/nixl_cu13/__init__.py
