@@ -626,6 +626,9 @@ impl Drop for Agent {
         for ra in remotes {
             ra.invalidated.store(true, Ordering::Release);
         }
+        for slot in self.inner.backends.read().iter() {
+            slot.be.shutdown();
+        }
     }
 }
 

@@ -157,6 +157,10 @@ pub trait Backend: Send + Sync + 'static {
         Err(Error::backend(format!("backend {} has no notification support", self.name())))
     }
 
+    /// The owning agent is being destroyed: stop serving peers and stop threads. Requests that outlive the
+    /// agent must fail cleanly afterwards (they may still hold the backend).
+    fn shutdown(&self) {}
+
     fn query_mem(&self, _descs: &RegDList) -> Result<Vec<Option<Params>>> {
         Err(Error::not_supported(format!("backend {} cannot query memory", self.name())))
     }
