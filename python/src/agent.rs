@@ -111,6 +111,9 @@ fn indices(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
         if v.shape.len() != 1 {
             return Err(PyValueError::new_err("indices numpy array must be 1D"));
         }
+        if let Some(s) = v.as_i64_slice() {
+            return Ok(s.to_vec());
+        }
         // Values outside i64 cannot be valid indices; saturate so the core reports them as out of range.
         return Ok((0..v.shape[0])
             .map(|i| v.get(&[i]).clamp(i64::MIN as i128, i64::MAX as i128) as i64)

@@ -90,6 +90,21 @@ impl<'py> ArrayView<'py> {
         })
     }
 
+    /// The whole array as `&[i64]`, when it is a C-contiguous, aligned int64 array (the common index case).
+    pub fn as_i64_slice(&self) -> Option<&[i64]> {
+        let n: usize = self.shape.iter().product();
+        let aligned = self.data % std::mem::align_of::<i64>() == 0;
+        if self.kind != Kind::Int || self.itemsize != 8 || !self.c_contiguous || !aligned || (n > 0 && self.data == 0) {
+            return None;
+        }
+        if n == 0 {
+            return Some(&[]);
+        }
+        // SAFETY: numpy describes `n` contiguous, aligned int64 elements at `data`; `_owner` keeps the array
+        // alive for the view's lifetime and the caller is attached to the interpreter.
+        Some(unsafe { std::slice::from_raw_parts(self.data as *const i64, n) })
+    }
+
     /// Element `idx` (one index per dimension, each in bounds) converted to `i128`; floats are truncated
     /// toward zero like a C cast.
     pub fn get(&self, idx: &[usize]) -> i128 {
