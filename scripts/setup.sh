@@ -15,6 +15,7 @@ command -v g++ >/dev/null || apt_missing+=(g++)
 ls /usr/lib/llvm-*/lib/libclang.so* /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1 || apt_missing+=(libclang-dev)
 command -v etcd >/dev/null || apt_missing+=(etcd-server)
 command -v ip >/dev/null || apt_missing+=(iproute2)
+command -v valgrind >/dev/null || apt_missing+=(valgrind)
 if ((${#apt_missing[@]})); then
     echo "setup: apt-get install ${apt_missing[*]}"
     export DEBIAN_FRONTEND=noninteractive

@@ -5,7 +5,8 @@
 # Steps: Rust unit + multi-process tests (cargo test, incl. the header-drift check); the header alone as C11
 # and C++17; the C library's exports; the C test suite under ASan/UBSan against gixl and against NVIDIA's
 # NIXL 1.5.1 (the oracle); the nixl-sys (stub-api) Rust consumer against gixl; the Python conformance suite
-# against gixl and against NIXL; the typed stubs (mypy.stubtest); and the two-process demo.
+# against gixl and against NIXL (including the fault matrix and hostile-input tests); the typed stubs
+# (mypy.stubtest); the two-process demo; the C tests under valgrind; and a short soak.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -62,6 +63,8 @@ py_gixl() { GIXL_TEST_INSTALLED=1 .venv/gixl/bin/python -m pytest -q python/test
 py_nixl() { .venv/nixl/bin/python -m pytest -q python/tests --impl nixl_cu12 -p no:cacheprovider; }
 stubs() { PATH="$root/.venv/gixl/bin:$PATH" python/scripts/stubtest.sh; }
 demo() { timeout 300 .venv/gixl/bin/python examples/kv_demo.py; }
+valgrind_c() { scripts/valgrind.sh; }
+soak_quick() { GIXL_TEST_INSTALLED=1 timeout 300 .venv/gixl/bin/python python/tests/soak.py --quick; }
 
 step "cargo test" rust_tests
 step "header compiles alone (C11, C++17)" header
@@ -72,6 +75,8 @@ step "Python conformance vs gixl" py_gixl
 step "Python conformance vs NIXL 1.5.1" py_nixl
 step "type stubs (mypy.stubtest)" stubs
 step "two-process demo" demo
+step "C tests under valgrind (memcheck)" valgrind_c
+step "soak: 1000 cycles, 20 peer restarts, RSS and fds flat" soak_quick
 
 echo
 for f in "${failures[@]}"; do echo "failed step: $f"; done
