@@ -221,8 +221,9 @@ nixl_capi_status_t nixl_capi_load_remote_md(nixl_capi_agent_t agent,
 
 nixl_capi_status_t nixl_capi_invalidate_remote_md(nixl_capi_agent_t agent, const char *remote_agent);
 
-// Not available in this build: INVALID_PARAM without an `ip_addr` (no metadata store either, as NIXL),
-// ERROR_BACKEND (NOT_SUPPORTED) with one.
+// Asks the listener at the options' `ip_addr:port` to invalidate this agent, or (no `ip_addr`) deletes this
+// agent's keys from etcd (`NIXL_ETCD_ENDPOINTS`). Returns at once; the I/O runs in the background and its
+// failures are logged, as NIXL does. INVALID_PARAM without an address when no store is configured.
 nixl_capi_status_t nixl_capi_invalidate_local_md(nixl_capi_agent_t agent, nixl_capi_opt_args_t opt_args);
 
 // SUCCESS if `remote_name` is loaded and (when `descs` is given and not empty) one backend covers every
@@ -231,15 +232,18 @@ nixl_capi_status_t nixl_capi_check_remote_md(nixl_capi_agent_t agent,
                                              const char *remote_name,
                                              nixl_capi_xfer_dlist_t descs);
 
-// See `nixl_capi_invalidate_local_md`.
+// Publishes this agent's full metadata to the listener at `ip_addr:port`, or to etcd. See
+// `nixl_capi_invalidate_local_md` for the routing and error rules.
 nixl_capi_status_t nixl_capi_send_local_md(nixl_capi_agent_t agent, nixl_capi_opt_args_t opt_args);
 
-// See `nixl_capi_invalidate_local_md`.
+// Publishes metadata for `descs` (no connection info: the C options carry neither that flag nor a label,
+// as in NIXL). Through etcd, a label is required, so this is INVALID_PARAM there.
 nixl_capi_status_t nixl_capi_send_local_partial_md(nixl_capi_agent_t agent,
                                                    nixl_capi_reg_dlist_t descs,
                                                    nixl_capi_opt_args_t opt_args);
 
-// See `nixl_capi_invalidate_local_md`.
+// Asks the listener at `ip_addr:port` for its agent's metadata, or reads `remote_name`'s from etcd, and
+// loads it in the background; poll with `nixl_capi_check_remote_md`.
 nixl_capi_status_t nixl_capi_fetch_remote_md(nixl_capi_agent_t agent,
                                              const char *remote_name,
                                              nixl_capi_opt_args_t opt_args);

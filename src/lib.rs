@@ -7,16 +7,21 @@
 //! is refused with `NIXL_ERR_NOT_FOUND`; a peer found dead gives `NIXL_ERR_REMOTE_DISCONNECT`; and nothing
 //! is freed while a handle can still reach it.
 //!
-//! What it is not (yet): it does not load NIXL's C++ plugins, and this build moves data within one host
-//! only (same process: memcpy; other process: cross-memory attach). Cross-host TCP, listener/etcd metadata
-//! exchange, RDMA and CUDA memory are planned.
+//! Data moves by `memcpy` within a process, by cross-memory attach between processes on one host, and over
+//! TCP between hosts (see `backend::engine`). Metadata can be exchanged in-band, through a peer's listener,
+//! or through etcd (`Agent::send_local_md` and friends).
+//!
+//! What it is not (yet): it does not load NIXL's C++ plugins, and has no RDMA or CUDA memory.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod agent;
 pub mod backend;
 pub mod capi;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod md;
+pub(crate) mod mdx;
 pub mod mem;
 pub mod status;
 pub(crate) mod util;

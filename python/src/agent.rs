@@ -638,15 +638,18 @@ impl Agent {
         status_of(py.detach(|| self.agent.check_remote_md(remote_agent, &l)))
     }
 
+    /// Publish this agent's metadata to the listener at `ip_addr:port`, or to etcd with no address. Returns
+    /// at once; the I/O runs in the background and its failures are logged, as NIXL does.
     #[pyo3(signature = (ip_addr = "", port = 0))]
-    fn sendLocalMD(&self, ip_addr: &str, port: u16) -> PyResult<()> {
-        let _ = port;
-        Err(crate::errors::to_py(self.agent.md_exchange_unavailable(Some(ip_addr))))
+    fn sendLocalMD(&self, py: Python<'_>, ip_addr: &str, port: u16) -> PyResult<()> {
+        py.detach(|| self.agent.send_local_md(ip_addr, port)).py_err()
     }
 
     #[pyo3(signature = (descs, inc_conn_info = false, backends = Vec::new(), ip_addr = "", port = 0, label = ""))]
+    #[allow(clippy::too_many_arguments)]
     fn sendLocalPartialMD(
         &self,
+        py: Python<'_>,
         descs: &Bound<'_, RegDList>,
         inc_conn_info: bool,
         backends: Vec<u64>,
@@ -654,21 +657,21 @@ impl Agent {
         port: u16,
         label: &str,
     ) -> PyResult<()> {
-        let _ = (descs, inc_conn_info, port, label);
-        self.hints(&backends)?;
-        Err(crate::errors::to_py(self.agent.md_exchange_unavailable(Some(ip_addr))))
+        let hints = self.hints(&backends)?;
+        let l = descs.get().snapshot();
+        py.detach(|| self.agent.send_local_partial_md(&l, inc_conn_info, &hints, ip_addr, port, label)).py_err()
     }
 
+    /// Ask the listener at `ip_addr:port` (or etcd) for `remote_agent`'s metadata and load it in the
+    /// background; poll with checkRemoteMD.
     #[pyo3(signature = (remote_agent, ip_addr = "", port = 0, label = ""))]
-    fn fetchRemoteMD(&self, remote_agent: &str, ip_addr: &str, port: u16, label: &str) -> PyResult<()> {
-        let _ = (remote_agent, port, label);
-        Err(crate::errors::to_py(self.agent.md_exchange_unavailable(Some(ip_addr))))
+    fn fetchRemoteMD(&self, py: Python<'_>, remote_agent: &str, ip_addr: &str, port: u16, label: &str) -> PyResult<()> {
+        py.detach(|| self.agent.fetch_remote_md(remote_agent, ip_addr, port, label)).py_err()
     }
 
     #[pyo3(signature = (ip_addr = "", port = 0))]
-    fn invalidateLocalMD(&self, ip_addr: &str, port: u16) -> PyResult<()> {
-        let _ = port;
-        Err(crate::errors::to_py(self.agent.md_exchange_unavailable(Some(ip_addr))))
+    fn invalidateLocalMD(&self, py: Python<'_>, ip_addr: &str, port: u16) -> PyResult<()> {
+        py.detach(|| self.agent.invalidate_local_md(ip_addr, port)).py_err()
     }
 
     // ----- GPU device API (not in this build) -----

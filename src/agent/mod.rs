@@ -3,7 +3,7 @@
 //! Transfers (prepped descriptor lists and requests, with the generation gate) live in `xfer`.
 //! The agent keeps all bookkeeping itself and is safe to call from any thread whatever `sync_mode` says:
 //! tables are behind `parking_lot` locks, and the transfer fast path takes none of them.
-//! It does not open sockets or spawn threads; backends do.
+//! It does not open sockets or spawn threads itself; backends and the metadata exchange (`crate::mdx`) do.
 
 #[cfg(test)]
 mod harness;
@@ -12,12 +12,13 @@ mod xfer;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use parking_lot::RwLock;
 
 use crate::backend::{self, Backend, BackendInit, Caps, Params, Peer, RegionKey, Target};
 use crate::md::{AgentMd, SectionMd};
+use crate::mdx::{Host, Mdx};
 use crate::mem::{Desc, MemType, RegDList, XferDList};
 use crate::status::{Error, Result};
 use section::Section;
@@ -120,6 +121,9 @@ impl RemoteAgent {
 
 pub struct Agent {
     pub(crate) inner: Arc<Inner>,
+    /// The metadata exchange threads. None in the views those threads use to call back into the agent,
+    /// which is also how `Drop` tells a view from the agent itself.
+    mdx: Option<Arc<Mdx>>,
 }
 
 pub(crate) struct Inner {
@@ -131,6 +135,7 @@ pub(crate) struct Inner {
     pub backends: RwLock<Vec<Arc<BackendSlot>>>,
     pub regs: RwLock<HashMap<(BackendId, MemType), Section<LocalEntry>>>,
     pub remotes: RwLock<HashMap<String, Arc<RemoteAgent>>>,
+    pub closing: AtomicBool,
 }
 
 impl Agent {
@@ -146,18 +151,21 @@ impl Agent {
             Some(on) => on,
             None => cfg.capture_telemetry,
         };
-        Ok(Agent {
-            inner: Arc::new(Inner {
-                name: name.to_owned(),
-                incarnation: crate::util::random_u128(),
-                secret: crate::util::random_u128(),
-                cfg,
-                telemetry,
-                backends: RwLock::new(Vec::new()),
-                regs: RwLock::new(HashMap::new()),
-                remotes: RwLock::new(HashMap::new()),
-            }),
-        })
+        let listen = cfg.listen_thread.then_some(cfg.listen_port);
+        let inner = Arc::new(Inner {
+            name: name.to_owned(),
+            incarnation: crate::util::random_u128(),
+            secret: crate::util::random_u128(),
+            cfg,
+            telemetry,
+            backends: RwLock::new(Vec::new()),
+            regs: RwLock::new(HashMap::new()),
+            remotes: RwLock::new(HashMap::new()),
+            closing: AtomicBool::new(false),
+        });
+        let host = Arc::new(AgentHost { inner: Arc::downgrade(&inner), name: name.to_owned() });
+        let mdx = Mdx::new(host, listen)?;
+        Ok(Agent { inner, mdx: Some(Arc::new(mdx)) })
     }
 
     pub fn name(&self) -> &str {
@@ -605,22 +613,77 @@ impl Agent {
     }
 
     // ----- metadata exchange through a listener or etcd -----
+    //
+    // Each of these checks its arguments and builds the metadata now, returns, and leaves the I/O to a
+    // background thread, which logs failures (NIXL's contract). `ip` empty means the metadata store (etcd);
+    // otherwise the peer's listener at `ip:port`. An `ip` that is not an address is logged and ignored, as
+    // NIXL does.
 
-    /// `send_local_md` / `fetch_remote_md` / `invalidate_local_md` through a peer's listener or etcd are not
-    /// in this build yet: with an address they answer NOT_SUPPORTED; without one INVALID_PARAM, as NIXL does
-    /// when no metadata store is configured.
-    pub fn md_exchange_unavailable(&self, ip: Option<&str>) -> Error {
-        match ip {
-            Some(ip) if !ip.is_empty() => Error::not_supported(format!(
-                "metadata exchange through a listener ({ip}) is not available in this gixl build; pass metadata in-band"
-            )),
-            _ => Error::invalid_param("no peer address given and no metadata store (NIXL_ETCD_ENDPOINTS) configured"),
+    /// The port this agent's metadata listener is bound to (`listen_port` 0 picks a free one), if it has one.
+    pub fn listen_port(&self) -> Option<u16> {
+        self.mdx.as_ref().and_then(|m| m.listen_port())
+    }
+
+    fn exchange(&self) -> Result<&Mdx> {
+        self.mdx.as_deref().ok_or_else(|| Error::invalid_param("metadata exchange is not available on this agent view"))
+    }
+
+    /// Publish this agent's full metadata to the listener at `ip:port`, or to etcd under `metadata`.
+    pub fn send_local_md(&self, ip: &str, port: u16) -> Result<()> {
+        let m = self.exchange()?;
+        let Some(route) = m.route(ip, port)? else { return Ok(()) };
+        m.send(route, "", self.local_md()?)
+    }
+
+    /// Publish metadata for some registered descriptors (see `local_partial_md`). Through etcd a `label` is
+    /// required; a peer ignores it.
+    pub fn send_local_partial_md(
+        &self,
+        descs: &RegDList,
+        include_conn: bool,
+        hints: &[BackendId],
+        ip: &str,
+        port: u16,
+        label: &str,
+    ) -> Result<()> {
+        let m = self.exchange()?;
+        let Some(route) = m.route(ip, port)? else { return Ok(()) };
+        if matches!(route, crate::mdx::Route::Store) && label.is_empty() {
+            return Err(Error::invalid_param("metadata label is required for etcd send of local partial metadata"));
         }
+        m.send(route, label, self.local_partial_md(descs, include_conn, hints)?)
+    }
+
+    /// Ask the listener at `ip:port` for its agent's metadata, or read `remote`'s from etcd (under `label`,
+    /// default `metadata`), and load it when it arrives; poll with `check_remote_md`. Through etcd the peer
+    /// is then watched and invalidated when its keys are deleted.
+    pub fn fetch_remote_md(&self, remote: &str, ip: &str, port: u16, label: &str) -> Result<()> {
+        if remote.is_empty() {
+            return Err(Error::invalid_param("remote agent name is empty"));
+        }
+        if remote == self.inner.name {
+            return Err(Error::invalid_param("cannot fetch this agent's own metadata"));
+        }
+        let m = self.exchange()?;
+        let Some(route) = m.route(ip, port)? else { return Ok(()) };
+        m.fetch(route, remote, label)
+    }
+
+    /// Tell the listener at `ip:port` to invalidate this agent, or delete this agent's keys from etcd (its
+    /// watchers then invalidate it).
+    pub fn invalidate_local_md(&self, ip: &str, port: u16) -> Result<()> {
+        let m = self.exchange()?;
+        let Some(route) = m.route(ip, port)? else { return Ok(()) };
+        m.invalidate_local(route)
     }
 }
 
 impl Drop for Agent {
     fn drop(&mut self) {
+        let Some(mdx) = self.mdx.take() else { return };
+        self.inner.closing.store(true, Ordering::Release);
+        // Frames and etcd requests already accepted get a bounded chance to go out.
+        mdx.shutdown();
         // Retire every loaded peer so handles that outlive the agent are refused, not used.
         let remotes: Vec<_> = self.inner.remotes.write().drain().map(|(_, ra)| ra).collect();
         for ra in remotes {
@@ -628,6 +691,44 @@ impl Drop for Agent {
         }
         for slot in self.inner.backends.read().iter() {
             slot.be.shutdown();
+        }
+    }
+}
+
+/// The agent as the metadata exchange threads see it: a weak reference, so they never keep it alive.
+struct AgentHost {
+    inner: Weak<Inner>,
+    name: String,
+}
+
+impl AgentHost {
+    fn with<R>(&self, f: impl FnOnce(&Agent) -> Result<R>) -> Result<R> {
+        let inner = self.inner.upgrade().filter(|i| !i.closing.load(Ordering::Acquire));
+        let inner = inner.ok_or_else(|| Error::invalid_param(format!("agent '{}' is being destroyed", self.name)))?;
+        f(&Agent { inner, mdx: None })
+    }
+}
+
+impl Host for AgentHost {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+    fn load(&self, blob: &[u8]) -> Result<String> {
+        self.with(|a| a.load_remote_md(blob))
+    }
+    fn invalidate(&self, name: &str) -> Result<()> {
+        self.with(|a| a.invalidate_remote_md(name))
+    }
+    fn full_md(&self) -> Result<Vec<u8>> {
+        self.with(|a| a.local_md())
+    }
+    fn loaded_incarnation(&self, name: &str) -> Option<u128> {
+        self.with(|a| a.remote_incarnation(name)).ok()
+    }
+    fn closing(&self) -> bool {
+        match self.inner.upgrade() {
+            Some(i) => i.closing.load(Ordering::Acquire),
+            None => true,
         }
     }
 }

@@ -167,8 +167,9 @@ pub extern "C" fn nixl_capi_invalidate_remote_md(agent: nixl_capi_agent_t, remot
     }
 }
 
-/// Not available in this build: INVALID_PARAM without an `ip_addr` (no metadata store either, as NIXL),
-/// ERROR_BACKEND (NOT_SUPPORTED) with one.
+/// Asks the listener at the options' `ip_addr:port` to invalidate this agent, or (no `ip_addr`) deletes this
+/// agent's keys from etcd (`NIXL_ETCD_ENDPOINTS`). Returns at once; the I/O runs in the background and its
+/// failures are logged, as NIXL does. INVALID_PARAM without an address when no store is configured.
 #[no_mangle]
 pub extern "C" fn nixl_capi_invalidate_local_md(
     agent: nixl_capi_agent_t,
@@ -176,7 +177,9 @@ pub extern "C" fn nixl_capi_invalidate_local_md(
 ) -> CapiStatus {
     ffi! {
         let a = AGENTS.get(agent, "agent")?;
-        md_exchange(&a, opt_args)
+        let (ip, port) = opt_args::md_peer(opt_args)?;
+        a.agent.invalidate_local_md(&ip, port)?;
+        OK
     }
 }
 
@@ -206,16 +209,20 @@ pub extern "C" fn nixl_capi_check_remote_md(
     }
 }
 
-/// See `nixl_capi_invalidate_local_md`.
+/// Publishes this agent's full metadata to the listener at `ip_addr:port`, or to etcd. See
+/// `nixl_capi_invalidate_local_md` for the routing and error rules.
 #[no_mangle]
 pub extern "C" fn nixl_capi_send_local_md(agent: nixl_capi_agent_t, opt_args: nixl_capi_opt_args_t) -> CapiStatus {
     ffi! {
         let a = AGENTS.get(agent, "agent")?;
-        md_exchange(&a, opt_args)
+        let (ip, port) = opt_args::md_peer(opt_args)?;
+        a.agent.send_local_md(&ip, port)?;
+        OK
     }
 }
 
-/// See `nixl_capi_invalidate_local_md`.
+/// Publishes metadata for `descs` (no connection info: the C options carry neither that flag nor a label,
+/// as in NIXL). Through etcd, a label is required, so this is INVALID_PARAM there.
 #[no_mangle]
 pub extern "C" fn nixl_capi_send_local_partial_md(
     agent: nixl_capi_agent_t,
@@ -224,12 +231,16 @@ pub extern "C" fn nixl_capi_send_local_partial_md(
 ) -> CapiStatus {
     ffi! {
         let a = AGENTS.get(agent, "agent")?;
-        REG_DLISTS.get(descs, "descs")?;
-        md_exchange(&a, opt_args)
+        let d = REG_DLISTS.get(descs, "descs")?;
+        let hints = opt_args::hints(opt_args, &a)?;
+        let (ip, port) = opt_args::md_peer(opt_args)?;
+        a.agent.send_local_partial_md(reg_dlist::for_agent(&d.read())?, false, &hints, &ip, port, "")?;
+        OK
     }
 }
 
-/// See `nixl_capi_invalidate_local_md`.
+/// Asks the listener at `ip_addr:port` for its agent's metadata, or reads `remote_name`'s from etcd, and
+/// loads it in the background; poll with `nixl_capi_check_remote_md`.
 #[no_mangle]
 pub extern "C" fn nixl_capi_fetch_remote_md(
     agent: nixl_capi_agent_t,
@@ -238,14 +249,11 @@ pub extern "C" fn nixl_capi_fetch_remote_md(
 ) -> CapiStatus {
     ffi! {
         let a = AGENTS.get(agent, "agent")?;
-        str_arg(remote_name, "remote_name")?;
-        md_exchange(&a, opt_args)
+        let name = str_arg(remote_name, "remote_name")?;
+        let (ip, port) = opt_args::md_peer(opt_args)?;
+        a.agent.fetch_remote_md(name, &ip, port, "")?;
+        OK
     }
-}
-
-fn md_exchange(a: &AgentObj, opt_args: nixl_capi_opt_args_t) -> Result<nixl_capi_status_t, Fail> {
-    let ip = opt_args::ip_addr(opt_args)?;
-    Err(a.agent.md_exchange_unavailable(ip.as_deref()).into())
 }
 
 /// The backend plugins built into this library. ERROR_BACKEND for any failure, as NIXL.
@@ -534,13 +542,17 @@ pub(crate) mod tests {
         assert_eq!(nixl_capi_invalidate_remote_md(b, c"capi-md-A".as_ptr()), NIXL_CAPI_ERROR_NOT_FOUND);
         assert_eq!(gixl_remote_incarnation(b, c"capi-md-A".as_ptr(), inc.as_mut_ptr()), NIXL_CAPI_ERROR_NOT_FOUND);
 
-        // Metadata exchange through a listener or etcd is not in this build.
-        assert_eq!(nixl_capi_send_local_md(a, std::ptr::null_mut()), NIXL_CAPI_ERROR_INVALID_PARAM);
+        // Metadata exchange without an address needs a store (none configured here): INVALID_PARAM, as
+        // NIXL. With an address the call succeeds at once; a peer that is not there is only logged.
+        if std::env::var_os("NIXL_ETCD_ENDPOINTS").is_none() {
+            assert_eq!(nixl_capi_send_local_md(a, std::ptr::null_mut()), NIXL_CAPI_ERROR_INVALID_PARAM);
+            assert_eq!(gixl_last_nixl_status(), Status::InvalidParam as i32);
+        }
         let mut o = std::ptr::null_mut();
         assert_eq!(opt_args::nixl_capi_create_opt_args(&mut o), NIXL_CAPI_SUCCESS);
         assert_eq!(opt_args::nixl_capi_opt_args_set_ip_addr(o, c"127.0.0.1".as_ptr()), NIXL_CAPI_SUCCESS);
-        assert_eq!(nixl_capi_fetch_remote_md(a, c"capi-md-B".as_ptr(), o), NIXL_CAPI_ERROR_BACKEND);
-        assert_eq!(gixl_last_nixl_status(), Status::NotSupported as i32);
+        assert_eq!(opt_args::nixl_capi_opt_args_set_port(o, 1), NIXL_CAPI_SUCCESS);
+        assert_eq!(nixl_capi_fetch_remote_md(a, c"capi-md-B".as_ptr(), o), NIXL_CAPI_SUCCESS);
         assert_eq!(opt_args::nixl_capi_destroy_opt_args(o), NIXL_CAPI_SUCCESS);
 
         for h in [ba, bb] {
@@ -548,6 +560,55 @@ pub(crate) mod tests {
         }
         assert_eq!(nixl_capi_destroy_agent(a), NIXL_CAPI_SUCCESS);
         assert_eq!(nixl_capi_destroy_agent(b), NIXL_CAPI_SUCCESS);
+    }
+
+    #[test]
+    fn metadata_exchange_through_a_listener() {
+        let cfg = nixl_capi_agent_config_t {
+            enable_prog_thread: true,
+            enable_listen_thread: true,
+            listen_port: 0,
+            thread_sync: 0,
+            num_workers: 0,
+            pthr_delay_us: 0,
+            lthr_delay_us: 100_000,
+            capture_telemetry: false,
+        };
+        let mut t = std::ptr::null_mut();
+        assert_eq!(nixl_capi_create_configured_agent(c"capi-listen-T".as_ptr(), &cfg, &mut t), NIXL_CAPI_SUCCESS);
+        let (mut m, mut p, mut tb) = (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
+        assert_eq!(nixl_capi_get_plugin_params(t, c"UCX".as_ptr(), &mut m, &mut p), NIXL_CAPI_SUCCESS);
+        assert_eq!(backend::nixl_capi_create_backend(t, c"UCX".as_ptr(), p, &mut tb), NIXL_CAPI_SUCCESS);
+        let buf = vec![0u8; 4096];
+        assert_eq!(reg(t, &buf), NIXL_CAPI_SUCCESS);
+        let port = AGENTS.get(t, "agent").unwrap().agent.listen_port().unwrap();
+        let (i, ib) = ucx_agent(c"capi-listen-I");
+        let mut o = std::ptr::null_mut();
+        assert_eq!(opt_args::nixl_capi_create_opt_args(&mut o), NIXL_CAPI_SUCCESS);
+        assert_eq!(opt_args::nixl_capi_opt_args_set_ip_addr(o, c"127.0.0.1".as_ptr()), NIXL_CAPI_SUCCESS);
+        assert_eq!(opt_args::nixl_capi_opt_args_set_port(o, port), NIXL_CAPI_SUCCESS);
+        // The initiator has no listener; the answer to its fetch comes back on the same connection.
+        assert_eq!(nixl_capi_fetch_remote_md(i, c"capi-listen-T".as_ptr(), o), NIXL_CAPI_SUCCESS);
+        assert_eq!(nixl_capi_send_local_md(i, o), NIXL_CAPI_SUCCESS);
+        let t0 = std::time::Instant::now();
+        while nixl_capi_check_remote_md(i, c"capi-listen-T".as_ptr(), std::ptr::null_mut()) != NIXL_CAPI_SUCCESS
+            || nixl_capi_check_remote_md(t, c"capi-listen-I".as_ptr(), std::ptr::null_mut()) != NIXL_CAPI_SUCCESS
+        {
+            assert!(t0.elapsed() < std::time::Duration::from_secs(10), "metadata did not arrive");
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        assert_eq!(nixl_capi_invalidate_local_md(i, o), NIXL_CAPI_SUCCESS);
+        while nixl_capi_check_remote_md(t, c"capi-listen-I".as_ptr(), std::ptr::null_mut()) == NIXL_CAPI_SUCCESS {
+            assert!(t0.elapsed() < std::time::Duration::from_secs(10), "invalidation did not arrive");
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        assert_eq!(opt_args::nixl_capi_destroy_opt_args(o), NIXL_CAPI_SUCCESS);
+        assert_eq!(mem_list::nixl_capi_destroy_mem_list(m), NIXL_CAPI_SUCCESS);
+        assert_eq!(params::nixl_capi_destroy_params(p), NIXL_CAPI_SUCCESS);
+        for (a, b) in [(t, tb), (i, ib)] {
+            assert_eq!(backend::nixl_capi_destroy_backend(b), NIXL_CAPI_SUCCESS);
+            assert_eq!(nixl_capi_destroy_agent(a), NIXL_CAPI_SUCCESS);
+        }
     }
 
     #[test]

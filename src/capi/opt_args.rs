@@ -23,7 +23,7 @@ pub struct nixl_capi_opt_args_s {
 }
 pub type nixl_capi_opt_args_t = *mut nixl_capi_opt_args_s;
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub(crate) struct OptArgs {
     /// In the order added; duplicates kept, as NIXL (query_mem counts them).
     pub backends: Vec<BackendObj>,
@@ -33,6 +33,21 @@ pub(crate) struct OptArgs {
     pub ip_addr: String,
     pub port: u16,
     pub custom_param: Vec<u8>,
+}
+
+impl Default for OptArgs {
+    fn default() -> Self {
+        OptArgs {
+            backends: Vec::new(),
+            notif_msg: Vec::new(),
+            has_notif: false,
+            skip_desc_merge: false,
+            ip_addr: String::new(),
+            // NIXL's `nixl_opt_args_t::port` defaults to the listener's default port.
+            port: crate::DEFAULT_COMM_PORT,
+            custom_param: Vec::new(),
+        }
+    }
 }
 
 pub(crate) struct OptArgsObj(RwLock<OptArgs>);
@@ -64,9 +79,9 @@ pub(crate) fn hints(opt: nixl_capi_opt_args_t, a: &AgentObj) -> Result<Vec<Backe
     with(opt, |o| o.map_or(Ok(Vec::new()), |o| o.hints(a)))
 }
 
-/// The P2P peer address, if set and not empty.
-pub(crate) fn ip_addr(opt: nixl_capi_opt_args_t) -> Result<Option<String>, Fail> {
-    with(opt, |o| Ok(o.map(|o| o.ip_addr.clone()).filter(|ip| !ip.is_empty())))
+/// The metadata peer: (`ip_addr`, `port`); ("", 8888) for NULL options, where "" means the metadata store.
+pub(crate) fn md_peer(opt: nixl_capi_opt_args_t) -> Result<(String, u16), Fail> {
+    with(opt, |o| Ok(o.map_or((String::new(), crate::DEFAULT_COMM_PORT), |o| (o.ip_addr.clone(), o.port))))
 }
 
 /// Options for making a request.
@@ -282,9 +297,11 @@ mod tests {
         assert_eq!(take(d, n), [0, 1, 255]);
         assert_eq!(nixl_capi_opt_args_set_ip_addr(o, std::ptr::null()), NIXL_CAPI_ERROR_INVALID_PARAM);
         assert_eq!(nixl_capi_opt_args_set_ip_addr(o, c"10.0.0.1".as_ptr()), NIXL_CAPI_SUCCESS);
-        assert_eq!(ip_addr(o).unwrap().as_deref(), Some("10.0.0.1"));
+        assert_eq!(md_peer(o).unwrap(), ("10.0.0.1".to_string(), crate::DEFAULT_COMM_PORT));
+        assert_eq!(nixl_capi_opt_args_set_port(o, 1234), NIXL_CAPI_SUCCESS);
         assert_eq!(nixl_capi_opt_args_set_ip_addr(o, c"".as_ptr()), NIXL_CAPI_SUCCESS);
-        assert_eq!(ip_addr(o).unwrap(), None);
+        assert_eq!(md_peer(o).unwrap(), (String::new(), 1234));
+        assert_eq!(md_peer(std::ptr::null_mut()).unwrap(), (String::new(), crate::DEFAULT_COMM_PORT));
         let mut flag = true;
         assert_eq!(nixl_capi_opt_args_get_skip_desc_merge(o, &mut flag), NIXL_CAPI_SUCCESS);
         assert!(!flag);

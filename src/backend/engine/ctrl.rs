@@ -1,8 +1,10 @@
-//! The engine's control plane on one host: an abstract Unix socket that receives notifications, pidfds that
-//! tell when a peer process exits, and the one progress thread that waits on both with epoll.
+//! The engine's control plane: an abstract Unix socket that receives notifications from peers on this host,
+//! pidfds that tell when a peer process exits, the TCP listener and control connections (see `tcp`), and
+//! the one progress thread that waits on all of them with epoll.
 //!
-//! The thread sleeps in `epoll_wait` with no timeout, so an idle agent uses no CPU. It never touches
-//! registered memory; it only queues notifications and flips peers' `dead` flags.
+//! The thread sleeps in `epoll_wait` with no timeout unless a TCP peer has requests in flight (heartbeats)
+//! or a TCP connection has not authenticated yet, so an idle agent uses no CPU. It never touches registered
+//! memory; it only queues notifications, answers heartbeats and flips peers' `dead` flags.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -16,6 +18,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
+use super::tcp::{self, TcpProgress, TcpSetup, TcpShared};
 use crate::status::{Error, Result, Status};
 
 /// Largest notification accepted (a frame's body); NIXL users send msgpack'd block lists of a few MiB.
@@ -34,6 +37,7 @@ pub type NotifQueue = Mutex<Vec<(String, Vec<u8>)>>;
 
 pub struct Ctrl {
     pub sock_name: Vec<u8>,
+    pub tcp: Arc<TcpShared>,
     epfd: Arc<OwnedFd>,
     wake: Arc<OwnedFd>,
     stop: Arc<AtomicBool>,
@@ -44,7 +48,7 @@ pub struct Ctrl {
 
 impl Ctrl {
     /// Bind the notification socket `\0gixl.<pid>.<incarnation>` and start the progress thread.
-    pub fn start(incarnation: u128, queue: Arc<NotifQueue>) -> Result<Ctrl> {
+    pub fn start(incarnation: u128, queue: Arc<NotifQueue>, setup: TcpSetup) -> Result<Ctrl> {
         let sock_name = format!("gixl.{}.{incarnation:032x}", std::process::id()).into_bytes();
         let addr = SocketAddr::from_abstract_name(&sock_name).map_err(|e| Error::os(Status::Backend, "notification socket name", e))?;
         let listener = UnixListener::bind_addr(&addr).map_err(|e| Error::os(Status::Backend, "binding the notification socket", e))?;
@@ -65,6 +69,8 @@ impl Ctrl {
         let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(wake) });
         epoll_add(epfd.as_raw_fd(), wake.as_raw_fd(), TOKEN_WAKE)?;
         epoll_add(epfd.as_raw_fd(), listener.as_raw_fd(), TOKEN_LISTEN)?;
+        let tcp = TcpProgress::new(setup, incarnation, queue.clone(), epfd.clone(), wake.clone())?;
+        let tcp_shared = tcp.shared.clone();
 
         let stop = Arc::new(AtomicBool::new(false));
         let watches: Arc<Mutex<HashMap<u64, Arc<AtomicBool>>>> = Arc::default();
@@ -78,12 +84,22 @@ impl Ctrl {
             conns: HashMap::new(),
             next_conn: 0,
             watches: watches.clone(),
+            tcp,
         };
         let thread = std::thread::Builder::new()
             .name("gixl-progress".into())
             .spawn(move || progress.run())
             .map_err(|e| Error::os(Status::Backend, "spawning the progress thread", e))?;
-        Ok(Ctrl { sock_name, epfd, wake, stop, watches, next_watch: AtomicU64::new(0), thread: Mutex::new(Some(thread)) })
+        Ok(Ctrl {
+            sock_name,
+            tcp: tcp_shared,
+            epfd,
+            wake,
+            stop,
+            watches,
+            next_watch: AtomicU64::new(0),
+            thread: Mutex::new(Some(thread)),
+        })
     }
 
     /// Watch a peer's pidfd; `dead` is set when the process exits. Returns a token for `unwatch`.
@@ -106,6 +122,7 @@ impl Ctrl {
 
     /// Stop the progress thread and close the socket. Idempotent.
     pub fn shutdown(&self) {
+        self.tcp.close();
         self.stop.store(true, Ordering::Release);
         let one: u64 = 1;
         // SAFETY: writing 8 bytes to our eventfd.
@@ -183,14 +200,17 @@ struct Progress {
     conns: HashMap<u64, Conn>,
     next_conn: u64,
     watches: Arc<Mutex<HashMap<u64, Arc<AtomicBool>>>>,
+    tcp: TcpProgress,
 }
 
 impl Progress {
     fn run(&mut self) {
         let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
         while !self.stop.load(Ordering::Acquire) {
+            // -1 (sleep until an event) unless heartbeats or handshake deadlines are pending.
+            let timeout = self.tcp.tick();
             // SAFETY: `events` has room for 64 entries.
-            let n = unsafe { libc::epoll_wait(self.epfd.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, -1) };
+            let n = unsafe { libc::epoll_wait(self.epfd.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, timeout) };
             if n < 0 {
                 if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
                     continue;
@@ -206,6 +226,8 @@ impl Progress {
                         unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
                     }
                     TOKEN_LISTEN => self.accept(),
+                    tcp::TOKEN_LISTEN => self.tcp.on_event(token),
+                    t if t >= tcp::TOKEN_IN => self.tcp.on_event(t),
                     t if t >= TOKEN_PIDFD => {
                         if let Some(dead) = self.watches.lock().get(&t) {
                             dead.store(true, Ordering::Release);
@@ -297,6 +319,23 @@ fn parse_frames(c: &mut Conn, incarnation: u128, queue: &NotifQueue) -> bool {
     ok
 }
 
+/// For `crate::fuzzing` only: run `parse_frames` over `data` as one read and, again, split in two reads at
+/// `split`; returns the notifications queued by the first run.
+pub(crate) fn fuzz_parse_frames(data: &[u8], split: usize, incarnation: u128) -> usize {
+    let queue = NotifQueue::default();
+    let (stream, _other) = UnixStream::pair().expect("socketpair");
+    let mut c = Conn { stream, buf: data.to_vec(), sender: None };
+    parse_frames(&mut c, incarnation, &queue);
+    let n = queue.lock().len();
+    let (stream, _other) = UnixStream::pair().expect("socketpair");
+    let mut c = Conn { stream, buf: data[..split.min(data.len())].to_vec(), sender: None };
+    if parse_frames(&mut c, incarnation, &queue) {
+        c.buf.extend_from_slice(&data[split.min(data.len())..]);
+        parse_frames(&mut c, incarnation, &queue);
+    }
+    n
+}
+
 fn epoll_add(epfd: RawFd, fd: RawFd, token: u64) -> Result<()> {
     let mut ev = libc::epoll_event { events: (libc::EPOLLIN | libc::EPOLLRDHUP) as u32, u64: token };
     // SAFETY: `ev` is a valid event; both descriptors are open.
@@ -314,7 +353,13 @@ mod tests {
     fn notifications_arrive_in_order_and_strangers_are_dropped() {
         let q: Arc<NotifQueue> = Arc::default();
         let inc = 77u128;
-        let ctrl = Ctrl::start(inc, q.clone()).unwrap();
+        let setup = TcpSetup {
+            bind: "127.0.0.1:0".parse().unwrap(),
+            opts: tcp::TcpOpts { conns: 1, timeout: Duration::from_secs(1) },
+            secret: 1,
+            regions: Arc::default(),
+        };
+        let ctrl = Ctrl::start(inc, q.clone(), setup).unwrap();
         let mut s = Sender::connect(&ctrl.sock_name, inc, "peer-a").unwrap();
         s.notif(b"one").unwrap();
         s.notif(b"").unwrap();

@@ -5,35 +5,61 @@
 //! Routes, chosen per peer from its connection info:
 //! - loopback and peers in this process: `memcpy`;
 //! - peers in another process on this host: cross-memory attach (`process_vm_readv/writev`), the peer
-//!   identified by pid + start time and watched through a pidfd, notifications over an abstract Unix socket.
+//!   identified by pid + start time and watched through a pidfd, notifications over an abstract Unix socket;
+//!   if the kernel denies cross-memory attach (EPERM/ENOSYS: containers, seccomp, Yama), that peer's data
+//!   moves over TCP from then on;
+//! - peers on another host (another boot, pid or network namespace): TCP (see `tcp`), with notifications
+//!   and heartbeats on a control connection.
 //!
-//! Peers on other hosts are refused at load time with a clear error until the TCP route lands. Small
-//! requests complete inline in `post`; large ones are split across a few copy threads.
+//! Small requests complete inline in `post`; large ones are split across a few copy threads (or, over TCP,
+//! across the peer's data connections).
+//!
+//! Configuration (backend parameter, else environment variable, else default):
+//! - `transport` / `GIXL_TRANSPORT`: `auto` (above) or `tcp` (every peer, even in this process, over TCP;
+//!   loopback requests still use `memcpy`).
+//! - `tcp_addr` / `GIXL_TCP_ADDR`: the listener's address, `IP` or `IP:PORT` (default all IPv4 interfaces,
+//!   an ephemeral port). A specific IP is the only address advertised; otherwise every interface's is.
+//! - `tcp_conns` / `GIXL_TCP_CONNS`: data connections per TCP peer (default 4).
+//! - `disconnect_timeout_ms` / `GIXL_DISCONNECT_TIMEOUT_MS`: how long a TCP peer with requests in flight may
+//!   stay silent before they fail with REMOTE_DISCONNECT (default 1000).
+//!
+//! The engine keeps its own table of registered regions: a TCP peer can reach only those, whatever its
+//! metadata claims, and only over connections that proved they know the per-engine secret from its metadata
+//! (the secret itself never crosses the network). It does not encrypt: data crosses in the clear.
 
 mod copy;
 mod ctrl;
+mod net;
 mod pool;
+mod tcp;
+pub mod wire;
 
 use std::any::Any;
 use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::{Backend, BackendInit, BackendXfer, Caps, LocalRegion, Params, Peer, Seg, Target, XferPlan};
+use super::{Backend, BackendInit, BackendXfer, Caps, LocalRegion, Params, Peer, RegionKey, Seg, Target, XferPlan};
 use crate::md::{put_bytes, put_uvar, Reader};
-use crate::mem::{MemType, RegDesc};
+use crate::mem::{Desc, MemType, RegDesc};
 use crate::status::{Error, Result, Status};
 use ctrl::{Ctrl, NotifQueue, Sender};
 use pool::Pool;
+use tcp::{LinkTarget, Regions, TcpLink, TcpOpts, TcpSetup};
 
 /// Requests up to this size run inline in `post`: splitting them costs more than it saves.
 const INLINE_BYTES: u64 = 2 << 20;
 /// Pieces of a split request are at least this large.
 const MIN_PIECE: u64 = 1 << 20;
+/// Over TCP, requests up to this size run inline in `post` (one round trip); larger ones go to workers.
+const TCP_INLINE_BYTES: u64 = 256 << 10;
+const DEFAULT_TCP_CONNS: usize = 4;
+const DEFAULT_DISCONNECT_MS: u64 = 1000;
 
 pub fn default_params() -> Params {
     [("num_threads", "0"), ("num_workers", "1"), ("ucx_devices", ""), ("ucx_error_handling_mode", "peer")]
@@ -63,10 +89,39 @@ struct Shared {
     pid: i32,
     start_time: u64,
     threads: usize,
+    transport: Transport,
+    tcp_opts: TcpOpts,
+    /// Shown only inside this engine's metadata; a TCP connection must present it.
+    secret: u128,
+    regions: Arc<Regions>,
     queue: Arc<NotifQueue>,
     closed: Arc<AtomicBool>,
     ctrl: Ctrl,
     pool: Pool,
+    /// Workers for TCP pieces: they block on sockets, so they are not the copy threads.
+    tcp_pool: Pool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Transport {
+    Auto,
+    Tcp,
+}
+
+/// A backend parameter, else an environment variable.
+fn setting(init: &BackendInit, param: &str, env: &str) -> Option<String> {
+    init.params
+        .get(param)
+        .filter(|v| !v.trim().is_empty())
+        .cloned()
+        .or_else(|| std::env::var(env).ok().filter(|v| !v.trim().is_empty()))
+}
+
+fn number<T: std::str::FromStr>(v: Option<String>, what: &str, default: T) -> Result<T> {
+    match v {
+        None => Ok(default),
+        Some(v) => v.trim().parse().map_err(|_| Error::invalid_param(format!("{what}: '{v}' is not a valid number"))),
+    }
 }
 
 impl Engine {
@@ -74,8 +129,20 @@ impl Engine {
         let pid = std::process::id() as i32;
         let start_time = crate::util::process_start_time(pid).map_err(|e| Error::os(Status::Backend, "reading own process start time", e))?;
         let threads = copy_threads(&init);
+        let transport = match setting(&init, "transport", "GIXL_TRANSPORT").as_deref().map(str::trim) {
+            None | Some("auto") => Transport::Auto,
+            Some("tcp") => Transport::Tcp,
+            Some(other) => return Err(Error::invalid_param(format!("transport '{other}' is not one of auto, tcp (GIXL_TRANSPORT)"))),
+        };
+        let conns = number(setting(&init, "tcp_conns", "GIXL_TCP_CONNS"), "tcp_conns", DEFAULT_TCP_CONNS)?.clamp(1, 64);
+        let ms = number(setting(&init, "disconnect_timeout_ms", "GIXL_DISCONNECT_TIMEOUT_MS"), "disconnect_timeout_ms", DEFAULT_DISCONNECT_MS)?
+            .clamp(10, 3_600_000);
+        let tcp_opts = TcpOpts { conns, timeout: Duration::from_millis(ms) };
+        let bind = tcp::parse_bind(&setting(&init, "tcp_addr", "GIXL_TCP_ADDR").unwrap_or_default())?;
+        let secret = crate::util::random_u128();
+        let regions: Arc<Regions> = Arc::default();
         let queue: Arc<NotifQueue> = Arc::default();
-        let ctrl = Ctrl::start(init.incarnation, queue.clone())?;
+        let ctrl = Ctrl::start(init.incarnation, queue.clone(), TcpSetup { bind, opts: tcp_opts, secret, regions: regions.clone() })?;
         let shared = Arc::new(Shared {
             agent: init.agent_name,
             incarnation: init.incarnation,
@@ -83,10 +150,15 @@ impl Engine {
             pid,
             start_time,
             threads,
+            transport,
+            tcp_opts,
+            secret,
+            regions,
             queue,
             closed: Arc::new(AtomicBool::new(false)),
             ctrl,
             pool: Pool::new(threads),
+            tcp_pool: Pool::new((2 * conns).clamp(4, 64)),
         });
         registry().lock().insert(init.incarnation, Arc::downgrade(&shared));
         Ok(Engine { shared })
@@ -95,11 +167,21 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        let s = &self.shared;
-        s.closed.store(true, Ordering::Release);
-        registry().lock().remove(&s.incarnation);
-        s.ctrl.shutdown();
-        s.pool.shutdown();
+        self.shared.shutdown();
+    }
+}
+
+impl Shared {
+    /// Stop serving peers (in-process ones see `closed`, TCP ones lose their connections and the region
+    /// table) and stop the threads. Requests that outlive this fail with BACKEND. Idempotent.
+    fn shutdown(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        registry().lock().remove(&self.incarnation);
+        self.ctrl.shutdown();
+        self.pool.shutdown();
+        self.tcp_pool.shutdown();
     }
 }
 
@@ -116,8 +198,11 @@ fn copy_threads(init: &BackendInit) -> usize {
 enum PeerKind {
     /// Another agent in this process.
     InProcess { target: Weak<Shared>, closed: Arc<AtomicBool> },
-    /// Another process on this host.
-    Cma { pid: i32, pidfd: OwnedFd, watch: Option<u64>, sock: Vec<u8>, sender: Mutex<Option<Sender>> },
+    /// Another process on this host. `tcp` carries the data instead once the kernel has denied
+    /// cross-memory attach (`denied`).
+    Cma { pid: i32, pidfd: OwnedFd, watch: Option<u64>, sock: Vec<u8>, sender: Mutex<Option<Sender>>, tcp: Arc<TcpLink>, denied: AtomicBool },
+    /// Another host, or `GIXL_TRANSPORT=tcp`.
+    Tcp { link: Arc<TcpLink> },
 }
 
 struct EnginePeer {
@@ -135,7 +220,7 @@ impl Peer for EnginePeer {
     fn disconnected(&self) -> bool {
         match &self.kind {
             PeerKind::InProcess { closed, .. } => closed.load(Ordering::Acquire),
-            PeerKind::Cma { .. } => self.dead.load(Ordering::Acquire),
+            PeerKind::Cma { .. } | PeerKind::Tcp { .. } => self.dead.load(Ordering::Acquire),
         }
     }
 }
@@ -173,39 +258,97 @@ impl EnginePeer {
                 }
                 r
             }
+            PeerKind::Tcp { link } => link.notif(msg),
         }
     }
 }
 
+/// The connection info version this engine writes and reads.
+const CONN_VERSION: u8 = 2;
+const MAX_ADDRS: usize = 64;
+
+/// `version 2 | host id | pid | start time | Unix socket name | secret u128 | TCP port u16 | addresses`,
+/// an address being `4 | 4 bytes` or `6 | 16 bytes`.
 fn conn_info(s: &Shared) -> Vec<u8> {
-    let mut out = vec![1u8];
+    let mut out = vec![CONN_VERSION];
     put_bytes(&mut out, s.host.as_bytes());
     put_uvar(&mut out, s.pid as u64);
     put_uvar(&mut out, s.start_time);
     put_bytes(&mut out, &s.ctrl.sock_name);
+    out.extend_from_slice(&s.secret.to_le_bytes());
+    out.extend_from_slice(&s.ctrl.tcp.port.to_le_bytes());
+    let ips: Vec<IpAddr> = s.ctrl.tcp.addrs.iter().map(|a| a.ip()).take(MAX_ADDRS).collect();
+    put_uvar(&mut out, ips.len() as u64);
+    for ip in ips {
+        match ip {
+            IpAddr::V4(v4) => {
+                out.push(4);
+                out.extend_from_slice(&v4.octets());
+            }
+            IpAddr::V6(v6) => {
+                out.push(6);
+                out.extend_from_slice(&v6.octets());
+            }
+        }
+    }
     out
 }
 
+#[derive(Debug)]
 struct ConnInfo {
     host: String,
     pid: i32,
     start_time: u64,
     sock: Vec<u8>,
+    secret: u128,
+    addrs: Vec<SocketAddr>,
 }
 
 fn parse_conn(b: &[u8]) -> Result<ConnInfo> {
     let mut r = Reader { buf: b, pos: 0 };
-    if r.byte()? != 1 {
+    if r.byte()? != CONN_VERSION {
         return Err(Error::mismatch("unknown engine connection-info version"));
     }
     let host = r.string(4096)?;
     let pid = i32::try_from(r.uvar()?).map_err(|_| Error::mismatch("bad pid in connection info"))?;
     let start_time = r.uvar()?;
     let sock = r.bytes(108)?.to_vec();
-    if r.left() != 0 || pid <= 0 {
+    let secret = u128::from_le_bytes(r.array()?);
+    let port = u16::from_le_bytes(r.array()?);
+    let n = r.count(MAX_ADDRS)?;
+    let mut addrs = Vec::with_capacity(n);
+    for _ in 0..n {
+        let ip = match r.byte()? {
+            4 => IpAddr::from(r.array::<4>()?),
+            6 => IpAddr::from(r.array::<16>()?),
+            _ => return Err(Error::mismatch("bad address family in connection info")),
+        };
+        addrs.push(SocketAddr::new(ip, port));
+    }
+    if r.left() != 0 || pid <= 0 || port == 0 {
         return Err(Error::mismatch("malformed engine connection info"));
     }
-    Ok(ConnInfo { host, pid, start_time, sock })
+    Ok(ConnInfo { host, pid, start_time, sock, secret, addrs })
+}
+
+/// For `crate::fuzzing` only: the connection-info parser and the notification-frame parser.
+pub(crate) fn fuzz_parse_conn(b: &[u8]) -> bool {
+    parse_conn(b).is_ok()
+}
+
+pub(crate) use ctrl::fuzz_parse_frames;
+
+/// The TCP endpoint a peer's connection info advertises: its addresses and the secret a connection must
+/// present. For tools and tests that speak the wire protocol themselves (see `wire`).
+#[doc(hidden)]
+pub fn tcp_endpoint(conn: &[u8]) -> Result<(Vec<SocketAddr>, u128)> {
+    parse_conn(conn).map(|c| (c.addrs, c.secret))
+}
+
+/// A peer's registration as its metadata names it; sent with each TCP request so the target can find it.
+struct RemoteRegion {
+    addr: u64,
+    len: u64,
 }
 
 fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
@@ -231,11 +374,31 @@ impl Backend for Engine {
         [("num_threads".to_owned(), self.shared.threads.to_string())].into_iter().collect()
     }
 
-    fn register(&self, mem: MemType, _desc: &RegDesc) -> Result<LocalRegion> {
+    fn register(&self, mem: MemType, desc: &RegDesc) -> Result<LocalRegion> {
         if mem != MemType::Dram {
             return Err(Error::not_supported(format!("{} is not supported by this engine", mem.seg_name())));
         }
+        *self.shared.regions.write().entry((desc.desc.addr, desc.desc.len)).or_insert(0) += 1;
         Ok(LocalRegion { public: Vec::new(), key: None })
+    }
+
+    fn deregister(&self, mem: MemType, desc: &Desc, _key: Option<&RegionKey>) {
+        if mem != MemType::Dram {
+            return;
+        }
+        // Waits for TCP requests being served from the table, so none touches the range after this.
+        let mut t = self.shared.regions.write();
+        let k = (desc.addr, desc.len);
+        if let Some(n) = t.get_mut(&k) {
+            *n -= 1;
+            if *n == 0 {
+                t.remove(&k);
+            }
+        }
+    }
+
+    fn load_remote_region(&self, _peer: &Arc<dyn Peer>, _mem: MemType, desc: &Desc, _public: &[u8]) -> Result<Option<RegionKey>> {
+        Ok(Some(Arc::new(RemoteRegion { addr: desc.addr, len: desc.len })))
     }
 
     fn conn_info(&self) -> Vec<u8> {
@@ -245,13 +408,26 @@ impl Backend for Engine {
     fn load_peer(&self, agent: &str, incarnation: u128, conn: &[u8]) -> Result<Arc<dyn Peer>> {
         let s = &self.shared;
         let ci = parse_conn(conn)?;
-        if ci.host != s.host {
-            return Err(Error::not_supported(format!(
-                "agent '{agent}' runs on another host (or in another pid/network namespace); this gixl build moves \
-                 data within one host only"
-            )));
+        let same_host = ci.host == s.host;
+        let mut addrs = ci.addrs.clone();
+        if same_host {
+            addrs.sort_by_key(|a| !a.ip().is_loopback());
+        } else {
+            // Another host's loopback is our own: connecting there would hand the secret to a local stranger.
+            addrs.retain(|a| !a.ip().is_loopback());
         }
         let dead = Arc::new(AtomicBool::new(false));
+        let link = |dead: &Arc<AtomicBool>| {
+            let t = LinkTarget { peer: agent, incarnation, secret: ci.secret, addrs: addrs.clone() };
+            TcpLink::new(&s.ctrl.tcp, &s.agent, t, dead.clone())
+        };
+        if !same_host || s.transport == Transport::Tcp {
+            if addrs.is_empty() {
+                return Err(Error::backend(format!("agent '{agent}' runs on another host but advertises no address reachable from here")));
+            }
+            let kind = PeerKind::Tcp { link: link(&dead) };
+            return Ok(Arc::new(EnginePeer { name: agent.to_owned(), incarnation, kind, dead, owner: Arc::downgrade(s) }));
+        }
         let kind = if ci.pid == s.pid && ci.start_time == s.start_time {
             let target = registry().lock().get(&incarnation).cloned().unwrap_or_default();
             let closed = target.upgrade().map(|t| t.closed.clone()).unwrap_or_else(|| Arc::new(AtomicBool::new(true)));
@@ -271,7 +447,8 @@ impl Backend for Engine {
                 dead.store(true, Ordering::Release);
                 None
             };
-            PeerKind::Cma { pid: ci.pid, pidfd, watch, sock: ci.sock, sender: Mutex::new(None) }
+            let tcp = link(&dead);
+            PeerKind::Cma { pid: ci.pid, pidfd, watch, sock: ci.sock.clone(), sender: Mutex::new(None), tcp, denied: AtomicBool::new(false) }
         };
         Ok(Arc::new(EnginePeer { name: agent.to_owned(), incarnation, kind, dead, owner: Arc::downgrade(s) }))
     }
@@ -281,19 +458,30 @@ impl Backend for Engine {
         if p.disconnected() {
             return Err(Error::disconnected(format!("agent '{}' has disconnected", p.name)));
         }
-        if let PeerKind::Cma { sock, sender, .. } = &p.kind {
-            let mut s = sender.lock();
-            if s.is_none() {
-                *s = Some(Sender::connect(sock, p.incarnation, &self.shared.agent)?);
+        match &p.kind {
+            PeerKind::Cma { sock, sender, .. } => {
+                let mut s = sender.lock();
+                if s.is_none() {
+                    *s = Some(Sender::connect(sock, p.incarnation, &self.shared.agent)?);
+                }
             }
+            PeerKind::Tcp { link } => {
+                link.connect()?;
+            }
+            PeerKind::InProcess { .. } => {}
         }
         Ok(())
     }
 
     fn disconnect(&self, peer: &Arc<dyn Peer>) {
         if let Ok(p) = downcast(peer) {
-            if let PeerKind::Cma { sender, .. } = &p.kind {
-                sender.lock().take();
+            match &p.kind {
+                PeerKind::Cma { sender, tcp, .. } => {
+                    sender.lock().take();
+                    tcp.close();
+                }
+                PeerKind::Tcp { link } => link.close(),
+                PeerKind::InProcess { .. } => {}
             }
         }
     }
@@ -316,6 +504,10 @@ impl Backend for Engine {
     fn notifs(&self, out: &mut Vec<(String, Vec<u8>)>) -> Result<()> {
         out.append(&mut self.shared.queue.lock());
         Ok(())
+    }
+
+    fn shutdown(&self) {
+        self.shared.shutdown();
     }
 
     fn gen_notif(&self, target: &Target, msg: &[u8]) -> Result<()> {
@@ -397,11 +589,18 @@ impl Core {
                 unsafe { copy::local_copy(op, segs) };
                 Ok(())
             }
-            Some(PeerKind::Cma { pid, .. }) => {
+            Some(PeerKind::Tcp { link }) => self.tcp_copy(link, segs, run),
+            Some(PeerKind::Cma { tcp, denied, .. }) if denied.load(Ordering::Acquire) => self.tcp_copy(tcp, segs, run),
+            Some(PeerKind::Cma { pid, tcp, denied, .. }) => {
                 let dead = &self.peer().map(|p| p.dead.clone()).unwrap_or_default();
                 let stop = || run.abort.load(Ordering::Relaxed) || dead.load(Ordering::Relaxed);
                 // SAFETY: local ranges were resolved against this agent's registrations.
                 let r = unsafe { copy::cma_copy(*pid, op, segs, &stop) };
+                if r.as_ref().err().is_some_and(cma_denied) {
+                    // The kernel checks permission before moving a byte, so nothing was copied: go by TCP.
+                    denied.store(true, Ordering::Release);
+                    return self.tcp_copy(tcp, segs, run);
+                }
                 if r.is_err() && dead.load(Ordering::Acquire) {
                     return Err(Error::disconnected(format!("agent '{}' exited during the transfer", self.peer().map(|p| p.name.as_str()).unwrap_or(""))));
                 }
@@ -412,6 +611,26 @@ impl Core {
                 }
                 r
             }
+        }
+    }
+
+    fn tcp_copy(&self, link: &TcpLink, segs: &[Seg], run: &Run) -> Result<()> {
+        let keys = &self.plan.remote_keys;
+        let region = |s: &Seg| {
+            keys.get(s.rreg as usize)
+                .and_then(|k| k.as_ref())
+                .and_then(|k| k.downcast_ref::<RemoteRegion>())
+                .map_or((s.remote, s.len), |r| (r.addr, r.len))
+        };
+        let stop = || run.abort.load(Ordering::Relaxed);
+        link.run(self.plan.op, segs, &region, &stop)
+    }
+
+    /// The link of a request that goes over TCP from the start (heartbeats run while it is in flight).
+    fn tcp_link(&self) -> Option<&Arc<TcpLink>> {
+        match self.peer().map(|p| &p.kind) {
+            Some(PeerKind::Tcp { link }) => Some(link),
+            _ => None,
         }
     }
 
@@ -436,25 +655,45 @@ impl Core {
             None => Status::Success,
             Some((s, _)) => *s,
         };
+        if let Some(link) = self.tcp_link() {
+            link.end();
+        }
         run.state.store(state as i32, Ordering::Release);
         let _g = run.idle_lock.lock();
         run.idle.notify_all();
     }
 }
 
+/// Did cross-memory attach fail because the kernel forbids it here (not because the peer is gone)?
+fn cma_denied(e: &Error) -> bool {
+    std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<std::io::Error>())
+        .and_then(|io| io.raw_os_error())
+        .is_some_and(|c| c == libc::EPERM || c == libc::ENOSYS)
+}
+
 impl BackendXfer for EngineXfer {
     fn post(&self, notif: Option<&[u8]>) -> Result<Status> {
         let core = &self.core;
+        if core.shared.closed.load(Ordering::Acquire) {
+            return Err(Error::backend("the agent that made this request has been destroyed"));
+        }
         if let Some(p) = core.peer() {
             if p.disconnected() {
                 return Err(Error::disconnected(format!("agent '{}' has disconnected", p.name)));
             }
         }
         let plan = &core.plan;
-        let pieces = if plan.total_bytes <= INLINE_BYTES || core.shared.threads <= 1 {
-            1
-        } else {
-            (plan.total_bytes / MIN_PIECE).clamp(1, core.shared.threads as u64) as usize
+        let tcp = core.tcp_link();
+        if let Some(link) = tcp {
+            // The control connection carries the heartbeats that bound this request.
+            link.connect()?;
+        }
+        let (pieces, inline) = match tcp {
+            Some(_) if plan.total_bytes <= TCP_INLINE_BYTES => (1, true),
+            Some(_) => ((plan.total_bytes / MIN_PIECE).clamp(1, core.shared.tcp_opts.conns as u64) as usize, false),
+            None if plan.total_bytes <= INLINE_BYTES || core.shared.threads <= 1 => (1, true),
+            None => ((plan.total_bytes / MIN_PIECE).clamp(1, core.shared.threads as u64) as usize, false),
         };
         let run = Arc::new(Run {
             state: AtomicI32::new(Status::InProg as i32),
@@ -467,16 +706,22 @@ impl BackendXfer for EngineXfer {
             notif: notif.map(<[u8]>::to_vec),
         });
         *self.run.lock() = Some(run.clone());
-        if pieces == 1 {
+        if let Some(link) = tcp {
+            link.begin();
+        }
+        if inline {
             if let Err(e) = core.copy(&plan.segs, &run) {
                 run.fail(e);
             }
             core.finish(&run);
             return self.status();
         }
-        for part in split(&plan.segs, plan.total_bytes, pieces) {
+        let parts = split(&plan.segs, plan.total_bytes, pieces);
+        run.pending.store(parts.len(), Ordering::Release);
+        let pool = if tcp.is_some() { &core.shared.tcp_pool } else { &core.shared.pool };
+        for part in parts {
             let (core, run) = (core.clone(), run.clone());
-            self.core.shared.pool.submit(Box::new(move || {
+            pool.submit(Box::new(move || {
                 if !run.abort.load(Ordering::Relaxed) {
                     if let Err(e) = core.copy(&part, &run) {
                         run.fail(e);
@@ -573,18 +818,298 @@ mod tests {
         assert_eq!(parts[1][0], seg(104, 2004, 14));
     }
 
-    #[test]
-    fn conn_info_round_trip_and_garbage() {
-        assert!(parse_conn(b"").is_err());
-        assert!(parse_conn(&[2, 0]).is_err());
-        let mut b = vec![1u8];
+    fn conn_bytes(addrs: &[(u8, &[u8])]) -> Vec<u8> {
+        let mut b = vec![CONN_VERSION];
         put_bytes(&mut b, b"h");
         put_uvar(&mut b, 42);
         put_uvar(&mut b, 7);
         put_bytes(&mut b, b"sock");
+        b.extend_from_slice(&99u128.to_le_bytes());
+        b.extend_from_slice(&4242u16.to_le_bytes());
+        put_uvar(&mut b, addrs.len() as u64);
+        for (fam, ip) in addrs {
+            b.push(*fam);
+            b.extend_from_slice(ip);
+        }
+        b
+    }
+
+    #[test]
+    fn conn_info_round_trip_and_garbage() {
+        assert!(parse_conn(b"").is_err());
+        assert!(parse_conn(&[2, 0]).is_err());
+        let b = conn_bytes(&[(4, &[192, 0, 2, 1]), (6, &[0; 16])]);
         let c = parse_conn(&b).unwrap();
-        assert_eq!((c.host.as_str(), c.pid, c.start_time, c.sock.as_slice()), ("h", 42, 7, &b"sock"[..]));
-        b.push(0);
-        assert!(parse_conn(&b).is_err());
+        assert_eq!((c.host.as_str(), c.pid, c.start_time, c.sock.as_slice(), c.secret), ("h", 42, 7, &b"sock"[..], 99));
+        assert_eq!(c.addrs, vec!["192.0.2.1:4242".parse().unwrap(), "[::]:4242".parse().unwrap()]);
+        for n in 0..b.len() {
+            assert!(parse_conn(&b[..n]).is_err(), "prefix {n}");
+        }
+        let mut t = b.clone();
+        t.push(0);
+        assert!(parse_conn(&t).is_err());
+        assert!(parse_conn(&conn_bytes(&[(5, &[1, 2, 3, 4])])).is_err());
+    }
+
+    // ----- the TCP route between two agents of this process (`transport=tcp`) -----
+
+    use crate::agent::{Agent, AgentConfig, NotifUpdate, XferOpts};
+    use crate::backend::XferOp;
+    use crate::md::AgentMd;
+    use crate::mem::{RegDList, XferDList};
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+
+    fn tcp_agent(name: &str, extra: &[(&str, &str)]) -> Agent {
+        let a = Agent::new(name, AgentConfig::default()).unwrap();
+        let mut p: Params = [("transport", "tcp"), ("tcp_addr", "127.0.0.1")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        for (k, v) in extra {
+            p.insert(k.to_string(), v.to_string());
+        }
+        a.create_backend("UCX", &p).unwrap();
+        a
+    }
+
+    fn reg(a: &Agent, buf: &[u8]) -> RegDList {
+        let l = RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0), meta: vec![] }]);
+        a.register_mem(&l, &[]).unwrap();
+        l
+    }
+
+    fn xl(buf: &[u8], off: usize, len: usize) -> XferDList {
+        XferDList::with_descs(MemType::Dram, vec![Desc::new(buf.as_ptr() as u64 + off as u64, len as u64, 0)])
+    }
+
+    fn wait(a: &Agent, r: &crate::agent::XferReq, limit: Duration) -> Result<Status> {
+        let t = Instant::now();
+        loop {
+            match a.xfer_status(r)? {
+                Status::InProg if t.elapsed() < limit => std::thread::sleep(Duration::from_micros(200)),
+                s => return Ok(s),
+            }
+        }
+    }
+
+    fn notifs_until(a: &Agent, n: usize) -> Vec<(String, Vec<u8>)> {
+        let t = Instant::now();
+        let mut got = Vec::new();
+        while got.len() < n && t.elapsed() < Duration::from_secs(10) {
+            got.extend(a.notifs(&[]).unwrap());
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        got
+    }
+
+    #[test]
+    fn tcp_read_write_many_blocks_and_notifications() {
+        let a = tcp_agent("tcp-A", &[]);
+        let b = tcp_agent("tcp-B", &[("tcp_conns", "3")]);
+        let size = 12 << 20;
+        let src: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+        let dst = vec![0u8; size];
+        reg(&a, &dst);
+        reg(&b, &src);
+        a.load_remote_md(&b.local_md().unwrap()).unwrap();
+
+        // One large READ, split across data connections, with a notification after the data.
+        let opts = XferOpts { notif: Some(b"big\0done".to_vec()), ..Default::default() };
+        let r = a.create_xfer_req(XferOp::Read, &xl(&dst, 0, size), &xl(&src, 0, size), "tcp-B", &opts).unwrap();
+        a.post_xfer_req(&r, NotifUpdate::Keep).unwrap();
+        assert_eq!(wait(&a, &r, Duration::from_secs(20)).unwrap(), Status::Success);
+        assert!(dst == src);
+        assert_eq!(notifs_until(&b, 1), vec![("tcp-A".to_string(), b"big\0done".to_vec())]);
+
+        // 1000 separate small WRITEs in reversed order (nothing merges), then a small inline one.
+        let bs = 4096;
+        let n = 1000;
+        let wsrc: Vec<u8> = (0..n * bs).map(|i| (i / bs) as u8 ^ 0x5a).collect();
+        reg(&a, &wsrc);
+        let wdst = vec![0u8; n * bs];
+        reg(&b, &wdst);
+        a.load_remote_md(&b.local_md().unwrap()).unwrap();
+        let l = XferDList::with_descs(MemType::Dram, (0..n).map(|i| Desc::new(wsrc.as_ptr() as u64 + (i * bs) as u64, bs as u64, 0)).collect());
+        let rl = XferDList::with_descs(MemType::Dram, (0..n).rev().map(|i| Desc::new(wdst.as_ptr() as u64 + (i * bs) as u64, bs as u64, 0)).collect());
+        let w = a.create_xfer_req(XferOp::Write, &l, &rl, "tcp-B", &XferOpts::default()).unwrap();
+        assert_eq!(w.desc_count(), n as u64);
+        a.post_xfer_req(&w, NotifUpdate::Set(b"blocks".to_vec())).unwrap();
+        assert_eq!(wait(&a, &w, Duration::from_secs(20)).unwrap(), Status::Success);
+        for i in 0..n {
+            assert_eq!(wdst[(n - 1 - i) * bs], (i as u8) ^ 0x5a, "block {i}");
+        }
+        let small = a.create_xfer_req(XferOp::Write, &xl(&wsrc, 0, 100), &xl(&wdst, 5, 100), "tcp-B", &XferOpts::default()).unwrap();
+        assert_eq!(a.post_xfer_req(&small, NotifUpdate::Keep).unwrap(), Status::Success, "small requests finish inline");
+        assert_eq!(&wdst[5..105], &wsrc[..100]);
+        a.gen_notif("tcp-B", b"", &[]).unwrap();
+        assert_eq!(notifs_until(&b, 2), vec![("tcp-A".to_string(), b"blocks".to_vec()), ("tcp-A".to_string(), vec![])]);
+    }
+
+    #[test]
+    fn tcp_target_refuses_deregistered_memory() {
+        let a = tcp_agent("tcp-dereg-A", &[]);
+        let b = tcp_agent("tcp-dereg-B", &[]);
+        let dst = vec![0u8; 1 << 20];
+        let src = vec![3u8; 1 << 20];
+        reg(&a, &dst);
+        let bl = reg(&b, &src);
+        a.load_remote_md(&b.local_md().unwrap()).unwrap();
+        let r = a.create_xfer_req(XferOp::Read, &xl(&dst, 0, 4096), &xl(&src, 0, 4096), "tcp-dereg-B", &XferOpts::default()).unwrap();
+        assert_eq!(a.post_xfer_req(&r, NotifUpdate::Keep).unwrap(), Status::Success);
+        // The target drops the registration; the initiator's metadata still lists it, the target does not.
+        b.deregister_mem(&bl, &[]).unwrap();
+        let e = a.post_xfer_req(&r, NotifUpdate::Keep).unwrap_err();
+        assert_eq!(e.status(), Status::Backend, "{e}");
+        // The connection is still usable once the memory is back.
+        reg(&b, &src);
+        assert_eq!(a.post_xfer_req(&r, NotifUpdate::Keep).unwrap(), Status::Success);
+    }
+
+    #[test]
+    fn tcp_peer_destroyed_is_a_prompt_disconnect() {
+        let a = tcp_agent("tcp-kill-A", &[]);
+        let b = tcp_agent("tcp-kill-B", &[]);
+        let dst = vec![0u8; 4096];
+        let src = vec![3u8; 4096];
+        reg(&a, &dst);
+        reg(&b, &src);
+        a.load_remote_md(&b.local_md().unwrap()).unwrap();
+        let r = a.create_xfer_req(XferOp::Read, &xl(&dst, 0, 4096), &xl(&src, 0, 4096), "tcp-kill-B", &XferOpts::default()).unwrap();
+        assert_eq!(a.post_xfer_req(&r, NotifUpdate::Keep).unwrap(), Status::Success);
+        drop(b);
+        let t = Instant::now();
+        let e = loop {
+            match a.post_xfer_req(&r, NotifUpdate::Keep) {
+                Err(e) => break e,
+                Ok(_) => {
+                    assert!(t.elapsed() < Duration::from_secs(2), "still succeeding");
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+        };
+        assert_eq!(e.status(), Status::RemoteDisconnect, "{e}");
+        assert_eq!(a.gen_notif("tcp-kill-B", b"x", &[]).unwrap_err().status(), Status::RemoteDisconnect);
+    }
+
+    /// The target's TCP endpoint and credentials, read from its metadata as an attacker with a copy would.
+    fn endpoint(b: &Agent) -> (SocketAddr, u128, u128) {
+        let md = AgentMd::decode(&b.local_md().unwrap()).unwrap();
+        let ci = parse_conn(&md.conns[0].1).unwrap();
+        let a = *ci.addrs.iter().find(|a| a.ip().is_loopback()).unwrap();
+        (a, md.incarnation, ci.secret)
+    }
+
+    /// Connect and read the target's challenge.
+    fn challenged(addr: SocketAddr) -> (TcpStream, [u8; 16]) {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut c = [0u8; wire::CHALLENGE_BYTES];
+        s.read_exact(&mut c).unwrap();
+        (s, wire::parse_challenge(&c).unwrap())
+    }
+
+    /// Send `hello` and read the answer: Some(ACK) or None (closed).
+    fn answer(s: &mut TcpStream, hello: &[u8]) -> Option<u8> {
+        s.write_all(hello).unwrap();
+        let mut b = [0u8; 1];
+        match s.read(&mut b) {
+            Ok(1) => Some(b[0]),
+            _ => None,
+        }
+    }
+
+    fn hello(addr: SocketAddr, kind: u8, inc: u128, secret: u128) -> (TcpStream, Option<u8>) {
+        let (mut s, nonce) = challenged(addr);
+        let tag = wire::hello_tag(secret, kind, inc, &nonce, "mallory");
+        let got = answer(&mut s, &wire::encode_hello(&wire::Hello { kind, incarnation: inc, tag, name: "mallory".into() }));
+        (s, got)
+    }
+
+    fn request(s: &mut TcpStream, op: XferOp, segs: &[wire::WireSeg], payload: &[u8]) -> Option<(u8, Vec<u8>)> {
+        let mut b = Vec::new();
+        wire::encode_req(op, segs, &mut b);
+        b.extend_from_slice(payload);
+        s.write_all(&b).ok()?;
+        let mut r = [0u8; wire::REPLY_BYTES];
+        s.read_exact(&mut r).ok()?;
+        let mut data = Vec::new();
+        if op == XferOp::Read && r[0] == wire::REPLY_OK {
+            data.resize(segs.iter().map(|s| s.len as usize).sum(), 0);
+            s.read_exact(&mut data).ok()?;
+        }
+        Some((r[0], data))
+    }
+
+    #[test]
+    fn tcp_strangers_and_out_of_bounds_requests_are_refused() {
+        let b = tcp_agent("tcp-victim", &[]);
+        let secret_buf = vec![0x77u8; 8192];
+        let region = secret_buf.as_ptr() as u64;
+        reg(&b, &secret_buf[1024..5120]);
+        let (addr, inc, secret) = endpoint(&b);
+        let inside = region + 1024;
+
+        // Wrong secret, wrong incarnation, garbage: closed without an answer.
+        assert_eq!(hello(addr, wire::KIND_DATA, inc, secret ^ 1).1, None);
+        assert_eq!(hello(addr, wire::KIND_CTRL, inc, secret ^ (1 << 127)).1, None);
+        assert_eq!(hello(addr, wire::KIND_DATA, inc + 1, secret).1, None);
+        {
+            let mut s = TcpStream::connect(addr).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+            let mut r = Vec::new();
+            let _ = s.read_to_end(&mut r);
+            assert_eq!(r.len(), wire::CHALLENGE_BYTES, "nothing but the challenge");
+        }
+        // A request without a HELLO is garbage too.
+        {
+            let (mut s, _) = challenged(addr);
+            let seg = wire::WireSeg { region: inside, region_len: 4096, addr: inside, len: 16 };
+            assert_eq!(request(&mut s, XferOp::Read, &[seg], &[]), None);
+        }
+        // A HELLO recorded on one connection is worthless on another (fresh nonce).
+        {
+            let (mut s1, n1) = challenged(addr);
+            let tag = wire::hello_tag(secret, wire::KIND_DATA, inc, &n1, "mallory");
+            let recorded = wire::encode_hello(&wire::Hello { kind: wire::KIND_DATA, incarnation: inc, tag, name: "mallory".into() });
+            let (mut s2, n2) = challenged(addr);
+            assert_ne!(n1, n2);
+            assert_eq!(answer(&mut s2, &recorded), None, "replayed");
+            assert_eq!(answer(&mut s1, &recorded), Some(wire::ACK), "the original is fine");
+        }
+
+        // With the right credentials, only registered memory is served.
+        let (mut s, ack) = hello(addr, wire::KIND_DATA, inc, secret);
+        assert_eq!(ack, Some(wire::ACK));
+        let ok = wire::WireSeg { region: inside, region_len: 4096, addr: inside + 4000, len: 96 };
+        assert_eq!(request(&mut s, XferOp::Read, &[ok], &[]), Some((wire::REPLY_OK, vec![0x77; 96])));
+        let denied = |seg: wire::WireSeg| (seg, Some((wire::REPLY_DENIED, Vec::new())));
+        for (seg, want) in [
+            // One byte past the registration, claiming the right region.
+            denied(wire::WireSeg { region: inside, region_len: 4096, addr: inside + 4000, len: 97 }),
+            // Before it.
+            denied(wire::WireSeg { region: inside, region_len: 4096, addr: inside - 1, len: 2 }),
+            // Claiming a bigger region than was registered.
+            denied(wire::WireSeg { region, region_len: 8192, addr: region, len: 16 }),
+            // Wrapping around the address space.
+            denied(wire::WireSeg { region: inside, region_len: 4096, addr: u64::MAX - 3, len: 16 }),
+        ] {
+            assert_eq!(request(&mut s, XferOp::Read, &[seg], &[]), want, "{seg:?}");
+            assert_eq!(request(&mut s, XferOp::Write, &[seg], &vec![0xEE; seg.len as usize]), want, "{seg:?}");
+        }
+        // A mixed request is refused whole.
+        let bad = wire::WireSeg { region: inside, region_len: 4096, addr: inside + 4095, len: 2 };
+        let ok2 = wire::WireSeg { region: inside, region_len: 4096, addr: inside, len: 8 };
+        assert_eq!(request(&mut s, XferOp::Write, &[ok2, bad], &[0xEE; 10]), Some((wire::REPLY_DENIED, vec![])));
+        assert!(secret_buf.iter().all(|&x| x == 0x77), "target memory changed");
+        // A request larger than the limit or with lengths that do not add up closes the connection.
+        let mut h = Vec::new();
+        wire::encode_req(XferOp::Read, &[ok], &mut h);
+        h[8..16].copy_from_slice(&95u64.to_le_bytes());
+        s.write_all(&h).unwrap();
+        let mut r = [0u8; 8];
+        assert!(s.read_exact(&mut r).is_err());
+        // A legitimate write still works on a fresh connection.
+        let (mut s, _) = hello(addr, wire::KIND_DATA, inc, secret);
+        assert_eq!(request(&mut s, XferOp::Write, &[ok2], &[1; 8]), Some((wire::REPLY_OK, vec![])));
+        assert_eq!(&secret_buf[1024..1032], &[1; 8]);
     }
 }

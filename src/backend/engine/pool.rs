@@ -25,7 +25,12 @@ impl Pool {
         Pool { size: size.max(1), q: Arc::default(), threads: Mutex::new(Vec::new()) }
     }
 
+    /// Run `t` on a pool thread (inline once the pool has been shut down, so it still runs).
     pub fn submit(&self, t: Task) {
+        if self.q.0.lock().stop {
+            t();
+            return;
+        }
         {
             let mut threads = self.threads.lock();
             while threads.len() < self.size {

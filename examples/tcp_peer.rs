@@ -1,0 +1,103 @@
+//! One side of the cross-host TCP measurement in `scripts/bench_tcp.py` (which runs it inside network
+//! namespaces): `target`, `initiator` or `hammer`. Metadata travels through a file.
+//!
+//! ```text
+//! tcp_peer target MDFILE                  register 64 MiB + 1024 × 16 KiB, write metadata, wait for stdin EOF
+//! tcp_peer initiator MDFILE ITERS         READ both ITERS times; print one JSON line of figures
+//! tcp_peer hammer MDFILE                  READ 32 MiB in a loop, polling only, until it fails; print
+//!                                         "@started" once, then "@failed STATUS MONOTONIC_NS"
+//! ```
+
+use std::io::{BufRead, Write};
+use std::time::{Duration, Instant};
+
+use gixl::*;
+
+const MIB: u64 = 1 << 20;
+const BULK: u64 = 64 * MIB;
+const BLOCK: u64 = 16 << 10;
+const BLOCKS: u64 = 1024;
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let (role, mdfile) = (args[1].as_str(), args[2].as_str());
+    let a = Agent::new(role, AgentConfig::default()).unwrap();
+    a.create_backend("UCX", &Params::new()).unwrap();
+    let bulk = vec![if role == "target" { 0x5au8 } else { 0 }; BULK as usize];
+    let kv: Vec<u8> = (0..BLOCKS * BLOCK).map(|i| (i / BLOCK) as u8).collect();
+    for b in [&bulk, &kv] {
+        let d = Desc::new(b.as_ptr() as u64, b.len() as u64, 0);
+        a.register_mem(&RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: d, meta: vec![] }]), &[]).unwrap();
+    }
+    match role {
+        "target" => {
+            let md: String = a.local_md().unwrap().iter().map(|b| format!("{b:02x}")).collect();
+            let tmp = format!("{mdfile}.tmp");
+            std::fs::write(&tmp, format!("{md}\n{} {}\n", bulk.as_ptr() as u64, kv.as_ptr() as u64)).unwrap();
+            std::fs::rename(&tmp, mdfile).unwrap();
+            // Serve until told to stop; the target never calls into gixl meanwhile.
+            for _ in std::io::stdin().lock().lines() {}
+        }
+        _ => {
+            let text = std::fs::read_to_string(mdfile).unwrap();
+            let mut lines = text.lines();
+            let md: Vec<u8> = {
+                let h = lines.next().unwrap();
+                (0..h.len()).step_by(2).map(|i| u8::from_str_radix(&h[i..i + 2], 16).unwrap()).collect()
+            };
+            let mut addrs = lines.next().unwrap().split(' ').map(|x| x.parse::<u64>().unwrap());
+            let (rbulk, rkv) = (addrs.next().unwrap(), addrs.next().unwrap());
+            let peer = a.load_remote_md(&md).unwrap();
+            let dl = |base: u64, n: u64, len: u64, rev: bool| {
+                let idx: Vec<u64> = if rev { (0..n).rev().collect() } else { (0..n).collect() };
+                XferDList::with_descs(MemType::Dram, idx.into_iter().map(|i| Desc::new(base + i * len, len, 0)).collect())
+            };
+            let bulk_req = a.create_xfer_req(XferOp::Read, &dl(bulk.as_ptr() as u64, 1, BULK, false), &dl(rbulk, 1, BULK, false), &peer, &XferOpts::default()).unwrap();
+            // Remote blocks in reversed order, so nothing merges: 1024 separate pieces, as a KV cache read.
+            let kv_req =
+                a.create_xfer_req(XferOp::Read, &dl(kv.as_ptr() as u64, BLOCKS, BLOCK, false), &dl(rkv, BLOCKS, BLOCK, true), &peer, &XferOpts::default()).unwrap();
+            let run = |r: &XferReq| -> Result<Duration> {
+                let t = Instant::now();
+                let mut s = a.post_xfer_req(r, NotifUpdate::Keep)?;
+                while s == Status::InProg {
+                    s = a.xfer_status(r)?;
+                }
+                Ok(t.elapsed())
+            };
+            if role == "hammer" {
+                let small = a.create_xfer_req(XferOp::Read, &dl(bulk.as_ptr() as u64, 1, 32 * MIB, false), &dl(rbulk, 1, 32 * MIB, false), &peer, &XferOpts::default()).unwrap();
+                let mut started = false;
+                loop {
+                    if let Err(e) = run(&small) {
+                        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+                        // SAFETY: `ts` is a valid out-pointer.
+                        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+                        println!("@failed {} {}", e.status().name(), ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64);
+                        return;
+                    }
+                    if !std::mem::replace(&mut started, true) {
+                        println!("@started");
+                        std::io::stdout().flush().unwrap();
+                    }
+                }
+            }
+            let iters: usize = args[3].parse().unwrap();
+            let measure = |r: &XferReq, bytes: u64| -> (f64, f64) {
+                for _ in 0..2 {
+                    run(r).unwrap();
+                }
+                let mut gbps: Vec<f64> = (0..iters).map(|_| bytes as f64 / run(r).unwrap().as_secs_f64() / 1e9).collect();
+                gbps.sort_by(|x, y| x.partial_cmp(y).unwrap());
+                let total: f64 = iters as f64 / gbps.iter().map(|g| 1.0 / g).sum::<f64>();
+                (gbps[gbps.len() / 2], total)
+            };
+            let (bulk_med, bulk_all) = measure(&bulk_req, BULK);
+            let (kv_med, kv_all) = measure(&kv_req, BLOCKS * BLOCK);
+            assert!(bulk.iter().all(|&b| b == 0x5a));
+            assert!((0..BLOCKS).all(|i| kv[(i * BLOCK) as usize] == (BLOCKS - 1 - i) as u8));
+            println!(
+                "{{\"bulk_median_gbps\":{bulk_med:.3},\"bulk_gbps\":{bulk_all:.3},\"kv_median_gbps\":{kv_med:.3},\"kv_gbps\":{kv_all:.3}}}"
+            );
+        }
+    }
+}

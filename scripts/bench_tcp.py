@@ -1,0 +1,314 @@
+#!/usr/bin/env python3
+"""Cross-host TCP figures for gixl, next to NVIDIA NIXL 1.5.1 (UCX_TLS=tcp) and raw TCP, on one link.
+
+    sudo python3 scripts/bench_tcp.py                  # build gixl (release), 2 alternating rounds
+    sudo python3 scripts/bench_tcp.py --rounds 1 --iters 10 --no-nixl
+
+Two "hosts" are network namespaces joined by a veth pair (192.0.2.1 and 192.0.2.2, TEST-NET-1, which never
+leaves them); everything is deleted at the end. On that one link, in the same run:
+
+- READ bandwidth of one 64 MiB block and of 1024 × 16 KiB blocks (remote blocks in reversed order, so
+  nothing can merge), initiator in one namespace, target in the other: gixl (`examples/tcp_peer.rs`,
+  release build) and NIXL (its Python API, this same file with `--role`, UCX forced to TCP);
+- raw TCP with iperf3 (one stream and four), when iperf3 is installed;
+- time from killing the target process to the initiator's REMOTE_DISCONNECT, and from cutting the link
+  (`ip link set down`) to it, the initiator only polling (`hammer`).
+
+Needs root (namespaces). NIXL runs under /work/ref-nixl/bin/python (override with --nixl-python).
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MiB = 1 << 20
+BULK = 64 * MiB
+BLOCK = 16 << 10
+BLOCKS = 1024
+NS = ("gixl-bench-h0", "gixl-bench-h1")
+IPS = ("192.0.2.1", "192.0.2.2")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# NIXL peer (runs under NIXL's interpreter, inside a namespace)
+# ----------------------------------------------------------------------------------------------------------
+
+def nixl_peer(role, mdfile, iters, module):
+    import importlib
+    import numpy as np
+    api = importlib.import_module(module + "._api")
+    agent = api.nixl_agent(role, api.nixl_agent_config(backends=["UCX"]))
+    bulk = np.full(BULK, 0x5A if role == "target" else 0, np.uint8)
+    kv = (np.arange(BLOCKS * BLOCK, dtype=np.uint64) // BLOCK).astype(np.uint8)
+    agent.register_memory(agent.get_reg_descs(
+        [(bulk.ctypes.data, bulk.nbytes, 0, ""), (kv.ctypes.data, kv.nbytes, 0, "")], "DRAM"))
+    if role == "target":
+        md = agent.get_agent_metadata()
+        with open(mdfile + ".tmp", "w") as f:
+            f.write(f"{md.hex()}\n{bulk.ctypes.data} {kv.ctypes.data}\n")
+        os.rename(mdfile + ".tmp", mdfile)
+        sys.stdin.read()  # serve until stdin closes; never call into NIXL meanwhile
+        return
+    with open(mdfile) as f:
+        md_hex, addrs = f.read().split("\n")[:2]
+    rbulk, rkv = (int(x) for x in addrs.split())
+    peer = agent.add_remote_agent(bytes.fromhex(md_hex))
+
+    def xfer(local, remote):
+        l = agent.get_xfer_descs(local, "DRAM")
+        r = agent.get_xfer_descs(remote, "DRAM")
+        return agent.initialize_xfer("READ", l, r, peer)
+
+    def run(h):
+        t = time.perf_counter()
+        st = agent.transfer(h)
+        while st == "PROC":
+            st = agent.check_xfer_state(h)
+        if st != "DONE":
+            raise RuntimeError(f"transfer state {st}")
+        return time.perf_counter() - t
+
+    if role == "hammer":
+        h = xfer([(bulk.ctypes.data, 32 * MiB, 0)], [(rbulk, 32 * MiB, 0)])
+        started = False
+        while True:
+            try:
+                run(h)
+            except Exception as e:  # noqa: BLE001 - any failure ends the hammer
+                print(f"@failed {type(e).__name__}:{str(e).split()[0] if str(e) else ''} {time.monotonic_ns()}",
+                      flush=True)
+                return
+            if not started:
+                started = True
+                print("@started", flush=True)
+
+    bulk_h = xfer([(bulk.ctypes.data, BULK, 0)], [(rbulk, BULK, 0)])
+    kv_h = xfer([(kv.ctypes.data + i * BLOCK, BLOCK, 0) for i in range(BLOCKS)],
+                [(rkv + i * BLOCK, BLOCK, 0) for i in reversed(range(BLOCKS))])
+
+    def measure(h, nbytes):
+        for _ in range(2):
+            run(h)
+        times = [run(h) for _ in range(iters)]
+        gbps = sorted(nbytes / t / 1e9 for t in times)
+        return gbps[len(gbps) // 2], nbytes * iters / sum(times) / 1e9
+
+    bm, ba = measure(bulk_h, BULK)
+    km, ka = measure(kv_h, BLOCKS * BLOCK)
+    assert (bulk == 0x5A).all()
+    assert all(kv[i * BLOCK] == (BLOCKS - 1 - i) % 256 for i in range(BLOCKS))
+    print(json.dumps(dict(bulk_median_gbps=bm, bulk_gbps=ba, kv_median_gbps=km, kv_gbps=ka)), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Orchestrator
+# ----------------------------------------------------------------------------------------------------------
+
+def sh(*args, check=True):
+    return subprocess.run(args, check=check, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+class Link:
+    """Two namespaces and the veth pair between them."""
+
+    def __enter__(self):
+        self.down()
+        for ns in NS:
+            sh("ip", "netns", "add", ns)
+        sh("ip", "-n", NS[0], "link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", NS[1])
+        for ns, ip in zip(NS, IPS):
+            sh("ip", "-n", ns, "addr", "add", ip + "/24", "dev", "eth0")
+            sh("ip", "-n", ns, "link", "set", "eth0", "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+        time.sleep(0.2)
+        return self
+
+    def set(self, up):
+        sh("ip", "-n", NS[0], "link", "set", "eth0", "up" if up else "down")
+
+    def down(self):
+        for ns in NS:
+            sh("ip", "netns", "del", ns, check=False)
+
+    def __exit__(self, *exc):
+        self.down()
+
+
+def netns(i, *cmd):
+    return ["ip", "netns", "exec", NS[i], *cmd]
+
+
+class Impl:
+    def __init__(self, name, cmd, env):
+        self.name, self.cmd, self.env = name, cmd, env
+
+    def peer(self, i, role, mdfile, iters=0, **kw):
+        return subprocess.Popen(netns(i, *self.cmd(role, mdfile, iters)), env=self.env, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, **kw)
+
+
+def wait_file(path, proc, timeout=60):
+    t = time.monotonic()
+    while not os.path.exists(path):
+        if proc.poll() is not None:
+            raise RuntimeError(f"target exited with {proc.returncode}")
+        if time.monotonic() - t > timeout:
+            raise RuntimeError("target did not write its metadata")
+        time.sleep(0.02)
+
+
+def bandwidth(impl, iters, tmp):
+    md = os.path.join(tmp, f"{impl.name}-md")
+    if os.path.exists(md):
+        os.remove(md)
+    target = impl.peer(0, "target", md)
+    try:
+        wait_file(md, target)
+        ini = impl.peer(1, "initiator", md, iters)
+        out, _ = ini.communicate(timeout=600)
+        if ini.returncode != 0:
+            raise RuntimeError(f"initiator failed ({ini.returncode})")
+        return json.loads(out.strip().splitlines()[-1])
+    finally:
+        target.stdin.close()
+        target.wait(timeout=30)
+
+
+def disconnect_time(impl, fault, link, tmp, cap=30.0):
+    """Seconds from the fault to the initiator seeing the request fail (None if not within `cap`)."""
+    md = os.path.join(tmp, f"{impl.name}-md-{fault}")
+    if os.path.exists(md):
+        os.remove(md)
+    link.set(True)
+    target = impl.peer(0, "target", md)
+    ini = None
+    try:
+        wait_file(md, target)
+        ini = impl.peer(1, "hammer", md)
+        line = next_tagged(ini, time.monotonic() + 60)
+        if not line or not line.startswith("@started"):
+            raise RuntimeError(f"hammer did not start: {line!r}")
+        time.sleep(0.3)
+        t0 = time.monotonic_ns()
+        if fault == "kill":
+            target.send_signal(signal.SIGKILL)
+        else:
+            link.set(False)
+        line = next_tagged(ini, time.monotonic() + cap)
+        if not line:
+            return None, "no failure within %.0f s" % cap
+        f = line.split()
+        return (int(f[2]) - t0) / 1e9, f[1]
+    finally:
+        for p in (ini, target):
+            if p and p.poll() is None:
+                p.kill()
+                p.wait()
+        link.set(True)
+
+
+def next_tagged(proc, deadline):
+    """The next stdout line starting with '@' (libraries may print diagnostics there), or None by `deadline`."""
+    import select
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        r, _, _ = select.select([proc.stdout], [], [], left)
+        if not r:
+            return None
+        line = proc.stdout.readline()
+        if not line:
+            return None
+        if line.startswith("@"):
+            return line.strip()
+
+
+def iperf(tmp, streams):
+    if not shutil.which("iperf3"):
+        return None
+    srv = subprocess.Popen(netns(0, "iperf3", "-s", "-1", "-B", IPS[0]), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        out = sh(*netns(1, "iperf3", "-c", IPS[0], "-t", "5", "-P", str(streams), "-J")).stdout
+        return json.loads(out)["end"]["sum_received"]["bits_per_second"] / 8e9
+    finally:
+        srv.kill()
+        srv.wait()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--role", help=argparse.SUPPRESS)
+    ap.add_argument("--md", help=argparse.SUPPRESS)
+    ap.add_argument("--module", default="nixl_cu12")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--faults", type=int, default=3, help="repetitions of each fault")
+    ap.add_argument("--no-nixl", action="store_true")
+    ap.add_argument("--no-build", action="store_true")
+    ap.add_argument("--nixl-python", default="/work/ref-nixl/bin/python")
+    a = ap.parse_args()
+    if a.role:
+        return nixl_peer(a.role, a.md, a.iters, a.module)
+
+    if os.geteuid() != 0:
+        sys.exit("needs root (network namespaces)")
+    if not a.no_build:
+        subprocess.run(["cargo", "build", "--release", "--example", "tcp_peer"], cwd=REPO, check=True)
+    gixl_bin = os.path.join(REPO, "target", "release", "examples", "tcp_peer")
+    env = dict(os.environ)
+    impls = [Impl("gixl", lambda role, md, iters: [gixl_bin, role, md, str(iters)], env)]
+    if not a.no_nixl and os.path.exists(a.nixl_python):
+        nenv = dict(env, UCX_TLS="tcp", NIXL_LOG_LEVEL="ERROR")
+        me = os.path.abspath(__file__)
+        impls.append(Impl("nixl", lambda role, md, iters: [a.nixl_python, me, "--role", role, "--md", md,
+                                                            "--iters", str(iters), "--module", a.module], nenv))
+    bw = {i.name: [] for i in impls}
+    faults = {(i.name, f): [] for i in impls for f in ("kill", "link-down")}
+    with tempfile.TemporaryDirectory() as tmp, Link() as link:
+        for r in range(a.rounds):
+            for impl in impls:
+                res = bandwidth(impl, a.iters, tmp)
+                print(f"round {r + 1} {impl.name}: {res}", flush=True)
+                bw[impl.name].append(res)
+        raw = {n: iperf(tmp, n) for n in (1, 4)}
+        print(f"iperf3: {raw}", flush=True)
+        for _ in range(a.faults):
+            for impl in impls:
+                for fault in ("kill", "link-down"):
+                    t, what = disconnect_time(impl, fault, link, tmp)
+                    print(f"{impl.name} {fault}: {what} after {t if t is None else round(t, 4)} s", flush=True)
+                    faults[(impl.name, fault)].append(t)
+
+    def med(xs):
+        xs = [x for x in xs if x is not None]
+        return statistics.median(xs) if xs else None
+
+    print("\n| figure (cross-namespace TCP, veth) | " + " | ".join(i.name for i in impls) + " | raw TCP |")
+    print("|---|" + "---|" * (len(impls) + 1))
+    for key, label in (("bulk_gbps", "READ 64 MiB, GB/s"), ("kv_gbps", "READ 1024 × 16 KiB, GB/s")):
+        cells = [f"{med([x[key] for x in bw[i.name]]):.2f}" for i in impls]
+        rawc = f"{raw[1]:.2f} (1 stream) / {raw[4]:.2f} (4)" if raw[1] else "n/a"
+        print(f"| {label} | " + " | ".join(cells) + f" | {rawc} |")
+    for fault in ("kill", "link-down"):
+        cells = []
+        for i in impls:
+            xs = faults[(i.name, fault)]
+            m = med(xs)
+            miss = sum(x is None for x in xs)
+            cells.append(("%.3f s" % m if m is not None else "—") + (f" ({miss}/{len(xs)} not within 30 s)" if miss else ""))
+        print(f"| {fault} → request fails (median) | " + " | ".join(cells) + " | |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+//! Socket helpers the TCP route needs beyond `std::net`: vectored I/O straight between a socket and raw
+//! memory (so no staging copy), `MSG_NOSIGNAL` everywhere (a library must not die of SIGPIPE inside a
+//! host process that left the default handler), non-blocking single calls, keepalive, and the host's
+//! interface addresses. No policy lives here.
+
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+use std::time::Duration;
+
+/// Most iovecs one `sendmsg`/`readv` takes (the kernel's UIO_MAXIOV).
+const IOV_MAX: usize = 1024;
+
+pub fn iovec(addr: u64, len: u64) -> libc::iovec {
+    libc::iovec { iov_base: addr as usize as *mut libc::c_void, iov_len: len as usize }
+}
+
+/// Send every byte `iov` describes, resuming after partial sends. `progress` runs after each call that
+/// moved bytes. `iov` is consumed (advanced) in place.
+///
+/// # Safety
+/// Every iovec must describe memory readable for the duration of the call.
+pub unsafe fn send_iovecs(fd: RawFd, iov: &mut [libc::iovec], progress: &dyn Fn()) -> io::Result<()> {
+    let mut i = skip_empty(iov, 0);
+    while i < iov.len() {
+        let n = (iov.len() - i).min(IOV_MAX);
+        // SAFETY: an all-zero msghdr is a valid "no name, no control data" header.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov[i..].as_mut_ptr();
+        msg.msg_iovlen = n as _;
+        // SAFETY: `msg` points at `n` valid iovecs; the caller guarantees the memory they describe.
+        let r = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if r == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        progress();
+        i = advance(iov, i, r as usize);
+    }
+    Ok(())
+}
+
+/// Fill every byte `iov` describes from the socket; end of stream before that is `UnexpectedEof`.
+///
+/// # Safety
+/// Every iovec must describe memory writable for the duration of the call and not otherwise in use.
+pub unsafe fn recv_iovecs(fd: RawFd, iov: &mut [libc::iovec], progress: &dyn Fn()) -> io::Result<()> {
+    let mut i = skip_empty(iov, 0);
+    while i < iov.len() {
+        let n = (iov.len() - i).min(IOV_MAX);
+        // SAFETY: `n` valid iovecs; the caller guarantees the memory is writable.
+        let r = unsafe { libc::readv(fd, iov[i..].as_ptr(), n as i32) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if r == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        progress();
+        i = advance(iov, i, r as usize);
+    }
+    Ok(())
+}
+
+/// Drop `n` bytes from the front of `iov[i..]`; returns the new first non-empty index.
+fn advance(iov: &mut [libc::iovec], mut i: usize, mut n: usize) -> usize {
+    while n > 0 && i < iov.len() {
+        let l = iov[i].iov_len;
+        if n >= l {
+            n -= l;
+            i += 1;
+        } else {
+            iov[i].iov_base = (iov[i].iov_base as usize + n) as *mut libc::c_void;
+            iov[i].iov_len -= n;
+            n = 0;
+        }
+    }
+    skip_empty(iov, i)
+}
+
+fn skip_empty(iov: &[libc::iovec], mut i: usize) -> usize {
+    while i < iov.len() && iov[i].iov_len == 0 {
+        i += 1;
+    }
+    i
+}
+
+/// Send all of `buf` (blocking, with the socket's timeout), without SIGPIPE.
+pub fn send_all(s: &TcpStream, buf: &[u8], progress: &dyn Fn()) -> io::Result<()> {
+    let mut v = [iovec(buf.as_ptr() as u64, buf.len() as u64)];
+    // SAFETY: `buf` is a live slice for the whole call.
+    unsafe { send_iovecs(s.as_raw_fd(), &mut v, progress) }
+}
+
+/// Fill `buf` from the socket (blocking, with the socket's timeout).
+pub fn recv_exact(s: &TcpStream, buf: &mut [u8], progress: &dyn Fn()) -> io::Result<()> {
+    let mut v = [iovec(buf.as_mut_ptr() as u64, buf.len() as u64)];
+    // SAFETY: `buf` is a live, exclusively borrowed slice for the whole call.
+    unsafe { recv_iovecs(s.as_raw_fd(), &mut v, progress) }
+}
+
+/// One non-blocking `recv`: Ok(0) is end of stream, WouldBlock when nothing is there.
+pub fn recv_now(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
+    loop {
+        // SAFETY: `buf` is writable for its length.
+        let r = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+        if r >= 0 {
+            return Ok(r as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// One non-blocking `send`: how many bytes went out (WouldBlock when none could).
+pub fn send_now(fd: RawFd, buf: &[u8]) -> io::Result<usize> {
+    loop {
+        // SAFETY: `buf` is readable for its length.
+        let r = unsafe { libc::send(fd, buf.as_ptr().cast(), buf.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        if r >= 0 {
+            return Ok(r as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// Sleep until `fd` is readable (or hung up). No timeout: an idle connection costs nothing.
+pub fn wait_readable(fd: RawFd) -> bool {
+    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    loop {
+        // SAFETY: one valid pollfd.
+        let r = unsafe { libc::poll(&mut p, 1, -1) };
+        if r > 0 {
+            return true;
+        }
+        if r < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+            continue;
+        }
+        return false;
+    }
+}
+
+/// TCP_NODELAY, kernel keepalive (so half-open connections are reaped eventually without any thread of
+/// ours waking), and TCP_USER_TIMEOUT (unacknowledged data for longer than `user_timeout` kills the
+/// connection, which bounds blocked sends when the link is cut).
+pub fn tune(s: &TcpStream, user_timeout: Duration) {
+    let _ = s.set_nodelay(true);
+    let fd = s.as_raw_fd();
+    let set = |level: i32, opt: i32, v: i32| {
+        // SAFETY: setting an int option on a socket we own; failures are ignored (best effort).
+        unsafe { libc::setsockopt(fd, level, opt, (&v as *const i32).cast(), std::mem::size_of::<i32>() as u32) };
+    };
+    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 60);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 10);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3);
+    set(libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, user_timeout.as_millis().clamp(1, i32::MAX as u128) as i32);
+}
+
+/// Addresses of this host's interfaces that are up (IPv4, and IPv6 other than link-local).
+pub fn interface_addrs() -> Vec<IpAddr> {
+    let mut ifap: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: `ifap` is a valid out-pointer; the list is freed below.
+    if unsafe { libc::getifaddrs(&mut ifap) } != 0 {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    let mut p = ifap;
+    while !p.is_null() {
+        // SAFETY: `p` is a node of the list getifaddrs returned, alive until freeifaddrs.
+        let ifa = unsafe { &*p };
+        p = ifa.ifa_next;
+        if ifa.ifa_addr.is_null() || ifa.ifa_flags & libc::IFF_UP as u32 == 0 {
+            continue;
+        }
+        // SAFETY: `ifa_addr` is non-null and points at a sockaddr whose family says its real type.
+        let family = i32::from(unsafe { (*ifa.ifa_addr).sa_family });
+        let ip = match family {
+            libc::AF_INET => {
+                // SAFETY: AF_INET addresses are sockaddr_in.
+                let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+                IpAddr::V4(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)))
+            }
+            libc::AF_INET6 => {
+                // SAFETY: AF_INET6 addresses are sockaddr_in6.
+                let sin6 = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in6) };
+                let ip = Ipv6Addr::from(sin6.sin6_addr.s6_addr);
+                if ip.segments()[0] & 0xffc0 == 0xfe80 {
+                    continue;
+                }
+                IpAddr::V6(ip)
+            }
+            _ => continue,
+        };
+        if !out.contains(&ip) {
+            out.push(ip);
+        }
+    }
+    // SAFETY: freeing the list getifaddrs allocated, once.
+    unsafe { libc::freeifaddrs(ifap) };
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn advance_trims_and_skips() {
+        let a = [0u8; 16];
+        let base = a.as_ptr() as u64;
+        let mut v = [iovec(base, 4), iovec(base, 0), iovec(base + 4, 6)];
+        let i = advance(&mut v, 0, 5);
+        assert_eq!(i, 2);
+        assert_eq!(v[2].iov_len, 5);
+        assert_eq!(v[2].iov_base as u64, base + 5);
+        assert_eq!(advance(&mut v, i, 5), 3);
+    }
+
+    #[test]
+    fn vectored_round_trip_over_a_socket_pair() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        let src: Vec<Vec<u8>> = (0..3000).map(|i| vec![(i % 251) as u8; 100 + i % 7]).collect();
+        let mut dst: Vec<Vec<u8>> = src.iter().map(|s| vec![0u8; s.len()]).collect();
+        let mut diov: Vec<libc::iovec> = dst.iter_mut().map(|d| iovec(d.as_mut_ptr() as u64, d.len() as u64)).collect();
+        let t = std::thread::spawn(move || {
+            let mut siov: Vec<libc::iovec> = src.iter().map(|s| iovec(s.as_ptr() as u64, s.len() as u64)).collect();
+            // SAFETY: `src` is moved into this thread and outlives the call.
+            unsafe { send_iovecs(a.as_raw_fd(), &mut siov, &|| {}) }.unwrap();
+            src
+        });
+        // SAFETY: `dst` is exclusively ours for the call.
+        unsafe { recv_iovecs(b.as_raw_fd(), &mut diov, &|| {}) }.unwrap();
+        assert_eq!(dst, t.join().unwrap());
+    }
+
+    #[test]
+    fn interfaces_include_something() {
+        // Every Linux network namespace has lo; it may be down in a fresh one, so only check the call works.
+        let _ = interface_addrs();
+    }
+}

@@ -1,0 +1,307 @@
+//! Metadata exchange between agents without the application carrying the bytes: NIXL's `send_local_md`,
+//! `send_local_partial_md`, `fetch_remote_md` and `invalidate_local_md`.
+//!
+//! Routing follows NIXL: with a peer address the exchange is peer-to-peer (see `p2p`; gixl's own framed
+//! protocol, see `wire`); without one it goes through etcd when `NIXL_ETCD_ENDPOINTS` is set (see `etcd`),
+//! and is INVALID_PARAM otherwise. (`NIXL_TCPSTORE_ENDPOINT`, NIXL's other store, is recognised but not
+//! implemented: NOT_SUPPORTED.) Every operation returns at once; the I/O happens on background threads and
+//! its failures are logged to stderr, as NIXL does.
+//!
+//! Differences from NIXL, on purpose: fetching needs no listener on the fetching side (the reply comes back
+//! on the request's connection), and nothing polls: threads sleep until a socket or a request wakes them.
+//!
+//! This module never touches agent state directly; it goes through `Host`, which the agent implements.
+
+mod etcd;
+mod http;
+mod json;
+mod p2p;
+pub mod wire;
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::status::{Error, Result};
+use etcd::Etcd;
+use p2p::P2p;
+
+/// A warning from a background thread, where there is no caller to return an error to.
+macro_rules! log {
+    ($($t:tt)*) => { eprintln!("gixl WARN metadata exchange: {}", format_args!($($t)*)) };
+}
+pub(crate) use log;
+
+/// What the exchange needs from its agent. Calls fail once the agent is gone.
+pub(crate) trait Host: Send + Sync + 'static {
+    fn name(&self) -> String;
+    fn load(&self, blob: &[u8]) -> Result<String>;
+    fn invalidate(&self, name: &str) -> Result<()>;
+    fn full_md(&self) -> Result<Vec<u8>>;
+    fn loaded_incarnation(&self, name: &str) -> Option<u128>;
+    /// The agent is being destroyed (background threads stop quietly).
+    fn closing(&self) -> bool;
+}
+
+/// Where one operation goes.
+pub(crate) enum Route {
+    Peer(SocketAddr),
+    Store,
+}
+
+pub(crate) struct Mdx {
+    host: Arc<dyn Host>,
+    listener: Option<Arc<P2p>>,
+    /// Started on first use when there is no listener.
+    outbound: Mutex<Option<Arc<P2p>>>,
+    etcd: Option<Etcd>,
+    tcpstore: bool,
+}
+
+impl Mdx {
+    /// Reads `NIXL_ETCD_ENDPOINTS`, `NIXL_ETCD_NAMESPACE` and `NIXL_TCPSTORE_ENDPOINT`; with `listen`, binds
+    /// the listener (port 0: any free port) and prints the port it got.
+    pub fn new(host: Arc<dyn Host>, listen: Option<u16>) -> Result<Mdx> {
+        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+        let (etcd_eps, tcpstore) = (env("NIXL_ETCD_ENDPOINTS"), env("NIXL_TCPSTORE_ENDPOINT"));
+        if etcd_eps.is_some() && tcpstore.is_some() {
+            return Err(Error::invalid_param("NIXL_ETCD_ENDPOINTS and NIXL_TCPSTORE_ENDPOINT are mutually exclusive"));
+        }
+        let listener = match listen {
+            Some(port) => {
+                let l = Arc::new(P2p::start(host.clone(), Some(port))?);
+                if let Some(p) = l.port() {
+                    // Scripts parse this line to learn an ephemeral port (also: `Agent::listen_port`).
+                    eprintln!("gixl INFO: MD listener is listening on port {p}");
+                }
+                Some(l)
+            }
+            None => None,
+        };
+        let etcd = match etcd_eps {
+            Some(eps) => Some(Etcd::start(&eps, env("NIXL_ETCD_NAMESPACE"), host.clone())?),
+            None => None,
+        };
+        Ok(Mdx { host, listener, outbound: Mutex::new(None), etcd, tcpstore: tcpstore.is_some() })
+    }
+
+    pub fn listen_port(&self) -> Option<u16> {
+        self.listener.as_ref().and_then(|l| l.port())
+    }
+
+    /// Decide the route as NIXL does. `Ok(None)`: an address that does not parse, which NIXL only logs.
+    pub fn route(&self, ip: &str, port: u16) -> Result<Option<Route>> {
+        let ip = ip.trim();
+        if !ip.is_empty() {
+            return match ip.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>() {
+                Ok(a) => Ok(Some(Route::Peer(SocketAddr::new(a, port)))),
+                Err(_) => {
+                    log!("'{ip}' is not an IP address; nothing sent");
+                    Ok(None)
+                }
+            };
+        }
+        if self.etcd.is_some() {
+            return Ok(Some(Route::Store));
+        }
+        if self.tcpstore {
+            return Err(Error::not_supported("NIXL_TCPSTORE_ENDPOINT is set, but gixl implements only etcd as a metadata store"));
+        }
+        Err(Error::invalid_param(
+            "no peer address provided and no centralized store configured (set NIXL_ETCD_ENDPOINTS)",
+        ))
+    }
+
+    fn p2p(&self) -> Result<Arc<P2p>> {
+        if let Some(l) = &self.listener {
+            return Ok(l.clone());
+        }
+        let mut o = self.outbound.lock();
+        if let Some(p) = &*o {
+            return Ok(p.clone());
+        }
+        let p = Arc::new(P2p::start(self.host.clone(), None)?);
+        *o = Some(p.clone());
+        Ok(p)
+    }
+
+    fn store(&self) -> Result<&Etcd> {
+        self.etcd.as_ref().ok_or_else(|| Error::invalid_param("no metadata store configured"))
+    }
+
+    /// Publish metadata: LOAD to a peer, or a put under `label` (default "metadata") in etcd.
+    pub fn send(&self, route: Route, label: &str, md: Vec<u8>) -> Result<()> {
+        match route {
+            Route::Peer(to) => self.p2p()?.send(to, wire::encode(&wire::Msg::Load(&md))),
+            Route::Store => self.store()?.send(if label.is_empty() { etcd::DEFAULT_LABEL } else { label }, md),
+        }
+        Ok(())
+    }
+
+    pub fn fetch(&self, route: Route, name: &str, label: &str) -> Result<()> {
+        match route {
+            Route::Peer(to) => self.p2p()?.send(to, wire::encode(&wire::Msg::Send(name))),
+            Route::Store => self.store()?.fetch(name, if label.is_empty() { etcd::DEFAULT_LABEL } else { label }),
+        }
+        Ok(())
+    }
+
+    pub fn invalidate_local(&self, route: Route) -> Result<()> {
+        match route {
+            Route::Peer(to) => self.p2p()?.send(to, wire::encode(&wire::Msg::Invl(&self.host.name()))),
+            Route::Store => self.store()?.invalidate_local(),
+        }
+        Ok(())
+    }
+
+    /// Deliver what is queued (bounded), then stop every thread.
+    pub fn shutdown(&self) {
+        if let Some(l) = &self.listener {
+            l.shutdown();
+        }
+        if let Some(o) = self.outbound.lock().take() {
+            o.shutdown();
+        }
+        if let Some(e) = &self.etcd {
+            e.shutdown();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    use std::time::{Duration, Instant};
+
+    use crate::mem::{Desc, MemType, RegDList, RegDesc, XferDList};
+    use crate::status::Status;
+    use crate::{Agent, AgentConfig, Params};
+
+    fn agent(name: &str, listen: bool) -> Agent {
+        let cfg = AgentConfig { listen_thread: listen, listen_port: 0, ..Default::default() };
+        let a = Agent::new(name, cfg).unwrap();
+        a.create_backend("UCX", &Params::new()).unwrap();
+        a
+    }
+
+    fn one(buf: &[u8]) -> RegDList {
+        RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0), meta: vec![] }])
+    }
+
+    fn xl(buf: &[u8]) -> XferDList {
+        XferDList::with_descs(MemType::Dram, vec![Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0)])
+    }
+
+    /// Poll until `f` holds; returns how long it took.
+    fn until(what: &str, f: impl Fn() -> bool) -> Duration {
+        let t = Instant::now();
+        while !f() {
+            assert!(t.elapsed() < Duration::from_secs(10), "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        t.elapsed()
+    }
+
+    #[test]
+    fn fetch_send_partial_and_invalidate_through_a_listener() {
+        let b = agent("p2p-B", true);
+        let port = b.listen_port().expect("listening");
+        assert_ne!(port, 0);
+        // The fetching side has no listener at all.
+        let a = agent("p2p-A", false);
+        assert_eq!(a.listen_port(), None);
+        let (ba, bb) = (vec![1u8; 4096], vec![2u8; 4096]);
+        b.register_mem(&one(&ba), &[]).unwrap();
+        a.fetch_remote_md("p2p-B", "127.0.0.1", port, "").unwrap();
+        let took = until("fetch", || a.check_remote_md("p2p-B", &xl(&ba)).is_ok());
+        assert!(took < Duration::from_secs(2), "{took:?}");
+
+        // send: B learns A.
+        a.send_local_md("127.0.0.1", port).unwrap();
+        until("send", || b.check_remote_md("p2p-A", &XferDList::new(MemType::Dram)).is_ok());
+
+        // Partial metadata: connection info with one region, then a second region alone.
+        let c = agent("p2p-C", false);
+        let (c1, c2) = (vec![3u8; 4096], vec![4u8; 8192]);
+        c.register_mem(&one(&c1), &[]).unwrap();
+        c.register_mem(&one(&c2), &[]).unwrap();
+        c.send_local_partial_md(&one(&c1), true, &[], "127.0.0.1", port, "ignored").unwrap();
+        until("partial 1", || b.check_remote_md("p2p-C", &xl(&c1)).is_ok());
+        assert_eq!(b.check_remote_md("p2p-C", &xl(&c2)).unwrap_err().status(), Status::NotFound);
+        c.send_local_partial_md(&one(&c2), false, &[], "127.0.0.1", port, "").unwrap();
+        until("partial 2", || b.check_remote_md("p2p-C", &xl(&c2)).is_ok());
+
+        // invalidate: B forgets A, and only A.
+        a.invalidate_local_md("127.0.0.1", port).unwrap();
+        until("invalidate", || b.check_remote_md("p2p-A", &XferDList::new(MemType::Dram)).is_err());
+        assert!(b.check_remote_md("p2p-C", &xl(&c2)).is_ok());
+        drop(bb);
+    }
+
+    #[test]
+    fn nixl_routing_and_argument_errors() {
+        let a = agent("p2p-route", false);
+        // No address and no store: INVALID_PARAM, synchronously.
+        if std::env::var_os("NIXL_ETCD_ENDPOINTS").is_none() {
+            assert_eq!(a.send_local_md("", 0).unwrap_err().status(), Status::InvalidParam);
+            assert_eq!(a.fetch_remote_md("x", "", 0, "").unwrap_err().status(), Status::InvalidParam);
+            assert_eq!(a.invalidate_local_md("", 0).unwrap_err().status(), Status::InvalidParam);
+        }
+        // A bad address or a dead port is only logged.
+        a.send_local_md("not-an-ip", 1).unwrap();
+        a.send_local_md("127.0.0.1", 1).unwrap();
+        a.invalidate_local_md("127.0.0.1", 1).unwrap();
+        assert_eq!(a.fetch_remote_md("", "127.0.0.1", 1, "").unwrap_err().status(), Status::InvalidParam);
+        assert_eq!(a.fetch_remote_md("p2p-route", "127.0.0.1", 1, "").unwrap_err().status(), Status::InvalidParam);
+        // Without a remote-capable backend there is no metadata: the error comes back at once.
+        let bare = Agent::new("p2p-bare", AgentConfig::default()).unwrap();
+        assert_eq!(bare.send_local_md("127.0.0.1", 1).unwrap_err().status(), Status::InvalidParam);
+    }
+
+    #[test]
+    fn a_wrong_name_loads_nothing_and_garbage_closes_only_its_connection() {
+        let b = agent("p2p-named", true);
+        let port = b.listen_port().unwrap();
+        // Garbage (NIXL's own protocol, say) is refused and the connection closed.
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(b"\x0d\0\0\0\0\0\0\0NIXLCOMM:SEND").unwrap();
+        let mut r = Vec::new();
+        assert_eq!(s.read_to_end(&mut r).unwrap_or(0), 0);
+        // A request for another agent's name gets an error frame, not metadata.
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(&super::wire::encode(&super::wire::Msg::Send("someone-else"))).unwrap();
+        let mut head = [0u8; super::wire::HEADER];
+        s.read_exact(&mut head).unwrap();
+        assert_eq!(head[4], 4, "ERR frame");
+        // The listener still serves everyone else.
+        let a = agent("p2p-asker", false);
+        a.fetch_remote_md("someone-else", "127.0.0.1", port, "").unwrap();
+        a.fetch_remote_md("p2p-named", "127.0.0.1", port, "").unwrap();
+        until("fetch", || a.check_remote_md("p2p-named", &XferDList::new(MemType::Dram)).is_ok());
+        assert!(a.check_remote_md("someone-else", &XferDList::new(MemType::Dram)).is_err());
+    }
+
+    #[test]
+    fn a_taken_port_fails_agent_creation() {
+        let l = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let cfg = AgentConfig { listen_thread: true, listen_port: port, ..Default::default() };
+        assert!(Agent::new("p2p-taken", cfg).is_err());
+    }
+
+    #[test]
+    fn queued_invalidation_goes_out_when_the_agent_is_dropped() {
+        let b = agent("p2p-keeper", true);
+        let port = b.listen_port().unwrap();
+        let a = agent("p2p-leaver", false);
+        a.send_local_md("127.0.0.1", port).unwrap();
+        until("load", || b.check_remote_md("p2p-leaver", &XferDList::new(MemType::Dram)).is_ok());
+        a.invalidate_local_md("127.0.0.1", port).unwrap();
+        drop(a);
+        until("invalidate", || b.check_remote_md("p2p-leaver", &XferDList::new(MemType::Dram)).is_err());
+    }
+}
