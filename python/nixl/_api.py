@@ -666,10 +666,18 @@ class nixl_agent:
 
     def release_xfer_handle(self, handle: nixl_xfer_handle):
         """Release a transfer handle (aborts an active transfer, or raises)."""
+        if handle._agent is not self.agent:
+            # Another agent's handle: hand it to *this* agent, as NIXL does, which refuses it (NIXL: undefined
+            # behaviour); releasing it on its owner would free a handle the owner still uses.
+            self.agent.releaseXferReq(handle._handle)
+            return
         handle.release()
 
     def release_dlist_handle(self, handle: nixl_prepped_dlist_handle):
         """Release a prepared descriptor list handle (idempotent)."""
+        if handle._agent is not self.agent:
+            self.agent.releasedDlistH(handle._handle)  # another agent's handle: see release_xfer_handle
+            return
         handle.release()
 
     def prep_mem_view(

@@ -8,9 +8,12 @@ Bytes travel as {"__b": "<hex>"}. Every request gets exactly one reply:
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 
@@ -41,14 +44,18 @@ class Peer:
         return self.next_id
 
     # -- setup -----------------------------------------------------------
-    def init(self, name, size=0, fill="zeros", mem="DRAM", telemetry=False, sync_mode=None):
+    def init(self, name, size=0, fill="zeros", mem="DRAM", telemetry=False, sync_mode=None, fixed_addr=0):
         cfg = {"capture_telemetry": telemetry}
         if sync_mode:
             cfg["sync_mode"] = getattr(api.nixl_thread_sync_t, sync_mode)
         self.agent = api.nixl_agent(name, api.nixl_agent_config(**cfg))
         out = {"name": self.agent.name, "addr": 0, "size": size}
         if size:
-            if fill == "arange":
+            if fixed_addr:
+                # the same virtual address in every incarnation (the fault suite's same-VA restart)
+                self.buf = _map_fixed(fixed_addr, size)
+                self.buf[:] = 0 if fill == "zeros" else int(fill)
+            elif fill == "arange":
                 self.buf = (np.arange(size, dtype=np.uint64) % 251).astype(np.uint8)
             else:
                 self.buf = np.full(size, 0 if fill == "zeros" else int(fill), dtype=np.uint8)
@@ -135,6 +142,150 @@ class Peer:
         dl = self.agent.get_xfer_descs([tuple(int(x) for x in r) for r in rows], mem)
         return self.agent.get_serialized_descs(dl)
 
+    # -- fault injection (test_faults.py / fault_matrix.py) ----------------------
+    def kill_during_xfer(self, xid, pid, delay=0.002, sig=9, timeout=30.0):
+        """Post while a timer thread signals ``pid`` (the peer) ``delay`` s later, so the kill lands while the
+        transfer runs (inside transfer() when it copies inline); poll to the end. Returns the post status or
+        exception, the final state or exception, and the seconds from the kill to the final answer."""
+        killed = []
+
+        def killer():
+            time.sleep(delay)
+            os.kill(pid, sig)
+            killed.append(time.monotonic())
+
+        t = threading.Thread(target=killer)
+        t.start()
+        out = {"post": None, "final": None, "s": None}
+        try:
+            out["post"] = self.agent.transfer(self.xfers[xid])
+        except Exception as exc:
+            out["post"] = type(exc).__name__
+        t.join()
+        if out["post"] in ("DONE", "PROC"):
+            try:
+                states = self.wait(xid, timeout=timeout)
+                out["final"] = "hang (PROC)" if states[-1] == "PROC" else states[-1]
+            except Exception as exc:
+                out["final"] = type(exc).__name__
+        out["s"] = time.monotonic() - killed[0]
+        return out
+
+    def remove_during_xfer(self, xid, name, delay=0.0, timeout=10.0):
+        """remove_remote_agent from a second thread ``delay`` s after the post starts (so it lands inside an
+        inline transfer() or while the transfer is in progress); poll to the end."""
+        out = {"post": None, "remove": None, "poll": None}
+
+        def remover():
+            if delay:
+                time.sleep(delay)
+            try:
+                self.agent.remove_remote_agent(name)
+                out["remove"] = "ok"
+            except Exception as exc:
+                out["remove"] = type(exc).__name__
+
+        t = threading.Thread(target=remover)
+        t.start()
+        try:
+            out["post"] = self.agent.transfer(self.xfers[xid])
+        except Exception as exc:
+            out["post"] = type(exc).__name__
+            t.join(timeout)
+            return out
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                s = self.agent.check_xfer_state(self.xfers[xid])
+                if s != "PROC":
+                    out["poll"] = s
+                    break
+                if time.monotonic() > deadline:
+                    out["poll"] = "hang (PROC)"
+                    break
+        except Exception as exc:
+            out["poll"] = type(exc).__name__
+        t.join(timeout)
+        if t.is_alive():
+            out["remove"] = "hang"
+        return out
+
+    def add_remove_storm(self, md, name, threads=4, iters=50):
+        """Threads adding and removing the same peer concurrently; counts of each outcome."""
+        counts = {}
+        lock = threading.Lock()
+
+        def worker(k):
+            for i in range(iters):
+                try:
+                    if (i + k) % 2:
+                        self.agent.add_remote_agent(md)
+                        what = "add:ok"
+                    else:
+                        self.agent.remove_remote_agent(name)
+                        what = "remove:ok"
+                except Exception as exc:
+                    what = f"{'add' if (i + k) % 2 else 'remove'}:{type(exc).__name__}"
+                with lock:
+                    counts[what] = counts.get(what, 0) + 1
+
+        ts = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        if any(t.is_alive() for t in ts):
+            counts["hang"] = 1
+        return counts
+
+    def soak_cycles(self, name, raddr, n, blk=4096, nb=8):
+        """``n`` cycles of register -> prep both sides -> make READ -> transfer -> wait -> release everything ->
+        deregister, against the loaded peer ``name`` (its buffer at ``raddr``). Returns how many ended DONE."""
+        done = 0
+        for _ in range(n):
+            buf = np.zeros(blk * nb, dtype=np.uint8)
+            reg = self.agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+            loc = self.agent.prep_xfer_dlist("", [(buf.ctypes.data + i * blk, blk, 0) for i in range(nb)], "DRAM")
+            rem = self.agent.prep_xfer_dlist(name, [(raddr + i * blk, blk, 0) for i in range(nb)], "DRAM")
+            x = self.agent.make_prepped_xfer("READ", loc, list(range(nb)), rem, list(range(nb)), notif_msg=b"soak")
+            s = self.agent.transfer(x)
+            while s == "PROC":
+                s = self.agent.check_xfer_state(x)
+            done += s == "DONE"
+            self.agent.release_xfer_handle(x)
+            self.agent.release_dlist_handle(loc)
+            self.agent.release_dlist_handle(rem)
+            self.agent.deregister_memory(reg)
+        return done
+
+    def drain_notifs(self):
+        return sum(len(v) for v in self.agent.get_new_notifs().values())
+
+    def digest(self):
+        return hashlib.sha256(memoryview(self.buf)).hexdigest()
+
+    def rss_fds(self):
+        rss = 0
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1])
+        return {"rss_kb": rss, "fds": len(os.listdir("/proc/self/fd"))}
+
+    def release_all(self):
+        for h in self.xfers.values():
+            try:
+                self.agent.release_xfer_handle(h)
+            except Exception:
+                pass
+        for h in self.dlists.values():
+            try:
+                self.agent.release_dlist_handle(h)
+            except Exception:
+                pass
+        self.xfers.clear()
+        self.dlists.clear()
+
     # -- memory ----------------------------------------------------------------
     def read_buf(self, off=0, length=None):
         end = len(self.buf) if length is None else off + length
@@ -144,6 +295,19 @@ class Peer:
         end = len(self.buf) if length is None else off + length
         self.buf[off:end] = value
         return None
+
+
+def _map_fixed(addr, size):
+    """Anonymous mapping at exactly ``addr`` (MAP_FIXED_NOREPLACE), viewed as a uint8 array."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    prot = 0x1 | 0x2  # PROT_READ | PROT_WRITE
+    flags = 0x02 | 0x20 | 0x100000  # MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE
+    p = libc.mmap(addr, size, prot, flags, -1, 0)
+    if p is None or p == ctypes.c_void_p(-1).value or p != addr:
+        raise OSError(ctypes.get_errno(), f"mmap at {addr:#x} gave {p!r}")
+    return np.frombuffer((ctypes.c_uint8 * size).from_address(p), dtype=np.uint8)
 
 
 def main():

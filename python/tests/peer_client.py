@@ -27,20 +27,22 @@ class PeerError(Exception):
 
 
 class PeerDied(Exception):
-    pass
+    """The child exited; ``.rc`` is its exit status (negative: killed by that signal)."""
+
+    rc = None
 
 
 class PeerProcess:
-    def __init__(self, label, impl, bindings, tmp_path):
+    def __init__(self, label, impl, bindings, tmp_path, python=None, env=None):
         self.label = label
         self.log_path = os.path.join(str(tmp_path), f"{label}-{os.getpid()}-{time.monotonic_ns()}.log")
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, PEER_SCRIPT],
+            [python or sys.executable, PEER_SCRIPT],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
-            env=_impl.child_env(impl, bindings),
+            env={**_impl.child_env(impl, bindings), **(env or {})},
             cwd=os.path.dirname(PEER_SCRIPT),
         )
         self._sel = selectors.DefaultSelector()
@@ -69,8 +71,13 @@ class PeerProcess:
                 continue
             chunk = os.read(self.proc.stdout.fileno(), 65536)
             if not chunk:
-                rc = self.proc.poll()
-                raise PeerDied(f"peer {self.label} exited (rc={rc})\n{self.log_tail()}")
+                try:
+                    rc = self.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    rc = None
+                err = PeerDied(f"peer {self.label} exited (rc={rc})\n{self.log_tail()}")
+                err.rc = rc
+                raise err
             self._buf += chunk
         line, self._buf = self._buf.split(b"\n", 1)
         return line

@@ -76,6 +76,13 @@ pub extern "C" fn nixl_capi_make_xfer_req(
         let r = DLIST_HANDLES.get(remote_descs, "remote_descs")?;
         l.check_owner(&a)?;
         r.check_owner(&a)?;
+        // Before reading either array: a count the other side does not match is refused without touching (or
+        // allocating for) memory the caller may not have.
+        if local_indices_count != remote_indices_count {
+            Err(Fail::invalid(format!(
+                "local_indices has {local_indices_count} entries, remote_indices {remote_indices_count}"
+            )))?;
+        }
         let li: Vec<i64> = ints_arg(local_indices, local_indices_count, "local_indices")?.iter().map(|&i| i as i64).collect();
         let ri: Vec<i64> = ints_arg(remote_indices, remote_indices_count, "remote_indices")?.iter().map(|&i| i as i64).collect();
         let opts = opt_args::xfer_opts(opt_args, &a)?;
