@@ -367,7 +367,8 @@ impl Backend for Engine {
     }
 
     fn caps(&self) -> Caps {
-        Caps { local: true, remote: true, notif: true, mems: vec![MemType::Dram] }
+        // VRAM is advertised as NIXL's UCX plugin does; registering it fails until the `cuda` feature lands.
+        Caps { local: true, remote: true, notif: true, mems: vec![MemType::Dram, MemType::Vram] }
     }
 
     fn params(&self) -> Params {
@@ -375,6 +376,9 @@ impl Backend for Engine {
     }
 
     fn register(&self, mem: MemType, desc: &RegDesc) -> Result<LocalRegion> {
+        if mem == MemType::Vram {
+            return Err(Error::not_supported("VRAM needs GPU support (the `cuda` feature), which this build lacks"));
+        }
         if mem != MemType::Dram {
             return Err(Error::not_supported(format!("{} is not supported by this engine", mem.seg_name())));
         }
