@@ -63,6 +63,14 @@ py_gixl() { GIXL_TEST_INSTALLED=1 .venv/gixl/bin/python -m pytest -q python/test
 py_nixl() { .venv/nixl/bin/python -m pytest -q python/tests --impl nixl_cu12 -p no:cacheprovider; }
 stubs() { PATH="$root/.venv/gixl/bin:$PATH" python/scripts/stubtest.sh; }
 demo() { timeout 300 .venv/gixl/bin/python examples/kv_demo.py; }
+vllm_sequence() {
+    # consumers.md §1.13: the same script must print the same lines on gixl and on NIXL.
+    local out="$root/target/vllm-sequence"
+    mkdir -p "$out"
+    timeout 120 .venv/nixl/bin/python examples/vllm_sequence.py --impl nixl_cu12 >"$out/nixl.txt" 2>"$out/nixl.err" || return 1
+    timeout 120 .venv/gixl/bin/python examples/vllm_sequence.py --impl nixl >"$out/gixl.txt" 2>"$out/gixl.err" || return 1
+    diff -u "$out/nixl.txt" "$out/gixl.txt" && echo "$(wc -l <"$out/gixl.txt") lines, identical"
+}
 valgrind_c() { scripts/valgrind.sh; }
 soak_quick() { GIXL_TEST_INSTALLED=1 timeout 300 .venv/gixl/bin/python python/tests/soak.py --quick; }
 
@@ -75,6 +83,7 @@ step "Python conformance vs gixl" py_gixl
 step "Python conformance vs NIXL 1.5.1" py_nixl
 step "type stubs (mypy.stubtest)" stubs
 step "two-process demo" demo
+step "vLLM call sequence: same output on gixl and NIXL" vllm_sequence
 step "C tests under valgrind (memcheck)" valgrind_c
 step "soak: 1000 cycles, 20 peer restarts, RSS and fds flat" soak_quick
 
