@@ -96,7 +96,8 @@ def _as_indices(indices: Any) -> np.ndarray:
     if isinstance(indices, np.ndarray):
         if indices.ndim != 1:
             raise ValueError("index arrays must be one-dimensional")
-        if indices.dtype == np.int64 and indices.flags.c_contiguous:
+        if indices.dtype.kind in "iu" and indices.dtype.isnative:
+            # Any integer type and layout: the bindings read it in place (no conversion copy per call).
             return indices
         return np.ascontiguousarray(indices, dtype=np.int64)
     arr = np.asarray(indices if not isinstance(indices, range) else list(indices))

@@ -115,9 +115,7 @@ fn indices(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
             return Ok(s.to_vec());
         }
         // Values outside i64 cannot be valid indices; saturate so the core reports them as out of range.
-        return Ok((0..v.shape[0])
-            .map(|i| v.get(&[i]).clamp(i64::MIN as i128, i64::MAX as i128) as i64)
-            .collect());
+        return Ok(v.to_i64_vec());
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(PyTypeError::new_err(

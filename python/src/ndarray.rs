@@ -42,8 +42,97 @@ pub(crate) struct ArrayView<'py> {
     pub c_contiguous: bool,
 }
 
+/// `Py_buffer` as CPython lays it out (unchanged since 3.3; part of the stable ABI from 3.11). Declared here
+/// because pyo3 exposes it only from 3.11 in abi3 builds; `PyObject_GetBuffer` is exported by 3.10 too.
+#[repr(C)]
+struct RawBuffer {
+    buf: *mut std::ffi::c_void,
+    obj: *mut pyo3::ffi::PyObject,
+    len: pyo3::ffi::Py_ssize_t,
+    itemsize: pyo3::ffi::Py_ssize_t,
+    readonly: std::ffi::c_int,
+    ndim: std::ffi::c_int,
+    format: *mut std::ffi::c_char,
+    shape: *mut pyo3::ffi::Py_ssize_t,
+    strides: *mut pyo3::ffi::Py_ssize_t,
+    suboffsets: *mut pyo3::ffi::Py_ssize_t,
+    internal: *mut std::ffi::c_void,
+}
+
+extern "C" {
+    fn PyObject_GetBuffer(obj: *mut pyo3::ffi::PyObject, view: *mut RawBuffer, flags: std::ffi::c_int) -> std::ffi::c_int;
+    fn PyBuffer_Release(view: *mut RawBuffer);
+}
+
+/// PyBUF_STRIDES | PyBUF_FORMAT, read-only.
+const PYBUF_RECORDS_RO: std::ffi::c_int = 0x0010 | 0x0008 | 0x0004;
+
+/// The element type of a native-order buffer format ("i", "<q", "=l", ...); `None` for anything else.
+fn parse_format(f: &[u8], itemsize: usize) -> Option<Kind> {
+    let f = match f {
+        [b'@' | b'=', rest @ ..] => rest,
+        [b'<', rest @ ..] if cfg!(target_endian = "little") => rest,
+        [b'>' | b'!', rest @ ..] if cfg!(target_endian = "big") => rest,
+        _ => f,
+    };
+    let kind = match f {
+        [b'b' | b'h' | b'i' | b'l' | b'q' | b'n'] => Kind::Int,
+        [b'B' | b'H' | b'I' | b'L' | b'Q' | b'N'] => Kind::UInt,
+        [b'f' | b'd'] => Kind::Float,
+        [b'?'] => Kind::Bool,
+        _ => return None,
+    };
+    let ok = match kind {
+        Kind::Int | Kind::UInt => matches!(itemsize, 1 | 2 | 4 | 8),
+        Kind::Float => matches!(itemsize, 4 | 8),
+        Kind::Bool => itemsize == 1,
+    };
+    ok.then_some(kind)
+}
+
 impl<'py> ArrayView<'py> {
+    /// Through the buffer protocol (no dict per call); `None` when the object does not offer a plain buffer
+    /// of a supported element type (then `__array_interface__` decides, with its error messages).
+    fn from_buffer(arr: &Bound<'py, PyAny>) -> Option<ArrayView<'py>> {
+        let mut b = std::mem::MaybeUninit::<RawBuffer>::zeroed();
+        // SAFETY: `arr` is a live object and we are attached to the interpreter; on success the buffer is
+        // released below, after its fields are copied out. On failure the error is cleared.
+        unsafe {
+            if PyObject_GetBuffer(arr.as_ptr(), b.as_mut_ptr(), PYBUF_RECORDS_RO) != 0 {
+                pyo3::ffi::PyErr_Clear();
+                return None;
+            }
+            let b = b.assume_init_mut();
+            let itemsize = b.itemsize.max(0) as usize;
+            let ndim = b.ndim.max(0) as usize;
+            let kind = if b.format.is_null() || !b.suboffsets.is_null() {
+                None
+            } else {
+                parse_format(std::ffi::CStr::from_ptr(b.format).to_bytes(), itemsize)
+            };
+            let out = kind.and_then(|kind| {
+                if ndim > 0 && b.shape.is_null() {
+                    return None;
+                }
+                let shape: Vec<usize> = (0..ndim).map(|i| *b.shape.add(i) as usize).collect();
+                let c_strides = c_order_strides(&shape, itemsize);
+                let strides: Vec<isize> = if b.strides.is_null() {
+                    c_strides.clone()
+                } else {
+                    (0..ndim).map(|i| *b.strides.add(i)).collect()
+                };
+                let c_contiguous = shape.iter().zip(strides.iter().zip(&c_strides)).all(|(&n, (a, c))| n <= 1 || a == c);
+                Some(ArrayView { _owner: arr.clone(), data: b.buf as usize, shape, strides, kind, itemsize, c_contiguous })
+            });
+            PyBuffer_Release(b);
+            out
+        }
+    }
+
     pub fn new(arr: &Bound<'py, PyAny>) -> PyResult<ArrayView<'py>> {
+        if let Some(v) = Self::from_buffer(arr) {
+            return Ok(v);
+        }
         let py = arr.py();
         let iface = arr.getattr(pyo3::intern!(py, "__array_interface__"))?;
         let iface = iface.cast::<PyDict>()?;
@@ -103,6 +192,26 @@ impl<'py> ArrayView<'py> {
         // SAFETY: numpy describes `n` contiguous, aligned int64 elements at `data`; `_owner` keeps the array
         // alive for the view's lifetime and the caller is attached to the interpreter.
         Some(unsafe { std::slice::from_raw_parts(self.data as *const i64, n) })
+    }
+
+    /// A one-dimensional array as `i64` values (saturating; floats truncated toward zero), element type
+    /// resolved once rather than per element.
+    pub fn to_i64_vec(&self) -> Vec<i64> {
+        debug_assert_eq!(self.shape.len(), 1);
+        let (n, st) = (self.shape[0], self.strides[0]);
+        fn read<T: Copy>(base: usize, n: usize, st: isize, f: impl Fn(T) -> i64) -> Vec<i64> {
+            // SAFETY: `n` elements of type `T` at `base + i * st`, inside the array numpy describes, kept alive
+            // by the view's owner; unaligned reads are allowed.
+            (0..n).map(|i| f(unsafe { ((base as isize + i as isize * st) as *const T).read_unaligned() })).collect()
+        }
+        let sat = |v: i128| v.clamp(i64::MIN as i128, i64::MAX as i128) as i64;
+        match (self.kind, self.itemsize) {
+            (Kind::Int, 4) => read::<i32>(self.data, n, st, i64::from),
+            (Kind::Int, 8) => read::<i64>(self.data, n, st, |v| v),
+            (Kind::UInt, 4) => read::<u32>(self.data, n, st, i64::from),
+            (Kind::UInt, 8) => read::<u64>(self.data, n, st, |v| sat(v as i128)),
+            _ => (0..n).map(|i| sat(self.get(&[i]))).collect(),
+        }
     }
 
     /// Element `idx` (one index per dimension, each in bounds) converted to `i128`; floats are truncated

@@ -28,6 +28,7 @@ const KIND_HELLO: u8 = 1;
 const KIND_NOTIF: u8 = 2;
 
 const TOKEN_WAKE: u64 = 0;
+/// In the progress thread's epoll set: the local epoll set (`Local::epfd`); inside that set: the listener.
 const TOKEN_LISTEN: u64 = 1;
 const TOKEN_CONN: u64 = 1 << 32;
 const TOKEN_PIDFD: u64 = 2 << 32;
@@ -44,6 +45,10 @@ pub struct Ctrl {
     watches: Arc<Mutex<HashMap<u64, Arc<AtomicBool>>>>,
     next_watch: AtomicU64,
     thread: Mutex<Option<JoinHandle<()>>>,
+    local: Arc<Mutex<Local>>,
+    /// When the application last called `drain` (monotonic ns): while it polls, the progress thread leaves
+    /// the local sockets to it.
+    last_poll: Arc<AtomicU64>,
 }
 
 impl Ctrl {
@@ -68,7 +73,22 @@ impl Ctrl {
         // SAFETY: `wake` is a fresh descriptor we own.
         let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(wake) });
         epoll_add(epfd.as_raw_fd(), wake.as_raw_fd(), TOKEN_WAKE)?;
-        epoll_add(epfd.as_raw_fd(), listener.as_raw_fd(), TOKEN_LISTEN)?;
+        // The notification listener and its connections live in their own epoll set, itself watched by the
+        // progress thread: whichever thread gets there first (the progress thread, or the application's
+        // `notifs` poll through `drain`) reads them, under one lock, so a polling application does not wait
+        // for the progress thread to be scheduled.
+        // SAFETY: plain syscall; result checked before use.
+        let local_fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if local_fd < 0 {
+            return Err(Error::os(Status::Backend, "epoll_create1", io::Error::last_os_error()));
+        }
+        // SAFETY: `local_fd` is a fresh descriptor we own.
+        let local_fd = unsafe { OwnedFd::from_raw_fd(local_fd) };
+        epoll_add(local_fd.as_raw_fd(), listener.as_raw_fd(), TOKEN_LISTEN)?;
+        let local_raw = local_fd.as_raw_fd();
+        local_arm(epfd.as_raw_fd(), local_raw, libc::EPOLL_CTL_ADD)?;
+        let last_poll = Arc::new(AtomicU64::new(0));
+        let local = Arc::new(Mutex::new(Local { epfd: local_fd, listener, incarnation, queue: queue.clone(), conns: HashMap::new(), next_conn: 0 }));
         let tcp = TcpProgress::new(setup, incarnation, queue.clone(), epfd.clone(), wake.clone())?;
         let tcp_shared = tcp.shared.clone();
 
@@ -78,11 +98,10 @@ impl Ctrl {
             epfd: epfd.clone(),
             wake: wake.clone(),
             stop: stop.clone(),
-            listener,
-            incarnation,
-            queue,
-            conns: HashMap::new(),
-            next_conn: 0,
+            local: local.clone(),
+            local_fd: local_raw,
+            last_poll: last_poll.clone(),
+            rearm_at: None,
             watches: watches.clone(),
             tcp,
         };
@@ -99,7 +118,18 @@ impl Ctrl {
             watches,
             next_watch: AtomicU64::new(0),
             thread: Mutex::new(Some(thread)),
+            local,
+            last_poll,
         })
+    }
+
+    /// Read whatever the local notification connections hold now (non-blocking) into the queue. Called by
+    /// the application's `notifs` poll; costs one `epoll_wait` when nothing is pending.
+    pub fn drain(&self) {
+        self.last_poll.store(crate::util::monotonic_ns(), Ordering::Relaxed);
+        if let Some(mut l) = self.local.try_lock() {
+            l.drain();
+        }
     }
 
     /// Watch a peer's pidfd; `dead` is set when the process exits. Returns a token for `unwatch`.
@@ -173,7 +203,15 @@ impl Sender {
         let mut head = [0u8; 5];
         head[..4].copy_from_slice(&((body.len() + 1) as u32).to_le_bytes());
         head[4] = kind;
-        let r = self.stream.write_all(&head).and_then(|_| self.stream.write_all(body));
+        // One write (one wake-up of the reader) for the usual small message.
+        let r = if body.len() <= 64 * 1024 {
+            let mut frame = Vec::with_capacity(5 + body.len());
+            frame.extend_from_slice(&head);
+            frame.extend_from_slice(body);
+            self.stream.write_all(&frame)
+        } else {
+            self.stream.write_all(&head).and_then(|_| self.stream.write_all(body))
+        };
         r.map_err(|e| {
             let st = match e.kind() {
                 io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Status::Backend,
@@ -190,15 +228,25 @@ struct Conn {
     sender: Option<String>,
 }
 
-struct Progress {
-    epfd: Arc<OwnedFd>,
-    wake: Arc<OwnedFd>,
-    stop: Arc<AtomicBool>,
+/// The local notification socket and its connections, shared by the progress thread and `Ctrl::drain`.
+struct Local {
+    epfd: OwnedFd,
     listener: UnixListener,
     incarnation: u128,
     queue: Arc<NotifQueue>,
     conns: HashMap<u64, Conn>,
     next_conn: u64,
+}
+
+struct Progress {
+    epfd: Arc<OwnedFd>,
+    wake: Arc<OwnedFd>,
+    stop: Arc<AtomicBool>,
+    local: Arc<Mutex<Local>>,
+    local_fd: RawFd,
+    last_poll: Arc<AtomicU64>,
+    /// The local set is disarmed (one-shot) while the application polls; re-arm it at this time (ns).
+    rearm_at: Option<u64>,
     watches: Arc<Mutex<HashMap<u64, Arc<AtomicBool>>>>,
     tcp: TcpProgress,
 }
@@ -208,7 +256,17 @@ impl Progress {
         let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
         while !self.stop.load(Ordering::Acquire) {
             // -1 (sleep until an event) unless heartbeats or handshake deadlines are pending.
-            let timeout = self.tcp.tick();
+            let mut timeout = self.tcp.tick();
+            if let Some(at) = self.rearm_at {
+                let now = crate::util::monotonic_ns();
+                if at <= now {
+                    self.rearm_at = None;
+                    let _ = local_arm(self.epfd.as_raw_fd(), self.local_fd, libc::EPOLL_CTL_MOD);
+                } else {
+                    let ms = (at - now).div_ceil(1_000_000) as i32;
+                    timeout = if timeout < 0 { ms } else { timeout.min(ms) };
+                }
+            }
             // SAFETY: `events` has room for 64 entries.
             let n = unsafe { libc::epoll_wait(self.epfd.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, timeout) };
             if n < 0 {
@@ -225,7 +283,18 @@ impl Progress {
                         // SAFETY: reading 8 bytes from our eventfd into `v`.
                         unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
                     }
-                    TOKEN_LISTEN => self.accept(),
+                    TOKEN_LISTEN => {
+                        // One-shot: disarmed now. If the application is polling, it reads the sockets itself
+                        // and this thread stays out of its way (no lock contention, no wake-up per message);
+                        // look again after POLL_GRACE_NS in case it stopped.
+                        let now = crate::util::monotonic_ns();
+                        if now.saturating_sub(self.last_poll.load(Ordering::Relaxed)) < POLL_GRACE_NS {
+                            self.rearm_at = Some(now + POLL_GRACE_NS);
+                        } else {
+                            self.local.lock().drain();
+                            let _ = local_arm(self.epfd.as_raw_fd(), self.local_fd, libc::EPOLL_CTL_MOD);
+                        }
+                    }
                     tcp::TOKEN_LISTEN => self.tcp.on_event(token),
                     t if t >= tcp::TOKEN_IN => self.tcp.on_event(t),
                     t if t >= TOKEN_PIDFD => {
@@ -233,8 +302,34 @@ impl Progress {
                             dead.store(true, Ordering::Release);
                         }
                     }
+                    _ => {}
+                }
+            }
+        }
+    }
+}
+
+impl Local {
+    /// Accept and read whatever is ready, without blocking.
+    fn drain(&mut self) {
+        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 16];
+        loop {
+            // SAFETY: `events` has room for 16 entries; zero timeout.
+            let n = unsafe { libc::epoll_wait(self.epfd.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, 0) };
+            if n <= 0 {
+                if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return;
+            }
+            for ev in &events[..n as usize] {
+                match ev.u64 {
+                    TOKEN_LISTEN => self.accept(),
                     t => self.read(t),
                 }
+            }
+            if (n as usize) < events.len() {
+                return;
             }
         }
     }
@@ -262,7 +357,13 @@ impl Progress {
                     closed = true;
                     break;
                 }
-                Ok(n) => c.buf.extend_from_slice(&chunk[..n]),
+                Ok(n) => {
+                    c.buf.extend_from_slice(&chunk[..n]);
+                    // A short read emptied the socket; epoll (level-triggered) reports anything later.
+                    if n < chunk.len() {
+                        break;
+                    }
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(_) => {
@@ -336,6 +437,19 @@ pub(crate) fn fuzz_parse_frames(data: &[u8], split: usize, incarnation: u128) ->
     n
 }
 
+/// How long after the application's last `notifs` poll the progress thread leaves the local sockets to it.
+const POLL_GRACE_NS: u64 = 2_000_000;
+
+/// Arm (add or re-arm) the local epoll set in the progress thread's set, one-shot.
+fn local_arm(epfd: RawFd, local: RawFd, op: i32) -> Result<()> {
+    let mut ev = libc::epoll_event { events: (libc::EPOLLIN | libc::EPOLLONESHOT) as u32, u64: TOKEN_LISTEN };
+    // SAFETY: `ev` is a valid event; both descriptors are open.
+    if unsafe { libc::epoll_ctl(epfd, op, local, &mut ev) } < 0 {
+        return Err(Error::os(Status::Backend, "epoll_ctl", io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
 fn epoll_add(epfd: RawFd, fd: RawFd, token: u64) -> Result<()> {
     let mut ev = libc::epoll_event { events: (libc::EPOLLIN | libc::EPOLLRDHUP) as u32, u64: token };
     // SAFETY: `ev` is a valid event; both descriptors are open.
@@ -377,6 +491,59 @@ mod tests {
         assert_eq!(got[0], ("peer-a".to_string(), b"one".to_vec()));
         assert_eq!(got[1].1, b"");
         assert_eq!(got[2].1.len(), 2 << 20);
+        ctrl.shutdown();
+    }
+
+    #[test]
+    fn polling_reads_in_order_and_the_progress_thread_takes_over_when_polling_stops() {
+        let q: Arc<NotifQueue> = Arc::default();
+        let inc = 78u128;
+        let setup = TcpSetup {
+            bind: "127.0.0.1:0".parse().unwrap(),
+            opts: tcp::TcpOpts { conns: 1, timeout: Duration::from_secs(1) },
+            secret: 1,
+            regions: Arc::default(),
+        };
+        let ctrl = Ctrl::start(inc, q.clone(), setup).unwrap();
+        let name = ctrl.sock_name.clone();
+        let senders: Vec<_> = (0..2)
+            .map(|k| {
+                let name = name.clone();
+                std::thread::spawn(move || {
+                    let mut s = Sender::connect(&name, inc, &format!("p{k}")).unwrap();
+                    for i in 0..2000u32 {
+                        s.notif(&i.to_le_bytes()).unwrap();
+                    }
+                })
+            })
+            .collect();
+        // The application polls while the senders run: per-sender order is kept.
+        let mut got: Vec<(String, Vec<u8>)> = Vec::new();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while got.len() < 4000 && std::time::Instant::now() < deadline {
+            ctrl.drain();
+            got.append(&mut q.lock());
+        }
+        for s in senders {
+            s.join().unwrap();
+        }
+        assert_eq!(got.len(), 4000);
+        for k in 0..2 {
+            let seq: Vec<u32> = got
+                .iter()
+                .filter(|(n, _)| *n == format!("p{k}"))
+                .map(|(_, m)| u32::from_le_bytes(m[..4].try_into().unwrap()))
+                .collect();
+            assert_eq!(seq, (0..2000).collect::<Vec<_>>());
+        }
+        // Polling stops: the progress thread queues what comes later on its own.
+        let mut s = Sender::connect(&name, inc, "late").unwrap();
+        s.notif(b"after").unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while q.lock().is_empty() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(q.lock().clone(), vec![("late".to_string(), b"after".to_vec())]);
         ctrl.shutdown();
     }
 }

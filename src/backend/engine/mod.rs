@@ -506,6 +506,8 @@ impl Backend for Engine {
     }
 
     fn notifs(&self, out: &mut Vec<(String, Vec<u8>)>) -> Result<()> {
+        // Read ready local sockets in this thread rather than wait for the progress thread to run.
+        self.shared.ctrl.drain();
         out.append(&mut self.shared.queue.lock());
         Ok(())
     }
