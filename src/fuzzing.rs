@@ -29,3 +29,165 @@ pub fn engine_notif_frames(data: &[u8]) -> usize {
     let Some((&split, rest)) = data.split_first() else { return 0 };
     crate::backend::engine::fuzz_parse_frames(rest, split as usize * rest.len() / 256, FRAMES_INCARNATION)
 }
+
+// -- TCP transport (`backend::engine::wire`) --------------------------------------------------------------
+
+/// The secret the `tcp_wire` target computes HELLO tags with (exercises `hello_tag`/`tags_match`).
+pub const TCP_SECRET: u128 = 0x5eed_0000_0000_0000_0000_0000_0000_0001;
+
+/// The `tcp_wire` target's selectors: the first input byte modulo 5 picks the message.
+pub const TCP_CHALLENGE: u8 = 0;
+pub const TCP_HELLO: u8 = 1;
+pub const TCP_CTRL: u8 = 2;
+pub const TCP_REQUEST: u8 = 3;
+pub const TCP_REPLY: u8 = 4;
+
+/// The region table data requests are checked against: (address, length) → registration count, one of them
+/// released (count 0).
+pub fn tcp_region_table() -> crate::backend::engine::wire::RegionTable {
+    [((0x1000, 0x1000), 1), ((0x10_0000, 0x100), 2), ((0x20_0000, 0x10), 0), ((u64::MAX - 0xff, 0x100), 1)].into_iter().collect()
+}
+
+/// Every message the TCP route reads from a peer (`backend::engine::wire`), picked by the first byte
+/// (`TCP_CHALLENGE`..`TCP_REPLY`, modulo 5). Whatever parses must re-encode to the bytes it was parsed from;
+/// an incomplete message must stay incomplete for every shorter prefix; `segs_allowed` must agree with a
+/// naive check in 128-bit arithmetic.
+pub fn tcp_wire(data: &[u8]) {
+    use crate::backend::engine::wire::*;
+    let Some((&sel, rest)) = data.split_first() else { return };
+    match sel % 5 {
+        TCP_CHALLENGE => {
+            if rest.len() >= CHALLENGE_BYTES {
+                let c: &[u8; CHALLENGE_BYTES] = rest[..CHALLENGE_BYTES].try_into().unwrap();
+                if let Ok(nonce) = parse_challenge(c) {
+                    assert_eq!(&encode_challenge(&nonce), c, "challenge changed across parse/encode");
+                }
+            }
+        }
+        TCP_HELLO => match parse_hello(rest) {
+            Ok(Some((h, used))) => {
+                assert!(used <= rest.len());
+                assert_eq!(encode_hello(&h), &rest[..used], "HELLO changed across parse/encode");
+                assert!(h.kind == KIND_CTRL || h.kind == KIND_DATA);
+                assert!(!h.name.is_empty() && h.name.len() <= MAX_NAME);
+                assert_eq!(parse_hello(&rest[..used - 1]), Ok(None), "a HELLO's prefix is not incomplete");
+                let nonce = [sel; 16];
+                let t = hello_tag(TCP_SECRET, h.kind, h.incarnation, &nonce, &h.name);
+                assert_eq!(tags_match(t, h.tag), t == h.tag);
+            }
+            Ok(None) => {
+                for n in [0, rest.len() / 2, rest.len().saturating_sub(1)] {
+                    assert_eq!(parse_hello(&rest[..n.min(rest.len())]), Ok(None), "a prefix of an incomplete HELLO");
+                }
+            }
+            Err(_) => {}
+        },
+        TCP_CTRL => {
+            // The next byte sets the body limit; then frames are read as a stream, as the control link does.
+            let Some((&lim, mut buf)) = rest.split_first() else { return };
+            let max_body = if lim == 0xff { 1 << 20 } else { lim as usize * 4 };
+            while let Ok(Some((m, used))) = parse_ctrl(buf, max_body) {
+                assert!(used >= 5 && used <= buf.len());
+                let mut again = Vec::new();
+                match m {
+                    CtrlMsg::Ping => again.extend_from_slice(&encode_ctrl_head(CTRL_PING, 0)),
+                    CtrlMsg::Pong => again.extend_from_slice(&encode_ctrl_head(CTRL_PONG, 0)),
+                    CtrlMsg::Notif(b) => {
+                        assert!(b.len() <= max_body);
+                        again.extend_from_slice(&encode_ctrl_head(CTRL_NOTIF, b.len()));
+                        again.extend_from_slice(b);
+                    }
+                }
+                assert_eq!(again, &buf[..used], "control frame changed across parse/encode");
+                assert_eq!(parse_ctrl(&buf[..used - 1], max_body), Ok(None), "a control frame's prefix is not incomplete");
+                buf = &buf[used..];
+            }
+        }
+        TCP_REQUEST => {
+            if rest.len() < REQ_HEADER {
+                return;
+            }
+            let hb: &[u8; REQ_HEADER] = rest[..REQ_HEADER].try_into().unwrap();
+            let Ok(h) = parse_req_header(hb) else { return };
+            assert!(h.nseg >= 1 && h.nseg <= MAX_SEGS && h.total <= MAX_REQ_BYTES);
+            let body = &rest[REQ_HEADER..];
+            // The target reads exactly the table the header announces; also try the whole rest.
+            let table_len = h.nseg * SEG_BYTES;
+            if body.len() != table_len {
+                assert!(parse_segs(body, &h).is_err(), "a segment table of the wrong size parsed");
+            }
+            if body.len() < table_len {
+                return;
+            }
+            let Ok(segs) = parse_segs(&body[..table_len], &h) else { return };
+            assert_eq!(segs.len(), h.nseg);
+            let mut again = Vec::new();
+            encode_req(h.op, &segs, &mut again);
+            assert_eq!(again, &rest[..REQ_HEADER + table_len], "request changed across parse/encode");
+            let t = tcp_region_table();
+            // Each range in 128 bits; a region or segment ending at or past 2^64 is refused (it cannot be
+            // registered memory), so the table's last region is never usable.
+            let max = u64::MAX as u128;
+            let naive = segs.iter().all(|s| {
+                let (r, rl, a, l) = (s.region as u128, s.region_len as u128, s.addr as u128, s.len as u128);
+                l > 0 && t.get(&(s.region, s.region_len)).is_some_and(|&n| n > 0) && a >= r && a + l <= r + rl && r + rl <= max && a + l <= max
+            });
+            assert_eq!(segs_allowed(&t, &segs), naive, "segs_allowed disagrees with the naive check");
+        }
+        _ => {
+            if rest.len() >= REPLY_BYTES {
+                let r: &[u8; REPLY_BYTES] = rest[..REPLY_BYTES].try_into().unwrap();
+                if let Ok(ok) = parse_reply(r) {
+                    assert_eq!(&encode_reply(if ok { REPLY_OK } else { REPLY_DENIED }), r, "reply changed across parse/encode");
+                }
+            }
+        }
+    }
+}
+
+// -- metadata listener (`mdx::wire`) -------------------------------------------------------------------------
+
+/// The metadata listener's frames (`mdx::wire::parse`), read as a stream: each frame must re-encode to the
+/// bytes it was parsed from, parse back to itself, and every shorter prefix must be incomplete. A LOAD's
+/// payload goes on to `md_decode`, as the listener hands it to `load_remote_md`.
+pub fn mdx_wire(data: &[u8]) -> usize {
+    use crate::mdx::wire::*;
+    let mut buf = data;
+    let mut n = 0;
+    loop {
+        match parse(buf) {
+            Ok(Some((m, used))) => {
+                assert!(used >= HEADER && used <= buf.len());
+                let again = encode(&m);
+                assert_eq!(again, &buf[..used], "metadata frame changed across parse/encode");
+                assert_eq!(parse(&again), Ok(Some((m, used))));
+                assert_eq!(parse(&buf[..used - 1]), Ok(None), "a metadata frame's prefix is not incomplete");
+                if let Msg::Load(md) = m {
+                    md_decode(md);
+                }
+                buf = &buf[used..];
+                n += 1;
+            }
+            Ok(None) => {
+                assert!(buf.len() < HEADER || buf.len() - HEADER < u32::from_le_bytes(buf[5..9].try_into().unwrap()) as usize);
+                return n;
+            }
+            Err(_) => return n,
+        }
+    }
+}
+
+/// A metadata-listener frame from the real encoder (`mdx::wire::encode`), for the seed corpus: kind 1 LOAD,
+/// 2 SEND, 3 INVL, 4 ERR. `None` for another kind or a name that is not UTF-8.
+pub fn mdx_encode(kind: u8, body: &[u8]) -> Option<Vec<u8>> {
+    use crate::mdx::wire::{encode, Msg};
+    let text = || std::str::from_utf8(body).ok();
+    let m = match kind {
+        1 => Msg::Load(body),
+        2 => Msg::Send(text()?),
+        3 => Msg::Invl(text()?),
+        4 => Msg::Err(text()?),
+        _ => return None,
+    };
+    Some(encode(&m))
+}

@@ -4,7 +4,8 @@
 //!
 //! `GIXL_FUZZ_ITERS` sets the mutations per target (default 100000, a few seconds);
 //! `GIXL_FUZZ_SEED` the RNG seed (default: fixed). `GIXL_WRITE_FUZZ_SEEDS=1` (re)writes the seed corpus from
-//! real agents (metadata, partial metadata, connection info, notification streams).
+//! real agents and the real encoders (metadata, partial metadata, connection info version 2, notification
+//! streams, every TCP message, every metadata-listener frame).
 
 use std::path::{Path, PathBuf};
 
@@ -19,6 +20,10 @@ const TARGETS: &[Target] = &[
     }),
     ("notif_frames", |d| {
         gixl::fuzzing::engine_notif_frames(d);
+    }),
+    ("tcp_wire", |d| gixl::fuzzing::tcp_wire(d)),
+    ("mdx_wire", |d| {
+        gixl::fuzzing::mdx_wire(d);
     }),
 ];
 
@@ -143,6 +148,14 @@ fn fuzz_targets_over_seeds_and_mutations() {
         let t0 = std::time::Instant::now();
         let n = run_target(name, *f, iters, seed);
         assert!(seeds(name).len() > 1, "{name}: no seed corpus in {}", corpus_dir(name).display());
+        // Seeds must be valid messages of the current formats, or the fuzzer starts from rejects only.
+        for s in seeds(name).iter().skip(1) {
+            match *name {
+                "conn_info" => assert!(gixl::fuzzing::engine_conn_info(s), "{name}: a seed does not parse (regenerate the seeds)"),
+                "mdx_wire" => assert!(gixl::fuzzing::mdx_wire(s) >= 1, "{name}: a seed holds no frame"),
+                _ => {}
+            }
+        }
         eprintln!("fuzz smoke {name}: {n} executions, 0 crashes, {:.2} s", t0.elapsed().as_secs_f64());
     }
 }
@@ -180,8 +193,25 @@ fn write_seeds() {
     partial.partial = true;
     partial.conns.clear();
     w("md_decode", "partial_no_conn", &partial.encode());
+    let _ = std::fs::remove_dir_all(corpus_dir("conn_info")); // drop version-1 seeds
     for (i, (_, info)) in md.conns.iter().enumerate() {
         w("conn_info", &format!("engine_{i}"), info);
+    }
+    // Connection info version 2 with TCP addresses: a loopback v4 listener, a v6 one, and a wildcard bind
+    // (which advertises every interface address).
+    for (n, addr) in [("tcp_v4", "127.0.0.1"), ("tcp_v6", "::1"), ("tcp_any", "0.0.0.0")] {
+        let t = Agent::new(&format!("fuzz-{n}"), AgentConfig::default()).unwrap();
+        let p: Params = [("transport", "tcp"), ("tcp_addr", addr)].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        if t.create_backend("UCX", &p).is_err() {
+            continue; // e.g. no IPv6 here
+        }
+        let tmd = gixl::md::AgentMd::decode(&t.local_md().unwrap()).unwrap();
+        for (_, info) in &tmd.conns {
+            w("conn_info", n, info);
+        }
+        if n == "tcp_v4" {
+            w("md_decode", "tcp_v4", &t.local_md().unwrap());
+        }
     }
     let mut hello = FRAMES_INC.to_le_bytes().to_vec();
     hello.extend_from_slice(b"peer-a");
@@ -197,6 +227,80 @@ fn write_seeds() {
     let mut s3 = vec![0x40u8];
     s3.extend(frame(2, b"before-hello"));
     w("notif_frames", "notif_before_hello", &s3);
+    write_tcp_seeds(&w);
+    write_mdx_seeds(&w, &full);
+}
+
+fn tagged(sel: u8, body: &[u8]) -> Vec<u8> {
+    let mut v = vec![sel];
+    v.extend_from_slice(body);
+    v
+}
+
+fn write_tcp_seeds(w: &dyn Fn(&str, &str, &[u8])) {
+    use gixl::backend::engine::wire::*;
+    use gixl::backend::XferOp;
+    use gixl::fuzzing::{TCP_CHALLENGE, TCP_CTRL, TCP_HELLO, TCP_REPLY, TCP_REQUEST, TCP_SECRET};
+    let _ = std::fs::remove_dir_all(corpus_dir("tcp_wire"));
+    let t = "tcp_wire";
+    let nonce: [u8; 16] = std::array::from_fn(|i| (i * 17 + 3) as u8);
+    w(t, "challenge", &tagged(TCP_CHALLENGE, &encode_challenge(&nonce)));
+    for (n, kind, name) in [("hello_ctrl", KIND_CTRL, "prefill-0"), ("hello_data", KIND_DATA, "décode-1"), ("hello_long_name", KIND_DATA, &"n".repeat(MAX_NAME))] {
+        let inc = 0x0123_4567_89ab_cdef_fedc_ba98_7654_3210u128;
+        // Tag computed as the target would check it (the target's nonce is [selector byte; 16]).
+        let tag = hello_tag(TCP_SECRET, kind, inc, &[TCP_HELLO; 16], name);
+        let mut b = encode_hello(&Hello { kind, incarnation: inc, tag, name: name.to_string() });
+        if n == "hello_ctrl" {
+            b.extend_from_slice(&encode_ctrl_head(CTRL_PING, 0)); // the first frame right behind it
+        }
+        w(t, n, &tagged(TCP_HELLO, &b));
+    }
+    let mut ctrl = vec![64u8]; // body limit 256
+    ctrl.extend_from_slice(&encode_ctrl_head(CTRL_PING, 0));
+    ctrl.extend_from_slice(&encode_ctrl_head(CTRL_PONG, 0));
+    for m in [&b"req-1:done"[..], b"", &[0u8, 0xff, 7][..]] {
+        ctrl.extend_from_slice(&encode_ctrl_head(CTRL_NOTIF, m.len()));
+        ctrl.extend_from_slice(m);
+    }
+    w(t, "ctrl_stream", &tagged(TCP_CTRL, &ctrl));
+    let mut big = vec![0xffu8]; // body limit 1 MiB
+    big.extend_from_slice(&encode_ctrl_head(CTRL_NOTIF, 1000));
+    big.extend(std::iter::repeat_n(b'x', 1000));
+    w(t, "ctrl_notif_1000", &tagged(TCP_CTRL, &big));
+    let seg = |region: u64, region_len: u64, addr: u64, len: u64| WireSeg { region, region_len, addr, len };
+    let reqs: [(&str, XferOp, Vec<WireSeg>); 4] = [
+        ("req_read_1", XferOp::Read, vec![seg(0x1000, 0x1000, 0x1000, 0x1000)]),
+        ("req_write_2", XferOp::Write, vec![seg(0x1000, 0x1000, 0x1800, 0x10), seg(0x10_0000, 0x100, 0x10_00f0, 0x10)]),
+        ("req_read_denied", XferOp::Read, vec![seg(0x20_0000, 0x10, 0x20_0000, 0x10), seg(0x1000, 0x2000, 0x1000, 1)]),
+        ("req_write_wrap", XferOp::Write, vec![seg(u64::MAX - 0xff, 0x100, u64::MAX - 0xf, 0x10)]),
+    ];
+    for (n, op, segs) in reqs {
+        let mut b = Vec::new();
+        encode_req(op, &segs, &mut b);
+        if op == XferOp::Write {
+            b.extend(std::iter::repeat_n(0xabu8, segs.iter().map(|s| s.len as usize).sum::<usize>().min(64)));
+        }
+        w(t, n, &tagged(TCP_REQUEST, &b));
+    }
+    w(t, "reply_ok", &tagged(TCP_REPLY, &encode_reply(REPLY_OK)));
+    w(t, "reply_denied", &tagged(TCP_REPLY, &encode_reply(REPLY_DENIED)));
+}
+
+fn write_mdx_seeds(w: &dyn Fn(&str, &str, &[u8]), md: &[u8]) {
+    let _ = std::fs::remove_dir_all(corpus_dir("mdx_wire"));
+    let frame = |kind: u8, body: &[u8]| gixl::fuzzing::mdx_encode(kind, body).unwrap();
+    let t = "mdx_wire";
+    w(t, "load_md", &frame(1, md));
+    w(t, "send_named", &frame(2, b"prefill-0"));
+    w(t, "send_any", &frame(2, b""));
+    w(t, "invl", &frame(3, b"decode-3"));
+    w(t, "err", &frame(4, "no agent named «x» here".as_bytes()));
+    let mut all = frame(2, b"");
+    all.extend(frame(1, md));
+    all.extend(frame(3, b"decode-3"));
+    all.extend(frame(4, b"bye"));
+    all.extend(&frame(1, b"")[..6]); // a partial frame at the end
+    w(t, "stream", &all);
 }
 
 const FRAMES_INC: u128 = gixl::fuzzing::FRAMES_INCARNATION;
