@@ -22,6 +22,7 @@ use parking_lot::Mutex;
 
 use super::wire::{self, Msg};
 use super::{log, Host};
+use crate::backend::engine::net::{recv_now, send_now};
 use crate::status::{Error, Result, Status};
 use crate::util::monotonic_ns;
 
@@ -484,32 +485,4 @@ fn connect_nonblocking(to: SocketAddr) -> io::Result<TcpStream> {
     }
     let _ = stream.set_nodelay(true);
     Ok(stream)
-}
-
-fn recv_now(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
-    loop {
-        // SAFETY: `buf` is writable for its length.
-        let r = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
-        if r >= 0 {
-            return Ok(r as usize);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
-}
-
-fn send_now(fd: RawFd, buf: &[u8]) -> io::Result<usize> {
-    loop {
-        // SAFETY: `buf` is readable for its length.
-        let r = unsafe { libc::send(fd, buf.as_ptr().cast(), buf.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
-        if r >= 0 {
-            return Ok(r as usize);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
 }

@@ -29,7 +29,8 @@
 
 mod copy;
 mod ctrl;
-mod net;
+/// Socket helpers, shared with the metadata listener (`crate::mdx`).
+pub(crate) mod net;
 mod pool;
 mod tcp;
 pub mod wire;
