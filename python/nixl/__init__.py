@@ -23,12 +23,4 @@ try:
 except Exception:  # pragma: no cover - gixl package always ships with nixl
     __version__ = "1.5.1"
 
-__all__ = [
-    "DEFAULT_COMM_PORT",
-    "nixl_agent",
-    "nixl_agent_config",
-    "nixl_backend_handle",
-    "nixl_prepped_dlist_handle",
-    "nixl_thread_sync_t",
-    "nixl_xfer_handle",
-]
+__all__ = list(_api.__all__)

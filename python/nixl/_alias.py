@@ -10,16 +10,6 @@ import sys
 import nixl
 from nixl import _api
 
-_PUBLIC = (
-    "DEFAULT_COMM_PORT",
-    "nixl_agent",
-    "nixl_agent_config",
-    "nixl_backend_handle",
-    "nixl_prepped_dlist_handle",
-    "nixl_thread_sync_t",
-    "nixl_xfer_handle",
-)
-
 
 def install(name: str, namespace: dict) -> None:
     """Fill the alias package's ``namespace`` and register ``<name>._api`` etc. in ``sys.modules``."""
@@ -27,7 +17,7 @@ def install(name: str, namespace: dict) -> None:
         module = getattr(nixl, sub)
         sys.modules.setdefault(f"{name}.{sub}", module)
         namespace[sub] = module
-    for attr in _PUBLIC:
+    for attr in _api.__all__:
         namespace[attr] = getattr(_api, attr)
     namespace["__version__"] = getattr(nixl, "__version__", "1.5.1")
-    namespace["__all__"] = list(nixl.__all__)
+    namespace["__all__"] = list(_api.__all__)
