@@ -26,7 +26,10 @@ fn setup() -> Setup {
         agent.register_mem(&RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: d, meta: vec![] }]), &[]).unwrap();
     }
     let blocks = |b: &Vec<u8>| {
-        XferDList::with_descs(MemType::Dram, (0..BLOCKS as u64).map(|i| Desc::new(b.as_ptr() as u64 + i * BLOCK, BLOCK, 0)).collect())
+        XferDList::with_descs(
+            MemType::Dram,
+            (0..BLOCKS as u64).map(|i| Desc::new(b.as_ptr() as u64 + i * BLOCK, BLOCK, 0)).collect(),
+        )
     };
     let local = agent.prep_xfer_dlist("", &blocks(&bufs[1]), &[]).unwrap();
     let remote = agent.prep_xfer_dlist("bench", &blocks(&bufs[0]), &[]).unwrap();
@@ -47,7 +50,8 @@ fn random_indices(seed: u64, n: usize) -> Vec<i64> {
 
 fn bench(c: &mut Criterion) {
     let s = setup();
-    let sets: Vec<(Vec<i64>, Vec<i64>)> = (0..64).map(|i| (random_indices(2 * i + 1, 1024), random_indices(2 * i + 2, 1024))).collect();
+    let sets: Vec<(Vec<i64>, Vec<i64>)> =
+        (0..64).map(|i| (random_indices(2 * i + 1, 1024), random_indices(2 * i + 2, 1024))).collect();
     let mut k = 0;
     c.bench_function("make_xfer_req, 1024 random indices", |b| {
         b.iter(|| {

@@ -50,12 +50,30 @@ fn main() {
             let peer = a.load_remote_md(&md).unwrap();
             let dl = |base: u64, n: u64, len: u64, rev: bool| {
                 let idx: Vec<u64> = if rev { (0..n).rev().collect() } else { (0..n).collect() };
-                XferDList::with_descs(MemType::Dram, idx.into_iter().map(|i| Desc::new(base + i * len, len, 0)).collect())
+                XferDList::with_descs(
+                    MemType::Dram,
+                    idx.into_iter().map(|i| Desc::new(base + i * len, len, 0)).collect(),
+                )
             };
-            let bulk_req = a.create_xfer_req(XferOp::Read, &dl(bulk.as_ptr() as u64, 1, BULK, false), &dl(rbulk, 1, BULK, false), &peer, &XferOpts::default()).unwrap();
+            let bulk_req = a
+                .create_xfer_req(
+                    XferOp::Read,
+                    &dl(bulk.as_ptr() as u64, 1, BULK, false),
+                    &dl(rbulk, 1, BULK, false),
+                    &peer,
+                    &XferOpts::default(),
+                )
+                .unwrap();
             // Remote blocks in reversed order, so nothing merges: 1024 separate pieces, as a KV cache read.
-            let kv_req =
-                a.create_xfer_req(XferOp::Read, &dl(kv.as_ptr() as u64, BLOCKS, BLOCK, false), &dl(rkv, BLOCKS, BLOCK, true), &peer, &XferOpts::default()).unwrap();
+            let kv_req = a
+                .create_xfer_req(
+                    XferOp::Read,
+                    &dl(kv.as_ptr() as u64, BLOCKS, BLOCK, false),
+                    &dl(rkv, BLOCKS, BLOCK, true),
+                    &peer,
+                    &XferOpts::default(),
+                )
+                .unwrap();
             let run = |r: &XferReq| -> Result<Duration> {
                 let t = Instant::now();
                 let mut s = a.post_xfer_req(r, NotifUpdate::Keep)?;
@@ -65,14 +83,26 @@ fn main() {
                 Ok(t.elapsed())
             };
             if role == "hammer" {
-                let small = a.create_xfer_req(XferOp::Read, &dl(bulk.as_ptr() as u64, 1, 32 * MIB, false), &dl(rbulk, 1, 32 * MIB, false), &peer, &XferOpts::default()).unwrap();
+                let small = a
+                    .create_xfer_req(
+                        XferOp::Read,
+                        &dl(bulk.as_ptr() as u64, 1, 32 * MIB, false),
+                        &dl(rbulk, 1, 32 * MIB, false),
+                        &peer,
+                        &XferOpts::default(),
+                    )
+                    .unwrap();
                 let mut started = false;
                 loop {
                     if let Err(e) = run(&small) {
                         let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
                         // SAFETY: `ts` is a valid out-pointer.
                         unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-                        println!("@failed {} {}", e.status().name(), ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64);
+                        println!(
+                            "@failed {} {}",
+                            e.status().name(),
+                            ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+                        );
                         return;
                     }
                     if !std::mem::replace(&mut started, true) {
@@ -86,7 +116,8 @@ fn main() {
                 for _ in 0..2 {
                     run(r).unwrap();
                 }
-                let mut gbps: Vec<f64> = (0..iters).map(|_| bytes as f64 / run(r).unwrap().as_secs_f64() / 1e9).collect();
+                let mut gbps: Vec<f64> =
+                    (0..iters).map(|_| bytes as f64 / run(r).unwrap().as_secs_f64() / 1e9).collect();
                 gbps.sort_by(|x, y| x.partial_cmp(y).unwrap());
                 let total: f64 = iters as f64 / gbps.iter().map(|g| 1.0 / g).sum::<f64>();
                 (gbps[gbps.len() / 2], total)

@@ -35,6 +35,7 @@ scripts/setup.sh || { echo "setup failed"; exit 1; }
 nixl_site() { ls -d .venv/nixl/lib/python3*/site-packages | head -n 1; }
 
 rust_tests() { cargo test --workspace --release; }
+rust_lint() { cargo fmt --all --check && cargo clippy --workspace --all-targets --release -- -D warnings; }
 header() { scripts/check-header.sh; }
 capi_exports() {
     scripts/build-capi.sh --release || return 1
@@ -74,6 +75,7 @@ vllm_sequence() {
 valgrind_c() { scripts/valgrind.sh; }
 soak_quick() { GIXL_TEST_INSTALLED=1 timeout 300 .venv/gixl/bin/python python/tests/soak.py --quick; }
 
+step "rustfmt + clippy -D warnings" rust_lint
 step "cargo test" rust_tests
 step "header compiles alone (C11, C++17)" header
 step "C library exports" capi_exports

@@ -45,7 +45,9 @@ pub const TCP_REPLY: u8 = 4;
 /// The region table data requests are checked against: (address, length) → registration count, one of them
 /// released (count 0).
 pub fn tcp_region_table() -> crate::backend::engine::wire::RegionTable {
-    [((0x1000, 0x1000), 1), ((0x10_0000, 0x100), 2), ((0x20_0000, 0x10), 0), ((u64::MAX - 0xff, 0x100), 1)].into_iter().collect()
+    [((0x1000, 0x1000), 1), ((0x10_0000, 0x100), 2), ((0x20_0000, 0x10), 0), ((u64::MAX - 0xff, 0x100), 1)]
+        .into_iter()
+        .collect()
 }
 
 /// Every message the TCP route reads from a peer (`backend::engine::wire`), picked by the first byte
@@ -99,7 +101,11 @@ pub fn tcp_wire(data: &[u8]) {
                     }
                 }
                 assert_eq!(again, &buf[..used], "control frame changed across parse/encode");
-                assert_eq!(parse_ctrl(&buf[..used - 1], max_body), Ok(None), "a control frame's prefix is not incomplete");
+                assert_eq!(
+                    parse_ctrl(&buf[..used - 1], max_body),
+                    Ok(None),
+                    "a control frame's prefix is not incomplete"
+                );
                 buf = &buf[used..];
             }
         }
@@ -130,7 +136,12 @@ pub fn tcp_wire(data: &[u8]) {
             let max = u64::MAX as u128;
             let naive = segs.iter().all(|s| {
                 let (r, rl, a, l) = (s.region as u128, s.region_len as u128, s.addr as u128, s.len as u128);
-                l > 0 && t.get(&(s.region, s.region_len)).is_some_and(|&n| n > 0) && a >= r && a + l <= r + rl && r + rl <= max && a + l <= max
+                l > 0
+                    && t.get(&(s.region, s.region_len)).is_some_and(|&n| n > 0)
+                    && a >= r
+                    && a + l <= r + rl
+                    && r + rl <= max
+                    && a + l <= max
             });
             assert_eq!(segs_allowed(&t, &segs), naive, "segs_allowed disagrees with the naive check");
         }
@@ -138,7 +149,11 @@ pub fn tcp_wire(data: &[u8]) {
             if rest.len() >= REPLY_BYTES {
                 let r: &[u8; REPLY_BYTES] = rest[..REPLY_BYTES].try_into().unwrap();
                 if let Ok(ok) = parse_reply(r) {
-                    assert_eq!(&encode_reply(if ok { REPLY_OK } else { REPLY_DENIED }), r, "reply changed across parse/encode");
+                    assert_eq!(
+                        &encode_reply(if ok { REPLY_OK } else { REPLY_DENIED }),
+                        r,
+                        "reply changed across parse/encode"
+                    );
                 }
             }
         }
@@ -169,7 +184,10 @@ pub fn mdx_wire(data: &[u8]) -> usize {
                 n += 1;
             }
             Ok(None) => {
-                assert!(buf.len() < HEADER || buf.len() - HEADER < u32::from_le_bytes(buf[5..9].try_into().unwrap()) as usize);
+                assert!(
+                    buf.len() < HEADER
+                        || buf.len() - HEADER < u32::from_le_bytes(buf[5..9].try_into().unwrap()) as usize
+                );
                 return n;
             }
             Err(_) => return n,

@@ -21,10 +21,7 @@ impl MemType {
     pub const ALL: [MemType; 5] = [MemType::Dram, MemType::Vram, MemType::Blk, MemType::Obj, MemType::File];
 
     pub fn from_u32(v: u32) -> Result<MemType> {
-        Self::ALL
-            .get(v as usize)
-            .copied()
-            .ok_or_else(|| Error::invalid_param(format!("unknown memory type {v}")))
+        Self::ALL.get(v as usize).copied().ok_or_else(|| Error::invalid_param(format!("unknown memory type {v}")))
     }
 
     /// NIXL's C++ spelling (`memTypeStr`), e.g. "DRAM_SEG".

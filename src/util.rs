@@ -51,7 +51,8 @@ pub fn process_start_time(pid: i32) -> io::Result<u64> {
 /// same kernel, the same pid namespace and the same network namespace.
 pub fn host_id() -> String {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    let ns = |n: &str| std::fs::read_link(format!("/proc/self/ns/{n}")).map(|p| p.display().to_string()).unwrap_or_default();
+    let ns =
+        |n: &str| std::fs::read_link(format!("/proc/self/ns/{n}")).map(|p| p.display().to_string()).unwrap_or_default();
     format!("{}|{}|{}", boot.trim(), ns("pid"), ns("net"))
 }
 

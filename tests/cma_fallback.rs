@@ -32,7 +32,9 @@ fn child() {
         let t = Instant::now();
         loop {
             match a.xfer_status(&r) {
-                Ok(Status::InProg) if t.elapsed() < Duration::from_secs(30) => std::thread::sleep(Duration::from_micros(100)),
+                Ok(Status::InProg) if t.elapsed() < Duration::from_secs(30) => {
+                    std::thread::sleep(Duration::from_micros(100))
+                }
                 Ok(s) => return s,
                 Err(e) => panic!("{e}"),
             }
@@ -103,5 +105,8 @@ fn denied_cross_memory_attach_falls_back_to_tcp() {
         got.extend(a.notifs(&[]).unwrap());
         std::thread::sleep(Duration::from_millis(2));
     }
-    assert_eq!(got, vec![("unprivileged".to_string(), b"read-done".to_vec()), ("unprivileged".to_string(), b"write-done".to_vec())]);
+    assert_eq!(
+        got,
+        vec![("unprivileged".to_string(), b"read-done".to_vec()), ("unprivileged".to_string(), b"write-done".to_vec())]
+    );
 }

@@ -19,7 +19,10 @@ fn agent(name: &str) -> Agent {
 }
 
 fn one(buf: &[u8]) -> RegDList {
-    RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0), meta: vec![] }])
+    RegDList::with_descs(
+        MemType::Dram,
+        vec![RegDesc { desc: Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0), meta: vec![] }],
+    )
 }
 
 fn xl(buf: &[u8]) -> XferDList {
@@ -104,7 +107,9 @@ fn etcd_send_fetch_watch_and_restart() {
     std::env::set_var("NIXL_ETCD_NAMESPACE", "/custom/ns");
     let n = agent("etcd-ns");
     n.send_local_md("", 0).unwrap();
-    until("custom namespace", long, || etcd_keys(&etcd.endpoint).unwrap().contains(&"/custom/ns/etcd-ns/metadata".to_string()));
+    until("custom namespace", long, || {
+        etcd_keys(&etcd.endpoint).unwrap().contains(&"/custom/ns/etcd-ns/metadata".to_string())
+    });
     std::env::remove_var("NIXL_ETCD_NAMESPACE");
 
     std::thread::sleep(Duration::from_secs(6));

@@ -151,7 +151,9 @@ fn fuzz_targets_over_seeds_and_mutations() {
         // Seeds must be valid messages of the current formats, or the fuzzer starts from rejects only.
         for s in seeds(name).iter().skip(1) {
             match *name {
-                "conn_info" => assert!(gixl::fuzzing::engine_conn_info(s), "{name}: a seed does not parse (regenerate the seeds)"),
+                "conn_info" => {
+                    assert!(gixl::fuzzing::engine_conn_info(s), "{name}: a seed does not parse (regenerate the seeds)")
+                }
                 "mdx_wire" => assert!(gixl::fuzzing::mdx_wire(s) >= 1, "{name}: a seed holds no frame"),
                 _ => {}
             }
@@ -173,9 +175,8 @@ fn write_seeds() {
     let buf = vec![0u8; 1 << 16];
     let a = Agent::new("fuzz-seed-agent", AgentConfig::default()).unwrap();
     a.create_backend("UCX", &Params::new()).unwrap();
-    let descs = (0..4)
-        .map(|i| RegDesc { desc: Desc::new(buf.as_ptr() as u64 + i * 4096, 4096, 0), meta: vec![] })
-        .collect();
+    let descs =
+        (0..4).map(|i| RegDesc { desc: Desc::new(buf.as_ptr() as u64 + i * 4096, 4096, 0), meta: vec![] }).collect();
     let l = RegDList::with_descs(MemType::Dram, descs);
     a.register_mem(&l, &[]).unwrap();
     let full = a.local_md().unwrap();
@@ -201,7 +202,8 @@ fn write_seeds() {
     // (which advertises every interface address).
     for (n, addr) in [("tcp_v4", "127.0.0.1"), ("tcp_v6", "::1"), ("tcp_any", "0.0.0.0")] {
         let t = Agent::new(&format!("fuzz-{n}"), AgentConfig::default()).unwrap();
-        let p: Params = [("transport", "tcp"), ("tcp_addr", addr)].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let p: Params =
+            [("transport", "tcp"), ("tcp_addr", addr)].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         if t.create_backend("UCX", &p).is_err() {
             continue; // e.g. no IPv6 here
         }
@@ -245,7 +247,11 @@ fn write_tcp_seeds(w: &dyn Fn(&str, &str, &[u8])) {
     let t = "tcp_wire";
     let nonce: [u8; 16] = std::array::from_fn(|i| (i * 17 + 3) as u8);
     w(t, "challenge", &tagged(TCP_CHALLENGE, &encode_challenge(&nonce)));
-    for (n, kind, name) in [("hello_ctrl", KIND_CTRL, "prefill-0"), ("hello_data", KIND_DATA, "décode-1"), ("hello_long_name", KIND_DATA, &"n".repeat(MAX_NAME))] {
+    for (n, kind, name) in [
+        ("hello_ctrl", KIND_CTRL, "prefill-0"),
+        ("hello_data", KIND_DATA, "décode-1"),
+        ("hello_long_name", KIND_DATA, &"n".repeat(MAX_NAME)),
+    ] {
         let inc = 0x0123_4567_89ab_cdef_fedc_ba98_7654_3210u128;
         // Tag computed as the target would check it (the target's nonce is [selector byte; 16]).
         let tag = hello_tag(TCP_SECRET, kind, inc, &[TCP_HELLO; 16], name);

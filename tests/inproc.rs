@@ -9,7 +9,10 @@ fn agent(name: &str) -> (Agent, BackendId) {
 }
 
 fn reg(a: &Agent, buf: &[u8]) {
-    let l = RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0), meta: vec![] }]);
+    let l = RegDList::with_descs(
+        MemType::Dram,
+        vec![RegDesc { desc: Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0), meta: vec![] }],
+    );
     a.register_mem(&l, &[]).unwrap();
 }
 
@@ -104,7 +107,10 @@ fn request_errors_match_nixl() {
     let (a, _) = agent("A3");
     let buf = vec![0u8; 1 << 16];
     reg(&a, &buf);
-    let descs = XferDList::with_descs(MemType::Dram, (0..8).map(|i| Desc::new(buf.as_ptr() as u64 + i * 1024, 1024, 0)).collect());
+    let descs = XferDList::with_descs(
+        MemType::Dram,
+        (0..8).map(|i| Desc::new(buf.as_ptr() as u64 + i * 1024, 1024, 0)).collect(),
+    );
     let l = a.prep_xfer_dlist("", &descs, &[]).unwrap();
     let r = a.prep_xfer_dlist("A3", &descs, &[]).unwrap();
     let o = XferOpts::default();
@@ -122,7 +128,9 @@ fn request_errors_match_nixl() {
     // Contiguous indices merge into one piece; skip_desc_merge keeps them apart.
     let x = a.make_xfer_req(XferOp::Write, &l, &[0, 1, 2, 3], &r, &[4, 5, 6, 7], &o).unwrap();
     assert_eq!(x.desc_count(), 1);
-    let x2 = a.make_xfer_req(XferOp::Write, &l, &[0, 1], &r, &[4, 5], &XferOpts { skip_desc_merge: true, ..o.clone() }).unwrap();
+    let x2 = a
+        .make_xfer_req(XferOp::Write, &l, &[0, 1], &r, &[4, 5], &XferOpts { skip_desc_merge: true, ..o.clone() })
+        .unwrap();
     assert_eq!(x2.desc_count(), 2);
     assert_eq!(st(a.xfer_status(&x).unwrap_err()), Status::NotPosted);
     assert_eq!(a.post_xfer_req(&x, NotifUpdate::Keep).unwrap(), Status::Success);

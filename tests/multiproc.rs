@@ -57,6 +57,8 @@ struct Prefill {
 }
 
 impl Prefill {
+    // The child is kept in the returned `Prefill`; the test ends it through `kill` (or the harness reaps it).
+    #[allow(clippy::zombie_processes)]
     fn start(size: usize, fill: u8) -> Prefill {
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
@@ -158,7 +160,9 @@ fn cross_process_read_notify_kill_and_restart() {
     assert_eq!(n, vec![format!("notif decode {}", hex(b"kv-ready\0bin"))]);
 
     // Kill the prefill while a large transfer runs: REMOTE_DISCONNECT within a second of the kill.
-    let big = d.create_xfer_req(XferOp::Read, &one(dd.addr, size), &one(p.addr, size), "prefill", &XferOpts::default()).unwrap();
+    let big = d
+        .create_xfer_req(XferOp::Read, &one(dd.addr, size), &one(p.addr, size), "prefill", &XferOpts::default())
+        .unwrap();
     let st = d.post_xfer_req(&big, NotifUpdate::Keep);
     p.kill();
     let killed = Instant::now();
@@ -187,12 +191,16 @@ fn cross_process_read_notify_kill_and_restart() {
     d.invalidate_remote_md("prefill").unwrap();
     d.load_remote_md(&p2.md).unwrap();
     // The old handle is stale: refused, and not one byte reaches the new incarnation through it.
-    let w = d.create_xfer_req(XferOp::Write, &one(dd.addr, 4096), &one(p2.addr, 4096), "prefill", &XferOpts::default()).unwrap();
+    let w = d
+        .create_xfer_req(XferOp::Write, &one(dd.addr, 4096), &one(p2.addr, 4096), "prefill", &XferOpts::default())
+        .unwrap();
     assert_eq!(d.post_xfer_req(&r, NotifUpdate::Keep).unwrap_err().status(), Status::NotFound);
     assert_eq!(p2.sum(), 9 * size as u64);
     // A new handle works.
     assert_eq!(wait(&d, &w, Duration::ZERO).unwrap_err().status(), Status::NotPosted);
-    let r2 = d.create_xfer_req(XferOp::Read, &one(dd.addr, size), &one(p2.addr, size), "prefill", &XferOpts::default()).unwrap();
+    let r2 = d
+        .create_xfer_req(XferOp::Read, &one(dd.addr, size), &one(p2.addr, size), "prefill", &XferOpts::default())
+        .unwrap();
     d.post_xfer_req(&r2, NotifUpdate::Keep).unwrap();
     assert_eq!(wait(&d, &r2, Duration::from_secs(10)).unwrap(), Status::Success);
     assert!(dst.iter().all(|&b| b == 9));
@@ -210,8 +218,14 @@ fn many_small_blocks_cross_process() {
     let dd = Desc::new(dst.as_ptr() as u64, dst.len() as u64, 0);
     d.register_mem(&RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: dd, meta: vec![] }]), &[]).unwrap();
     d.load_remote_md(&p.md).unwrap();
-    let l = XferDList::with_descs(MemType::Dram, (0..blocks).map(|i| Desc::new(dd.addr + (i * bs) as u64, bs as u64, 0)).collect());
-    let r = XferDList::with_descs(MemType::Dram, (0..blocks).map(|i| Desc::new(p.addr + (i * bs) as u64, bs as u64, 0)).collect());
+    let l = XferDList::with_descs(
+        MemType::Dram,
+        (0..blocks).map(|i| Desc::new(dd.addr + (i * bs) as u64, bs as u64, 0)).collect(),
+    );
+    let r = XferDList::with_descs(
+        MemType::Dram,
+        (0..blocks).map(|i| Desc::new(p.addr + (i * bs) as u64, bs as u64, 0)).collect(),
+    );
     let lp = d.prep_xfer_dlist("", &l, &[]).unwrap();
     let rp = d.prep_xfer_dlist("prefill", &r, &[]).unwrap();
     // Reversed remote order so nothing merges: 1024 separate pieces.
@@ -228,6 +242,9 @@ fn many_small_blocks_cross_process() {
     while got.len() < 2 && t.elapsed() < Duration::from_secs(5) {
         got.extend(p.notifs());
     }
-    assert_eq!(got, vec![format!("notif decode-kv {}", hex(b"blocks")), format!("notif decode-kv {}", hex(b"heartbeat"))]);
+    assert_eq!(
+        got,
+        vec![format!("notif decode-kv {}", hex(b"blocks")), format!("notif decode-kv {}", hex(b"heartbeat"))]
+    );
     p.kill();
 }

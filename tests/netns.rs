@@ -87,7 +87,8 @@ fn child_cmd(s: &mut ChildState, w: &[&str]) -> std::result::Result<String, Stri
         "reg" => {
             let buf = vec![num(2) as u8; num(1) as usize];
             let d = Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0);
-            a.register_mem(&RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: d, meta: vec![] }]), &[]).map_err(st)?;
+            a.register_mem(&RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: d, meta: vec![] }]), &[])
+                .map_err(st)?;
             let addr = buf.as_ptr() as u64;
             s.bufs.push(buf);
             Ok(format!("{} {addr}", s.bufs.len() - 1))
@@ -133,7 +134,13 @@ fn child_cmd(s: &mut ChildState, w: &[&str]) -> std::result::Result<String, Stri
             // "@hammer STATUS MONOTONIC_NS COUNT" when it does.
             let base = s.bufs[num(1) as usize].as_ptr() as u64;
             let len = num(4);
-            let r = a.create_xfer_req(XferOp::Read, &blocks(base, len, 1, false), &blocks(num(3), len, 1, false), w[2], &XferOpts::default());
+            let r = a.create_xfer_req(
+                XferOp::Read,
+                &blocks(base, len, 1, false),
+                &blocks(num(3), len, 1, false),
+                w[2],
+                &XferOpts::default(),
+            );
             let r = r.map_err(st)?;
             // The hammer runs in the command loop and answers when it ends.
             let mut count = 0u64;

@@ -35,7 +35,11 @@ fn agents(tag: &str) -> Vec<(&'static str, Agent)> {
 /// A fresh file under the target directory (a real disk file system; tmpfs may refuse O_DIRECT).
 fn path(tag: &str) -> PathBuf {
     static N: AtomicUsize = AtomicUsize::new(0);
-    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("posix-{}-{tag}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)))
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
+        "posix-{}-{tag}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ))
 }
 
 fn create(p: &Path) -> File {
@@ -43,14 +47,20 @@ fn create(p: &Path) -> File {
 }
 
 fn reg_dram(a: &Agent, buf: &[u8]) {
-    let l = RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0), meta: vec![] }]);
+    let l = RegDList::with_descs(
+        MemType::Dram,
+        vec![RegDesc { desc: Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0), meta: vec![] }],
+    );
     a.register_mem(&l, &[]).unwrap();
 }
 
 /// The whole file, unbounded (len 0), with its path in metaInfo.
 fn reg_file(a: &Agent, f: &File, p: &Path) -> Result<()> {
     let meta = p.to_str().unwrap().as_bytes().to_vec();
-    a.register_mem(&RegDList::with_descs(MemType::File, vec![RegDesc { desc: Desc::new(0, 0, f.as_raw_fd() as u64), meta }]), &[])
+    a.register_mem(
+        &RegDList::with_descs(MemType::File, vec![RegDesc { desc: Desc::new(0, 0, f.as_raw_fd() as u64), meta }]),
+        &[],
+    )
 }
 
 /// (memory address, file offset, length) triples on `fd` as the two lists of one request.
@@ -91,7 +101,13 @@ fn pattern(n: usize, seed: u64) -> Vec<u8> {
 fn plugin_and_backend_parameters_match_nixl() {
     let a = Agent::new("params", AgentConfig::default()).unwrap();
     let (defaults, mems) = a.plugin_params("POSIX").unwrap();
-    let want = [("ios_pool_size", "65536"), ("kernel_queue_size", "256"), ("use_aio", "false"), ("use_posix_aio", "false"), ("use_uring", "false")];
+    let want = [
+        ("ios_pool_size", "65536"),
+        ("kernel_queue_size", "256"),
+        ("use_aio", "false"),
+        ("use_posix_aio", "false"),
+        ("use_uring", "false"),
+    ];
     assert_eq!(defaults, want.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<Params>());
     assert_eq!(mems, vec![MemType::Dram, MemType::File]);
     // NIXL's defaults are valid init parameters, and get_backend_params echoes what was given.
@@ -99,7 +115,9 @@ fn plugin_and_backend_parameters_match_nixl() {
     let (params, mems) = a.backend_params(b).unwrap();
     assert_eq!(params, defaults);
     assert_eq!(mems, vec![MemType::File, MemType::Dram]);
-    let bad: Params = [("use_uring".to_string(), "true".to_string()), ("use_aio".to_string(), "true".to_string())].into_iter().collect();
+    let bad: Params = [("use_uring".to_string(), "true".to_string()), ("use_aio".to_string(), "true".to_string())]
+        .into_iter()
+        .collect();
     let a2 = Agent::new("params2", AgentConfig::default()).unwrap();
     assert_eq!(a2.create_backend("POSIX", &bad).unwrap_err().status(), Status::Backend);
 }
@@ -132,7 +150,10 @@ fn round_trip_dram_file_dram() {
         assert!(dst == src);
 
         // query_memory by path.
-        let q = RegDList::with_descs(MemType::File, vec![RegDesc { desc: Desc::new(0, 0, 0), meta: p.to_str().unwrap().into() }, RegDesc::default()]);
+        let q = RegDList::with_descs(
+            MemType::File,
+            vec![RegDesc { desc: Desc::new(0, 0, 0), meta: p.to_str().unwrap().into() }, RegDesc::default()],
+        );
         let info = a.query_mem(&q, BackendId(0)).unwrap();
         assert_eq!(info[0].as_ref().unwrap()["size"], (7u64 << 20).to_string());
         assert_eq!(info[1], None);
@@ -181,7 +202,14 @@ fn aligned(len: usize) -> (Vec<u8>, usize) {
 fn o_direct_needs_alignment_and_says_so() {
     for (label, a) in agents("direct") {
         let p = path("direct");
-        let f = match File::options().read(true).write(true).create(true).truncate(true).custom_flags(libc::O_DIRECT).open(&p) {
+        let f = match File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&p)
+        {
             Ok(f) => f,
             Err(e) => {
                 eprintln!("{}: O_DIRECT refused by this file system ({e}): skipped", p.display());
@@ -209,7 +237,9 @@ fn o_direct_needs_alignment_and_says_so() {
         assert_eq!(buf[o + 65536..o + 65536 + 8192], pattern(8192, 3)[..]);
 
         // Misaligned buffer, offset or length: refused when the request is made, before any I/O.
-        for (what, piece) in [("buffer", (base + 8, 4096, 4096)), ("offset", (base, 4096 + 100, 4096)), ("length", (base, 4096, 4000))] {
+        for (what, piece) in
+            [("buffer", (base + 8, 4096, 4096)), ("offset", (base, 4096 + 100, 4096)), ("length", (base, 4096, 4000))]
+        {
             let e = req(&a, XferOp::Write, fd, &[piece]).unwrap_err();
             assert_eq!(e.status(), Status::InvalidParam, "{label}: {what}");
             assert!(e.message().contains("O_DIRECT"), "{label}: {what}: {e}");
@@ -250,7 +280,13 @@ fn closed_and_full_files_are_errors() {
         let p = path("closed");
         let closed = create(&p).as_raw_fd(); // the File is dropped at once
         let e = a
-            .register_mem(&RegDList::with_descs(MemType::File, vec![RegDesc { desc: Desc::new(0, 0, closed as u64), meta: vec![] }]), &[])
+            .register_mem(
+                &RegDList::with_descs(
+                    MemType::File,
+                    vec![RegDesc { desc: Desc::new(0, 0, closed as u64), meta: vec![] }],
+                ),
+                &[],
+            )
             .unwrap_err();
         assert_eq!(e.status(), Status::Backend, "{label}");
         assert!(e.message().contains("not an open file descriptor"), "{label}: {e}");
@@ -267,8 +303,14 @@ fn closed_and_full_files_are_errors() {
 
         // ENOSPC.
         let full = File::options().write(true).open("/dev/full").unwrap();
-        a.register_mem(&RegDList::with_descs(MemType::File, vec![RegDesc { desc: Desc::new(0, 0, full.as_raw_fd() as u64), meta: vec![] }]), &[])
-            .unwrap();
+        a.register_mem(
+            &RegDList::with_descs(
+                MemType::File,
+                vec![RegDesc { desc: Desc::new(0, 0, full.as_raw_fd() as u64), meta: vec![] }],
+            ),
+            &[],
+        )
+        .unwrap();
         let w = req(&a, XferOp::Write, full.as_raw_fd(), &[(s, 0, 8192)]).unwrap();
         let e = post_wait(&a, &w).unwrap_err();
         assert_eq!(e.status(), Status::Backend, "{label}");
@@ -336,7 +378,9 @@ fn throughput() {
         reg_dram(&a, &dst);
         reg_file(&a, &f, &p).unwrap();
         let big = |base: u64| vec![(base, 0, 64u64 << 20)];
-        let small = |base: u64| (0..1024u64).map(|i| (base + i * (16 << 10), (1023 - i) * (16 << 10), 16u64 << 10)).collect::<Vec<_>>();
+        let small = |base: u64| {
+            (0..1024u64).map(|i| (base + i * (16 << 10), (1023 - i) * (16 << 10), 16u64 << 10)).collect::<Vec<_>>()
+        };
         for (shape, pieces_w, pieces_r, bytes) in [
             ("64 MiB x1", big(src.as_ptr() as u64), big(dst.as_mut_ptr() as u64), 64u64 << 20),
             ("16 KiB x1024", small(src.as_ptr() as u64), small(dst.as_mut_ptr() as u64), 16u64 << 20),
@@ -350,7 +394,11 @@ fn throughput() {
                     post_wait(&a, &r).unwrap();
                 }
                 let dt = t0.elapsed().as_secs_f64() / iters as f64;
-                println!("{label:8} {shape:13} {dir:5}: {:7.2} GB/s ({:.0} µs per request)", bytes as f64 / dt / 1e9, dt * 1e6);
+                println!(
+                    "{label:8} {shape:13} {dir:5}: {:7.2} GB/s ({:.0} µs per request)",
+                    bytes as f64 / dt / 1e9,
+                    dt * 1e6
+                );
                 a.release_xfer_req(&r).unwrap();
             }
         }

@@ -657,14 +657,19 @@ impl Agent {
     ) -> PyResult<()> {
         let hints = self.hints(&backends)?;
         let l = descs.get().snapshot();
-        py.detach(|| self.agent.send_local_partial_md(&l, inc_conn_info, &hints, ip_addr, port, label)).py_err()
+        py.detach(|| {
+            self.agent
+                .send_local_partial_md(&l, inc_conn_info, &hints, ip_addr, port, label)
+        })
+        .py_err()
     }
 
     /// Ask the listener at `ip_addr:port` (or etcd) for `remote_agent`'s metadata and load it in the
     /// background; poll with checkRemoteMD.
     #[pyo3(signature = (remote_agent, ip_addr = "", port = 0, label = ""))]
     fn fetchRemoteMD(&self, py: Python<'_>, remote_agent: &str, ip_addr: &str, port: u16, label: &str) -> PyResult<()> {
-        py.detach(|| self.agent.fetch_remote_md(remote_agent, ip_addr, port, label)).py_err()
+        py.detach(|| self.agent.fetch_remote_md(remote_agent, ip_addr, port, label))
+            .py_err()
     }
 
     #[pyo3(signature = (ip_addr = "", port = 0))]

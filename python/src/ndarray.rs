@@ -60,7 +60,11 @@ struct RawBuffer {
 }
 
 extern "C" {
-    fn PyObject_GetBuffer(obj: *mut pyo3::ffi::PyObject, view: *mut RawBuffer, flags: std::ffi::c_int) -> std::ffi::c_int;
+    fn PyObject_GetBuffer(
+        obj: *mut pyo3::ffi::PyObject,
+        view: *mut RawBuffer,
+        flags: std::ffi::c_int,
+    ) -> std::ffi::c_int;
     fn PyBuffer_Release(view: *mut RawBuffer);
 }
 
@@ -121,8 +125,19 @@ impl<'py> ArrayView<'py> {
                 } else {
                     (0..ndim).map(|i| *b.strides.add(i)).collect()
                 };
-                let c_contiguous = shape.iter().zip(strides.iter().zip(&c_strides)).all(|(&n, (a, c))| n <= 1 || a == c);
-                Some(ArrayView { _owner: arr.clone(), data: b.buf as usize, shape, strides, kind, itemsize, c_contiguous })
+                let c_contiguous = shape
+                    .iter()
+                    .zip(strides.iter().zip(&c_strides))
+                    .all(|(&n, (a, c))| n <= 1 || a == c);
+                Some(ArrayView {
+                    _owner: arr.clone(),
+                    data: b.buf as usize,
+                    shape,
+                    strides,
+                    kind,
+                    itemsize,
+                    c_contiguous,
+                })
             });
             PyBuffer_Release(b);
             out
@@ -202,7 +217,9 @@ impl<'py> ArrayView<'py> {
         fn read<T: Copy>(base: usize, n: usize, st: isize, f: impl Fn(T) -> i64) -> Vec<i64> {
             // SAFETY: `n` elements of type `T` at `base + i * st`, inside the array numpy describes, kept alive
             // by the view's owner; unaligned reads are allowed.
-            (0..n).map(|i| f(unsafe { ((base as isize + i as isize * st) as *const T).read_unaligned() })).collect()
+            (0..n)
+                .map(|i| f(unsafe { ((base as isize + i as isize * st) as *const T).read_unaligned() }))
+                .collect()
         }
         let sat = |v: i128| v.clamp(i64::MIN as i128, i64::MAX as i128) as i64;
         match (self.kind, self.itemsize) {

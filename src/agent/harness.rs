@@ -125,7 +125,13 @@ mod tests {
         st.abortable.store(true, Ordering::Release);
         let be: Arc<dyn Backend> = Arc::new(Fake { st: st.clone() });
         let caps = be.caps();
-        a.inner.backends.write().push(Arc::new(BackendSlot { id: BackendId(0), name: "UCX", caps, params: Default::default(), be }));
+        a.inner.backends.write().push(Arc::new(BackendSlot {
+            id: BackendId(0),
+            name: "UCX",
+            caps,
+            params: Default::default(),
+            be,
+        }));
         let l = RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: Desc::new(0x10000, 4096, 0), meta: vec![] }]);
         a.register_mem(&l, &[]).unwrap();
         (a, st)
@@ -163,7 +169,10 @@ mod tests {
         d.post_xfer_req(&r, NotifUpdate::Keep).unwrap();
         st.peers.lock()[0].dead.store(true, Ordering::Release);
         assert_eq!(d.xfer_status(&r).unwrap_err().status(), Status::RemoteDisconnect);
-        assert_eq!(d.check_remote_md("prefill", &XferDList::new(MemType::Dram)).unwrap_err().status(), Status::NotFound);
+        assert_eq!(
+            d.check_remote_md("prefill", &XferDList::new(MemType::Dram)).unwrap_err().status(),
+            Status::NotFound
+        );
         // Now stale rather than disconnected, and a new incarnation can be loaded without invalidating.
         assert_eq!(d.post_xfer_req(&r, NotifUpdate::Keep).unwrap_err().status(), Status::NotFound);
         drop(p);
@@ -196,10 +205,15 @@ mod tests {
         d.post_xfer_req(&r, NotifUpdate::Keep).unwrap();
         d.post_xfer_req(&r, NotifUpdate::Clear).unwrap();
         d.post_xfer_req(&r, NotifUpdate::Set(b"x".to_vec())).unwrap();
-        let posts: Vec<_> = st.events.lock().iter().filter_map(|e| match e {
-            Event::Post { notif } => Some(notif.clone()),
-            _ => None,
-        }).collect();
+        let posts: Vec<_> = st
+            .events
+            .lock()
+            .iter()
+            .filter_map(|e| match e {
+                Event::Post { notif } => Some(notif.clone()),
+                _ => None,
+            })
+            .collect();
         assert_eq!(posts, vec![Some(b"n".to_vec()), Some(b"n".to_vec()), None, Some(b"x".to_vec())]);
         d.release_xfer_req(&r).unwrap();
         assert!(r.is_released());
@@ -246,14 +260,16 @@ mod tests {
     fn identical_reload_keeps_handles_and_merges_new_regions() {
         let (d, st, p, r) = pair(AgentConfig::default());
         st.complete.store(true, Ordering::Release);
-        let more = RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: Desc::new(0x90000, 4096, 0), meta: vec![] }]);
+        let more =
+            RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: Desc::new(0x90000, 4096, 0), meta: vec![] }]);
         p.register_mem(&more, &[]).unwrap();
         d.load_remote_md(&p.local_md().unwrap()).unwrap();
         assert_eq!(d.post_xfer_req(&r, NotifUpdate::Keep).unwrap(), Status::Success);
         let both = XferDList::with_descs(MemType::Dram, vec![Desc::new(0x10000, 8, 0), Desc::new(0x90000, 8, 0)]);
         d.check_remote_md("prefill", &both).unwrap();
         // A partial reload without connection info merges too.
-        let third = RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: Desc::new(0xa0000, 64, 0), meta: vec![] }]);
+        let third =
+            RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: Desc::new(0xa0000, 64, 0), meta: vec![] }]);
         p.register_mem(&third, &[]).unwrap();
         d.load_remote_md(&p.local_partial_md(&third, false, &[]).unwrap()).unwrap();
         d.check_remote_md("prefill", &third.trim()).unwrap();

@@ -200,7 +200,10 @@ impl Agent {
         let p = backend::plugin(plugin)?;
         let mut backends = self.inner.backends.write();
         if backends.iter().any(|b| b.name == p.name) {
-            return Err(Error::invalid_param(format!("backend {plugin} already exists in agent '{}'", self.inner.name)));
+            return Err(Error::invalid_param(format!(
+                "backend {plugin} already exists in agent '{}'",
+                self.inner.name
+            )));
         }
         let be = (p.create)(BackendInit {
             agent_name: self.inner.name.clone(),
@@ -241,7 +244,11 @@ impl Agent {
     }
 
     /// Backends in creation order, restricted to `hints` when given, that pass `keep`.
-    pub(crate) fn chosen(&self, hints: &[BackendId], keep: impl Fn(&BackendSlot) -> bool) -> Result<Vec<Arc<BackendSlot>>> {
+    pub(crate) fn chosen(
+        &self,
+        hints: &[BackendId],
+        keep: impl Fn(&BackendSlot) -> bool,
+    ) -> Result<Vec<Arc<BackendSlot>>> {
         let all = self.inner.backends.read();
         for h in hints {
             if all.get(h.0 as usize).is_none() {
@@ -305,9 +312,7 @@ impl Agent {
         }
         let mut regs = self.inner.regs.write();
         for d in descs.iter() {
-            let found = chosen
-                .iter()
-                .any(|b| regs.get(&(b.id, mem)).is_some_and(|s| s.find_exact(&d.desc).is_some()));
+            let found = chosen.iter().any(|b| regs.get(&(b.id, mem)).is_some_and(|s| s.find_exact(&d.desc).is_some()));
             if !found {
                 return Err(Error::not_found(format!("{:?} is not registered", d.desc)));
             }
@@ -379,7 +384,11 @@ impl Agent {
     }
 
     fn md(&self, partial: bool, include_conn: bool, remote: &[Arc<BackendSlot>], sections: Vec<SectionMd>) -> AgentMd {
-        let conns = if include_conn { remote.iter().map(|b| (b.name.to_owned(), b.be.conn_info())).collect() } else { Vec::new() };
+        let conns = if include_conn {
+            remote.iter().map(|b| (b.name.to_owned(), b.be.conn_info())).collect()
+        } else {
+            Vec::new()
+        };
         AgentMd {
             name: self.inner.name.clone(),
             incarnation: self.inner.incarnation,
@@ -412,13 +421,19 @@ impl Agent {
             }
             Some(ra) => {
                 if !md.conns.is_empty() && md.conns != ra.conns {
-                    return Err(Error::not_allowed(format!("agent '{}' sent different connection info for the same incarnation", md.name)));
+                    return Err(Error::not_allowed(format!(
+                        "agent '{}' sent different connection info for the same incarnation",
+                        md.name
+                    )));
                 }
                 ra
             }
             None => {
                 if md.conns.is_empty() {
-                    return Err(Error::not_found(format!("agent '{}' is not loaded and its metadata has no connection info", md.name)));
+                    return Err(Error::not_found(format!(
+                        "agent '{}' is not loaded and its metadata has no connection info",
+                        md.name
+                    )));
                 }
                 let mut peers = Vec::new();
                 let mut last_err = None;
@@ -430,7 +445,8 @@ impl Agent {
                     }
                 }
                 if peers.is_empty() {
-                    return Err(last_err.unwrap_or_else(|| Error::backend(format!("no backend in common with agent '{}'", md.name))));
+                    return Err(last_err
+                        .unwrap_or_else(|| Error::backend(format!("no backend in common with agent '{}'", md.name))));
                 }
                 Arc::new(RemoteAgent {
                     name: md.name.clone(),
@@ -451,13 +467,20 @@ impl Agent {
                 let Some(b) = by_name(&s.backend) else { continue };
                 let Some(peer) = ra.peer(b.id) else { continue };
                 if s.regions.is_empty() {
-                    return Err(Error::not_found(format!("agent '{}' sent an empty {} section", md.name, s.mem.seg_name())));
+                    return Err(Error::not_found(format!(
+                        "agent '{}' sent an empty {} section",
+                        md.name,
+                        s.mem.seg_name()
+                    )));
                 }
                 let cur = sections.get(&(b.id, s.mem));
                 for (d, public) in &s.regions {
                     if let Some(i) = cur.and_then(|c| c.find_exact(d)) {
                         if cur.map(|c| &c.get(i).1.public) != Some(public) {
-                            return Err(Error::not_allowed(format!("agent '{}' changed the access data of region {d:?}", md.name)));
+                            return Err(Error::not_allowed(format!(
+                                "agent '{}' changed the access data of region {d:?}",
+                                md.name
+                            )));
                         }
                         continue;
                     }
@@ -533,9 +556,7 @@ impl Agent {
         }
         let sections = ra.sections.read();
         let covered = ra.peers.iter().any(|(id, _)| {
-            sections
-                .get(&(*id, descs.mem_type()))
-                .is_some_and(|s| descs.iter().all(|d| s.find_cover(d).is_some()))
+            sections.get(&(*id, descs.mem_type())).is_some_and(|s| descs.iter().all(|d| s.find_cover(d).is_some()))
         });
         if covered {
             Ok(())
@@ -601,9 +622,9 @@ impl Agent {
         }
         let ra = self.remote(remote)?;
         let chosen = self.chosen(hints, |b| b.caps.notif && ra.peer(b.id).is_some())?;
-        let b = chosen
-            .first()
-            .ok_or_else(|| Error::backend(format!("no backend with notification support is shared with agent '{remote}'")))?;
+        let b = chosen.first().ok_or_else(|| {
+            Error::backend(format!("no backend with notification support is shared with agent '{remote}'"))
+        })?;
         let peer = ra.peer(b.id).cloned().expect("filtered on peer presence");
         if peer.disconnected() {
             self.on_disconnect(&ra);

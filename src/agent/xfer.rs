@@ -47,7 +47,13 @@ struct Prepped {
 
 impl std::fmt::Debug for PreppedDList {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "PreppedDList({} {} descriptors, remote {:?})", self.0.descs.len(), self.0.mem.seg_name(), self.remote_name())
+        write!(
+            f,
+            "PreppedDList({} {} descriptors, remote {:?})",
+            self.0.descs.len(),
+            self.0.mem.seg_name(),
+            self.remote_name()
+        )
     }
 }
 
@@ -223,7 +229,9 @@ impl Agent {
             return Err(Error::invalid_param("prepped list belongs to another agent"));
         }
         if !matches!(l.side, Side::Initiator) || matches!(r.side, Side::Initiator) {
-            return Err(Error::invalid_param("the local list must be prepped with \"\" and the remote one with an agent name"));
+            return Err(Error::invalid_param(
+                "the local list must be prepped with \"\" and the remote one with an agent name",
+            ));
         }
         if let Side::Remote(ra) = &r.side {
             if ra.invalidated.load(Ordering::Acquire) {
@@ -234,7 +242,11 @@ impl Agent {
             }
         }
         if local_idx.len() != remote_idx.len() {
-            return Err(Error::invalid_param(format!("{} local indices but {} remote", local_idx.len(), remote_idx.len())));
+            return Err(Error::invalid_param(format!(
+                "{} local indices but {} remote",
+                local_idx.len(),
+                remote_idx.len()
+            )));
         }
         if local_idx.is_empty() {
             return Err(Error::invalid_param("no descriptors to transfer"));
@@ -275,7 +287,10 @@ impl Agent {
             let ri = index(ri, r.descs.len(), "remote")?;
             let (ld, rd) = (&l.descs[li], &r.descs[ri]);
             if ld.len != rd.len {
-                return Err(Error::invalid_param(format!("length mismatch: local {} bytes, remote {} bytes", ld.len, rd.len)));
+                return Err(Error::invalid_param(format!(
+                    "length mismatch: local {} bytes, remote {} bytes",
+                    ld.len, rd.len
+                )));
             }
             total += ld.len;
             let (lreg, rreg) = (lres.region[li], rres.region[ri]);
@@ -294,7 +309,10 @@ impl Agent {
 
         let (target, remote_ra) = match &r.side {
             Side::Remote(ra) => {
-                let peer = ra.peer(slot.id).cloned().ok_or_else(|| Error::not_found("peer has no connection for this backend"))?;
+                let peer = ra
+                    .peer(slot.id)
+                    .cloned()
+                    .ok_or_else(|| Error::not_found("peer has no connection for this backend"))?;
                 (Target::Remote(peer), Some(ra.clone()))
             }
             _ => (Target::Local, None),
@@ -331,7 +349,14 @@ impl Agent {
     }
 
     /// Prep both sides and make the request in one step (`createXferReq`).
-    pub fn create_xfer_req(&self, op: XferOp, local: &XferDList, remote: &XferDList, remote_agent: &str, opts: &XferOpts) -> Result<XferReq> {
+    pub fn create_xfer_req(
+        &self,
+        op: XferOp,
+        local: &XferDList,
+        remote: &XferDList,
+        remote_agent: &str,
+        opts: &XferOpts,
+    ) -> Result<XferReq> {
         if local.len() != remote.len() {
             return Err(Error::invalid_param(format!("{} local descriptors but {} remote", local.len(), remote.len())));
         }
@@ -474,7 +499,10 @@ impl Agent {
         let x = &*req.0;
         self.own(x)?;
         if !self.inner.telemetry {
-            return Err(Error::new(Status::NoTelemetry, "telemetry is off (NIXL_TELEMETRY_ENABLE or capture_telemetry)"));
+            return Err(Error::new(
+                Status::NoTelemetry,
+                "telemetry is off (NIXL_TELEMETRY_ENABLE or capture_telemetry)",
+            ));
         }
         let st = x.st.lock();
         match st.last {

@@ -137,7 +137,13 @@ pub trait Backend: Send + Sync + 'static {
         Err(Error::not_supported(format!("backend {} has no remote support", self.name())))
     }
     /// A peer's region, from the public bytes in its metadata.
-    fn load_remote_region(&self, _peer: &Arc<dyn Peer>, _mem: MemType, _desc: &Desc, _public: &[u8]) -> Result<Option<RegionKey>> {
+    fn load_remote_region(
+        &self,
+        _peer: &Arc<dyn Peer>,
+        _mem: MemType,
+        _desc: &Desc,
+        _public: &[u8],
+    ) -> Result<Option<RegionKey>> {
         Ok(None)
     }
     /// Open the connection to a peer now rather than on first use.
@@ -193,10 +199,7 @@ pub fn plugins() -> &'static [Plugin] {
 }
 
 pub fn plugin(name: &str) -> Result<&'static Plugin> {
-    PLUGINS
-        .iter()
-        .find(|p| p.name == name)
-        .ok_or_else(|| Error::not_found(format!("no backend plugin named '{name}'")))
+    PLUGINS.iter().find(|p| p.name == name).ok_or_else(|| Error::not_found(format!("no backend plugin named '{name}'")))
 }
 
 static PLUGINS: [Plugin; 2] = [

@@ -158,7 +158,9 @@ impl Client {
         for ep in &self.eps {
             match http::post(ep, path, body.as_bytes(), REQUEST_TIMEOUT) {
                 Ok((200, b)) => return json::parse(&b).map_err(|e| format!("{ep}{path}: {e}")),
-                Ok((st, b)) => return Err(format!("{ep}{path}: HTTP {st}: {}", String::from_utf8_lossy(&b[..b.len().min(300)]))),
+                Ok((st, b)) => {
+                    return Err(format!("{ep}{path}: HTTP {st}: {}", String::from_utf8_lossy(&b[..b.len().min(300)])))
+                }
                 Err(e) => last = format!("{ep}{path}: {e}"),
             }
         }
@@ -166,7 +168,11 @@ impl Client {
     }
 
     fn put(&self, key: &str, value: &[u8]) -> std::result::Result<(), String> {
-        self.call("/v3/kv/put", &format!(r#"{{"key":"{}","value":"{}"}}"#, b64_encode(key.as_bytes()), b64_encode(value))).map(|_| ())
+        self.call(
+            "/v3/kv/put",
+            &format!(r#"{{"key":"{}","value":"{}"}}"#, b64_encode(key.as_bytes()), b64_encode(value)),
+        )
+        .map(|_| ())
     }
 
     /// (value if present, the store's revision at the time of the read)
@@ -175,13 +181,20 @@ impl Client {
         let rev = j.get("header").and_then(|h| h.get("revision")).and_then(Json::int).unwrap_or(0);
         let value = match j.get("kvs").map(Json::arr).and_then(|a| a.first()) {
             None => None,
-            Some(kv) => Some(json::b64_decode(kv.get("value").and_then(Json::str).unwrap_or("")).map_err(|e| format!("etcd value: {e}"))?),
+            Some(kv) => Some(
+                json::b64_decode(kv.get("value").and_then(Json::str).unwrap_or(""))
+                    .map_err(|e| format!("etcd value: {e}"))?,
+            ),
         };
         Ok((value, rev))
     }
 
     fn delete_prefix(&self, p: &str) -> std::result::Result<(), String> {
-        let body = format!(r#"{{"key":"{}","range_end":"{}"}}"#, b64_encode(p.as_bytes()), b64_encode(&prefix_end(p.as_bytes())));
+        let body = format!(
+            r#"{{"key":"{}","range_end":"{}"}}"#,
+            b64_encode(p.as_bytes()),
+            b64_encode(&prefix_end(p.as_bytes()))
+        );
         self.call("/v3/kv/deleterange", &body).map(|_| ())
     }
 
@@ -337,7 +350,9 @@ impl Worker {
             }
             let evs = match w.next(Some(deadline)) {
                 Ok(evs) => evs,
-                Err(_) if Instant::now() >= deadline => return Err(format!("{key} did not appear within {FETCH_WAIT:?}")),
+                Err(_) if Instant::now() >= deadline => {
+                    return Err(format!("{key} did not appear within {FETCH_WAIT:?}"))
+                }
                 Err(e) => return Err(e),
             };
             for ev in evs {

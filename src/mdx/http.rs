@@ -29,9 +29,10 @@ impl Endpoint {
             return Err(format!("'{s}' is not an etcd endpoint (expected http://host:port)"));
         }
         let (host, port) = match rest.rsplit_once(':') {
-            Some((h, p)) if !h.ends_with(':') && !h.is_empty() => {
-                (h.trim_start_matches('[').trim_end_matches(']').to_owned(), p.parse().map_err(|_| format!("bad port in '{s}'"))?)
-            }
+            Some((h, p)) if !h.ends_with(':') && !h.is_empty() => (
+                h.trim_start_matches('[').trim_end_matches(']').to_owned(),
+                p.parse().map_err(|_| format!("bad port in '{s}'"))?,
+            ),
             _ => (rest.to_owned(), 2379),
         };
         Ok(Endpoint { host, port })
@@ -272,7 +273,11 @@ impl Reader {
                 return Ok(Some(std::mem::take(&mut self.buf)));
             }
             if self.fill(deadline)? == 0 {
-                return if head.chunked || head.length.is_some() { Err(bad("connection closed inside the HTTP body")) } else { Ok(None) };
+                return if head.chunked || head.length.is_some() {
+                    Err(bad("connection closed inside the HTTP body"))
+                } else {
+                    Ok(None)
+                };
             }
         }
     }
@@ -317,7 +322,10 @@ mod tests {
 
     #[test]
     fn endpoints() {
-        assert_eq!(Endpoint::parse("http://127.0.0.1:2379").unwrap(), Endpoint { host: "127.0.0.1".into(), port: 2379 });
+        assert_eq!(
+            Endpoint::parse("http://127.0.0.1:2379").unwrap(),
+            Endpoint { host: "127.0.0.1".into(), port: 2379 }
+        );
         assert_eq!(Endpoint::parse("etcd:1234/").unwrap(), Endpoint { host: "etcd".into(), port: 1234 });
         assert_eq!(Endpoint::parse("etcd").unwrap(), Endpoint { host: "etcd".into(), port: 2379 });
         assert_eq!(Endpoint::parse("http://[::1]:5").unwrap(), Endpoint { host: "::1".into(), port: 5 });

@@ -140,7 +140,8 @@ impl P<'_> {
             }
             b'-' | b'0'..=b'9' => {
                 let st = self.i;
-                while self.i < self.s.len() && matches!(self.s[self.i], b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9') {
+                while self.i < self.s.len() && matches!(self.s[self.i], b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9')
+                {
                     self.i += 1;
                 }
                 std::str::from_utf8(&self.s[st..self.i]).map(|n| Json::Num(n.to_owned())).map_err(|_| "bad JSON number")
@@ -206,7 +207,8 @@ const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz012
 pub fn b64_encode(data: &[u8]) -> String {
     let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
     for c in data.chunks(3) {
-        let n = (u32::from(c[0]) << 16) | (u32::from(*c.get(1).unwrap_or(&0)) << 8) | u32::from(*c.get(2).unwrap_or(&0));
+        let n =
+            (u32::from(c[0]) << 16) | (u32::from(*c.get(1).unwrap_or(&0)) << 8) | u32::from(*c.get(2).unwrap_or(&0));
         for k in 0..4 {
             if k <= c.len() {
                 out.push(B64[(n >> (18 - 6 * k)) as usize & 63] as char);
@@ -261,19 +263,32 @@ mod tests {
         let j = parse(w).unwrap();
         let ev = &j.get("result").unwrap().get("events").unwrap().arr()[0];
         assert_eq!(ev.get("type").unwrap().str(), Some("DELETE"));
-        assert_eq!(parse(br#" [1, -2.5e3, true, false, null, "a\"\\\/\n\u00e9\ud83d\ude00"] "#).unwrap(), Json::Arr(vec![
-            Json::Num("1".into()),
-            Json::Num("-2.5e3".into()),
-            Json::Bool(true),
-            Json::Bool(false),
-            Json::Null,
-            Json::Str("a\"\\/\né😀".into()),
-        ]));
+        assert_eq!(
+            parse(br#" [1, -2.5e3, true, false, null, "a\"\\\/\n\u00e9\ud83d\ude00"] "#).unwrap(),
+            Json::Arr(vec![
+                Json::Num("1".into()),
+                Json::Num("-2.5e3".into()),
+                Json::Bool(true),
+                Json::Bool(false),
+                Json::Null,
+                Json::Str("a\"\\/\né😀".into()),
+            ])
+        );
     }
 
     #[test]
     fn bad_json_is_an_error_not_a_panic() {
-        for b in [&b""[..], b"{", b"[1,", b"{\"a\"}", b"\"\\u12\"", b"\"\\ud800\\u0041\"", b"{\"a\":1}x", b"nul", b"\"\x01\""] {
+        for b in [
+            &b""[..],
+            b"{",
+            b"[1,",
+            b"{\"a\"}",
+            b"\"\\u12\"",
+            b"\"\\ud800\\u0041\"",
+            b"{\"a\":1}x",
+            b"nul",
+            b"\"\x01\"",
+        ] {
             assert!(parse(b).is_err(), "{:?}", String::from_utf8_lossy(b));
         }
         let deep = "[".repeat(1000);

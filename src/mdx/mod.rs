@@ -106,7 +106,9 @@ impl Mdx {
             return Ok(Some(Route::Store));
         }
         if self.tcpstore {
-            return Err(Error::not_supported("NIXL_TCPSTORE_ENDPOINT is set, but gixl implements only etcd as a metadata store"));
+            return Err(Error::not_supported(
+                "NIXL_TCPSTORE_ENDPOINT is set, but gixl implements only etcd as a metadata store",
+            ));
         }
         Err(Error::invalid_param(
             "no peer address provided and no centralized store configured (set NIXL_ETCD_ENDPOINTS)",
@@ -187,7 +189,10 @@ mod tests {
     }
 
     fn one(buf: &[u8]) -> RegDList {
-        RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0), meta: vec![] }])
+        RegDList::with_descs(
+            MemType::Dram,
+            vec![RegDesc { desc: Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0), meta: vec![] }],
+        )
     }
 
     fn xl(buf: &[u8]) -> XferDList {

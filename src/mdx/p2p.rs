@@ -68,7 +68,9 @@ impl P2p {
             }
         };
         let port = match &listener {
-            Some(l) => Some(l.local_addr().map_err(|e| Error::os(Status::Backend, "metadata listener address", e))?.port()),
+            Some(l) => {
+                Some(l.local_addr().map_err(|e| Error::os(Status::Backend, "metadata listener address", e))?.port())
+            }
             None => None,
         };
         // SAFETY: plain syscalls; results checked before use.
@@ -174,7 +176,8 @@ impl Loop {
             }
             let timeout = next.map_or(-1, |d| d.saturating_sub(now).div_ceil(1_000_000).min(i32::MAX as u64) as i32);
             // SAFETY: `events` has room for its length.
-            let n = unsafe { libc::epoll_wait(self.epfd.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, timeout) };
+            let n =
+                unsafe { libc::epoll_wait(self.epfd.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, timeout) };
             if n < 0 {
                 if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
                     continue;
@@ -205,7 +208,8 @@ impl Loop {
     }
 
     fn expire(&mut self, now: u64) {
-        let late: Vec<u64> = self.conns.iter().filter(|(_, c)| c.connecting.is_some_and(|d| d <= now)).map(|(t, _)| *t).collect();
+        let late: Vec<u64> =
+            self.conns.iter().filter(|(_, c)| c.connecting.is_some_and(|d| d <= now)).map(|(t, _)| *t).collect();
         for t in late {
             if let Some(c) = self.conns.get(&t) {
                 log!("could not connect to metadata peer {} within {CONNECT_TIMEOUT:?}", c.peer);
@@ -273,7 +277,16 @@ impl Loop {
             self.next += 1;
             let flags = (libc::EPOLLIN | libc::EPOLLRDHUP) as u32;
             if ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, stream.as_raw_fd(), flags, t).is_ok() {
-                let c = Conn { stream, peer, outbound: false, connecting: None, rbuf: Vec::new(), wbuf: Vec::new(), wpos: 0, watching_out: false };
+                let c = Conn {
+                    stream,
+                    peer,
+                    outbound: false,
+                    connecting: None,
+                    rbuf: Vec::new(),
+                    wbuf: Vec::new(),
+                    wpos: 0,
+                    watching_out: false,
+                };
                 self.conns.insert(t, c);
             }
         }
@@ -393,7 +406,9 @@ impl Loop {
     fn close(&mut self, token: u64) {
         if let Some(c) = self.conns.remove(&token) {
             // SAFETY: removing a descriptor we added; `c` still owns it.
-            unsafe { libc::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_DEL, c.stream.as_raw_fd(), std::ptr::null_mut()) };
+            unsafe {
+                libc::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_DEL, c.stream.as_raw_fd(), std::ptr::null_mut())
+            };
             if c.outbound && self.cache.get(&c.peer) == Some(&token) {
                 self.cache.remove(&c.peer);
             }

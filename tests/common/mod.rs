@@ -186,7 +186,10 @@ impl Etcd {
             .output()
             .map_err(|e| e.to_string())?;
         let text = String::from_utf8_lossy(&out.stdout);
-        let line = text.lines().find_map(|l| l.find("@keys ").map(|i| &l[i + 6..])).ok_or_else(|| format!("no answer: {text}"))?;
+        let line = text
+            .lines()
+            .find_map(|l| l.find("@keys ").map(|i| &l[i + 6..]))
+            .ok_or_else(|| format!("no answer: {text}"))?;
         if line == "ERR" {
             return Err("etcd not reachable".into());
         }
@@ -222,8 +225,12 @@ pub fn etcd_keys(endpoint: &str) -> Result<Vec<String>, String> {
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     // key "\0" with range_end "\0" means every key.
     let body = r#"{"key":"AA==","range_end":"AA==","keys_only":true}"#;
-    write!(s, "POST /v3/kv/range HTTP/1.1\r\nHost: {hostport}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len())
-        .map_err(|e| e.to_string())?;
+    write!(
+        s,
+        "POST /v3/kv/range HTTP/1.1\r\nHost: {hostport}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .map_err(|e| e.to_string())?;
     let mut resp = String::new();
     s.read_to_string(&mut resp).map_err(|e| e.to_string())?;
     if !resp.starts_with("HTTP/1.1 200") {

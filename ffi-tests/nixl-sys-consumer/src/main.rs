@@ -9,8 +9,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use nixl_sys::{
-    Agent, MemType, NixlRegistration, NotificationMap, OptArgs, SystemStorage, XferDescList,
-    XferOp, XferStatus,
+    Agent, MemType, NixlRegistration, NotificationMap, OptArgs, SystemStorage, XferDescList, XferOp, XferStatus,
 };
 
 const LEN: usize = 64 * 1024;
@@ -69,10 +68,7 @@ fn run() -> Result<(), String> {
     let md = step("dst.get_local_md", dst.get_local_md())?;
     let remote = step("src.load_remote_md", src.load_remote_md(&md))?;
     expect("load_remote_md returns the target's name", remote == "consumer-dst")?;
-    expect(
-        "check_remote_metadata(consumer-dst)",
-        src.check_remote_metadata("consumer-dst", None),
-    )?;
+    expect("check_remote_metadata(consumer-dst)", src.check_remote_metadata("consumer-dst", None))?;
 
     let mut local = step("XferDescList::new(local)", XferDescList::new(MemType::Dram))?;
     let mut remote_list = step("XferDescList::new(remote)", XferDescList::new(MemType::Dram))?;
@@ -108,8 +104,7 @@ fn run() -> Result<(), String> {
     let mut notifs = step("NotificationMap::new", NotificationMap::new())?;
     let mut got: Option<Vec<String>> = None;
     while Instant::now() < deadline {
-        dst.get_notifications(&mut notifs, None)
-            .map_err(|e| format!("get_notifications: {e:?}"))?;
+        dst.get_notifications(&mut notifs, None).map_err(|e| format!("get_notifications: {e:?}"))?;
         let map = notifs.take_notifs().map_err(|e| format!("take_notifs: {e:?}"))?;
         if let Some(list) = map.get("consumer-src") {
             if !list.is_empty() {
@@ -121,14 +116,8 @@ fn run() -> Result<(), String> {
     }
     let got = got.ok_or_else(|| "no notification from consumer-src".to_string())?;
     println!("ok   notification received: {got:?}");
-    expect(
-        "notification payload matches",
-        got.len() == 1 && got[0].as_bytes() == NOTIF,
-    )?;
-    expect(
-        "destination buffer holds the written bytes",
-        dst_buf.as_slice().iter().all(|&b| b == 0xA5),
-    )?;
+    expect("notification payload matches", got.len() == 1 && got[0].as_bytes() == NOTIF)?;
+    expect("destination buffer holds the written bytes", dst_buf.as_slice().iter().all(|&b| b == 0xA5))?;
 
     drop(req);
     step("invalidate_remote_md", src.invalidate_remote_md("consumer-dst"))?;

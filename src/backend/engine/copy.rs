@@ -53,7 +53,9 @@ pub unsafe fn cma_copy(pid: i32, op: XferOp, segs: &[Seg], stop: &dyn Fn() -> bo
             let n = unsafe {
                 match op {
                     XferOp::Read => libc::process_vm_readv(pid, l.as_ptr(), l.len() as _, r.as_ptr(), r.len() as _, 0),
-                    XferOp::Write => libc::process_vm_writev(pid, l.as_ptr(), l.len() as _, r.as_ptr(), r.len() as _, 0),
+                    XferOp::Write => {
+                        libc::process_vm_writev(pid, l.as_ptr(), l.len() as _, r.as_ptr(), r.len() as _, 0)
+                    }
                 }
             };
             if n < 0 {
@@ -90,7 +92,9 @@ fn skip(v: &[libc::iovec], mut n: usize) -> Vec<libc::iovec> {
 fn cma_error(pid: i32, op: XferOp, e: io::Error) -> Error {
     let call = if op == XferOp::Read { "process_vm_readv" } else { "process_vm_writev" };
     match e.raw_os_error() {
-        Some(libc::ESRCH) => Error::os(crate::Status::RemoteDisconnect, format!("peer process {pid} has exited ({call})"), e),
+        Some(libc::ESRCH) => {
+            Error::os(crate::Status::RemoteDisconnect, format!("peer process {pid} has exited ({call})"), e)
+        }
         Some(libc::EPERM) | Some(libc::ENOSYS) => Error::os(
             crate::Status::Backend,
             format!(

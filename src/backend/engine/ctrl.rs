@@ -55,8 +55,10 @@ impl Ctrl {
     /// Bind the notification socket `\0gixl.<pid>.<incarnation>` and start the progress thread.
     pub fn start(incarnation: u128, queue: Arc<NotifQueue>, setup: TcpSetup) -> Result<Ctrl> {
         let sock_name = format!("gixl.{}.{incarnation:032x}", std::process::id()).into_bytes();
-        let addr = SocketAddr::from_abstract_name(&sock_name).map_err(|e| Error::os(Status::Backend, "notification socket name", e))?;
-        let listener = UnixListener::bind_addr(&addr).map_err(|e| Error::os(Status::Backend, "binding the notification socket", e))?;
+        let addr = SocketAddr::from_abstract_name(&sock_name)
+            .map_err(|e| Error::os(Status::Backend, "notification socket name", e))?;
+        let listener = UnixListener::bind_addr(&addr)
+            .map_err(|e| Error::os(Status::Backend, "binding the notification socket", e))?;
         listener.set_nonblocking(true).map_err(|e| Error::os(Status::Backend, "notification socket", e))?;
         // SAFETY: plain syscalls; results checked before use.
         let epfd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
@@ -88,7 +90,14 @@ impl Ctrl {
         let local_raw = local_fd.as_raw_fd();
         local_arm(epfd.as_raw_fd(), local_raw, libc::EPOLL_CTL_ADD)?;
         let last_poll = Arc::new(AtomicU64::new(0));
-        let local = Arc::new(Mutex::new(Local { epfd: local_fd, listener, incarnation, queue: queue.clone(), conns: HashMap::new(), next_conn: 0 }));
+        let local = Arc::new(Mutex::new(Local {
+            epfd: local_fd,
+            listener,
+            incarnation,
+            queue: queue.clone(),
+            conns: HashMap::new(),
+            next_conn: 0,
+        }));
         let tcp = TcpProgress::new(setup, incarnation, queue.clone(), epfd.clone(), wake.clone())?;
         let tcp_shared = tcp.shared.clone();
 
@@ -179,7 +188,8 @@ pub struct Sender {
 impl Sender {
     /// Connect and introduce ourselves; the peer drops us unless `target_incarnation` is its own.
     pub fn connect(sock_name: &[u8], target_incarnation: u128, from: &str) -> Result<Sender> {
-        let addr = SocketAddr::from_abstract_name(sock_name).map_err(|e| Error::os(Status::Backend, "peer socket name", e))?;
+        let addr =
+            SocketAddr::from_abstract_name(sock_name).map_err(|e| Error::os(Status::Backend, "peer socket name", e))?;
         let stream = UnixStream::connect_addr(&addr)
             .map_err(|e| Error::os(Status::RemoteDisconnect, "connecting to the peer's notification socket", e))?;
         stream
@@ -194,7 +204,10 @@ impl Sender {
 
     pub fn notif(&mut self, msg: &[u8]) -> Result<()> {
         if msg.len() > MAX_NOTIF {
-            return Err(Error::invalid_param(format!("notification of {} bytes exceeds the {MAX_NOTIF}-byte limit", msg.len())));
+            return Err(Error::invalid_param(format!(
+                "notification of {} bytes exceeds the {MAX_NOTIF}-byte limit",
+                msg.len()
+            )));
         }
         self.send(KIND_NOTIF, msg)
     }
@@ -268,7 +281,8 @@ impl Progress {
                 }
             }
             // SAFETY: `events` has room for 64 entries.
-            let n = unsafe { libc::epoll_wait(self.epfd.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, timeout) };
+            let n =
+                unsafe { libc::epoll_wait(self.epfd.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, timeout) };
             if n < 0 {
                 if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
                     continue;
@@ -376,7 +390,14 @@ impl Local {
         if closed || !ok {
             if let Some(c) = self.conns.remove(&token) {
                 // SAFETY: removing the connection from our epoll set before it is closed.
-                unsafe { libc::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_DEL, c.stream.as_raw_fd(), std::ptr::null_mut()) };
+                unsafe {
+                    libc::epoll_ctl(
+                        self.epfd.as_raw_fd(),
+                        libc::EPOLL_CTL_DEL,
+                        c.stream.as_raw_fd(),
+                        std::ptr::null_mut(),
+                    )
+                };
             }
         }
     }
@@ -402,7 +423,9 @@ fn parse_frames(c: &mut Conn, incarnation: u128, queue: &NotifQueue) -> bool {
                 let mut inc = [0u8; 16];
                 inc.copy_from_slice(&body[1..17]);
                 match std::str::from_utf8(&body[17..]) {
-                    Ok(name) if u128::from_le_bytes(inc) == incarnation && !name.is_empty() => c.sender = Some(name.to_owned()),
+                    Ok(name) if u128::from_le_bytes(inc) == incarnation && !name.is_empty() => {
+                        c.sender = Some(name.to_owned())
+                    }
                     _ => {
                         ok = false;
                         break;

@@ -128,22 +128,35 @@ fn number<T: std::str::FromStr>(v: Option<String>, what: &str, default: T) -> Re
 impl Engine {
     fn new(init: BackendInit) -> Result<Engine> {
         let pid = std::process::id() as i32;
-        let start_time = crate::util::process_start_time(pid).map_err(|e| Error::os(Status::Backend, "reading own process start time", e))?;
+        let start_time = crate::util::process_start_time(pid)
+            .map_err(|e| Error::os(Status::Backend, "reading own process start time", e))?;
         let threads = copy_threads(&init);
         let transport = match setting(&init, "transport", "GIXL_TRANSPORT").as_deref().map(str::trim) {
             None | Some("auto") => Transport::Auto,
             Some("tcp") => Transport::Tcp,
-            Some(other) => return Err(Error::invalid_param(format!("transport '{other}' is not one of auto, tcp (GIXL_TRANSPORT)"))),
+            Some(other) => {
+                return Err(Error::invalid_param(format!(
+                    "transport '{other}' is not one of auto, tcp (GIXL_TRANSPORT)"
+                )))
+            }
         };
         let conns = number(setting(&init, "tcp_conns", "GIXL_TCP_CONNS"), "tcp_conns", DEFAULT_TCP_CONNS)?.clamp(1, 64);
-        let ms = number(setting(&init, "disconnect_timeout_ms", "GIXL_DISCONNECT_TIMEOUT_MS"), "disconnect_timeout_ms", DEFAULT_DISCONNECT_MS)?
-            .clamp(10, 3_600_000);
+        let ms = number(
+            setting(&init, "disconnect_timeout_ms", "GIXL_DISCONNECT_TIMEOUT_MS"),
+            "disconnect_timeout_ms",
+            DEFAULT_DISCONNECT_MS,
+        )?
+        .clamp(10, 3_600_000);
         let tcp_opts = TcpOpts { conns, timeout: Duration::from_millis(ms) };
         let bind = tcp::parse_bind(&setting(&init, "tcp_addr", "GIXL_TCP_ADDR").unwrap_or_default())?;
         let secret = crate::util::random_u128();
         let regions: Arc<Regions> = Arc::default();
         let queue: Arc<NotifQueue> = Arc::default();
-        let ctrl = Ctrl::start(init.incarnation, queue.clone(), TcpSetup { bind, opts: tcp_opts, secret, regions: regions.clone() })?;
+        let ctrl = Ctrl::start(
+            init.incarnation,
+            queue.clone(),
+            TcpSetup { bind, opts: tcp_opts, secret, regions: regions.clone() },
+        )?;
         let shared = Arc::new(Shared {
             agent: init.agent_name,
             incarnation: init.incarnation,
@@ -201,7 +214,15 @@ enum PeerKind {
     InProcess { target: Weak<Shared>, closed: Arc<AtomicBool> },
     /// Another process on this host. `tcp` carries the data instead once the kernel has denied
     /// cross-memory attach (`denied`).
-    Cma { pid: i32, pidfd: OwnedFd, watch: Option<u64>, sock: Vec<u8>, sender: Mutex<Option<Sender>>, tcp: Arc<TcpLink>, denied: AtomicBool },
+    Cma {
+        pid: i32,
+        pidfd: OwnedFd,
+        watch: Option<u64>,
+        sock: Vec<u8>,
+        sender: Mutex<Option<Sender>>,
+        tcp: Arc<TcpLink>,
+        denied: AtomicBool,
+    },
     /// Another host, or `GIXL_TRANSPORT=tcp`.
     Tcp { link: Arc<TcpLink> },
 }
@@ -402,7 +423,13 @@ impl Backend for Engine {
         }
     }
 
-    fn load_remote_region(&self, _peer: &Arc<dyn Peer>, _mem: MemType, desc: &Desc, _public: &[u8]) -> Result<Option<RegionKey>> {
+    fn load_remote_region(
+        &self,
+        _peer: &Arc<dyn Peer>,
+        _mem: MemType,
+        desc: &Desc,
+        _public: &[u8],
+    ) -> Result<Option<RegionKey>> {
         Ok(Some(Arc::new(RemoteRegion { addr: desc.addr, len: desc.len })))
     }
 
@@ -428,10 +455,18 @@ impl Backend for Engine {
         };
         if !same_host || s.transport == Transport::Tcp {
             if addrs.is_empty() {
-                return Err(Error::backend(format!("agent '{agent}' runs on another host but advertises no address reachable from here")));
+                return Err(Error::backend(format!(
+                    "agent '{agent}' runs on another host but advertises no address reachable from here"
+                )));
             }
             let kind = PeerKind::Tcp { link: link(&dead) };
-            return Ok(Arc::new(EnginePeer { name: agent.to_owned(), incarnation, kind, dead, owner: Arc::downgrade(s) }));
+            return Ok(Arc::new(EnginePeer {
+                name: agent.to_owned(),
+                incarnation,
+                kind,
+                dead,
+                owner: Arc::downgrade(s),
+            }));
         }
         let kind = if ci.pid == s.pid && ci.start_time == s.start_time {
             let target = registry().lock().get(&incarnation).cloned().unwrap_or_default();
@@ -453,7 +488,15 @@ impl Backend for Engine {
                 None
             };
             let tcp = link(&dead);
-            PeerKind::Cma { pid: ci.pid, pidfd, watch, sock: ci.sock.clone(), sender: Mutex::new(None), tcp, denied: AtomicBool::new(false) }
+            PeerKind::Cma {
+                pid: ci.pid,
+                pidfd,
+                watch,
+                sock: ci.sock.clone(),
+                sender: Mutex::new(None),
+                tcp,
+                denied: AtomicBool::new(false),
+            }
         };
         Ok(Arc::new(EnginePeer { name: agent.to_owned(), incarnation, kind, dead, owner: Arc::downgrade(s) }))
     }
@@ -519,7 +562,11 @@ impl Backend for Engine {
 
     fn gen_notif(&self, target: &Target, msg: &[u8]) -> Result<()> {
         if msg.len() > ctrl::MAX_NOTIF {
-            return Err(Error::invalid_param(format!("notification of {} bytes exceeds the {}-byte limit", msg.len(), ctrl::MAX_NOTIF)));
+            return Err(Error::invalid_param(format!(
+                "notification of {} bytes exceeds the {}-byte limit",
+                msg.len(),
+                ctrl::MAX_NOTIF
+            )));
         }
         match target {
             Target::Local => {
@@ -609,7 +656,10 @@ impl Core {
                     return self.tcp_copy(tcp, segs, run);
                 }
                 if r.is_err() && dead.load(Ordering::Acquire) {
-                    return Err(Error::disconnected(format!("agent '{}' exited during the transfer", self.peer().map(|p| p.name.as_str()).unwrap_or(""))));
+                    return Err(Error::disconnected(format!(
+                        "agent '{}' exited during the transfer",
+                        self.peer().map(|p| p.name.as_str()).unwrap_or("")
+                    )));
                 }
                 if let Err(e) = &r {
                     if e.status() == Status::RemoteDisconnect {
@@ -869,7 +919,10 @@ mod tests {
 
     fn tcp_agent(name: &str, extra: &[(&str, &str)]) -> Agent {
         let a = Agent::new(name, AgentConfig::default()).unwrap();
-        let mut p: Params = [("transport", "tcp"), ("tcp_addr", "127.0.0.1")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let mut p: Params = [("transport", "tcp"), ("tcp_addr", "127.0.0.1")]
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         for (k, v) in extra {
             p.insert(k.to_string(), v.to_string());
         }
@@ -878,7 +931,10 @@ mod tests {
     }
 
     fn reg(a: &Agent, buf: &[u8]) -> RegDList {
-        let l = RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0), meta: vec![] }]);
+        let l = RegDList::with_descs(
+            MemType::Dram,
+            vec![RegDesc { desc: Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0), meta: vec![] }],
+        );
         a.register_mem(&l, &[]).unwrap();
         l
     }
@@ -934,8 +990,14 @@ mod tests {
         let wdst = vec![0u8; n * bs];
         reg(&b, &wdst);
         a.load_remote_md(&b.local_md().unwrap()).unwrap();
-        let l = XferDList::with_descs(MemType::Dram, (0..n).map(|i| Desc::new(wsrc.as_ptr() as u64 + (i * bs) as u64, bs as u64, 0)).collect());
-        let rl = XferDList::with_descs(MemType::Dram, (0..n).rev().map(|i| Desc::new(wdst.as_ptr() as u64 + (i * bs) as u64, bs as u64, 0)).collect());
+        let l = XferDList::with_descs(
+            MemType::Dram,
+            (0..n).map(|i| Desc::new(wsrc.as_ptr() as u64 + (i * bs) as u64, bs as u64, 0)).collect(),
+        );
+        let rl = XferDList::with_descs(
+            MemType::Dram,
+            (0..n).rev().map(|i| Desc::new(wdst.as_ptr() as u64 + (i * bs) as u64, bs as u64, 0)).collect(),
+        );
         let w = a.create_xfer_req(XferOp::Write, &l, &rl, "tcp-B", &XferOpts::default()).unwrap();
         assert_eq!(w.desc_count(), n as u64);
         a.post_xfer_req(&w, NotifUpdate::Set(b"blocks".to_vec())).unwrap();
@@ -943,8 +1005,14 @@ mod tests {
         for i in 0..n {
             assert_eq!(wdst[(n - 1 - i) * bs], (i as u8) ^ 0x5a, "block {i}");
         }
-        let small = a.create_xfer_req(XferOp::Write, &xl(&wsrc, 0, 100), &xl(&wdst, 5, 100), "tcp-B", &XferOpts::default()).unwrap();
-        assert_eq!(a.post_xfer_req(&small, NotifUpdate::Keep).unwrap(), Status::Success, "small requests finish inline");
+        let small = a
+            .create_xfer_req(XferOp::Write, &xl(&wsrc, 0, 100), &xl(&wdst, 5, 100), "tcp-B", &XferOpts::default())
+            .unwrap();
+        assert_eq!(
+            a.post_xfer_req(&small, NotifUpdate::Keep).unwrap(),
+            Status::Success,
+            "small requests finish inline"
+        );
         assert_eq!(&wdst[5..105], &wsrc[..100]);
         a.gen_notif("tcp-B", b"", &[]).unwrap();
         assert_eq!(notifs_until(&b, 2), vec![("tcp-A".to_string(), b"blocks".to_vec()), ("tcp-A".to_string(), vec![])]);
@@ -959,7 +1027,9 @@ mod tests {
         reg(&a, &dst);
         let bl = reg(&b, &src);
         a.load_remote_md(&b.local_md().unwrap()).unwrap();
-        let r = a.create_xfer_req(XferOp::Read, &xl(&dst, 0, 4096), &xl(&src, 0, 4096), "tcp-dereg-B", &XferOpts::default()).unwrap();
+        let r = a
+            .create_xfer_req(XferOp::Read, &xl(&dst, 0, 4096), &xl(&src, 0, 4096), "tcp-dereg-B", &XferOpts::default())
+            .unwrap();
         assert_eq!(a.post_xfer_req(&r, NotifUpdate::Keep).unwrap(), Status::Success);
         // The target drops the registration; the initiator's metadata still lists it, the target does not.
         b.deregister_mem(&bl, &[]).unwrap();
@@ -979,7 +1049,9 @@ mod tests {
         reg(&a, &dst);
         reg(&b, &src);
         a.load_remote_md(&b.local_md().unwrap()).unwrap();
-        let r = a.create_xfer_req(XferOp::Read, &xl(&dst, 0, 4096), &xl(&src, 0, 4096), "tcp-kill-B", &XferOpts::default()).unwrap();
+        let r = a
+            .create_xfer_req(XferOp::Read, &xl(&dst, 0, 4096), &xl(&src, 0, 4096), "tcp-kill-B", &XferOpts::default())
+            .unwrap();
         assert_eq!(a.post_xfer_req(&r, NotifUpdate::Keep).unwrap(), Status::Success);
         drop(b);
         let t = Instant::now();
@@ -1026,7 +1098,8 @@ mod tests {
     fn hello(addr: SocketAddr, kind: u8, inc: u128, secret: u128) -> (TcpStream, Option<u8>) {
         let (mut s, nonce) = challenged(addr);
         let tag = wire::hello_tag(secret, kind, inc, &nonce, "mallory");
-        let got = answer(&mut s, &wire::encode_hello(&wire::Hello { kind, incarnation: inc, tag, name: "mallory".into() }));
+        let got =
+            answer(&mut s, &wire::encode_hello(&wire::Hello { kind, incarnation: inc, tag, name: "mallory".into() }));
         (s, got)
     }
 
@@ -1076,7 +1149,12 @@ mod tests {
         {
             let (mut s1, n1) = challenged(addr);
             let tag = wire::hello_tag(secret, wire::KIND_DATA, inc, &n1, "mallory");
-            let recorded = wire::encode_hello(&wire::Hello { kind: wire::KIND_DATA, incarnation: inc, tag, name: "mallory".into() });
+            let recorded = wire::encode_hello(&wire::Hello {
+                kind: wire::KIND_DATA,
+                incarnation: inc,
+                tag,
+                name: "mallory".into(),
+            });
             let (mut s2, n2) = challenged(addr);
             assert_ne!(n1, n2);
             assert_eq!(answer(&mut s2, &recorded), None, "replayed");

@@ -164,7 +164,14 @@ impl TcpShared {
     fn remove_out(&self, token: u64) {
         if let Some(o) = self.out.lock().remove(&token) {
             // SAFETY: removing a descriptor we added; it is still open (`o` holds it).
-            unsafe { libc::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_DEL, o.conn.stream.as_raw_fd(), std::ptr::null_mut()) };
+            unsafe {
+                libc::epoll_ctl(
+                    self.epfd.as_raw_fd(),
+                    libc::EPOLL_CTL_DEL,
+                    o.conn.stream.as_raw_fd(),
+                    std::ptr::null_mut(),
+                )
+            };
         }
     }
 
@@ -309,10 +316,16 @@ pub const TOKEN_OUT: u64 = 4 << 32;
 
 impl TcpProgress {
     /// Bind the listener and register it with the progress thread's epoll set.
-    pub fn new(setup: TcpSetup, incarnation: u128, queue: Arc<NotifQueue>, epfd: Arc<OwnedFd>, wake: Arc<OwnedFd>) -> Result<TcpProgress> {
+    pub fn new(
+        setup: TcpSetup,
+        incarnation: u128,
+        queue: Arc<NotifQueue>,
+        epfd: Arc<OwnedFd>,
+        wake: Arc<OwnedFd>,
+    ) -> Result<TcpProgress> {
         let TcpSetup { bind, opts, secret, regions } = setup;
-        let listener =
-            TcpListener::bind(bind).map_err(|e| Error::os(Status::Backend, format!("binding the TCP listener on {bind}"), e))?;
+        let listener = TcpListener::bind(bind)
+            .map_err(|e| Error::os(Status::Backend, format!("binding the TCP listener on {bind}"), e))?;
         listener.set_nonblocking(true).map_err(|e| Error::os(Status::Backend, "TCP listener", e))?;
         let local = listener.local_addr().map_err(|e| Error::os(Status::Backend, "TCP listener address", e))?;
         epoll_add(epfd.as_raw_fd(), listener.as_raw_fd(), TOKEN_LISTEN)?;
@@ -348,7 +361,8 @@ impl TcpProgress {
     pub fn tick(&mut self) -> i32 {
         let now = monotonic_ns();
         let mut next = self.shared.tick(now);
-        let expired: Vec<u64> = self.inbound.iter().filter(|(_, c)| c.name.is_none() && c.deadline <= now).map(|(t, _)| *t).collect();
+        let expired: Vec<u64> =
+            self.inbound.iter().filter(|(_, c)| c.name.is_none() && c.deadline <= now).map(|(t, _)| *t).collect();
         for t in expired {
             self.drop_in(t);
         }
@@ -370,7 +384,10 @@ impl TcpProgress {
                 Err(_) => return,
             };
             let pending = self.inbound.values().filter(|c| c.name.is_none()).count();
-            if pending >= MAX_PENDING || self.shared.closed.load(Ordering::Acquire) || stream.set_nonblocking(true).is_err() {
+            if pending >= MAX_PENDING
+                || self.shared.closed.load(Ordering::Acquire)
+                || stream.set_nonblocking(true).is_err()
+            {
                 continue;
             }
             // A fresh socket's send buffer is empty: the challenge always fits.
@@ -391,7 +408,14 @@ impl TcpProgress {
     fn drop_in(&mut self, token: u64) -> Option<In> {
         let c = self.inbound.remove(&token)?;
         // SAFETY: removing a descriptor we added; `c` still owns it.
-        unsafe { libc::epoll_ctl(self.shared.epfd.as_raw_fd(), libc::EPOLL_CTL_DEL, c.stream.as_raw_fd(), std::ptr::null_mut()) };
+        unsafe {
+            libc::epoll_ctl(
+                self.shared.epfd.as_raw_fd(),
+                libc::EPOLL_CTL_DEL,
+                c.stream.as_raw_fd(),
+                std::ptr::null_mut(),
+            )
+        };
         Some(c)
     }
 
@@ -764,7 +788,8 @@ impl TcpLink {
                 .and_then(|_| {
                     let mut c = [0u8; wire::CHALLENGE_BYTES];
                     net::recv_exact(&s, &mut c, &|| {})?;
-                    let nonce = wire::parse_challenge(&c).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.0))?;
+                    let nonce =
+                        wire::parse_challenge(&c).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.0))?;
                     net::send_all(&s, &hello(&nonce), &|| {})
                 })
                 .and_then(|_| {
@@ -860,7 +885,13 @@ impl TcpLink {
     /// Move `segs` over one data connection, in requests of at most `MAX_SEGS` segments and
     /// `MAX_REQ_BYTES` bytes. `region(seg)` names the target registration the segment lies in. `stop` is
     /// checked between requests.
-    pub fn run(&self, op: XferOp, segs: &[Seg], region: &dyn Fn(&Seg) -> (u64, u64), stop: &dyn Fn() -> bool) -> Result<()> {
+    pub fn run(
+        &self,
+        op: XferOp,
+        segs: &[Seg],
+        region: &dyn Fn(&Seg) -> (u64, u64),
+        stop: &dyn Fn() -> bool,
+    ) -> Result<()> {
         let conn = self.checkout()?;
         let r = self.run_on(&conn, op, segs, region, stop);
         // Denied and canceled requests leave the connection in step; anything else does not.
@@ -873,7 +904,14 @@ impl TcpLink {
         r
     }
 
-    fn run_on(&self, s: &TcpStream, op: XferOp, segs: &[Seg], region: &dyn Fn(&Seg) -> (u64, u64), stop: &dyn Fn() -> bool) -> Result<()> {
+    fn run_on(
+        &self,
+        s: &TcpStream,
+        op: XferOp,
+        segs: &[Seg],
+        region: &dyn Fn(&Seg) -> (u64, u64),
+        stop: &dyn Fn() -> bool,
+    ) -> Result<()> {
         let fd = s.as_raw_fd();
         let progress = || self.touch();
         let mut wsegs: Vec<WireSeg> = Vec::with_capacity(wire::MAX_SEGS.min(segs.len()));

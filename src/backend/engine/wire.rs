@@ -136,7 +136,8 @@ pub fn parse_hello(buf: &[u8]) -> Result<Option<(Hello, usize)>, WireError> {
     if buf.len() < HELLO_FIXED + n {
         return Ok(None);
     }
-    let name = std::str::from_utf8(&buf[HELLO_FIXED..HELLO_FIXED + n]).map_err(|_| WireError("agent name is not UTF-8"))?;
+    let name =
+        std::str::from_utf8(&buf[HELLO_FIXED..HELLO_FIXED + n]).map_err(|_| WireError("agent name is not UTF-8"))?;
     Ok(Some((Hello { kind, incarnation, tag, name: name.to_owned() }, HELLO_FIXED + n)))
 }
 
@@ -154,7 +155,12 @@ pub fn tags_match(a: u64, b: u64) -> bool {
 pub fn siphash24(key: u128, m: &[u8]) -> u64 {
     let k = key.to_le_bytes();
     let (k0, k1) = (u64::from_le_bytes(arr(&k[..8])), u64::from_le_bytes(arr(&k[8..])));
-    let mut v = [k0 ^ 0x736f_6d65_7073_6575, k1 ^ 0x646f_7261_6e64_6f6d, k0 ^ 0x6c79_6765_6e65_7261, k1 ^ 0x7465_6462_7974_6573];
+    let mut v = [
+        k0 ^ 0x736f_6d65_7073_6575,
+        k1 ^ 0x646f_7261_6e64_6f6d,
+        k0 ^ 0x6c79_6765_6e65_7261,
+        k1 ^ 0x7465_6462_7974_6573,
+    ];
     fn round(v: &mut [u64; 4]) {
         v[0] = v[0].wrapping_add(v[1]);
         v[1] = v[1].rotate_left(13) ^ v[0];

@@ -82,7 +82,9 @@ impl Posix {
         let ring = || new_ring(cfg.kernel_queue_size, cfg.ios_pool_size);
         let queue = match cfg.choice {
             Choice::Threads => Queue::Threads(threads::Pool::new(cfg.threads)),
-            Choice::Uring => Queue::Uring(ring().map_err(|e| Error::os(Status::Backend, "use_uring is set but io_uring is unavailable", e))?),
+            Choice::Uring => Queue::Uring(
+                ring().map_err(|e| Error::os(Status::Backend, "use_uring is set but io_uring is unavailable", e))?,
+            ),
             Choice::Auto => match ring() {
                 Ok(r) => Queue::Uring(r),
                 Err(_) => Queue::Threads(threads::Pool::new(cfg.threads)),
@@ -127,7 +129,9 @@ impl Backend for Posix {
 
     fn prep_xfer(&self, plan: XferPlan) -> Result<Box<dyn BackendXfer>> {
         if let Target::Remote(_) = plan.target {
-            return Err(Error::not_supported("the POSIX backend moves data between this agent's memory and its own files only"));
+            return Err(Error::not_supported(
+                "the POSIX backend moves data between this agent's memory and its own files only",
+            ));
         }
         if plan.local_mem != MemType::Dram {
             return Err(Error::invalid_param(format!(
@@ -137,14 +141,19 @@ impl Backend for Posix {
             )));
         }
         if plan.remote_mem != MemType::File {
-            return Err(Error::invalid_param(format!("POSIX: the remote list must be FILE_SEG (got {})", plan.remote_mem.seg_name())));
+            return Err(Error::invalid_param(format!(
+                "POSIX: the remote list must be FILE_SEG (got {})",
+                plan.remote_mem.seg_name()
+            )));
         }
         let files = plan
             .remote_keys
             .iter()
             .map(|k| k.clone().and_then(|k| (k as Arc<dyn Any + Send + Sync>).downcast::<FileReg>().ok()))
             .collect::<Option<Vec<Arc<FileReg>>>>()
-            .ok_or_else(|| Error::invalid_param("POSIX: a FILE region of this request was not registered with this backend"))?;
+            .ok_or_else(|| {
+                Error::invalid_param("POSIX: a FILE region of this request was not registered with this backend")
+            })?;
         let read = plan.op == XferOp::Read;
         let mut ops = Vec::with_capacity(plan.segs.len());
         for seg in &plan.segs {
@@ -231,7 +240,12 @@ impl Config {
             0 => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).min(4),
             n => (n as usize).min(64),
         };
-        Ok(Config { choice, kernel_queue_size: int("kernel_queue_size", 256)?, ios_pool_size: int("ios_pool_size", 65536)?, threads })
+        Ok(Config {
+            choice,
+            kernel_queue_size: int("kernel_queue_size", 256)?,
+            ios_pool_size: int("ios_pool_size", 65536)?,
+            threads,
+        })
     }
 }
 
@@ -278,7 +292,8 @@ struct DioAlign {
 
 impl FileReg {
     fn probe(dev: u64) -> Result<FileReg> {
-        let fd = RawFd::try_from(dev).map_err(|_| Error::invalid_param(format!("FILE devId {dev} is not a file descriptor")))?;
+        let fd = RawFd::try_from(dev)
+            .map_err(|_| Error::invalid_param(format!("FILE devId {dev} is not a file descriptor")))?;
         // SAFETY: F_GETFL only reads descriptor flags; an fd that is not open gives EBADF.
         let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
         if fl < 0 {
@@ -286,7 +301,9 @@ impl FileReg {
             return Err(Error::os(Status::InvalidParam, format!("FILE devId {fd} is not an open file descriptor"), e));
         }
         if fl & libc::O_PATH != 0 {
-            return Err(Error::invalid_param(format!("fd {fd} was opened with O_PATH, which allows no reads or writes")));
+            return Err(Error::invalid_param(format!(
+                "fd {fd} was opened with O_PATH, which allows no reads or writes"
+            )));
         }
         let st = fstat(fd).map_err(|e| Error::os(Status::InvalidParam, format!("fstat of fd {fd}"), e))?;
         if st.st_mode & libc::S_IFMT == libc::S_IFDIR {
@@ -313,7 +330,10 @@ impl FileReg {
             return Err(Error::invalid_param(format!("POSIX: fd {fd} is open read-only; a WRITE needs to write it")));
         }
         if !matches!(s.remote.checked_add(s.len), Some(end) if end <= i64::MAX as u64) {
-            return Err(Error::invalid_param(format!("POSIX: file range {:#x}+{} of fd {fd} is past the largest file offset", s.remote, s.len)));
+            return Err(Error::invalid_param(format!(
+                "POSIX: file range {:#x}+{} of fd {fd} is past the largest file offset",
+                s.remote, s.len
+            )));
         }
         if let Some(a) = self.direct {
             let aligned = |x: u64, to: u64| x.checked_rem(to) == Some(0);
@@ -332,7 +352,9 @@ impl FileReg {
     fn check_open(&self) -> Result<()> {
         let fd = self.fd;
         let st = fstat(fd).map_err(|e| match e.raw_os_error() {
-            Some(libc::EBADF) => Error::os(Status::Backend, format!("POSIX: fd {fd} was closed after it was registered"), e),
+            Some(libc::EBADF) => {
+                Error::os(Status::Backend, format!("POSIX: fd {fd} was closed after it was registered"), e)
+            }
             _ => Error::os(Status::Backend, format!("POSIX: fstat of fd {fd}"), e),
         })?;
         if (st.st_dev, st.st_ino) != (self.dev, self.ino) {
@@ -457,7 +479,6 @@ impl Drop for PosixXfer {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use std::fs::File;
@@ -489,7 +510,11 @@ mod tests {
 
     fn tmp(tag: &str) -> PathBuf {
         static N: AtomicUsize = AtomicUsize::new(0);
-        std::env::temp_dir().join(format!("gixl-posix-{}-{tag}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)))
+        std::env::temp_dir().join(format!(
+            "gixl-posix-{}-{tag}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ))
     }
 
     fn rw(path: &PathBuf) -> File {
@@ -540,11 +565,18 @@ mod tests {
         let d = default_params();
         assert_eq!(d.get("kernel_queue_size").map(String::as_str), Some("256"));
         assert_eq!(d.get("ios_pool_size").map(String::as_str), Some("65536"));
-        assert_eq!(d.keys().collect::<Vec<_>>(), ["ios_pool_size", "kernel_queue_size", "use_aio", "use_posix_aio", "use_uring"]);
+        assert_eq!(
+            d.keys().collect::<Vec<_>>(),
+            ["ios_pool_size", "kernel_queue_size", "use_aio", "use_posix_aio", "use_uring"]
+        );
 
         let c = Config::parse(&default_params(), 3).unwrap();
         assert_eq!(c, Config { choice: Choice::Auto, kernel_queue_size: 256, ios_pool_size: 65536, threads: 3 });
-        let c = Config::parse(&params(&[("use_uring", "YES"), ("use_aio", "off"), ("kernel_queue_size", "0"), ("bogus", "x")]), 0).unwrap();
+        let c = Config::parse(
+            &params(&[("use_uring", "YES"), ("use_aio", "off"), ("kernel_queue_size", "0"), ("bogus", "x")]),
+            0,
+        )
+        .unwrap();
         assert_eq!((c.choice, c.kernel_queue_size), (Choice::Uring, 256));
         assert_eq!(Config::parse(&params(&[("use_posix_aio", "Enable")]), 0).unwrap().choice, Choice::Threads);
         assert_eq!(Config::parse(&params(&[("use_aio", "1")]), 0).unwrap().choice, Choice::Auto);
@@ -567,14 +599,22 @@ mod tests {
         let b = posix(&[("use_posix_aio", "true"), ("kernel_queue_size", "8")]).unwrap();
         assert_eq!(b.queue_kind(), "threads");
         assert_eq!(b.params(), params(&[("use_posix_aio", "true"), ("kernel_queue_size", "8")]), "params are echoed");
-        assert_eq!(b.caps(), Caps { local: true, remote: false, notif: false, mems: vec![MemType::File, MemType::Dram] });
+        assert_eq!(
+            b.caps(),
+            Caps { local: true, remote: false, notif: false, mems: vec![MemType::File, MemType::Dram] }
+        );
         assert_eq!(b.estimate_xfer_cost(1).unwrap_err().status(), Status::NotSupported);
         assert_eq!(b.gen_notif(&Target::Local, b"x").unwrap_err().status(), Status::Backend);
     }
 
     #[test]
     fn without_io_uring_the_default_falls_back_and_use_uring_fails() {
-        let init = |kv: &[(&str, &str)]| BackendInit { agent_name: "t".into(), incarnation: 1, params: params(kv), num_workers: 2 };
+        let init = |kv: &[(&str, &str)]| BackendInit {
+            agent_name: "t".into(),
+            incarnation: 1,
+            params: params(kv),
+            num_workers: 2,
+        };
         let refuse = |_, _| Err(std::io::Error::from_raw_os_error(libc::EPERM));
         let b = Posix::with_ring(init(&[]), refuse).unwrap();
         assert_eq!(b.queue_kind(), "threads");
@@ -590,7 +630,11 @@ mod tests {
     #[test]
     fn registration_checks_the_file_descriptor() {
         let b = posix(&[("use_posix_aio", "true")]).unwrap();
-        assert!(b.register(MemType::Dram, &RegDesc { desc: Desc::new(0x1000, 10, 0), meta: vec![] }).unwrap().key.is_none());
+        assert!(b
+            .register(MemType::Dram, &RegDesc { desc: Desc::new(0x1000, 10, 0), meta: vec![] })
+            .unwrap()
+            .key
+            .is_none());
         assert_eq!(b.register(MemType::Vram, &RegDesc::default()).err().unwrap().status(), Status::NotSupported);
 
         let path = tmp("reg");
@@ -723,9 +767,14 @@ mod tests {
             let k = file_key(&b, f.as_raw_fd()).unwrap();
             let mut dst = vec![0u8; 8192];
             let a = dst.as_mut_ptr() as u64;
-            let e = run(&b, plan(XferOp::Read, f.as_raw_fd(), &k, &[(a, 0, 4096), (a + 4096, 4096, 4096)])).unwrap_err();
+            let e =
+                run(&b, plan(XferOp::Read, f.as_raw_fd(), &k, &[(a, 0, 4096), (a + 4096, 4096, 4096)])).unwrap_err();
             assert_eq!(e.status(), Status::Backend);
-            assert!(e.message().contains("short read") && e.message().contains("ends at offset 6000"), "{}: {e}", b.queue_kind());
+            assert!(
+                e.message().contains("short read") && e.message().contains("ends at offset 6000"),
+                "{}: {e}",
+                b.queue_kind()
+            );
             let e = run(&b, plan(XferOp::Read, f.as_raw_fd(), &k, &[(a, 1 << 20, 10)])).unwrap_err();
             assert!(e.message().contains("short read"), "{e}");
             assert_eq!(&dst[..6000 - 4096 + 4096], &[5u8; 6000][..]);
@@ -763,7 +812,10 @@ mod tests {
             std::fs::remove_file(path).unwrap();
 
             // A descriptor that goes bad under the queue itself: EBADF from the I/O.
-            let w = Arc::new(Work { read: false, ops: vec![Op { fd: -1, buf: src.as_ptr() as u64, off: 0, len: 10, direct: false }] });
+            let w = Arc::new(Work {
+                read: false,
+                ops: vec![Op { fd: -1, buf: src.as_ptr() as u64, off: 0, len: 10, direct: false }],
+            });
             let r = b.queue.start(&w);
             r.wait();
             let e = r.error();
@@ -860,7 +912,8 @@ mod tests {
         let src: Vec<u8> = (0..64 * 512).map(|i| (i % 241) as u8).collect();
         let xs: Vec<_> = (0..4u64)
             .map(|r| {
-                let segs: Vec<_> = (0..16u64).map(|i| (src.as_ptr() as u64 + (r * 16 + i) * 512, (r * 16 + i) * 512, 512)).collect();
+                let segs: Vec<_> =
+                    (0..16u64).map(|i| (src.as_ptr() as u64 + (r * 16 + i) * 512, (r * 16 + i) * 512, 512)).collect();
                 b.prep_xfer(plan(XferOp::Write, f.as_raw_fd(), &k, &segs)).unwrap()
             })
             .collect();
@@ -884,10 +937,16 @@ mod tests {
         with_nul.extend_from_slice(b"\0ignored");
         let descs = RegDList::with_descs(
             MemType::File,
-            [path.as_os_str().as_bytes().to_vec(), b"/nonexistent/x".to_vec(), vec![], with_nul, format!("rw:{}", path.display()).into_bytes()]
-                .into_iter()
-                .map(|meta| RegDesc { desc: Desc::default(), meta })
-                .collect(),
+            [
+                path.as_os_str().as_bytes().to_vec(),
+                b"/nonexistent/x".to_vec(),
+                vec![],
+                with_nul,
+                format!("rw:{}", path.display()).into_bytes(),
+            ]
+            .into_iter()
+            .map(|meta| RegDesc { desc: Desc::default(), meta })
+            .collect(),
         );
         let r = b.query_mem(&descs).unwrap();
         let want = params(&[("size", "1234"), ("mode", &md.mode().to_string()), ("mtime", &md.mtime().to_string())]);
