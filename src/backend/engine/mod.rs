@@ -29,6 +29,7 @@
 
 mod copy;
 mod ctrl;
+mod gate;
 /// Socket helpers, shared with the metadata listener (`crate::mdx`).
 pub(crate) mod net;
 mod pool;
@@ -50,6 +51,7 @@ use crate::md::{put_bytes, put_uvar, Reader};
 use crate::mem::{Desc, MemType, RegDesc};
 use crate::status::{Error, Result, Status};
 use ctrl::{Ctrl, NotifQueue, Sender};
+use gate::{Attached, Gate, RegionTicket};
 use pool::Pool;
 use tcp::{LinkTarget, Regions, TcpLink, TcpOpts, TcpSetup};
 
@@ -95,8 +97,12 @@ struct Shared {
     /// Shown only inside this engine's metadata; a TCP connection must present it.
     secret: u128,
     regions: Arc<Regions>,
+    /// What same-host peers must pass for every batch (see `gate`).
+    gate: Arc<Gate>,
     queue: Arc<NotifQueue>,
     closed: Arc<AtomicBool>,
+    /// Test-only fault injection (`GIXL_TEST_FAULT=copy_panic`): copy workers panic.
+    panic_copies: bool,
     ctrl: Ctrl,
     pool: Pool,
     /// Workers for TCP pieces: they block on sockets, so they are not the copy threads.
@@ -157,6 +163,7 @@ impl Engine {
             queue.clone(),
             TcpSetup { bind, opts: tcp_opts, secret, regions: regions.clone() },
         )?;
+        let gate = Arc::new(Gate::create(init.incarnation)?);
         let shared = Arc::new(Shared {
             agent: init.agent_name,
             incarnation: init.incarnation,
@@ -168,8 +175,10 @@ impl Engine {
             tcp_opts,
             secret,
             regions,
+            gate,
             queue,
             closed: Arc::new(AtomicBool::new(false)),
+            panic_copies: std::env::var("GIXL_TEST_FAULT").is_ok_and(|v| v.split(',').any(|f| f == "copy_panic")),
             ctrl,
             pool: Pool::new(threads),
             tcp_pool: Pool::new((2 * conns).clamp(4, 64)),
@@ -186,13 +195,15 @@ impl Drop for Engine {
 }
 
 impl Shared {
-    /// Stop serving peers (in-process ones see `closed`, TCP ones lose their connections and the region
+    /// Stop serving peers (same-host ones find the gate closed, TCP ones lose their connections and the region
     /// table) and stop the threads. Requests that outlive this fail with BACKEND. Idempotent.
     fn shutdown(&self) {
         if self.closed.swap(true, Ordering::AcqRel) {
             return;
         }
         registry().lock().remove(&self.incarnation);
+        // From here no peer's batch passes the gate; those inside finish before this returns.
+        self.gate.close(self.tcp_opts.timeout);
         self.ctrl.shutdown();
         self.pool.shutdown();
         self.tcp_pool.shutdown();
@@ -210,14 +221,18 @@ fn copy_threads(init: &BackendInit) -> usize {
 }
 
 enum PeerKind {
-    /// Another agent in this process.
-    InProcess { target: Weak<Shared>, closed: Arc<AtomicBool> },
+    /// Another agent in this process, found in `registry()` by its incarnation; `gate` is None when no engine
+    /// of that incarnation lives here (destroyed, or metadata that only claims to be from this process).
+    InProcess { target: Weak<Shared>, gate: Option<Attached> },
     /// Another process on this host. `tcp` carries the data instead once the kernel has denied
     /// cross-memory attach (`denied`).
     Cma {
         pid: i32,
         pidfd: OwnedFd,
         watch: Option<u64>,
+        /// The peer's gate (None when the kernel denied taking it: then `denied` is set and TCP carries data).
+        gate: Option<Attached>,
+        probe: copy::Probe,
         sock: Vec<u8>,
         sender: Mutex<Option<Sender>>,
         tcp: Arc<TcpLink>,
@@ -241,8 +256,11 @@ impl Peer for EnginePeer {
     }
     fn disconnected(&self) -> bool {
         match &self.kind {
-            PeerKind::InProcess { closed, .. } => closed.load(Ordering::Acquire),
-            PeerKind::Cma { .. } | PeerKind::Tcp { .. } => self.dead.load(Ordering::Acquire),
+            PeerKind::InProcess { gate, .. } => gate.as_ref().is_none_or(|g| !g.gate.live()),
+            PeerKind::Cma { gate, .. } => {
+                self.dead.load(Ordering::Acquire) || gate.as_ref().is_some_and(|g| !g.gate.live())
+            }
+            PeerKind::Tcp { .. } => self.dead.load(Ordering::Acquire),
         }
     }
 }
@@ -260,8 +278,8 @@ impl Drop for EnginePeer {
 impl EnginePeer {
     fn send_notif(&self, from: &str, msg: &[u8]) -> Result<()> {
         match &self.kind {
-            PeerKind::InProcess { target, closed } => {
-                let t = target.upgrade().filter(|_| !closed.load(Ordering::Acquire));
+            PeerKind::InProcess { target, .. } => {
+                let t = target.upgrade().filter(|_| !self.disconnected());
                 let t = t.ok_or_else(|| Error::disconnected(format!("agent '{}' has been destroyed", self.name)))?;
                 t.queue.lock().push((from.to_owned(), msg.to_vec()));
                 Ok(())
@@ -286,16 +304,18 @@ impl EnginePeer {
 }
 
 /// The connection info version this engine writes and reads.
-const CONN_VERSION: u8 = 2;
+const CONN_VERSION: u8 = 3;
 const MAX_ADDRS: usize = 64;
 
-/// `version 2 | host id | pid | start time | Unix socket name | secret u128 | TCP port u16 | addresses`,
-/// an address being `4 | 4 bytes` or `6 | 16 bytes`.
+/// `version 3 | host id | pid | start time | gate fd | gate address u64 | Unix socket name | secret u128 |
+/// TCP port u16 | addresses`, an address being `4 | 4 bytes` or `6 | 16 bytes`.
 fn conn_info(s: &Shared) -> Vec<u8> {
     let mut out = vec![CONN_VERSION];
     put_bytes(&mut out, s.host.as_bytes());
     put_uvar(&mut out, s.pid as u64);
     put_uvar(&mut out, s.start_time);
+    put_uvar(&mut out, s.gate.raw_fd() as u64);
+    out.extend_from_slice(&s.gate.addr().to_le_bytes());
     put_bytes(&mut out, &s.ctrl.sock_name);
     out.extend_from_slice(&s.secret.to_le_bytes());
     out.extend_from_slice(&s.ctrl.tcp.port.to_le_bytes());
@@ -321,6 +341,8 @@ struct ConnInfo {
     host: String,
     pid: i32,
     start_time: u64,
+    gate_fd: i32,
+    gate_addr: u64,
     sock: Vec<u8>,
     secret: u128,
     addrs: Vec<SocketAddr>,
@@ -334,6 +356,8 @@ fn parse_conn(b: &[u8]) -> Result<ConnInfo> {
     let host = r.string(4096)?;
     let pid = i32::try_from(r.uvar()?).map_err(|_| Error::mismatch("bad pid in connection info"))?;
     let start_time = r.uvar()?;
+    let gate_fd = i32::try_from(r.uvar()?).map_err(|_| Error::mismatch("bad gate in connection info"))?;
+    let gate_addr = u64::from_le_bytes(r.array()?);
     let sock = r.bytes(108)?.to_vec();
     let secret = u128::from_le_bytes(r.array()?);
     let port = u16::from_le_bytes(r.array()?);
@@ -350,7 +374,7 @@ fn parse_conn(b: &[u8]) -> Result<ConnInfo> {
     if r.left() != 0 || pid <= 0 || port == 0 {
         return Err(Error::mismatch("malformed engine connection info"));
     }
-    Ok(ConnInfo { host, pid, start_time, sock, secret, addrs })
+    Ok(ConnInfo { host, pid, start_time, gate_fd, gate_addr, sock, secret, addrs })
 }
 
 /// For `crate::fuzzing` only: the connection-info parser and the notification-frame parser.
@@ -367,10 +391,39 @@ pub fn tcp_endpoint(conn: &[u8]) -> Result<(Vec<SocketAddr>, u128)> {
     parse_conn(conn).map(|c| (c.addrs, c.secret))
 }
 
-/// A peer's registration as its metadata names it; sent with each TCP request so the target can find it.
+/// A peer's registration as its metadata names it; sent with each TCP request so the target can find it, and
+/// checked against the target's gate (slot and state from the region's public bytes) on same-host routes.
 struct RemoteRegion {
     addr: u64,
     len: u64,
+    ticket: RegionTicket,
+}
+
+/// What a local registration keeps: its place in the gate.
+struct LocalGateRegion(RegionTicket);
+
+fn encode_ticket(t: RegionTicket) -> Vec<u8> {
+    let mut out = Vec::with_capacity(8);
+    put_uvar(&mut out, t.slot as u64);
+    put_uvar(&mut out, t.state);
+    out
+}
+
+fn decode_ticket(b: &[u8]) -> Result<RegionTicket> {
+    let mut r = Reader { buf: b, pos: 0 };
+    let slot = u32::try_from(r.uvar()?).map_err(|_| Error::mismatch("bad region slot in metadata"))?;
+    let state = r.uvar()?;
+    if r.left() != 0 {
+        return Err(Error::mismatch("malformed engine region info"));
+    }
+    Ok(RegionTicket { slot, state })
+}
+
+/// Has the process behind `pidfd` exited? (A pidfd polls readable once it has.)
+fn pidfd_exited(pidfd: &OwnedFd) -> bool {
+    let mut p = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd, no wait.
+    unsafe { libc::poll(&mut p, 1, 0) > 0 && p.revents != 0 }
 }
 
 fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
@@ -404,13 +457,18 @@ impl Backend for Engine {
         if mem != MemType::Dram {
             return Err(Error::not_supported(format!("{} is not supported by this engine", mem.seg_name())));
         }
+        let ticket = self.shared.gate.register(desc.desc.addr, desc.desc.len)?;
         *self.shared.regions.write().entry((desc.desc.addr, desc.desc.len)).or_insert(0) += 1;
-        Ok(LocalRegion { public: Vec::new(), key: None })
+        Ok(LocalRegion { public: encode_ticket(ticket), key: Some(Arc::new(LocalGateRegion(ticket))) })
     }
 
-    fn deregister(&self, mem: MemType, desc: &Desc, _key: Option<&RegionKey>) {
+    fn deregister(&self, mem: MemType, desc: &Desc, key: Option<&RegionKey>) {
         if mem != MemType::Dram {
             return;
+        }
+        // Same-host peers first: refuse new batches, wait (bounded) for those inside.
+        if let Some(t) = key.and_then(|k| k.downcast_ref::<LocalGateRegion>()) {
+            self.shared.gate.retire(t.0, self.shared.tcp_opts.timeout);
         }
         // Waits for TCP requests being served from the table, so none touches the range after this.
         let mut t = self.shared.regions.write();
@@ -428,9 +486,10 @@ impl Backend for Engine {
         _peer: &Arc<dyn Peer>,
         _mem: MemType,
         desc: &Desc,
-        _public: &[u8],
+        public: &[u8],
     ) -> Result<Option<RegionKey>> {
-        Ok(Some(Arc::new(RemoteRegion { addr: desc.addr, len: desc.len })))
+        let ticket = decode_ticket(public)?;
+        Ok(Some(Arc::new(RemoteRegion { addr: desc.addr, len: desc.len, ticket })))
     }
 
     fn conn_info(&self) -> Vec<u8> {
@@ -468,10 +527,14 @@ impl Backend for Engine {
                 owner: Arc::downgrade(s),
             }));
         }
-        let kind = if ci.pid == s.pid && ci.start_time == s.start_time {
-            let target = registry().lock().get(&incarnation).cloned().unwrap_or_default();
-            let closed = target.upgrade().map(|t| t.closed.clone()).unwrap_or_else(|| Arc::new(AtomicBool::new(true)));
-            PeerKind::InProcess { target, closed }
+        // In process only to an engine that lives here under that incarnation, whatever the connection info
+        // says; an incarnation of this process that is not in the registry was destroyed (or never existed).
+        let local = registry().lock().get(&incarnation).and_then(Weak::upgrade);
+        let kind = if let Some(t) = local {
+            let gate = Some(Attached::new(t.gate.clone())?);
+            PeerKind::InProcess { target: Arc::downgrade(&t), gate }
+        } else if ci.pid == s.pid && ci.start_time == s.start_time {
+            PeerKind::InProcess { target: Weak::new(), gate: None }
         } else {
             let pidfd = pidfd_open(ci.pid);
             // Opened first, checked second: if the start time still matches, the pidfd is that process.
@@ -481,7 +544,18 @@ impl Backend for Engine {
                 // The process is gone; keep a placeholder descriptor so the peer reports disconnected.
                 Err(_) => pidfd_open(s.pid).map_err(|e| Error::os(Status::Backend, "pidfd_open", e))?,
             };
-            let watch = if alive {
+            // The peer's gate, taken from that very process through the pidfd: if the kernel refuses, it would
+            // refuse cross-memory attach too, and TCP carries the data.
+            let mut denied = false;
+            let gate = match alive.then(|| Gate::attach(pidfd.as_raw_fd(), ci.gate_fd, incarnation)) {
+                Some(Ok(g)) => Some(Attached::new(Arc::new(g))?),
+                Some(Err(e)) if cma_denied(&e) => {
+                    denied = true;
+                    None
+                }
+                _ => None,
+            };
+            let watch = if alive && (gate.is_some() || denied) {
                 Some(s.ctrl.watch(pidfd.as_raw_fd(), dead.clone())?)
             } else {
                 dead.store(true, Ordering::Release);
@@ -492,10 +566,12 @@ impl Backend for Engine {
                 pid: ci.pid,
                 pidfd,
                 watch,
+                gate,
+                probe: copy::Probe { addr: ci.gate_addr, incarnation },
                 sock: ci.sock.clone(),
                 sender: Mutex::new(None),
                 tcp,
-                denied: AtomicBool::new(false),
+                denied: AtomicBool::new(denied),
             }
         };
         Ok(Arc::new(EnginePeer { name: agent.to_owned(), incarnation, kind, dead, owner: Arc::downgrade(s) }))
@@ -628,46 +704,93 @@ impl Core {
         }
     }
 
-    /// Copy `segs` by whichever route this request takes.
-    fn copy(&self, segs: &[Seg], run: &Run) -> Result<()> {
-        let op = self.plan.op;
-        match self.peer().map(|p| &p.kind) {
-            None | Some(PeerKind::InProcess { .. }) => {
-                if let Some(p) = self.peer() {
-                    if p.disconnected() {
-                        return Err(Error::disconnected(format!("agent '{}' has been destroyed", p.name)));
-                    }
-                }
-                // SAFETY: the agent resolved every segment against registrations of live agents in this
-                // process; registered memory must stay valid while registered (NIXL's contract).
-                unsafe { copy::local_copy(op, segs) };
-                Ok(())
+    /// The remote regions this request may touch, as (gate slot, state, address, length).
+    fn gate_regions(&self) -> impl Iterator<Item = (u32, u64, u64, u64)> + '_ {
+        self.plan.remote_keys.iter().map(|k| {
+            match k.as_ref().and_then(|k| k.downcast_ref::<RemoteRegion>()) {
+                Some(r) => (r.ticket.slot, r.ticket.state, r.addr, r.len),
+                // Never for this engine's plans; refused by the gate if it happens.
+                None => (u32::MAX, 0, 0, 0),
             }
-            Some(PeerKind::Tcp { link }) => self.tcp_copy(link, segs, run),
-            Some(PeerKind::Cma { tcp, denied, .. }) if denied.load(Ordering::Acquire) => self.tcp_copy(tcp, segs, run),
-            Some(PeerKind::Cma { pid, tcp, denied, .. }) => {
-                let dead = &self.peer().map(|p| p.dead.clone()).unwrap_or_default();
-                let stop = || run.abort.load(Ordering::Relaxed) || dead.load(Ordering::Relaxed);
-                // SAFETY: local ranges were resolved against this agent's registrations.
-                let r = unsafe { copy::cma_copy(*pid, op, segs, &stop) };
+        })
+    }
+
+    /// Copy `segs` by whichever route this request takes. Same-host routes go batch by batch, each inside
+    /// the target's gate.
+    fn copy(&self, segs: &[Seg], run: &Run) -> Result<()> {
+        if self.shared.panic_copies {
+            panic!("injected copy-worker panic (GIXL_TEST_FAULT=copy_panic)");
+        }
+        let op = self.plan.op;
+        let stopped = || Error::new(Status::Canceled, "transfer stopped");
+        let Some(p) = self.peer() else {
+            // SAFETY: loopback: the agent resolved both sides against this agent's own registrations.
+            unsafe { copy::local_copy(op, segs) };
+            return Ok(());
+        };
+        match &p.kind {
+            PeerKind::InProcess { gate, .. } => {
+                let gate = gate
+                    .as_ref()
+                    .ok_or_else(|| Error::disconnected(format!("agent '{}' has been destroyed", p.name)))?;
+                copy::for_batches(segs, usize::MAX, copy::BATCH_BYTES, &mut |b| {
+                    if run.abort.load(Ordering::Relaxed) {
+                        return Err(stopped());
+                    }
+                    let _inside = gate.enter(self.gate_regions())?;
+                    // SAFETY: local ranges were resolved against this agent's registrations; remote ones are
+                    // inside registrations the target still holds (the gate), which it cannot drop while we
+                    // are inside.
+                    unsafe { copy::local_copy(op, b) };
+                    Ok(())
+                })
+            }
+            PeerKind::Tcp { link } => self.tcp_copy(link, segs, run),
+            PeerKind::Cma { tcp, denied, .. } if denied.load(Ordering::Acquire) => self.tcp_copy(tcp, segs, run),
+            PeerKind::Cma { pid, pidfd, gate, probe, tcp, denied, .. } => {
+                let gate =
+                    gate.as_ref().ok_or_else(|| Error::disconnected(format!("agent '{}' is not reachable", p.name)))?;
+                let mut gone = false;
+                let r = copy::for_batches(segs, copy::BATCH_SEGS, copy::BATCH_BYTES, &mut |b| {
+                    if run.abort.load(Ordering::Relaxed) || p.dead.load(Ordering::Relaxed) {
+                        return Err(stopped());
+                    }
+                    // The pid still names the process the pidfd was opened on (checked now, not by a flag
+                    // a thread sets later); the gate probe in the call then ties it to this incarnation.
+                    if pidfd_exited(pidfd) {
+                        gone = true;
+                        return Err(Error::disconnected(format!("agent '{}' has exited", p.name)));
+                    }
+                    let inside = gate.enter(self.gate_regions());
+                    if let Err(e) = &inside {
+                        gone = e.status() == Status::RemoteDisconnect;
+                    }
+                    let _inside = inside?;
+                    // SAFETY: local ranges were resolved against this agent's registrations.
+                    unsafe { copy::cma_batch(*pid, op, b, probe, &mut gone) }
+                });
                 if r.as_ref().err().is_some_and(cma_denied) {
                     // The kernel checks permission before moving a byte, so nothing was copied: go by TCP.
                     denied.store(true, Ordering::Release);
                     return self.tcp_copy(tcp, segs, run);
                 }
-                if r.is_err() && dead.load(Ordering::Acquire) {
-                    return Err(Error::disconnected(format!(
-                        "agent '{}' exited during the transfer",
-                        self.peer().map(|p| p.name.as_str()).unwrap_or("")
-                    )));
+                if gone {
+                    p.dead.store(true, Ordering::Release);
                 }
-                if let Err(e) = &r {
-                    if e.status() == Status::RemoteDisconnect {
-                        dead.store(true, Ordering::Release);
-                    }
+                if r.is_err() && p.dead.load(Ordering::Acquire) {
+                    return Err(Error::disconnected(format!("agent '{}' exited during the transfer", p.name)));
                 }
                 r
             }
+        }
+    }
+
+    /// `copy`, with any failure, a panic included, recorded on the request (never unwinding further).
+    fn guarded_copy(&self, segs: &[Seg], run: &Run) {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.copy(segs, run))) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => run.fail(e),
+            Err(_) => run.fail(Error::backend("a copy worker panicked; this request failed (the agent stays usable)")),
         }
     }
 
@@ -767,9 +890,7 @@ impl BackendXfer for EngineXfer {
             link.begin();
         }
         if inline {
-            if let Err(e) = core.copy(&plan.segs, &run) {
-                run.fail(e);
-            }
+            core.guarded_copy(&plan.segs, &run);
             core.finish(&run);
             return self.status();
         }
@@ -780,9 +901,7 @@ impl BackendXfer for EngineXfer {
             let (core, run) = (core.clone(), run.clone());
             pool.submit(Box::new(move || {
                 if !run.abort.load(Ordering::Relaxed) {
-                    if let Err(e) = core.copy(&part, &run) {
-                        run.fail(e);
-                    }
+                    core.guarded_copy(&part, &run);
                 }
                 if run.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
                     core.finish(&run);
@@ -798,10 +917,11 @@ impl BackendXfer for EngineXfer {
         match st {
             Status::Success => Ok(Status::Success),
             Status::InProg => {
-                // A dead peer is reported at once, not when the copy threads notice.
+                // A dead peer is reported without waiting for the copy threads to notice it by themselves,
+                // but only once they have stopped: a terminal status means nothing touches the buffers.
                 if let Some(p) = self.core.peer() {
                     if p.disconnected() {
-                        run.abort.store(true, Ordering::Release);
+                        self.abort();
                         return Err(Error::disconnected(format!("agent '{}' has disconnected", p.name)));
                     }
                 }
@@ -827,6 +947,13 @@ impl BackendXfer for EngineXfer {
 
     fn completed_at(&self) -> Option<Instant> {
         self.run.lock().as_ref().and_then(|r| *r.done_at.lock())
+    }
+}
+
+impl Drop for EngineXfer {
+    /// Whoever drops the request may free its buffers next: no copy of it may still run.
+    fn drop(&mut self) {
+        self.abort();
     }
 }
 
@@ -880,6 +1007,8 @@ mod tests {
         put_bytes(&mut b, b"h");
         put_uvar(&mut b, 42);
         put_uvar(&mut b, 7);
+        put_uvar(&mut b, 3);
+        b.extend_from_slice(&(1u64 << 41).to_le_bytes());
         put_bytes(&mut b, b"sock");
         b.extend_from_slice(&99u128.to_le_bytes());
         b.extend_from_slice(&4242u16.to_le_bytes());
@@ -895,9 +1024,11 @@ mod tests {
     fn conn_info_round_trip_and_garbage() {
         assert!(parse_conn(b"").is_err());
         assert!(parse_conn(&[2, 0]).is_err());
+        assert!(parse_conn(&[3, 0]).is_err());
         let b = conn_bytes(&[(4, &[192, 0, 2, 1]), (6, &[0; 16])]);
         let c = parse_conn(&b).unwrap();
         assert_eq!((c.host.as_str(), c.pid, c.start_time, c.sock.as_slice(), c.secret), ("h", 42, 7, &b"sock"[..], 99));
+        assert_eq!((c.gate_fd, c.gate_addr), (3, 1 << 41));
         assert_eq!(c.addrs, vec!["192.0.2.1:4242".parse().unwrap(), "[::]:4242".parse().unwrap()]);
         for n in 0..b.len() {
             assert!(parse_conn(&b[..n]).is_err(), "prefix {n}");
