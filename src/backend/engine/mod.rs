@@ -29,6 +29,7 @@
 
 mod copy;
 mod ctrl;
+mod liveness;
 /// Socket helpers, shared with the metadata listener (`crate::mdx`).
 pub(crate) mod net;
 mod pool;
@@ -242,7 +243,8 @@ impl Peer for EnginePeer {
     fn disconnected(&self) -> bool {
         match &self.kind {
             PeerKind::InProcess { closed, .. } => closed.load(Ordering::Acquire),
-            PeerKind::Cma { .. } | PeerKind::Tcp { .. } => self.dead.load(Ordering::Acquire),
+            PeerKind::Cma { .. } => self.dead.load(Ordering::Acquire),
+            PeerKind::Tcp { link } => link.down(),
         }
     }
 }
@@ -404,7 +406,7 @@ impl Backend for Engine {
         if mem != MemType::Dram {
             return Err(Error::not_supported(format!("{} is not supported by this engine", mem.seg_name())));
         }
-        *self.shared.regions.write().entry((desc.desc.addr, desc.desc.len)).or_insert(0) += 1;
+        self.shared.regions.add(desc.desc.addr, desc.desc.len);
         Ok(LocalRegion { public: Vec::new(), key: None })
     }
 
@@ -412,15 +414,8 @@ impl Backend for Engine {
         if mem != MemType::Dram {
             return;
         }
-        // Waits for TCP requests being served from the table, so none touches the range after this.
-        let mut t = self.shared.regions.write();
-        let k = (desc.addr, desc.len);
-        if let Some(n) = t.get_mut(&k) {
-            *n -= 1;
-            if *n == 0 {
-                t.remove(&k);
-            }
-        }
+        // Waits (bounded) for TCP requests being served from the range, so none touches it after this.
+        self.shared.regions.remove(desc.addr, desc.len);
     }
 
     fn load_remote_region(
@@ -450,7 +445,9 @@ impl Backend for Engine {
         }
         let dead = Arc::new(AtomicBool::new(false));
         let link = |dead: &Arc<AtomicBool>| {
-            let t = LinkTarget { peer: agent, incarnation, secret: ci.secret, addrs: addrs.clone() };
+            // A TCP-only peer recovers from transient failures; a CMA peer's liveness is its pidfd's.
+            let recover = !same_host || s.transport == Transport::Tcp;
+            let t = LinkTarget { peer: agent, incarnation, secret: ci.secret, addrs: addrs.clone(), recover };
             TcpLink::new(&s.ctrl.tcp, &s.agent, t, dead.clone())
         };
         if !same_host || s.transport == Transport::Tcp {
@@ -1127,10 +1124,10 @@ mod tests {
         let (addr, inc, secret) = endpoint(&b);
         let inside = region + 1024;
 
-        // Wrong secret, wrong incarnation, garbage: closed without an answer.
-        assert_eq!(hello(addr, wire::KIND_DATA, inc, secret ^ 1).1, None);
-        assert_eq!(hello(addr, wire::KIND_CTRL, inc, secret ^ (1 << 127)).1, None);
-        assert_eq!(hello(addr, wire::KIND_DATA, inc + 1, secret).1, None);
+        // Wrong secret, wrong incarnation: NAK and closed; garbage: closed without an answer.
+        assert_eq!(hello(addr, wire::KIND_DATA, inc, secret ^ 1).1, Some(wire::NAK));
+        assert_eq!(hello(addr, wire::KIND_CTRL, inc, secret ^ (1 << 127)).1, Some(wire::NAK));
+        assert_eq!(hello(addr, wire::KIND_DATA, inc + 1, secret).1, Some(wire::NAK));
         {
             let mut s = TcpStream::connect(addr).unwrap();
             s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -1157,7 +1154,7 @@ mod tests {
             });
             let (mut s2, n2) = challenged(addr);
             assert_ne!(n1, n2);
-            assert_eq!(answer(&mut s2, &recorded), None, "replayed");
+            assert_eq!(answer(&mut s2, &recorded), Some(wire::NAK), "replayed");
             assert_eq!(answer(&mut s1, &recorded), Some(wire::ACK), "the original is fine");
         }
 
