@@ -30,6 +30,7 @@
 mod copy;
 mod ctrl;
 mod gate;
+mod liveness;
 /// Socket helpers, shared with the metadata listener (`crate::mdx`).
 pub(crate) mod net;
 mod pool;
@@ -260,7 +261,7 @@ impl Peer for EnginePeer {
             PeerKind::Cma { gate, .. } => {
                 self.dead.load(Ordering::Acquire) || gate.as_ref().is_some_and(|g| !g.gate.live())
             }
-            PeerKind::Tcp { .. } => self.dead.load(Ordering::Acquire),
+            PeerKind::Tcp { link } => link.down(),
         }
     }
 }
@@ -458,7 +459,7 @@ impl Backend for Engine {
             return Err(Error::not_supported(format!("{} is not supported by this engine", mem.seg_name())));
         }
         let ticket = self.shared.gate.register(desc.desc.addr, desc.desc.len)?;
-        *self.shared.regions.write().entry((desc.desc.addr, desc.desc.len)).or_insert(0) += 1;
+        self.shared.regions.add(desc.desc.addr, desc.desc.len);
         Ok(LocalRegion { public: encode_ticket(ticket), key: Some(Arc::new(LocalGateRegion(ticket))) })
     }
 
@@ -470,15 +471,8 @@ impl Backend for Engine {
         if let Some(t) = key.and_then(|k| k.downcast_ref::<LocalGateRegion>()) {
             self.shared.gate.retire(t.0, self.shared.tcp_opts.timeout);
         }
-        // Waits for TCP requests being served from the table, so none touches the range after this.
-        let mut t = self.shared.regions.write();
-        let k = (desc.addr, desc.len);
-        if let Some(n) = t.get_mut(&k) {
-            *n -= 1;
-            if *n == 0 {
-                t.remove(&k);
-            }
-        }
+        // Waits (bounded) for TCP requests being served from the range, so none touches it after this.
+        self.shared.regions.remove(desc.addr, desc.len);
     }
 
     fn load_remote_region(
@@ -509,7 +503,9 @@ impl Backend for Engine {
         }
         let dead = Arc::new(AtomicBool::new(false));
         let link = |dead: &Arc<AtomicBool>| {
-            let t = LinkTarget { peer: agent, incarnation, secret: ci.secret, addrs: addrs.clone() };
+            // A TCP-only peer recovers from transient failures; a CMA peer's liveness is its pidfd's.
+            let recover = !same_host || s.transport == Transport::Tcp;
+            let t = LinkTarget { peer: agent, incarnation, secret: ci.secret, addrs: addrs.clone(), recover };
             TcpLink::new(&s.ctrl.tcp, &s.agent, t, dead.clone())
         };
         if !same_host || s.transport == Transport::Tcp {
@@ -1258,10 +1254,10 @@ mod tests {
         let (addr, inc, secret) = endpoint(&b);
         let inside = region + 1024;
 
-        // Wrong secret, wrong incarnation, garbage: closed without an answer.
-        assert_eq!(hello(addr, wire::KIND_DATA, inc, secret ^ 1).1, None);
-        assert_eq!(hello(addr, wire::KIND_CTRL, inc, secret ^ (1 << 127)).1, None);
-        assert_eq!(hello(addr, wire::KIND_DATA, inc + 1, secret).1, None);
+        // Wrong secret, wrong incarnation: NAK and closed; garbage: closed without an answer.
+        assert_eq!(hello(addr, wire::KIND_DATA, inc, secret ^ 1).1, Some(wire::NAK));
+        assert_eq!(hello(addr, wire::KIND_CTRL, inc, secret ^ (1 << 127)).1, Some(wire::NAK));
+        assert_eq!(hello(addr, wire::KIND_DATA, inc + 1, secret).1, Some(wire::NAK));
         {
             let mut s = TcpStream::connect(addr).unwrap();
             s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -1288,7 +1284,7 @@ mod tests {
             });
             let (mut s2, n2) = challenged(addr);
             assert_ne!(n1, n2);
-            assert_eq!(answer(&mut s2, &recorded), None, "replayed");
+            assert_eq!(answer(&mut s2, &recorded), Some(wire::NAK), "replayed");
             assert_eq!(answer(&mut s1, &recorded), Some(wire::ACK), "the original is fine");
         }
 
