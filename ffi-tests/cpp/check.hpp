@@ -1,0 +1,77 @@
+// check.hpp - check harness for the C++ drop-in tests (same output format as ../check.h):
+// "ok   <suite>: <text>", "FAIL <suite>: <text>: got <x>, expected <y> (<file>:<line>)", and a closing
+// "# <suite>: N passed, M failed, 0 skipped". Written for gixl.
+#pragma once
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include <nixl.h>
+
+namespace t {
+inline const char *suite = "";
+inline int pass = 0;
+inline int fail = 0;
+
+inline void
+begin(const char *s) {
+    setvbuf(stdout, nullptr, _IONBF, 0);
+    suite = s;
+}
+
+inline void
+check(bool ok, const std::string &text, const std::string &got, const std::string &want, const char *file, int line) {
+    if (ok) {
+        printf("ok   %s: %s\n", suite, text.c_str());
+        pass++;
+    } else {
+        printf("FAIL %s: %s: got %s, expected %s (%s:%d)\n", suite, text.c_str(), got.c_str(), want.c_str(), file, line);
+        fail++;
+    }
+}
+
+inline int
+end() {
+    printf("# %s: %d passed, %d failed, 0 skipped\n", suite, pass, fail);
+    return fail ? 1 : 0;
+}
+
+inline std::string
+name(nixl_status_t s) {
+    return nixlEnumStrings::statusStr(s);
+}
+
+// Poll a request until it leaves IN_PROG (bounded: 30 s).
+inline nixl_status_t
+wait(nixlAgent &a, nixlXferReqH *r, nixl_status_t s) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (s == NIXL_IN_PROG && std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+        s = a.getXferStatus(r);
+    }
+    return s;
+}
+
+// Poll getNotifs until `from` has sent `msg` (bounded: 30 s).
+inline bool
+waitNotif(nixlAgent &a, const std::string &from, const std::string &msg) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    nixl_notifs_t m;
+    while (std::chrono::steady_clock::now() < until) {
+        if (a.getNotifs(m) != NIXL_SUCCESS) return false;
+        for (const auto &n : m[from])
+            if (n == msg) return true;
+        std::this_thread::sleep_for(std::chrono::microseconds(500));
+    }
+    return false;
+}
+} // namespace t
+
+#define CHECK(cond, text) t::check((cond), (text), "false", "true", __FILE__, __LINE__)
+#define CHECK_ST(want, expr)                                                                         \
+    do {                                                                                             \
+        const nixl_status_t got_ = (expr);                                                           \
+        t::check(got_ == (want), #expr, t::name(got_), t::name(want), __FILE__, __LINE__);           \
+    } while (0)
