@@ -39,6 +39,7 @@ mod registry;
 pub mod agent;
 pub mod backend;
 pub mod dlist_handle;
+pub mod doctor;
 pub mod mem_list;
 pub mod mem_view;
 pub mod notif_map;
