@@ -11,7 +11,7 @@
 #
 # Skips: a Rust test that cannot run here calls tests/common::skip, which appends a line to $GIXL_SKIP_LOG;
 # pytest and the C runner count their own. With CI=true, a skip in the must-run set (network namespaces,
-# etcd, the CMA fall-back, io_uring) fails the run.
+# etcd, the CMA fall-back, io_uring, the Prometheus scrape) fails the run.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -112,13 +112,13 @@ py_exports() {
 # On CI (root, Linux) the tests that need namespaces, etcd, another uid or io_uring must have run.
 must_run() {
     local must
-    must=$(grep -E '^SKIPPED: .* \[(netns|etcd|cma|io_uring)\]: ' "$GIXL_SKIP_LOG")
+    must=$(grep -E '^SKIPPED: .* \[(netns|etcd|cma|io_uring|prometheus)\]: ' "$GIXL_SKIP_LOG")
     [ -n "$must" ] && printf 'must-run tests skipped:\n%s\n' "$must"
     if [ "${CI:-}" = "true" ] && [ -n "$must" ]; then
         echo "CI=true: these tests must run here (root, Linux, etcd, io_uring); failing"
         return 1
     fi
-    echo "must-run set (netns, etcd, cma, io_uring): $(grep -cE '\[(netns|etcd|cma|io_uring)\]' "$GIXL_SKIP_LOG") skipped"
+    echo "must-run set (netns, etcd, cma, io_uring, prometheus): $(grep -cE '\[(netns|etcd|cma|io_uring|prometheus)\]' "$GIXL_SKIP_LOG") skipped"
 }
 header() { scripts/check-header.sh; }
 capi_exports() {
