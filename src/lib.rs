@@ -17,6 +17,7 @@
 
 pub mod agent;
 pub mod backend;
+#[cfg(feature = "capi")]
 pub mod capi;
 #[doc(hidden)]
 pub mod fuzzing;
@@ -24,6 +25,7 @@ pub mod md;
 pub(crate) mod mdx;
 pub mod mem;
 pub mod status;
+pub mod telemetry;
 pub(crate) mod util;
 
 pub use agent::{Agent, AgentConfig, BackendId, NotifUpdate, PreppedDList, SyncMode, XferOpts, XferReq, XferTelemetry};

@@ -264,6 +264,20 @@ impl Peer for EnginePeer {
             PeerKind::Tcp { link } => link.down(),
         }
     }
+    fn route(&self) -> &'static str {
+        match &self.kind {
+            PeerKind::InProcess { .. } => "in-process",
+            PeerKind::Cma { denied, .. } if denied.load(Ordering::Acquire) => "tcp-after-cma-denied",
+            PeerKind::Cma { .. } => "cma",
+            PeerKind::Tcp { .. } => "tcp",
+        }
+    }
+    fn pid(&self) -> Option<i32> {
+        match &self.kind {
+            PeerKind::Cma { pid, .. } => Some(*pid),
+            _ => None,
+        }
+    }
 }
 
 impl Drop for EnginePeer {
@@ -515,6 +529,12 @@ impl Backend for Engine {
                 )));
             }
             let kind = PeerKind::Tcp { link: link(&dead) };
+            let why =
+                if same_host { "GIXL_TRANSPORT=tcp" } else { "another host, or another pid or network namespace" };
+            crate::telemetry::log::info(&format!(
+                "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route tcp ({why})",
+                s.agent
+            ));
             return Ok(Arc::new(EnginePeer {
                 name: agent.to_owned(),
                 incarnation,
@@ -570,6 +590,11 @@ impl Backend for Engine {
                 denied: AtomicBool::new(denied),
             }
         };
+        let route = if matches!(kind, PeerKind::InProcess { .. }) { "in-process" } else { "cma" };
+        crate::telemetry::log::info(&format!(
+            "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route {route} (same host)",
+            s.agent
+        ));
         Ok(Arc::new(EnginePeer { name: agent.to_owned(), incarnation, kind, dead, owner: Arc::downgrade(s) }))
     }
 
@@ -767,7 +792,15 @@ impl Core {
                 });
                 if r.as_ref().err().is_some_and(cma_denied) {
                     // The kernel checks permission before moving a byte, so nothing was copied: go by TCP.
-                    denied.store(true, Ordering::Release);
+                    if !denied.swap(true, Ordering::AcqRel) {
+                        let why = r.as_ref().err().map(|e| e.to_string()).unwrap_or_default();
+                        crate::telemetry::log::warn(&format!(
+                            "agent '{}': peer '{}' route tcp (fall-back: the kernel denied cross-memory attach: {why}; \
+                             `python -m gixl doctor` says why)",
+                            self.shared.agent,
+                            self.peer().map(|p| p.name.as_str()).unwrap_or("")
+                        ));
+                    }
                     return self.tcp_copy(tcp, segs, run);
                 }
                 if gone {
