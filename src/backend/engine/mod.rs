@@ -3,13 +3,17 @@
 //! `device_list`, `ucx_devices`, `ucx_error_handling_mode`, ...) are accepted and ignored.
 //!
 //! Routes, chosen per peer from its connection info:
-//! - loopback and peers in this process: `memcpy`;
+//! - loopback and peers in this process (found in the process's registry of live engines by incarnation id,
+//!   never by connection info): `memcpy`;
 //! - peers in another process on this host: cross-memory attach (`process_vm_readv/writev`), the peer
 //!   identified by pid + start time and watched through a pidfd, notifications over an abstract Unix socket;
 //!   if the kernel denies cross-memory attach (EPERM/ENOSYS: containers, seccomp, Yama), that peer's data
 //!   moves over TCP from then on;
 //! - peers on another host (another boot, pid or network namespace): TCP (see `tcp`), with notifications
 //!   and heartbeats on a control connection.
+//!
+//! Same-host routes copy batch by batch, each batch inside the target incarnation's gate (see `gate`): the
+//! target's live flag and registrations decide, and deregistration and destruction wait for batches inside.
 //!
 //! Small requests complete inline in `post`; large ones are split across a few copy threads (or, over TCP,
 //! across the peer's data connections).
