@@ -25,9 +25,9 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
@@ -68,19 +68,6 @@ struct RegionState {
 
 /// The ranges one serving connection's request holds, and its socket.
 type Held = (Vec<(u64, u64)>, Weak<TcpStream>);
-
-/// Proof that a request may touch the ranges it named; given back on drop.
-pub struct Lease<'a> {
-    regions: &'a Regions,
-    conn: u64,
-}
-
-impl Drop for Lease<'_> {
-    fn drop(&mut self) {
-        self.regions.st.lock().leases.remove(&self.conn);
-        self.regions.released.notify_all();
-    }
-}
 
 impl Regions {
     pub fn set_bound(&self, d: Duration) {
@@ -148,18 +135,24 @@ impl Regions {
         }
     }
 
-    /// Check `segs` and lease the ranges they name for connection `conn`. None: refused (some segment lies
-    /// outside every registration, or the engine is closing).
-    pub fn lease(&self, conn: u64, stream: &Arc<TcpStream>, segs: &[WireSeg]) -> Option<Lease<'_>> {
+    /// Check `segs` and lease the ranges they name for connection `conn` until `release(conn)`. False:
+    /// refused (some segment lies outside every registration, or the engine is closing).
+    pub fn lease(&self, conn: u64, stream: &Arc<TcpStream>, segs: &[WireSeg]) -> bool {
         let mut st = self.st.lock();
         if st.closed || !wire::segs_allowed(&st.table, segs) {
-            return None;
+            return false;
         }
         let mut ranges: Vec<(u64, u64)> = segs.iter().map(|s| (s.region, s.region_len)).collect();
         ranges.sort_unstable();
         ranges.dedup();
         st.leases.insert(conn, (ranges, Arc::downgrade(stream)));
-        Some(Lease { regions: self, conn })
+        true
+    }
+
+    /// Connection `conn` no longer touches the memory it leased.
+    pub fn release(&self, conn: u64) {
+        self.st.lock().leases.remove(&conn);
+        self.released.notify_all();
     }
 }
 
@@ -248,6 +241,7 @@ pub struct TcpShared {
     next_out: AtomicU64,
     serving: Mutex<Vec<Weak<TcpStream>>>,
     nserving: AtomicUsize,
+    loops: OnceLock<Vec<Arc<ServeLoop>>>,
     next_serve: AtomicU64,
     closed: AtomicBool,
 }
@@ -304,6 +298,9 @@ impl TcpShared {
         self.closed.store(true, Ordering::Release);
         for s in self.serving.lock().drain(..).filter_map(|w| w.upgrade()) {
             let _ = s.shutdown(Shutdown::Both);
+        }
+        for l in self.loops.get().into_iter().flatten() {
+            l.wake();
         }
         self.regions.close();
         let outs: Vec<_> = self.out.lock().drain().map(|(_, o)| o).collect();
@@ -465,6 +462,7 @@ impl TcpProgress {
             next_out: AtomicU64::new(0),
             serving: Mutex::new(Vec::new()),
             nserving: AtomicUsize::new(0),
+            loops: OnceLock::new(),
             next_serve: AtomicU64::new(0),
             closed: AtomicBool::new(false),
         });
@@ -638,17 +636,19 @@ impl TcpProgress {
         true
     }
 
+    /// Hand an authenticated data connection to a serving loop (started on first use).
     fn serve_data(&mut self, stream: TcpStream) {
         let sh = &self.shared;
-        if sh.nserving.load(Ordering::Acquire) >= MAX_SERVING || stream.set_nonblocking(false).is_err() {
+        if sh.nserving.load(Ordering::Acquire) >= MAX_SERVING {
+            return;
+        }
+        let loops = sh.loops.get_or_init(|| start_loops(sh));
+        if loops.is_empty() {
             return;
         }
         net::tune(&stream, sh.opts.stall());
-        let stall = sh.opts.stall();
-        if stream.set_read_timeout(Some(stall)).is_err() || stream.set_write_timeout(Some(stall)).is_err() {
-            return;
-        }
-        if net::send_all(&stream, &[wire::ACK], &|| {}).is_err() {
+        // A fresh socket's send buffer is empty: the answer always fits.
+        if net::send_now(stream.as_raw_fd(), &[wire::ACK]).ok() != Some(1) {
             return;
         }
         let stream = Arc::new(stream);
@@ -658,15 +658,10 @@ impl TcpProgress {
             serving.push(Arc::downgrade(&stream));
         }
         sh.nserving.fetch_add(1, Ordering::AcqRel);
-        let shared = sh.clone();
         let id = sh.next_serve.fetch_add(1, Ordering::Relaxed);
-        let spawned = std::thread::Builder::new().name("gixl-tcp-serve".into()).spawn(move || {
-            serve(id, &stream, &shared.regions);
-            shared.nserving.fetch_sub(1, Ordering::AcqRel);
-        });
-        if spawned.is_err() {
-            sh.nserving.fetch_sub(1, Ordering::AcqRel);
-        }
+        let l = &loops[id as usize % loops.len()];
+        l.inbox.lock().push((id, stream));
+        l.wake();
     }
 
     /// Frames on an authenticated inbound control connection.
@@ -706,68 +701,315 @@ impl TcpProgress {
     }
 }
 
-/// Serve one authenticated data connection until it closes. Every request is checked against `regions`
-/// and leases the registrations it names while memory is touched (see `Regions`).
-fn serve(id: u64, stream: &Arc<TcpStream>, regions: &Regions) {
-    let fd = stream.as_raw_fd();
-    let mut table = Vec::new();
-    let mut iov: Vec<libc::iovec> = Vec::with_capacity(wire::MAX_SEGS + 1);
-    let mut scratch = Vec::new();
-    let none = || {};
-    loop {
-        if !net::wait_readable(fd) {
-            return;
+/// Authenticated data connections are served by a few event loops (one per core, at most
+/// `MAX_LOOPS`), not a thread each: every socket is non-blocking and edge-triggered in the loop's epoll
+/// set, and each connection is a small state machine (header → segment table → payload → reply) that runs
+/// until the socket would block. An idle connection costs nothing; a slow one holds no thread, only its
+/// state and, while its payload moves, a lease on the registrations it names.
+const MAX_LOOPS: usize = 4;
+
+struct ServeLoop {
+    epfd: OwnedFd,
+    wake: OwnedFd,
+    /// Connections handed over by the progress thread, taken on the next wake-up.
+    inbox: Mutex<Vec<(u64, Arc<TcpStream>)>>,
+}
+
+impl ServeLoop {
+    fn new() -> io::Result<ServeLoop> {
+        // SAFETY: plain syscalls; results checked before use.
+        let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if ep < 0 {
+            return Err(io::Error::last_os_error());
         }
-        let mut h = [0u8; wire::REQ_HEADER];
-        if net::recv_exact(stream, &mut h, &none).is_err() {
-            return;
+        // SAFETY: a fresh descriptor we own.
+        let epfd = unsafe { OwnedFd::from_raw_fd(ep) };
+        // SAFETY: as above.
+        let w = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if w < 0 {
+            return Err(io::Error::last_os_error());
         }
-        let Ok(hdr) = wire::parse_req_header(&h) else { return };
-        table.resize(hdr.nseg * wire::SEG_BYTES, 0);
-        if net::recv_exact(stream, &mut table, &none).is_err() {
-            return;
+        // SAFETY: a fresh descriptor we own.
+        let wake = unsafe { OwnedFd::from_raw_fd(w) };
+        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: u64::MAX };
+        // SAFETY: valid event, both descriptors open.
+        if unsafe { libc::epoll_ctl(epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, wake.as_raw_fd(), &mut ev) } < 0 {
+            return Err(io::Error::last_os_error());
         }
-        let Ok(segs) = wire::parse_segs(&table, &hdr) else { return };
-        let lease = regions.lease(id, stream, &segs);
-        let reply_ok = wire::encode_reply(wire::REPLY_OK);
-        iov.clear();
-        let r = match (hdr.op, lease) {
-            (XferOp::Read, Some(lease)) => {
-                iov.push(iovec(reply_ok.as_ptr() as u64, reply_ok.len() as u64));
-                iov.extend(segs.iter().map(|s| iovec(s.addr, s.len)));
-                // SAFETY: every segment lies inside a registration present in the table, leased until
-                // `lease` drops: registered memory stays valid while registered (NIXL's contract), and
-                // deregistration waits for the lease. We only read it.
-                let r = unsafe { net::send_iovecs(fd, &mut iov, &none) };
-                drop(lease);
-                r
+        Ok(ServeLoop { epfd, wake, inbox: Mutex::new(Vec::new()) })
+    }
+
+    fn wake(&self) {
+        let one: u64 = 1;
+        // SAFETY: writing 8 bytes to our eventfd.
+        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    /// Runs until the engine closes. `sh` is weak so the loop does not keep the engine alive.
+    fn run(&self, sh: Weak<TcpShared>) {
+        let mut conns: HashMap<u64, Box<DataConn>> = HashMap::new();
+        let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
+        let mut scratch = vec![0u8; 64 * 1024];
+        loop {
+            let Some(shared) = sh.upgrade() else { return };
+            if shared.closed.load(Ordering::Acquire) {
+                for (_, c) in conns.drain() {
+                    c.close(&shared, &self.epfd);
+                }
+                return;
             }
-            (XferOp::Write, Some(lease)) => {
-                iov.extend(segs.iter().map(|s| iovec(s.addr, s.len)));
-                // SAFETY: as above; the owner granted writes to registered memory by registering it.
-                let r = unsafe { net::recv_iovecs(fd, &mut iov, &none) };
-                drop(lease);
-                r.and_then(|_| net::send_all(stream, &reply_ok, &none))
+            let stall = shared.opts.stall().as_nanos() as u64;
+            let now = monotonic_ns();
+            let timeout = conns
+                .values()
+                .filter_map(|c| c.deadline(stall))
+                .map(|d| d.saturating_sub(now).div_ceil(1_000_000).min(i32::MAX as u64) as i32)
+                .min()
+                .unwrap_or(-1);
+            drop(shared);
+            // SAFETY: `events` has room for its length.
+            let n =
+                unsafe { libc::epoll_wait(self.epfd.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, timeout) };
+            let Some(shared) = sh.upgrade() else { return };
+            if n < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+                return;
             }
-            (op, None) => {
-                let mut r = Ok(());
-                if op == XferOp::Write {
-                    // Swallow the payload so the connection stays in step; it is bounded by MAX_REQ_BYTES.
-                    scratch.resize(64 * 1024, 0);
-                    let mut left = hdr.total as usize;
-                    while left > 0 && r.is_ok() {
-                        let n = left.min(scratch.len());
-                        r = net::recv_exact(stream, &mut scratch[..n], &none);
-                        left -= n;
+            let mut ready: Vec<u64> = events[..n.max(0) as usize].iter().map(|e| e.u64).collect();
+            if ready.contains(&u64::MAX) {
+                let mut v = 0u64;
+                // SAFETY: reading 8 bytes from our eventfd into `v`.
+                unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+                for (id, stream) in self.inbox.lock().drain(..) {
+                    let mut ev = libc::epoll_event {
+                        events: (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET) as u32,
+                        u64: id,
+                    };
+                    // SAFETY: valid event; the socket is open (we hold it).
+                    if unsafe {
+                        libc::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, stream.as_raw_fd(), &mut ev)
+                    } < 0
+                    {
+                        shared.nserving.fetch_sub(1, Ordering::AcqRel);
+                        continue;
+                    }
+                    conns.insert(id, Box::new(DataConn::new(id, stream)));
+                    ready.push(id);
+                }
+            }
+            for id in ready {
+                let Some(c) = conns.get_mut(&id) else { continue };
+                if !c.drive(&shared.regions, &mut scratch) {
+                    if let Some(c) = conns.remove(&id) {
+                        c.close(&shared, &self.epfd);
                     }
                 }
-                r.and_then(|_| net::send_all(stream, &wire::encode_reply(wire::REPLY_DENIED), &none))
             }
-        };
-        if r.is_err() {
-            return;
+            // Connections stuck mid-request for longer than the stall bound are given up.
+            let stall = shared.opts.stall().as_nanos() as u64;
+            let now = monotonic_ns();
+            let late: Vec<u64> =
+                conns.values().filter(|c| c.deadline(stall).is_some_and(|d| d <= now)).map(|c| c.id).collect();
+            for id in late {
+                if let Some(c) = conns.remove(&id) {
+                    c.close(&shared, &self.epfd);
+                }
+            }
         }
     }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Header,
+    Table,
+    /// WRITE payload into leased memory.
+    Recv,
+    /// A refused WRITE's payload, swallowed so the connection stays in step.
+    Drain,
+    /// READ: the OK reply and the payload out of leased memory.
+    Send,
+    /// The 8-byte reply of a WRITE or a refusal.
+    Reply,
+}
+
+/// One data connection's state in a serving loop.
+struct DataConn {
+    id: u64,
+    stream: Arc<TcpStream>,
+    phase: Phase,
+    hdr: [u8; wire::REQ_HEADER],
+    req: Option<wire::ReqHeader>,
+    table: Vec<u8>,
+    got: usize,
+    iov: Vec<libc::iovec>,
+    at: usize,
+    leased: bool,
+    reply: [u8; wire::REPLY_BYTES],
+    left: u64,
+    /// Last progress (ns): a connection mid-request that makes none for the stall bound is closed.
+    last: u64,
+}
+
+// SAFETY: the iovecs point into registered memory leased by this connection, or at `reply` (re-pointed
+// before each use); the connection is only ever used by the loop thread that owns it.
+unsafe impl Send for DataConn {}
+
+impl DataConn {
+    fn new(id: u64, stream: Arc<TcpStream>) -> DataConn {
+        DataConn {
+            id,
+            stream,
+            phase: Phase::Header,
+            hdr: [0; wire::REQ_HEADER],
+            req: None,
+            table: Vec::new(),
+            got: 0,
+            iov: Vec::new(),
+            at: 0,
+            leased: false,
+            reply: [0; wire::REPLY_BYTES],
+            left: 0,
+            last: monotonic_ns(),
+        }
+    }
+
+    /// When this connection must have made progress by: None while it waits for a request (idle).
+    fn deadline(&self, stall: u64) -> Option<u64> {
+        (self.phase != Phase::Header || self.got > 0).then(|| self.last.saturating_add(stall))
+    }
+
+    fn close(&self, sh: &TcpShared, epfd: &OwnedFd) {
+        if self.leased {
+            sh.regions.release(self.id);
+        }
+        let _ = self.stream.shutdown(Shutdown::Both);
+        // SAFETY: removing a descriptor we added; `self.stream` still holds it open.
+        unsafe {
+            libc::epoll_ctl(epfd.as_raw_fd(), libc::EPOLL_CTL_DEL, self.stream.as_raw_fd(), std::ptr::null_mut())
+        };
+        sh.nserving.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Move the state machine as far as the socket allows. False: close the connection (end of stream, an
+    /// error, or a malformed request).
+    fn drive(&mut self, regions: &Regions, scratch: &mut [u8]) -> bool {
+        let fd = self.stream.as_raw_fd();
+        loop {
+            let r = match self.phase {
+                Phase::Header => net::recv_now(fd, &mut self.hdr[self.got..]),
+                Phase::Table => net::recv_now(fd, &mut self.table[self.got..]),
+                Phase::Drain => {
+                    let n = (self.left as usize).min(scratch.len());
+                    net::recv_now(fd, &mut scratch[..n])
+                }
+                Phase::Reply => net::send_now(fd, &self.reply[self.got..]),
+                // SAFETY: the iovecs point into registrations this connection holds a lease on
+                // (registered memory stays valid while registered, NIXL's contract; deregistration waits
+                // for the lease), or at `self.reply`, which lives in `self`.
+                Phase::Recv => unsafe { net::readv_now(fd, &self.iov[self.at..]) },
+                // SAFETY: as above; only read.
+                Phase::Send => unsafe { net::sendmsg_now(fd, &self.iov[self.at..]) },
+            };
+            let n = match r {
+                Ok(0) => return false,
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
+                Err(_) => return false,
+            };
+            self.last = monotonic_ns();
+            match self.phase {
+                Phase::Header => {
+                    self.got += n;
+                    if self.got == wire::REQ_HEADER {
+                        let Ok(h) = wire::parse_req_header(&self.hdr) else { return false };
+                        self.req = Some(h);
+                        self.table.resize(h.nseg * wire::SEG_BYTES, 0);
+                        (self.phase, self.got) = (Phase::Table, 0);
+                    }
+                }
+                Phase::Table => {
+                    self.got += n;
+                    if self.got == self.table.len() && !self.start(regions) {
+                        return false;
+                    }
+                }
+                Phase::Drain => {
+                    self.left -= n as u64;
+                    if self.left == 0 {
+                        self.reply_with(wire::REPLY_DENIED);
+                    }
+                }
+                Phase::Reply => {
+                    self.got += n;
+                    if self.got == wire::REPLY_BYTES {
+                        (self.phase, self.got) = (Phase::Header, 0);
+                    }
+                }
+                Phase::Recv | Phase::Send => {
+                    self.at = net::advance(&mut self.iov, self.at, n);
+                    if self.at == self.iov.len() {
+                        regions.release(self.id);
+                        self.leased = false;
+                        if self.phase == Phase::Recv {
+                            self.reply_with(wire::REPLY_OK);
+                        } else {
+                            (self.phase, self.got) = (Phase::Header, 0);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The segment table is complete: check it, lease the registrations, and pick the next phase.
+    fn start(&mut self, regions: &Regions) -> bool {
+        let Some(h) = self.req else { return false };
+        let Ok(segs) = wire::parse_segs(&self.table, &h) else { return false };
+        let allowed = regions.lease(self.id, &self.stream, &segs);
+        self.iov.clear();
+        self.at = 0;
+        match (h.op, allowed) {
+            (XferOp::Read, true) => {
+                self.leased = true;
+                self.reply = wire::encode_reply(wire::REPLY_OK);
+                self.iov.push(iovec(self.reply.as_ptr() as u64, wire::REPLY_BYTES as u64));
+                self.iov.extend(segs.iter().map(|s| iovec(s.addr, s.len)));
+                self.phase = Phase::Send;
+            }
+            (XferOp::Write, true) => {
+                self.leased = true;
+                self.iov.extend(segs.iter().map(|s| iovec(s.addr, s.len)));
+                self.phase = Phase::Recv;
+            }
+            (XferOp::Write, false) if h.total > 0 => {
+                self.left = h.total;
+                self.phase = Phase::Drain;
+            }
+            (_, false) => self.reply_with(wire::REPLY_DENIED),
+        }
+        self.at = net::skip_empty(&self.iov, 0);
+        true
+    }
+
+    fn reply_with(&mut self, status: u8) {
+        self.reply = wire::encode_reply(status);
+        (self.phase, self.got) = (Phase::Reply, 0);
+    }
+}
+
+/// Start the serving loops: one per core, at most `MAX_LOOPS`. Empty if none could start.
+fn start_loops(sh: &Arc<TcpShared>) -> Vec<Arc<ServeLoop>> {
+    let n = std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(1, MAX_LOOPS);
+    let mut loops = Vec::new();
+    for _ in 0..n {
+        let Ok(l) = ServeLoop::new().map(Arc::new) else { break };
+        let (l2, weak) = (l.clone(), Arc::downgrade(sh));
+        if std::thread::Builder::new().name("gixl-tcp-serve".into()).spawn(move || l2.run(weak)).is_err() {
+            break;
+        }
+        loops.push(l);
+    }
+    loops
 }
 
 /// The initiator's side of one peer: its addresses and credentials, the control connection and a few data
