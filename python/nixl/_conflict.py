@@ -11,12 +11,16 @@ from __future__ import annotations
 import importlib.metadata as md
 import warnings
 
-__all__ = ["check_conflicts", "nvidia_distributions", "SWAP_TO_GIXL"]
+__all__ = ["check_conflicts", "nvidia_distributions", "swap_to_gixl"]
 
 _NVIDIA = ("nixl", "nixl-cu12", "nixl-cu13")
 
-#: The one command that leaves gixl alone in charge of ``nixl`` (and its aliases).
-SWAP_TO_GIXL = "pip uninstall -y nixl nixl-cu12 nixl-cu13 && pip install --force-reinstall --no-deps gixl"
+
+def swap_to_gixl(found: list) -> str:
+    """The one command that leaves gixl alone in charge of ``nixl`` (and its aliases): remove NVIDIA's
+    distributions, then reinstall gixl, whose files (the ``nixl_cu12`` alias) the removal deletes too."""
+    names = " ".join(f.split("==")[0] for f in found)
+    return f"pip uninstall -y {names} && pip install --force-reinstall --no-deps gixl"
 
 
 def nvidia_distributions() -> list:
@@ -41,7 +45,7 @@ def check_conflicts() -> list:
             "gixl and NVIDIA's NIXL ({}) are installed in the same environment and both write the `nixl` "
             "package (and `nixl_cu12`/`nixl_cu13`); the files on disk are a mix of both. To keep gixl: "
             "`{}`. To go back to NIXL: `pip uninstall -y gixl && pip install --force-reinstall {}`.".format(
-                ", ".join(found), SWAP_TO_GIXL, " ".join(found)
+                ", ".join(found), swap_to_gixl(found), " ".join(found)
             ),
             RuntimeWarning,
             stacklevel=3,
