@@ -322,6 +322,13 @@ nixl_capi_status_t nixl_capi_prep_xfer_dlist(nixl_capi_agent_t agent,
 nixl_capi_status_t nixl_capi_release_xfer_dlist_handle(nixl_capi_agent_t agent,
                                                        nixl_capi_xfer_dlist_handle_t dlist_handle);
 
+// gixl: which routes work on this host (in-process, cross-memory attach with the reason when not, TCP,
+// RDMA devices, CUDA), the route gixl picks and why, versions, and this process's agents with their loaded
+// peers and incarnations, as JSON in a `malloc`'d NUL-terminated string the caller `free()`s.
+// With `peer_md` (a peer's metadata, `peer_md_len` bytes; NULL and 0 for none) it also loads that peer
+// into a throw-away agent, reports the route it gets and why, and times a READ from its first region.
+nixl_capi_status_t gixl_doctor(const void *peer_md, size_t peer_md_len, char **json_out);
+
 nixl_capi_status_t nixl_capi_destroy_mem_list(nixl_capi_mem_list_t list);
 
 nixl_capi_status_t nixl_capi_mem_list_is_empty(nixl_capi_mem_list_t list, bool *is_empty);
