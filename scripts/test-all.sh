@@ -7,7 +7,8 @@
 # NIXL 1.5.1 (the oracle); the nixl-sys (stub-api) Rust consumer against gixl; the C++ drop-in (nixl.h) tests under ASan/UBSan; the Python conformance suite
 # against gixl and against NIXL (including the fault matrix and hostile-input tests); the typed stubs
 # (mypy.stubtest); the two-process demo; the C tests under valgrind; a short soak; the Python extension's
-# exports; and that no must-run test skipped on CI. Ends with passed / failed / skipped per suite.
+# exports; replacing NVIDIA's nixl-cu12 with gixl in a fresh virtualenv and back (scripts/swap-test.sh);
+# and that no must-run test skipped on CI. Ends with passed / failed / skipped per suite.
 #
 # Skips: a Rust test that cannot run here calls tests/common::skip, which appends a line to $GIXL_SKIP_LOG;
 # pytest and the C runner count their own. With CI=true, a skip in the must-run set (network namespaces,
@@ -199,6 +200,7 @@ step "vLLM call sequence: same output on gixl and NIXL" vllm_sequence
 step "C tests under valgrind (memcheck)" valgrind_c
 step "soak: 1000 cycles, 20 peer restarts, RSS and fds flat" soak_quick
 step "Python extension exports no C ABI" py_exports
+step "NIXL -> gixl swap and back in a fresh virtualenv" scripts/swap-test.sh
 step "must-run tests ran (fails on CI=true if any skipped)" must_run
 
 echo

@@ -366,15 +366,22 @@ fn peer_report(target: PeerTarget, cma_ok: bool, uid: u32) -> J {
                 .and_then(|sa| {
                     std::net::TcpStream::connect_timeout(&sa, Duration::from_secs(3)).map_err(|e| e.to_string())
                 });
+            let failed = reach.as_ref().err().cloned();
             out.push((
                 "listener",
                 J::Obj(vec![
-                    ("address", J::s(addr)),
+                    ("address", J::s(addr.clone())),
                     ("reachable", J::Bool(reach.is_ok())),
                     ("connect_ms", J::Num(t.elapsed().as_secs_f64() * 1e3)),
                     ("error", reach.err().map_or(J::Null, J::s)),
                 ]),
             ));
+            if let Some(e) = failed {
+                out.push(("ok", J::Bool(false)));
+                out.push(("stage", J::s("listener")));
+                out.push(("error", J::s(format!("cannot connect to {addr}: {e}"))));
+                return J::Obj(out);
+            }
             if let Err(e) = a.fetch_remote_md(&name, &ip, port, "") {
                 return err_j("fetch metadata", e);
             }
@@ -382,6 +389,7 @@ fn peer_report(target: PeerTarget, cma_ok: bool, uid: u32) -> J {
             while a.remote_incarnation(&name).is_err() {
                 if t.elapsed() > Duration::from_secs(10) {
                     out.push(("ok", J::Bool(false)));
+                    out.push(("stage", J::s("fetch metadata")));
                     out.push(("error", J::s(format!("no metadata from {name} at {ip}:{port} within 10 s"))));
                     return J::Obj(out);
                 }
