@@ -4,7 +4,7 @@
 #
 # Steps: Rust unit + multi-process tests (cargo test, incl. the header-drift check); the header alone as C11
 # and C++17; the C library's exports; the C test suite under ASan/UBSan against gixl and against NVIDIA's
-# NIXL 1.5.1 (the oracle); the nixl-sys (stub-api) Rust consumer against gixl; the C++ drop-in (nixl.h) tests under ASan/UBSan; the Python conformance suite
+# NIXL 1.5.1 (the oracle); the nixl-sys (stub-api) Rust consumer against gixl; the C++ drop-in (nixl.h) tests under ASan/UBSan against gixl and against NIXL's libnixl.so; the Python conformance suite
 # against gixl and against NIXL (including the fault matrix and hostile-input tests); the typed stubs
 # (mypy.stubtest); the two-process demo; the C tests under valgrind; and a short soak.
 set -uo pipefail
@@ -61,6 +61,10 @@ ffi_nixl() {
     GIXL_ORACLE=nixl FFI_BUILD_DIR="$root/target/ffi-nixl" ffi-tests/run.sh "$root/$(nixl_site)/.nixl_cu12.mesonpy.libs" "$decls"
 }
 cpp_gixl() { CPP_BUILD_DIR="$root/target/cpp-gixl" ffi-tests/cpp/run.sh "$root/target/capi" "$root/target/capi/include"; }
+cpp_nixl() {
+    # The same C++ programs built against NIXL's libnixl.so (our headers in declaration-only mode, NIXL 1.5.1's layouts).
+    CPP_ORACLE=nixl CPP_BUILD_DIR="$root/target/cpp-nixl" ffi-tests/cpp/run.sh "$root/$(nixl_site)/.nixl_cu12.mesonpy.libs" "$root/include/nixl"
+}
 py_gixl() { GIXL_TEST_INSTALLED=1 .venv/gixl/bin/python -m pytest -q python/tests --impl gixl -p no:cacheprovider; }
 py_nixl() { .venv/nixl/bin/python -m pytest -q python/tests --impl nixl_cu12 -p no:cacheprovider; }
 stubs() { PATH="$root/.venv/gixl/bin:$PATH" python/scripts/stubtest.sh; }
@@ -83,6 +87,7 @@ step "C library exports" capi_exports
 step "C tests + nixl-sys consumer vs gixl" ffi_gixl
 step "C tests vs NIXL 1.5.1" ffi_nixl
 step "C++ drop-in tests (nixl.h) vs gixl" cpp_gixl
+step "C++ drop-in tests vs NIXL 1.5.1 (libnixl.so)" cpp_nixl
 step "Python conformance vs gixl" py_gixl
 step "Python conformance vs NIXL 1.5.1" py_nixl
 step "type stubs (mypy.stubtest)" stubs
