@@ -5,6 +5,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <type_traits>
+#include <unistd.h>
 #include <vector>
 
 #include <nixl.h>
@@ -15,6 +16,15 @@
 static_assert(!std::is_copy_constructible_v<nixlAgent>, "nixlAgent is not copyable");
 static_assert(!std::is_move_constructible_v<nixlAgent>, "nixlAgent is not movable");
 static_assert(std::is_copy_constructible_v<nixl_xfer_dlist_t>, "descriptor lists are values");
+#if defined(__x86_64__)
+// NIXL 1.5.1's layouts on x86-64 (read from its libraries), so that these programs can also run against it.
+static_assert(sizeof(nixlAgentOptionalArgs) == 0xd0, "nixl_opt_args_t layout");
+static_assert(sizeof(nixlAgentConfig) == 0x28, "nixlAgentConfig layout");
+static_assert(sizeof(nixlXferTelemetry) == 0x28, "nixlXferTelemetry layout");
+static_assert(sizeof(nixlSerDes) == 48, "nixlSerDes layout");
+static_assert(sizeof(nixl_xfer_dlist_t) == 40 && sizeof(nixlBlobDesc) == 56, "descriptor layouts");
+static_assert(sizeof(nixlAgent) == sizeof(void *), "nixlAgent holds one pointer");
+#endif
 
 static void
 dlists() {
@@ -91,6 +101,87 @@ dlists() {
     CHECK(nixlEnumStrings::statusStr(NIXL_ERR_REMOTE_DISCONNECT) == "NIXL_ERR_REMOTE_DISCONNECT", "statusStr");
 }
 
+// Poll `f` until it returns `want` (bounded: 15 s).
+template<class F>
+static nixl_status_t
+until(nixl_status_t want, F f) {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+    nixl_status_t st = f();
+    while (st != want && std::chrono::steady_clock::now() < end) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        st = f();
+    }
+    return st;
+}
+
+static void
+telemetryAndListener(const nixlAgentConfig &cfg,
+                     unsigned char *abuf,
+                     unsigned char *bbuf,
+                     size_t len,
+                     nixlAgent &A,
+                     const nixl_reg_dlist_t &areg,
+                     const nixl_xfer_dlist_t &ax) {
+    // captureTelemetry: a loopback WRITE reports its bytes and descriptors.
+    nixlAgentConfig tc = cfg;
+    tc.captureTelemetry = true;
+    nixlAgent E("cpp-api-E", tc);
+    nixl_mem_list_t m;
+    nixl_b_params_t p;
+    nixlBackendH *eb = nullptr;
+    E.getPluginParams("UCX", m, p);
+    CHECK_ST(NIXL_SUCCESS, E.createBackend("UCX", p, eb));
+    nixl_reg_dlist_t er(DRAM_SEG);
+    er.addDesc(nixlBlobDesc((uintptr_t)abuf, len, 0, ""));
+    er.addDesc(nixlBlobDesc((uintptr_t)bbuf, len, 0, ""));
+    CHECK_ST(NIXL_SUCCESS, E.registerMem(er));
+    nixl_xfer_dlist_t src(DRAM_SEG), dst(DRAM_SEG);
+    src.addDesc(nixlBasicDesc((uintptr_t)abuf, len / 2, 0));
+    dst.addDesc(nixlBasicDesc((uintptr_t)bbuf, len / 2, 0));
+    nixlXferReqH *r = nullptr;
+    CHECK_ST(NIXL_SUCCESS, E.createXferReq(NIXL_WRITE, src, dst, "cpp-api-E", r));
+    if (r) {
+        CHECK_ST(NIXL_SUCCESS, t::wait(E, r, E.postXferReq(r)));
+        nixl_xfer_telem_t tel{};
+        CHECK_ST(NIXL_SUCCESS, E.getXferTelemetry(r, tel));
+        CHECK(tel.totalBytes == len / 2 && tel.descCount == 1, "telemetry: bytes and descriptors of the post");
+        CHECK(tel.startTime.time_since_epoch().count() > 0, "telemetry: a start time");
+        CHECK_ST(NIXL_SUCCESS, E.releaseXferReq(r));
+    }
+    CHECK_ST(NIXL_SUCCESS, E.deregisterMem(er));
+
+    // The P2P metadata listener: fetchRemoteMD, sendLocalMD, sendLocalPartialMD, invalidateLocalMD between two
+    // listening agents (NIXL reads fetch replies only on a listening agent).
+    (void)A;
+    (void)areg;
+    const uint16_t port = (uint16_t)(20000 + getpid() % 20000);
+    nixlAgent L("cpp-api-L", nixlAgentConfig(true, true, port));
+    nixlAgent F("cpp-api-F", nixlAgentConfig(true, true, (uint16_t)(port + 1)));
+    nixlBackendH *lb = nullptr, *fb = nullptr;
+    CHECK_ST(NIXL_SUCCESS, L.createBackend("UCX", p, lb));
+    CHECK_ST(NIXL_SUCCESS, F.createBackend("UCX", p, fb));
+    nixl_reg_dlist_t fr(DRAM_SEG);
+    fr.addDesc(nixlBlobDesc((uintptr_t)abuf, len, 0, ""));
+    CHECK_ST(NIXL_SUCCESS, F.registerMem(fr));
+    nixl_opt_args_t at;
+    at.ipAddr = "127.0.0.1";
+    at.port = port;
+    CHECK_ST(NIXL_SUCCESS, F.fetchRemoteMD("cpp-api-L", &at));
+    const nixl_xfer_dlist_t none(DRAM_SEG);
+    CHECK_ST(NIXL_SUCCESS, until(NIXL_SUCCESS, [&] { return F.checkRemoteMD("cpp-api-L", none); }));
+    nixl_opt_args_t conn = at;
+    conn.includeConnInfo = true;
+    CHECK_ST(NIXL_SUCCESS, F.sendLocalPartialMD(fr, &conn));
+    CHECK_ST(NIXL_SUCCESS, until(NIXL_SUCCESS, [&] { return L.checkRemoteMD("cpp-api-F", ax); }));
+    CHECK_ST(NIXL_SUCCESS, F.invalidateLocalMD(&at));
+    CHECK_ST(NIXL_ERR_NOT_FOUND, until(NIXL_ERR_NOT_FOUND, [&] { return L.checkRemoteMD("cpp-api-F", none); }));
+    CHECK_ST(NIXL_SUCCESS, F.sendLocalMD(&at));
+    CHECK_ST(NIXL_SUCCESS, until(NIXL_SUCCESS, [&] { return L.checkRemoteMD("cpp-api-F", ax); }));
+    CHECK_ST(NIXL_SUCCESS, F.invalidateRemoteMD("cpp-api-L"));
+    CHECK_ST(NIXL_SUCCESS, L.invalidateRemoteMD("cpp-api-F"));
+    CHECK_ST(NIXL_SUCCESS, F.deregisterMem(fr));
+}
+
 int
 main() {
     t::begin("t_api");
@@ -126,7 +217,8 @@ main() {
     nixl_b_params_t bparams;
     CHECK_ST(NIXL_SUCCESS, A.getBackendParams(ba, bmems, bparams));
     CHECK(!bmems.empty(), "getBackendParams lists memory types");
-    CHECK(A.getBackendParams(bb, bmems, bparams) != NIXL_SUCCESS, "B's backend handle is refused by A");
+    GIXL_ONLY("B's backend handle is refused by A",
+              CHECK(A.getBackendParams(bb, bmems, bparams) != NIXL_SUCCESS, "B's backend handle is refused by A"));
 
     const size_t len = 4096;
     std::vector<unsigned char> abuf(len, 0xaa), bbuf(len, 0x00);
@@ -173,21 +265,23 @@ main() {
     std::chrono::microseconds dur{-1}, margin{-1};
     nixl_cost_t method;
     const nixl_status_t est = A.estimateXferCost(req, dur, margin, method);
-    CHECK(est == NIXL_SUCCESS || est == NIXL_ERR_NOT_SUPPORTED, "estimateXferCost answers (" + t::name(est) + ")");
+    CHECK(est == NIXL_SUCCESS && method == nixl_cost_t::ANALYTICAL_BACKEND && dur.count() >= 0,
+          "estimateXferCost: an analytical estimate (" + t::name(est) + ")");
     CHECK_ST(NIXL_ERR_NOT_POSTED, A.getXferStatus(req));
     CHECK_ST(NIXL_SUCCESS, t::wait(A, req, A.postXferReq(req)));
     CHECK(bbuf == abuf, "WRITE copied A's buffer into B's");
     CHECK(t::waitNotif(B, "cpp-api-A", "write-1"), "B got the notification \"write-1\"");
     nixl_xfer_telem_t tel{};
     const nixl_status_t ts = A.getXferTelemetry(req, tel);
-    CHECK(ts == NIXL_ERR_NO_TELEMETRY || (ts == NIXL_SUCCESS && tel.totalBytes == len),
-          "getXferTelemetry without capture (" + t::name(ts) + ")");
+    if (getenv("NIXL_TELEMETRY_ENABLE") == nullptr)
+        CHECK(ts == NIXL_ERR_NO_TELEMETRY, "getXferTelemetry without capture: NO_TELEMETRY (" + t::name(ts) + ")");
     nixlBackendH *qb = nullptr;
     CHECK_ST(NIXL_SUCCESS, A.queryXferBackend(req, qb));
     CHECK(qb == ba, "queryXferBackend returns createBackend's pointer");
     CHECK_ST(NIXL_SUCCESS, A.releaseXferReq(req));
-    CHECK(A.getXferStatus(req) != NIXL_SUCCESS, "a released request is refused (no use-after-free)");
-    CHECK(A.releaseXferReq(req) != NIXL_SUCCESS, "a second release is refused");
+    GIXL_ONLY("a released request is refused",
+              CHECK(A.getXferStatus(req) != NIXL_SUCCESS, "a released request is refused (no use-after-free)");
+              CHECK(A.releaseXferReq(req) != NIXL_SUCCESS, "a second release is refused"));
 
     // prepXferDlist / makeXferReq (READ, by index) / releasedDlistH.
     std::fill(abuf.begin(), abuf.end(), 0);
@@ -222,25 +316,37 @@ main() {
         for (size_t j = 0; j < 8; j++)
             strided_ok = strided_ok && abuf[blk * 32 + j] == bbuf[1024 + blk * 64 + j];
     strided_ok = strided_ok && abuf[8] == 0 && abuf[40] == 0;
-    CHECK(strided_ok, "strided READ moved exactly the 4 blocks");
+    if (!t::oracle) {
+        CHECK(strided_ok, "strided READ moved exactly the 4 blocks");
+    } else {
+        // Difference (recorded): NIXL 1.5.1 with UCX moves only the first block of a strided descriptor.
+        bool first_only = std::equal(abuf.begin(), abuf.begin() + 8, bbuf.begin() + 1024);
+        first_only = first_only && std::all_of(abuf.begin() + 8, abuf.end(), [](unsigned char c) { return c == 0; });
+        CHECK(first_only, "NIXL 1.5.1: strided READ moved only the first block");
+    }
     if (sr) CHECK_ST(NIXL_SUCCESS, A.releaseXferReq(sr));
     CHECK_ST(NIXL_SUCCESS, A.releasedDlistH(shl));
     CHECK_ST(NIXL_SUCCESS, A.releasedDlistH(shr));
 
     CHECK_ST(NIXL_SUCCESS, A.releasedDlistH(hl2));
-    CHECK(A.releasedDlistH(hl2) != NIXL_SUCCESS, "a second releasedDlistH is refused");
+    GIXL_ONLY("a second releasedDlistH is refused",
+              CHECK(A.releasedDlistH(hl2) != NIXL_SUCCESS, "a second releasedDlistH is refused"));
 
     // genNotif / getNotifs (binary message).
     const nixl_blob_t bin("\x01\0\x02", 3);
     CHECK_ST(NIXL_SUCCESS, A.genNotif("cpp-api-B", bin));
     CHECK(t::waitNotif(B, "cpp-api-A", bin), "genNotif delivered a binary message");
 
-    // Memory views: not supported by UCX in 1.5.1.
+    // Memory views (GPU-side handles): gixl's UCX cannot make them (NOT_SUPPORTED); NIXL 1.5.1's UCX tries and,
+    // on a machine without a GPU, fails with BACKEND (recorded difference).
     void *mv = nullptr;
-    CHECK_ST(NIXL_ERR_NOT_SUPPORTED, A.prepMemView(ax, mv, &ea));
+    const nixl_status_t no_view = t::oracle ? NIXL_ERR_BACKEND : NIXL_ERR_NOT_SUPPORTED;
+    CHECK_ST(no_view, A.prepMemView(ax, mv, &ea));
     nixl_remote_dlist_t rl(DRAM_SEG);
     rl.addDesc(nixlRemoteDesc((uintptr_t)bbuf.data(), len, 0, "cpp-api-B"));
-    CHECK_ST(NIXL_ERR_NOT_SUPPORTED, A.prepMemView(rl, mv, &ea));
+    CHECK_ST(no_view, A.prepMemView(rl, mv, &ea));
+
+    telemetryAndListener(cfg, abuf.data(), bbuf.data(), len, A, areg, ax);
 
     // Listener / etcd methods without a listener address or an etcd store.
     nixl_opt_args_t none;
@@ -254,7 +360,7 @@ main() {
     nixl_opt_args_t badport;
     badport.ipAddr = "127.0.0.1";
     badport.port = 70000;
-    CHECK_ST(NIXL_ERR_INVALID_PARAM, A.sendLocalMD(&badport));
+    GIXL_ONLY("a port out of range is INVALID_PARAM", CHECK_ST(NIXL_ERR_INVALID_PARAM, A.sendLocalMD(&badport)));
 
     // Stale handles: a request made against B, then B invalidated and reloaded.
     nixlXferReqH *old = nullptr;
@@ -268,28 +374,31 @@ main() {
     CHECK_ST(NIXL_SUCCESS, A.releaseXferReq(old));
     CHECK_ST(NIXL_SUCCESS, A.releasedDlistH(hr));
 
-    // Handles outliving their agent: requests and lists of a destroyed agent are refused by a new one.
-    nixlXferReqH *orphan = nullptr;
-    nixlDlistH *orphan_l = nullptr;
-    nixlBackendH *orphan_b = nullptr;
-    {
-        nixlAgent C("cpp-api-C", cfg);
-        nixl_mem_list_t m;
-        nixl_b_params_t p;
-        C.getPluginParams("UCX", m, p);
-        CHECK_ST(NIXL_SUCCESS, C.createBackend("UCX", p, orphan_b));
-        nixl_opt_args_t ec;
-        ec.backends.push_back(orphan_b);
-        CHECK_ST(NIXL_SUCCESS, C.registerMem(areg, &ec));
-        CHECK_ST(NIXL_SUCCESS, C.prepXferDlist(ax, orphan_l));
-        CHECK_ST(NIXL_SUCCESS, C.createXferReq(NIXL_WRITE, ax, ax, "cpp-api-C", orphan));
-        CHECK(A.getXferStatus(orphan) != NIXL_SUCCESS, "another agent's request is refused");
+    if (t::oracle) {
+        t::skip("handles outliving their agent are refused", "undefined behaviour in NIXL");
+    } else {
+        // Handles outliving their agent: requests and lists of a destroyed agent are refused by a new one.
+        nixlXferReqH *orphan = nullptr;
+        nixlDlistH *orphan_l = nullptr;
+        nixlBackendH *orphan_b = nullptr;
+        {
+            nixlAgent C("cpp-api-C", cfg);
+            nixl_mem_list_t m;
+            nixl_b_params_t p;
+            C.getPluginParams("UCX", m, p);
+            CHECK_ST(NIXL_SUCCESS, C.createBackend("UCX", p, orphan_b));
+            nixl_opt_args_t ec;
+            ec.backends.push_back(orphan_b);
+            CHECK_ST(NIXL_SUCCESS, C.registerMem(areg, &ec));
+            CHECK_ST(NIXL_SUCCESS, C.prepXferDlist(ax, orphan_l));
+            CHECK_ST(NIXL_SUCCESS, C.createXferReq(NIXL_WRITE, ax, ax, "cpp-api-C", orphan));
+            CHECK(A.getXferStatus(orphan) != NIXL_SUCCESS, "another agent's request is refused");
+        }
+        CHECK(A.postXferReq(orphan) != NIXL_SUCCESS, "a destroyed agent's request is refused, not used");
+        CHECK(A.releaseXferReq(orphan) != NIXL_SUCCESS, "releasing a destroyed agent's request is an error");
+        CHECK(A.releasedDlistH(orphan_l) != NIXL_SUCCESS, "a destroyed agent's prepped list is refused");
+        CHECK(A.getBackendParams(orphan_b, bmems, bparams) != NIXL_SUCCESS, "a destroyed agent's backend is refused");
     }
-    CHECK(A.postXferReq(orphan) != NIXL_SUCCESS, "a destroyed agent's request is refused, not used");
-    CHECK(A.releaseXferReq(orphan) != NIXL_SUCCESS, "releasing a destroyed agent's request is an error");
-    CHECK(A.releasedDlistH(orphan_l) != NIXL_SUCCESS, "a destroyed agent's prepped list is refused");
-    CHECK(A.getBackendParams(orphan_b, bmems, bparams) != NIXL_SUCCESS, "a destroyed agent's backend is refused");
-
     CHECK_ST(NIXL_SUCCESS, A.deregisterMem(areg, &ea));
     CHECK_ST(NIXL_SUCCESS, B.deregisterMem(breg, &eb));
     CHECK_ST(NIXL_SUCCESS, A.invalidateRemoteMD("cpp-api-B"));

@@ -236,9 +236,9 @@ toC(const nixl_opt_args_t *o, OptArgs &out) {
     GIXL_TRY(status(nixl_capi_create_opt_args(&out.h)));
     for (nixlBackendH *b : o->backends)
         GIXL_TRY(status(nixl_capi_opt_args_add_backend(out.h, reinterpret_cast<nixl_capi_backend_t>(b))));
-    if (!o->notifMsg.empty())
-        GIXL_TRY(status(nixl_capi_opt_args_set_notif_msg(out.h, o->notifMsg.data(), o->notifMsg.size())));
-    GIXL_TRY(status(nixl_capi_opt_args_set_has_notif(out.h, o->hasNotif)));
+    const nixl_blob_t &msg = o->notif ? *o->notif : o->notifMsg;
+    if (!msg.empty()) GIXL_TRY(status(nixl_capi_opt_args_set_notif_msg(out.h, msg.data(), msg.size())));
+    GIXL_TRY(status(nixl_capi_opt_args_set_has_notif(out.h, o->notif.has_value() || o->hasNotif)));
     GIXL_TRY(status(nixl_capi_opt_args_set_skip_desc_merge(out.h, o->skipDescMerge)));
     if (!o->customParam.empty())
         GIXL_TRY(

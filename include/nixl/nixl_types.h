@@ -141,7 +141,10 @@ using nixl_query_resp_t = std::optional<nixl_b_params_t>;
 struct nixlAgentOptionalArgs {
     // Limit the call to these backends (handles from createBackend / queryXferBackend).
     std::vector<nixlBackendH *> backends;
-    // The notification sent with a transfer, when hasNotif is set.
+    // The notification sent with a transfer (createXferReq / makeXferReq / postXferReq), if set. Takes
+    // precedence over the older pair below.
+    std::optional<nixl_blob_t> notif;
+    // The older form: notifMsg is sent when hasNotif is set.
     nixl_blob_t notifMsg;
     bool hasNotif = false;
     // Keep adjacent descriptors apart in makeXferReq.

@@ -20,6 +20,8 @@ class nixlSerDes {
 private:
     std::string buf_;
     size_t cursor_;
+    // Whether the last call wrote (0) or read (1); also keeps the object NIXL's size (48 bytes).
+    int mode_;
 
 #ifndef GIXL_NIXL_ORACLE
     static constexpr const char *kMagic = "GXSD1";
@@ -92,7 +94,7 @@ public:
 };
 
 #ifndef GIXL_NIXL_ORACLE
-inline nixlSerDes::nixlSerDes() : buf_(kMagic, kMagicLen), cursor_(kMagicLen) {}
+inline nixlSerDes::nixlSerDes() : buf_(kMagic, kMagicLen), cursor_(kMagicLen), mode_(0) {}
 
 inline nixl_status_t
 nixlSerDes::addStr(const std::string &tag, const std::string &str) {
@@ -110,6 +112,7 @@ nixlSerDes::getStr(const std::string &tag) {
 inline nixl_status_t
 nixlSerDes::addBuf(const std::string &tag, const void *buf, ssize_t len) {
     if (len < 0 || (len > 0 && buf == nullptr) || tag.size() > UINT32_MAX) return NIXL_ERR_INVALID_PARAM;
+    mode_ = 0;
     putLe(buf_, tag.size(), 4);
     buf_.append(tag);
     putLe(buf_, static_cast<uint64_t>(len), 8);
@@ -133,6 +136,7 @@ nixlSerDes::getBuf(const std::string &tag, void *buf, ssize_t len) {
         std::memcpy(buf, buf_.data() + at, n);
     }
     cursor_ = next;
+    mode_ = 1;
     return NIXL_SUCCESS;
 }
 
@@ -146,6 +150,7 @@ nixlSerDes::importStr(const std::string &sdbuf) {
     if (sdbuf.size() < kMagicLen || sdbuf.compare(0, kMagicLen, kMagic) != 0) return NIXL_ERR_MISMATCH;
     buf_ = sdbuf;
     cursor_ = kMagicLen;
+    mode_ = 1;
     return NIXL_SUCCESS;
 }
 #endif
