@@ -59,8 +59,7 @@ main() {
     nixl_xfer_dlist_t src(DRAM_SEG), dst(DRAM_SEG);
     src.addDesc(nixlBasicDesc((uintptr_t)addr1 + 16, 8, 0));
     dst.addDesc(nixlBasicDesc((uintptr_t)addr2 + 8, 8, 0));
-    x1.notifMsg = "notification";
-    x1.hasNotif = true;
+    x1.notif = "notification"; // NIXL 1.5's optional<blob> form of notifMsg + hasNotif
     nixlXferReqH *req = nullptr;
     CHECK_ST(NIXL_SUCCESS, A1.createXferReq(NIXL_WRITE, src, dst, n2, req, &x1));
     nixl_status_t st = A1.postXferReq(req);
