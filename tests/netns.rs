@@ -1071,3 +1071,66 @@ fn deregister_during_a_tcp_write_stops_it_exactly() {
         Err(e) => assert!(matches!(e.status(), Status::Backend | Status::RemoteDisconnect), "{e}"),
     }
 }
+
+fn threads() -> usize {
+    std::fs::read_dir("/proc/self/task").map(|d| d.count()).unwrap_or(0)
+}
+
+/// Hundreds of authenticated, idle data connections cost no thread each (they are served by a few event
+/// loops), and a stalled reader (a READ whose payload it never reads) holds a deregistration for no more
+/// than the disconnect timeout.
+#[test]
+fn data_connections_hold_no_threads_and_a_stalled_reader_is_cut_off() {
+    let _g = SERIAL.lock();
+    let b = tcp_agent("loops-target", 1000);
+    let a = tcp_agent("loops-initiator", 1000);
+    let big = vec![0x33u8; 64 << 20];
+    b.register_mem(&reg_list(&big), &[]).unwrap();
+    let dst = vec![0u8; 1 << 16];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    let (to, inc, secret) = endpoint_of(&b);
+    // The first READ starts the serving loops.
+    let (r, _) = read_once(&a, "loops-target", &dst, big.as_ptr() as u64, 4096);
+    assert_eq!(r.map_err(|e| e.status()), Ok(Status::Success));
+    let (t0, f0) = (threads(), fds_and_rss().0);
+    let conns: Vec<TcpStream> = (0..200).map(|_| raw_data_conn(to, inc, secret)).collect();
+    let (t1, f1) = (threads(), fds_and_rss().0);
+    let (r, took) = read_once(&a, "loops-target", &dst, big.as_ptr() as u64, 4096);
+    eprintln!(
+        "{} authenticated idle data connections: threads {t0} -> {t1}, fds {f0} -> {f1}; a real READ {:?} in {took:?}",
+        conns.len(),
+        r.as_ref().map_err(|e| e.status())
+    );
+    assert!(t1 <= t0 + 1, "threads {t0} -> {t1}");
+    assert_eq!(r.map_err(|e| e.status()), Ok(Status::Success));
+    drop(conns);
+
+    // A READ of 32 MiB whose payload is never read: the target's sends stall with the lease held.
+    let mut s = raw_data_conn(to, inc, secret);
+    let (addr, len) = (big.as_ptr() as u64, big.len() as u64);
+    let mut req = Vec::new();
+    wire::encode_req(XferOp::Read, &[wire::WireSeg { region: addr, region_len: len, addr, len: 32 << 20 }], &mut req);
+    s.write_all(&req).unwrap();
+    let mut first = [0u8; wire::REPLY_BYTES];
+    s.read_exact(&mut first).unwrap();
+    assert_eq!(first[0], wire::REPLY_OK, "the READ is being served");
+    let t = Instant::now();
+    b.deregister_mem(&reg_list(&big), &[]).unwrap();
+    let took = t.elapsed();
+    // The reader was cut off: draining what is buffered ends in end-of-stream or a reset, short of 32 MiB.
+    let mut got = 0usize;
+    let mut chunk = vec![0u8; 1 << 20];
+    loop {
+        match s.read(&mut chunk) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got += n,
+        }
+    }
+    eprintln!(
+        "stalled reader during deregister_mem: returned after {took:?}; the reader got {got} of {} bytes",
+        32 << 20
+    );
+    assert!(took >= Duration::from_millis(900) && took < Duration::from_millis(2500), "{took:?}");
+    assert!(got < 32 << 20);
+}
