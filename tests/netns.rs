@@ -1134,3 +1134,54 @@ fn data_connections_hold_no_threads_and_a_stalled_reader_is_cut_off() {
     assert!(took >= Duration::from_millis(900) && took < Duration::from_millis(2500), "{took:?}");
     assert!(got < 32 << 20);
 }
+
+/// The target restarts under the same name on the same port (a new incarnation): the initiator's peer goes
+/// down, and the retry after the back-off is refused with NAK, which proves the incarnation gone: the peer
+/// stays disconnected (no redial on every post) and the new agent's memory is never touched.
+#[test]
+fn a_new_incarnation_on_the_same_port_is_proven_gone() {
+    let _g = SERIAL.lock();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let at = format!("127.0.0.1:{port}");
+    let agent_at = |name: &str| {
+        let a = Agent::new(name, AgentConfig::default()).unwrap();
+        let p: Params = [("transport", "tcp"), ("tcp_addr", at.as_str())]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+        a.create_backend("UCX", &p).unwrap();
+        a
+    };
+    let a = tcp_agent("restart-initiator", 1000);
+    let dst = vec![0u8; 1 << 16];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    let old_buf = vec![0x21u8; 1 << 16];
+    let b1 = agent_at("restart-target");
+    b1.register_mem(&reg_list(&old_buf), &[]).unwrap();
+    a.load_remote_md(&b1.local_md().unwrap()).unwrap();
+    let (r, _) = read_once(&a, "restart-target", &dst, old_buf.as_ptr() as u64, 4096);
+    assert_eq!(r.map_err(|e| e.status()), Ok(Status::Success));
+    drop(b1);
+    // The new incarnation registers memory at the address the old one used (the old buffer is ours).
+    let b2 = agent_at("restart-target");
+    b2.register_mem(&reg_list(&old_buf), &[]).unwrap();
+    let t = Instant::now();
+    let mut errors = Vec::new();
+    while t.elapsed() < Duration::from_millis(3500) {
+        let (r, took) = read_once(&a, "restart-target", &dst, old_buf.as_ptr() as u64, 4096);
+        let e = r.expect_err("a READ through the old incarnation's metadata succeeded");
+        assert_eq!(e.status(), Status::RemoteDisconnect, "{e}");
+        if errors.last().map(|(m, _): &(String, Duration)| m != e.message()).unwrap_or(true) {
+            errors.push((e.message().to_owned(), took));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("new incarnation on the same port: {errors:?}");
+    assert!(errors.iter().any(|(m, _)| m.contains("refused our credentials")), "{errors:?}");
+    // After the NAK, posts fail at once: no more dials.
+    let (r, took) = read_once(&a, "restart-target", &dst, old_buf.as_ptr() as u64, 4096);
+    assert_eq!(r.map_err(|e| e.status()), Err(Status::RemoteDisconnect));
+    assert!(took < Duration::from_millis(50), "{took:?}");
+    assert!(old_buf.iter().all(|&x| x == 0x21));
+    drop(b2);
+}
