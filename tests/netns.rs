@@ -278,7 +278,8 @@ fn attack(md: &[u8], addr: u64, len: u64) -> std::result::Result<String, String>
 fn hostile(md: &[u8], addr: u64, len: u64) -> std::result::Result<String, String> {
     let md = AgentMd::decode(md).map_err(st)?;
     let (addrs, secret) = tcp_endpoint(&md.conns[0].1).map_err(st)?;
-    let to = *addrs.iter().find(|a| !a.ip().is_loopback()).ok_or("no address")?;
+    // Another host's address if it advertises one, else (a loopback-only target) its loopback address.
+    let to = *addrs.iter().find(|a| !a.ip().is_loopback()).or(addrs.first()).ok_or("no address")?;
     let inc = md.incarnation;
     let mut log = Vec::new();
     let challenged = || -> (TcpStream, [u8; 16]) {
@@ -1184,4 +1185,54 @@ fn a_new_incarnation_on_the_same_port_is_proven_gone() {
     assert!(took < Duration::from_millis(50), "{took:?}");
     assert!(old_buf.iter().all(|&x| x == 0x21));
     drop(b2);
+}
+
+/// The same hostile cases as across hosts, on loopback against an agent of this process.
+#[test]
+fn hostile_peers_on_loopback_are_refused_and_bounded() {
+    let _g = SERIAL.lock();
+    let b = tcp_agent("lo-victim", 1000);
+    let a = tcp_agent("lo-decode", 1000);
+    let buf = vec![0x42u8; 1 << 20];
+    b.register_mem(&reg_list(&buf), &[]).unwrap();
+    let dst = vec![0u8; 1 << 16];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    let (r, _) = read_once(&a, "lo-victim", &dst, buf.as_ptr() as u64, 4096);
+    assert_eq!(r.map_err(|e| e.status()), Ok(Status::Success));
+    let base = fds_and_rss();
+    let log = hostile(&b.local_md().unwrap(), buf.as_ptr() as u64, buf.len() as u64).unwrap();
+    eprintln!("{log}");
+    let results: Vec<(&str, &str)> = log.split(' ').filter_map(|kv| kv.split_once('=')).collect();
+    assert_eq!(results.len(), 19, "{log}");
+    for (k, v) in &results {
+        let deadline_case = matches!(*k, "slow-hello" | "silent");
+        let ok = match *v {
+            "closed" | "nak" => !deadline_case,
+            v => deadline_case && v.strip_prefix("closed-after-").is_some_and(|ms| ms.parse::<u64>().unwrap() <= 2500),
+        };
+        assert!(ok, "{k} = {v}");
+    }
+    let (r, took) = read_once(&a, "lo-victim", &dst, buf.as_ptr() as u64, 4096);
+    // The target closes its ends as it refuses; give the progress thread a moment to have dropped them all
+    // (a positive signal: the descriptor count comes back down).
+    let t = Instant::now();
+    let mut after = fds_and_rss();
+    while after.0 > base.0 + 2 && t.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(10));
+        after = fds_and_rss();
+    }
+    eprintln!(
+        "loopback hostile cases: real READ {:?} in {took:?} after; fds {} -> {}, RSS {} -> {} KiB",
+        r.as_ref().map_err(|e| e.status()),
+        base.0,
+        after.0,
+        base.1,
+        after.1
+    );
+    assert_eq!(r.map_err(|e| e.status()), Ok(Status::Success));
+    assert!(after.0 <= base.0 + 2, "fds {} -> {}", base.0, after.0);
+    assert!(after.1 <= base.1 + 8 * 1024, "RSS {} -> {} KiB", base.1, after.1);
+    assert!(buf.iter().all(|&x| x == 0x42), "target memory changed");
+    assert!(b.notifs(&[]).unwrap().is_empty(), "a stranger's notification arrived");
 }
