@@ -157,7 +157,7 @@ fn http_get(port: u16, path: &str) -> Result<String, String> {
     let mut r = String::new();
     s.read_to_string(&mut r).map_err(|e| e.to_string())?;
     let (head, body) = r.split_once("\r\n\r\n").ok_or("no HTTP header")?;
-    if !head.starts_with("HTTP/1.") || !head.split(' ').nth(1).is_some_and(|c| c == "200") {
+    if !head.starts_with("HTTP/1.") || head.split(' ').nth(1) != Some("200") {
         return Err(head.lines().next().unwrap_or("").to_owned());
     }
     Ok(body.to_owned())
