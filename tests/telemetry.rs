@@ -79,6 +79,27 @@ fn child_initiator() {
     a.load_remote_md(&md).unwrap();
     println!("\n@done");
     std::io::stdout().flush().unwrap();
+    // The parent kills the target, then asks for one more post: a disconnect.
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).unwrap();
+    let r = a.create_xfer_req(XferOp::Read, &one(b, 4096), &one(addr, 4096), "tele-target", &o).unwrap();
+    let t = Instant::now();
+    let e = loop {
+        let res = a.post_xfer_req(&r, NotifUpdate::Keep).and_then(|s| match s {
+            Status::InProg => a.xfer_status(&r),
+            s => Ok(s),
+        });
+        match res {
+            Err(e) => break e,
+            Ok(_) => {
+                assert!(t.elapsed() < Duration::from_secs(10), "the killed peer still answers");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+    };
+    assert_eq!(e.status(), Status::RemoteDisconnect, "{e}");
+    println!("\n@disconnected");
+    std::io::stdout().flush().unwrap();
     hold();
 }
 
@@ -308,8 +329,18 @@ fn prometheus_scrapes_nixl_metrics_from_two_processes() {
         &format!("count(gixl_peer_info{{{i},peer=\"tele-target\",route=~\"cma|tcp-after-cma-denied\"}})"),
         "1",
     );
-    drop(ini);
+
+    // The target dies; the initiator's next post is a REMOTE_DISCONNECT, and Prometheus sees it.
     drop(target);
+    let mut ini = ini;
+    writeln!(ini.0.stdin.as_mut().unwrap(), "post").unwrap();
+    ini.0.stdin.as_mut().unwrap().flush().unwrap();
+    expect(&mut iout, "disconnected");
+    until_prom(pp, &format!("gixl_peer_connected{{{i},peer=\"tele-target\"}}"), "0");
+    until_prom(pp, &format!("gixl_peer_disconnects_total{{{i},peer=\"tele-target\"}}"), "1");
+    until_prom(pp, &format!("agent_errors_total{{{i},status=\"remote_disconnect\"}}"), "1");
+    until_prom(pp, &format!("agent_errors_total{{{i},status=\"not_found\"}}"), "1");
+    drop(ini);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
