@@ -3,7 +3,8 @@
 //!   `NIXL_TELEMETRY_EXPORTER=prometheus` endpoints of two gixl processes that transfer to each other, and
 //!   its query API must return NIXL's metric names with the right values (and gixl's own series);
 //! - the file sink under `NIXL_TELEMETRY_DIR` has NIXL 1.5.1's layout: the same header, size and event
-//!   sequence as the file NIXL itself writes for the same program (NIXL run from `.venv/nixl` when present).
+//!   sequence as the file NIXL itself writes for the same program (NIXL run from `.venv/nixl` when present),
+//!   also with `NIXL_TELEMETRY_ENABLED_METRICS` selecting events.
 
 mod common;
 
@@ -344,7 +345,7 @@ fn prometheus_scrapes_nixl_metrics_from_two_processes() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// `tele.py`: what `child_file_sink` does, on NIXL; waits until NIXL has flushed 13 events.
+/// `tele.py N`: what `child_file_sink` does, on NIXL; waits until NIXL has flushed N events.
 const NIXL_PROGRAM: &str = r#"
 import os, struct, sys, time
 import numpy as np
@@ -365,7 +366,7 @@ for _ in range(3):
 path = os.path.join(os.environ["NIXL_TELEMETRY_DIR"], "A")
 t = time.monotonic()
 while time.monotonic() - t < 20:
-    if os.path.exists(path) and struct.unpack_from("<Q", open(path, "rb").read(8))[0] >= 13:
+    if os.path.exists(path) and struct.unpack_from("<Q", open(path, "rb").read(8))[0] >= int(sys.argv[1]):
         print("@written"); sys.exit(0)
     time.sleep(0.05)
 sys.exit("NIXL did not flush its telemetry")
@@ -376,14 +377,7 @@ fn file_sink_has_nixls_layout() {
     let dir = tmpdir("file");
     let gdir = dir.join("gixl");
     std::fs::create_dir_all(&gdir).unwrap();
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
-        .env("GIXL_CHILD", "file-sink")
-        .env("NIXL_TELEMETRY_ENABLE", "y")
-        .env("NIXL_TELEMETRY_DIR", &gdir)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    gixl_run(&gdir, "");
     let gfile = std::fs::read(gdir.join("A")).unwrap();
     let (version, events) = gixl::telemetry::file::read_events(&gdir.join("A")).unwrap();
     assert_eq!(version, 4);
@@ -406,18 +400,23 @@ fn file_sink_has_nixls_layout() {
     std::fs::create_dir_all(&ndir).unwrap();
     let script = dir.join("tele.py");
     std::fs::write(&script, NIXL_PROGRAM).unwrap();
-    let out = Command::new(&py)
-        .arg(&script)
-        .env("NIXL_TELEMETRY_ENABLE", "y")
-        .env("NIXL_TELEMETRY_DIR", &ndir)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("@written"),
-        "NIXL run failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let nixl = |dir: &Path, expect: usize, metrics: &str| {
+        let out = Command::new(&py)
+            .arg(&script)
+            .arg(expect.to_string())
+            .env("NIXL_TELEMETRY_ENABLE", "y")
+            .env("NIXL_TELEMETRY_DIR", dir)
+            .env("NIXL_TELEMETRY_ENABLED_METRICS", metrics)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success() && String::from_utf8_lossy(&out.stdout).contains("@written"),
+            "NIXL run failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    nixl(&ndir, 13, "");
     let nfile = std::fs::read(ndir.join("A")).unwrap();
     assert_eq!(nfile.len(), gfile.len());
     assert_eq!(nfile[16..40], gfile[16..40], "header after the positions: version, expected version, capacity, mask");
@@ -427,5 +426,30 @@ fn file_sink_has_nixls_layout() {
     assert_eq!(ntypes, types);
     let sizes = |ev: &[(u32, u64)]| ev.iter().filter(|e| [0, 2, 4].contains(&e.0)).copied().collect::<Vec<_>>();
     assert_eq!(sizes(&nevents), sizes(&events), "bytes and counts agree (times differ)");
+
+    // NIXL_TELEMETRY_ENABLED_METRICS keeps the events its globs name, in both.
+    let metrics = "agent_tx_*,agent_memory_registered";
+    let (gsel, nsel) = (dir.join("gixl-selected"), dir.join("nixl-selected"));
+    std::fs::create_dir_all(&gsel).unwrap();
+    std::fs::create_dir_all(&nsel).unwrap();
+    gixl_run(&gsel, metrics);
+    nixl(&nsel, 7, metrics);
+    let (_, g) = gixl::telemetry::file::read_events(&gsel.join("A")).unwrap();
+    let (_, n) = gixl::telemetry::file::read_events(&nsel.join("A")).unwrap();
+    assert_eq!(g, [(4, 4096), (0, 4096), (2, 1), (0, 4096), (2, 1), (0, 4096), (2, 1)]);
+    assert_eq!(n, g);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `child_file_sink` with its telemetry file in `dir`.
+fn gixl_run(dir: &Path, metrics: &str) {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+        .env("GIXL_CHILD", "file-sink")
+        .env("NIXL_TELEMETRY_ENABLE", "y")
+        .env("NIXL_TELEMETRY_DIR", dir)
+        .env("NIXL_TELEMETRY_ENABLED_METRICS", metrics)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
