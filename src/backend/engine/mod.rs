@@ -216,9 +216,13 @@ enum PeerKind {
     /// cross-memory attach (`denied`).
     Cma {
         pid: i32,
-        pidfd: OwnedFd,
+        /// None when the peer did not prove it runs here (nothing listens on its socket as its pid).
+        pidfd: Option<OwnedFd>,
         watch: Option<u64>,
         sock: Vec<u8>,
+        /// The peer's engine secret and our incarnation: the notification handshake's inputs.
+        secret: u128,
+        from_inc: u128,
         sender: Mutex<Option<Sender>>,
         tcp: Arc<TcpLink>,
         denied: AtomicBool,
@@ -249,7 +253,7 @@ impl Peer for EnginePeer {
 
 impl Drop for EnginePeer {
     fn drop(&mut self) {
-        if let PeerKind::Cma { pidfd, watch: Some(token), .. } = &self.kind {
+        if let PeerKind::Cma { pidfd: Some(pidfd), watch: Some(token), .. } = &self.kind {
             if let Some(owner) = self.owner.upgrade() {
                 owner.ctrl.unwatch(*token, pidfd.as_raw_fd());
             }
@@ -266,13 +270,13 @@ impl EnginePeer {
                 t.queue.lock().push((from.to_owned(), msg.to_vec()));
                 Ok(())
             }
-            PeerKind::Cma { sock, sender, .. } => {
+            PeerKind::Cma { sock, sender, secret, from_inc, .. } => {
                 if self.dead.load(Ordering::Acquire) {
                     return Err(Error::disconnected(format!("agent '{}' has exited", self.name)));
                 }
                 let mut s = sender.lock();
                 if s.is_none() {
-                    *s = Some(Sender::connect(sock, self.incarnation, from)?);
+                    *s = Some(Sender::connect(sock, self.incarnation, *secret, from, *from_inc)?);
                 }
                 let r = s.as_mut().map(|s| s.notif(msg)).unwrap_or(Ok(()));
                 if r.is_err() {
@@ -473,19 +477,19 @@ impl Backend for Engine {
             let closed = target.upgrade().map(|t| t.closed.clone()).unwrap_or_else(|| Arc::new(AtomicBool::new(true)));
             PeerKind::InProcess { target, closed }
         } else {
-            let pidfd = pidfd_open(ci.pid);
-            // Opened first, checked second: if the start time still matches, the pidfd is that process.
-            let alive = pidfd.is_ok() && crate::util::process_start_time(ci.pid).ok() == Some(ci.start_time);
-            let pidfd = match pidfd {
-                Ok(fd) => fd,
-                // The process is gone; keep a placeholder descriptor so the peer reports disconnected.
-                Err(_) => pidfd_open(s.pid).map_err(|e| Error::os(Status::Backend, "pidfd_open", e))?,
-            };
-            let watch = if alive {
-                Some(s.ctrl.watch(pidfd.as_raw_fd(), dead.clone())?)
-            } else {
-                dead.store(true, Ordering::Release);
-                None
+            // A pidfd only for a peer that proves it runs here: its pid listens on its socket, named for
+            // this incarnation (forged metadata costs no descriptor). Opened first, checked second: if the
+            // start time still matches, the pidfd is that process.
+            let named = ci.sock == format!("gixl.{}.{incarnation:032x}", ci.pid).into_bytes();
+            let pidfd =
+                (named && ctrl::listener_pid(&ci.sock) == Some(ci.pid)).then(|| pidfd_open(ci.pid).ok()).flatten();
+            let alive = pidfd.is_some() && crate::util::process_start_time(ci.pid).ok() == Some(ci.start_time);
+            let watch = match &pidfd {
+                Some(fd) if alive => Some(s.ctrl.watch(fd.as_raw_fd(), dead.clone())?),
+                _ => {
+                    dead.store(true, Ordering::Release);
+                    None
+                }
             };
             let tcp = link(&dead);
             PeerKind::Cma {
@@ -493,6 +497,8 @@ impl Backend for Engine {
                 pidfd,
                 watch,
                 sock: ci.sock.clone(),
+                secret: ci.secret,
+                from_inc: s.incarnation,
                 sender: Mutex::new(None),
                 tcp,
                 denied: AtomicBool::new(false),
@@ -507,10 +513,10 @@ impl Backend for Engine {
             return Err(Error::disconnected(format!("agent '{}' has disconnected", p.name)));
         }
         match &p.kind {
-            PeerKind::Cma { sock, sender, .. } => {
+            PeerKind::Cma { sock, sender, secret, from_inc, .. } => {
                 let mut s = sender.lock();
                 if s.is_none() {
-                    *s = Some(Sender::connect(sock, p.incarnation, &self.shared.agent)?);
+                    *s = Some(Sender::connect(sock, p.incarnation, *secret, &self.shared.agent, *from_inc)?);
                 }
             }
             PeerKind::Tcp { link } => {

@@ -462,8 +462,9 @@ impl TcpProgress {
         if used != c.buf.len() {
             return false;
         }
-        let want = wire::hello_tag(self.shared.secret, h.kind, self.shared.incarnation, &c.nonce, &h.name);
-        let ok = h.incarnation == self.shared.incarnation && wire::tags_match(h.tag, want);
+        // Keyed by the cluster key too when one is set (see `crate::auth`).
+        let ok = h.incarnation == self.shared.incarnation
+            && crate::auth::hello_ok(self.shared.secret, h.kind, self.shared.incarnation, &c.nonce, &h.name, h.tag);
         if !ok || self.shared.closed.load(Ordering::Acquire) {
             return false;
         }
@@ -769,7 +770,7 @@ impl TcpLink {
         let good = *self.good.lock();
         let order = good.into_iter().chain(self.addrs.iter().copied().filter(|a| Some(*a) != good));
         let hello = |nonce: &[u8; 16]| {
-            let tag = wire::hello_tag(self.secret, kind, self.incarnation, nonce, &self.me);
+            let tag = crate::auth::hello_tag(self.secret, kind, self.incarnation, nonce, &self.me);
             wire::encode_hello(&Hello { kind, incarnation: self.incarnation, tag, name: self.me.clone() })
         };
         let mut last = String::from("no address to connect to");
