@@ -362,7 +362,7 @@ pub(crate) fn fuzz_parse_conn(b: &[u8]) -> bool {
     parse_conn(b).is_ok()
 }
 
-pub(crate) use ctrl::fuzz_parse_frames;
+pub(crate) use ctrl::{fuzz_hello, fuzz_parse_frames};
 
 /// The TCP endpoint a peer's connection info advertises: its addresses and the secret a connection must
 /// present. For tools and tests that speak the wire protocol themselves (see `wire`).
