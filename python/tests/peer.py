@@ -83,6 +83,15 @@ class Peer:
     def check_md(self, name):
         return self.agent.check_remote_metadata(name)
 
+    def fetch_md(self, name, ip, port):
+        self.agent.fetch_remote_metadata(name, ip, port)
+
+    def send_md(self, ip, port):
+        self.agent.send_local_metadata(ip, port)
+
+    def invalidate_md(self, ip, port):
+        self.agent.invalidate_local_metadata(ip, port)
+
     # -- descriptor lists and transfers ----------------------------------
     def prep(self, side, rows, mem="DRAM", width=None):
         arr = np.asarray(rows, dtype=np.uint64).reshape(-1, width or len(rows[0]))

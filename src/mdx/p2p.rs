@@ -541,34 +541,45 @@ impl Loop {
     }
 
     fn flush(&mut self, token: u64) {
-        let Some(c) = self.conns.get_mut(&token) else { return };
-        if c.connecting.is_some() && c.nonce.is_none() {
-            return;
-        }
-        while c.pending() {
-            match send_now(c.stream.as_raw_fd(), &c.wbuf[c.wpos..]) {
-                Ok(n) => c.wpos += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) => {
-                    if !c.closing {
-                        log!("sending to metadata peer {}: {e}", c.peer);
+        loop {
+            let Some(c) = self.conns.get_mut(&token) else { return };
+            if c.connecting.is_some() && c.nonce.is_none() {
+                return;
+            }
+            while c.pending() {
+                match send_now(c.stream.as_raw_fd(), &c.wbuf[c.wpos..]) {
+                    Ok(n) => c.wpos += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) => {
+                        if !c.closing {
+                            log!("sending to metadata peer {}: {e}", c.peer);
+                        }
+                        self.close(token);
+                        return;
                     }
-                    self.close(token);
-                    return;
                 }
             }
-        }
-        if !c.pending() {
+            if c.pending() {
+                break;
+            }
             c.wbuf.clear();
             c.wpos = 0;
             if c.closing {
                 self.close(token);
                 return;
             }
-            // Requests held back while replies were unread.
-            if !c.rbuf.is_empty() && self.frames(token) {
-                self.flush(token);
+            if c.rbuf.is_empty() {
+                break;
+            }
+            // Requests held back while replies were unread: act on them now, and send what they produce.
+            let ok = self.frames(token);
+            let Some(c) = self.conns.get(&token) else { return };
+            if !ok && !c.closing {
+                self.close(token);
                 return;
+            }
+            if !c.pending() {
+                break;
             }
         }
         self.interest(token);

@@ -25,19 +25,24 @@ use crate::status::{Error, Result, Status};
 pub const MAX_NOTIF: usize = 64 << 20;
 
 // Frames on the local socket: `length u32 | kind u8 | body` (length counts kind + body).
-/// Client → server: `target incarnation u128 | sender incarnation u128 | tag u64 | sender name`.
+/// Client → server, first: `target incarnation u128 | sender incarnation u128 | nonce [16] | tag u64 | name`,
+/// the tag keyed by the target's engine secret over a nonce the sender draws fresh for the connection.
+/// (Not a server challenge as on TCP: a stopped or busy target must still take notifications into its
+/// socket, as NIXL's do, and only a process that can already read the target's memory could observe
+/// a Unix socket's traffic to replay it.)
 const KIND_HELLO: u8 = 1;
-/// Client → server, after the ACK: one notification.
+/// Client → server: one notification.
 const KIND_NOTIF: u8 = 2;
-/// Server → client, first thing on a connection: a fresh 16-byte nonce.
-const KIND_CHAL: u8 = 3;
 /// Server → client: the hello was accepted.
 const KIND_ACK: u8 = 4;
 /// Server → client, then the connection is closed: why it was refused (UTF-8).
 const KIND_REFUSE: u8 = 5;
 /// The tag's `kind` for local hellos (the TCP handshake uses 1 and 2).
 pub const TAG_KIND_LOCAL: u8 = 0x10;
-const HELLO_FIXED: usize = 1 + 16 + 16 + 8;
+const HELLO_FIXED: usize = 1 + 16 + 16 + 16 + 8;
+/// How long a sender waits for the acceptance before it goes on without it (the target is stopped or busy;
+/// its verdict then shows as a closed socket at a later send).
+const ACK_WAIT: Duration = Duration::from_millis(500);
 /// Longest hello accepted from a connection that has not authenticated (an agent name is at most 4 KiB).
 const MAX_HELLO: usize = HELLO_FIXED + 4096;
 /// Connections that have not authenticated yet; beyond this the oldest is dropped.
@@ -247,17 +252,8 @@ impl Sender {
             .map_err(|e| Error::os(Status::RemoteDisconnect, "connecting to the peer's notification socket", e))?;
         let opt = |e| Error::os(Status::Backend, "socket option", e);
         stream.set_write_timeout(Some(SEND_TIMEOUT)).map_err(opt)?;
-        stream.set_read_timeout(Some(SEND_TIMEOUT)).map_err(opt)?;
         let mut s = Sender { stream };
-        let nonce = match s.reply()? {
-            (KIND_CHAL, b) if b.len() == 16 => {
-                let mut n = [0u8; 16];
-                n.copy_from_slice(&b);
-                n
-            }
-            (KIND_REFUSE, why) => return Err(refused(&why)),
-            _ => return Err(Error::backend("the peer's notification socket sent no challenge (not a gixl agent?)")),
-        };
+        let nonce = crate::util::random_u128().to_le_bytes();
         let tag = crate::auth::hello_tag(
             secret,
             TAG_KIND_LOCAL,
@@ -268,13 +264,18 @@ impl Sender {
         let mut hello = Vec::with_capacity(HELLO_FIXED + from.len());
         hello.extend_from_slice(&target_incarnation.to_le_bytes());
         hello.extend_from_slice(&from_incarnation.to_le_bytes());
+        hello.extend_from_slice(&nonce);
         hello.extend_from_slice(&tag.to_le_bytes());
         hello.extend_from_slice(from.as_bytes());
         s.send(KIND_HELLO, &hello)?;
-        match s.reply()? {
-            (KIND_ACK, _) => Ok(s),
-            (KIND_REFUSE, why) => Err(refused(&why)),
-            _ => Err(Error::backend("the peer's notification socket answered the hello with garbage")),
+        s.stream.set_read_timeout(Some(ACK_WAIT)).map_err(opt)?;
+        match s.reply() {
+            Ok((KIND_ACK, _)) => Ok(s),
+            Ok((KIND_REFUSE, why)) => Err(refused(&why)),
+            Ok(_) => Err(Error::backend("the peer's notification socket answered the hello with garbage")),
+            // No verdict yet: the target is stopped or busy; the hello waits in its socket.
+            Err(e) if e.status() == Status::Backend => Ok(s),
+            Err(e) => Err(e),
         }
     }
 
@@ -378,7 +379,6 @@ fn peer_cred(fd: RawFd) -> Option<libc::ucred> {
 struct Conn {
     stream: UnixStream,
     buf: Vec<u8>,
-    nonce: [u8; 16],
     /// Set by an accepted hello; every notification on the connection is this sender's.
     sender: Option<String>,
 }
@@ -556,15 +556,10 @@ impl Local {
                 let _ = send_frame_now(&stream, KIND_REFUSE, b"too many notification connections");
                 continue;
             }
-            let nonce = crate::util::random_u128().to_le_bytes();
-            // The socket is empty: a 21-byte write goes through at once.
-            if send_frame_now(&stream, KIND_CHAL, &nonce).is_err() {
-                continue;
-            }
             let token = TOKEN_CONN + self.next_conn;
             self.next_conn += 1;
             if epoll_add(self.epfd.as_raw_fd(), stream.as_raw_fd(), token).is_ok() {
-                self.conns.insert(token, Conn { stream, buf: Vec::new(), nonce, sender: None });
+                self.conns.insert(token, Conn { stream, buf: Vec::new(), sender: None });
             }
         }
     }
@@ -658,8 +653,10 @@ fn parse_frames(
                     u128::from_le_bytes(b)
                 };
                 let (target, from_inc) = (u(1..17), u(17..33));
+                let mut nonce = [0u8; 16];
+                nonce.copy_from_slice(&body[33..49]);
                 let mut t = [0u8; 8];
-                t.copy_from_slice(&body[33..41]);
+                t.copy_from_slice(&body[49..57]);
                 let tag = u64::from_le_bytes(t);
                 let Ok(name) = std::str::from_utf8(&body[HELLO_FIXED..]) else {
                     verdict = Err("sender name is not UTF-8".into());
@@ -674,7 +671,7 @@ fn parse_frames(
                         secret,
                         TAG_KIND_LOCAL,
                         incarnation,
-                        &c.nonce,
+                        &nonce,
                         &tagged_name(name, from_inc),
                         tag,
                     )
@@ -711,19 +708,19 @@ fn parse_frames(
 }
 
 /// For `crate::fuzzing` only: run `parse_frames` over `data` as one read and, again, split in two reads at
-/// `split`, on a connection whose challenge was the zero nonce and whose secret is `incarnation`; returns the
+/// `split`, on a connection whose secret is `incarnation`; returns the
 /// notifications queued by the first run.
 pub(crate) fn fuzz_parse_frames(data: &[u8], split: usize, incarnation: u128) -> usize {
     let queue = NotifQueue::default();
     let mut queued = (0, 0);
     let (stream, _other) = UnixStream::pair().expect("socketpair");
     let _ = stream.set_nonblocking(true);
-    let mut c = Conn { stream, buf: data.to_vec(), nonce: [0; 16], sender: None };
+    let mut c = Conn { stream, buf: data.to_vec(), sender: None };
     let _ = parse_frames(&mut c, incarnation, incarnation, &queue, &mut queued, (usize::MAX, usize::MAX));
     let n = queue.lock().len();
     let (stream, _other) = UnixStream::pair().expect("socketpair");
     let _ = stream.set_nonblocking(true);
-    let mut c = Conn { stream, buf: data[..split.min(data.len())].to_vec(), nonce: [0; 16], sender: None };
+    let mut c = Conn { stream, buf: data[..split.min(data.len())].to_vec(), sender: None };
     if parse_frames(&mut c, incarnation, incarnation, &queue, &mut queued, (usize::MAX, usize::MAX)).is_ok() {
         c.buf.extend_from_slice(&data[split.min(data.len())..]);
         let _ = parse_frames(&mut c, incarnation, incarnation, &queue, &mut queued, (usize::MAX, usize::MAX));
@@ -737,6 +734,7 @@ pub(crate) fn fuzz_hello(incarnation: u128, from: &str) -> Vec<u8> {
     let mut body = vec![KIND_HELLO];
     body.extend_from_slice(&incarnation.to_le_bytes());
     body.extend_from_slice(&1u128.to_le_bytes());
+    body.extend_from_slice(&[0; 16]);
     body.extend_from_slice(&tag.to_le_bytes());
     body.extend_from_slice(from.as_bytes());
     let mut f = (body.len() as u32).to_le_bytes().to_vec();
@@ -888,8 +886,6 @@ mod tests {
         // The old, unauthenticated hello (incarnation + name) and a notification: refused, nothing queued.
         let mut s = UnixStream::connect_addr(&addr).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        let (kind, nonce) = read_frame(&mut s).unwrap();
-        assert_eq!((kind, nonce.len()), (KIND_CHAL, 16));
         let mut old = inc.to_le_bytes().to_vec();
         old.extend_from_slice(b"prefill-0");
         raw_frames(&mut s, &[(KIND_HELLO, &old), (KIND_NOTIF, b"forged")]);
@@ -898,7 +894,6 @@ mod tests {
         // A notification before any hello: refused.
         let mut s = UnixStream::connect_addr(&addr).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        read_frame(&mut s).unwrap();
         raw_frames(&mut s, &[(KIND_NOTIF, b"forged")]);
         assert_eq!(read_frame(&mut s).map(|f| f.0), Some(KIND_REFUSE));
         // An authenticated sender cannot switch names with a second hello.
@@ -964,5 +959,16 @@ mod tests {
         let seq: Vec<u32> = got.iter().map(|(_, m)| u32::from_le_bytes(m[..4].try_into().unwrap())).collect();
         assert_eq!(seq, (0..sent).collect::<Vec<_>>());
         ctrl.shutdown();
+    }
+
+    #[test]
+    fn a_stopped_target_still_takes_the_hello_and_notifications() {
+        // A listener nobody accepts on: what a SIGSTOPped agent's socket looks like.
+        let name = format!("gixl-test-stopped.{}", std::process::id()).into_bytes();
+        let _l = UnixListener::bind_addr(&SocketAddr::from_abstract_name(&name).unwrap()).unwrap();
+        let t = std::time::Instant::now();
+        let mut s = Sender::connect(&name, 1, 2, "me", 3).unwrap();
+        assert!(t.elapsed() < ACK_WAIT + Duration::from_secs(2), "{:?}", t.elapsed());
+        s.notif(b"queued in the socket").unwrap();
     }
 }

@@ -223,6 +223,9 @@ enum PeerKind {
         /// The peer's engine secret and our incarnation: the notification handshake's inputs.
         secret: u128,
         from_inc: u128,
+        /// The peer's notification socket refused our uid: notifications go over TCP (which proves the
+        /// same secret).
+        local_refused: AtomicBool,
         sender: Mutex<Option<Sender>>,
         tcp: Arc<TcpLink>,
         denied: AtomicBool,
@@ -270,13 +273,24 @@ impl EnginePeer {
                 t.queue.lock().push((from.to_owned(), msg.to_vec()));
                 Ok(())
             }
-            PeerKind::Cma { sock, sender, secret, from_inc, .. } => {
+            PeerKind::Cma { sock, sender, secret, from_inc, local_refused, tcp, .. } => {
                 if self.dead.load(Ordering::Acquire) {
                     return Err(Error::disconnected(format!("agent '{}' has exited", self.name)));
                 }
+                if local_refused.load(Ordering::Acquire) {
+                    return tcp.notif(msg);
+                }
                 let mut s = sender.lock();
                 if s.is_none() {
-                    *s = Some(Sender::connect(sock, self.incarnation, *secret, from, *from_inc)?);
+                    match Sender::connect(sock, self.incarnation, *secret, from, *from_inc) {
+                        Ok(c) => *s = Some(c),
+                        Err(e) if e.status() == Status::NotAllowed => {
+                            local_refused.store(true, Ordering::Release);
+                            drop(s);
+                            return tcp.notif(msg);
+                        }
+                        Err(e) => return Err(e),
+                    }
                 }
                 let r = s.as_mut().map(|s| s.notif(msg)).unwrap_or(Ok(()));
                 if r.is_err() {
@@ -499,6 +513,7 @@ impl Backend for Engine {
                 sock: ci.sock.clone(),
                 secret: ci.secret,
                 from_inc: s.incarnation,
+                local_refused: AtomicBool::new(false),
                 sender: Mutex::new(None),
                 tcp,
                 denied: AtomicBool::new(false),
@@ -513,10 +528,15 @@ impl Backend for Engine {
             return Err(Error::disconnected(format!("agent '{}' has disconnected", p.name)));
         }
         match &p.kind {
-            PeerKind::Cma { sock, sender, secret, from_inc, .. } => {
+            PeerKind::Cma { sock, sender, secret, from_inc, local_refused, .. } => {
                 let mut s = sender.lock();
-                if s.is_none() {
-                    *s = Some(Sender::connect(sock, p.incarnation, *secret, &self.shared.agent, *from_inc)?);
+                if s.is_none() && !local_refused.load(Ordering::Acquire) {
+                    match Sender::connect(sock, p.incarnation, *secret, &self.shared.agent, *from_inc) {
+                        Ok(c) => *s = Some(c),
+                        // Another uid: notifications will go over TCP.
+                        Err(e) if e.status() == Status::NotAllowed => local_refused.store(true, Ordering::Release),
+                        Err(e) => return Err(e),
+                    }
                 }
             }
             PeerKind::Tcp { link } => {
