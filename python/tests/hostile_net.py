@@ -339,6 +339,25 @@ def _main():  # pragma: no cover - a measurement, not a test
     rows.append(("4 × 48 MiB of a 64 MiB frame", f"RSS {rss0 // 1024}→{rss_kib(p.pid) // 1024} MiB"))
     for c in conns:
         c.close()
+    # 4b. 8 connections each sending a full 16 MiB LOAD of garbage (the largest frame accepted).
+    rss0 = rss_kib(p.pid)
+    conns = []
+    for _ in range(8):
+        c = socket.create_connection(("127.0.0.1", port))
+        c.settimeout(2)
+        try:
+            c.sendall(MAGIC + bytes([LOAD]) + struct.pack("<I", 16 << 20))
+            for _ in range(15):
+                c.sendall(chunk)
+        except OSError:
+            pass
+        conns.append(c)
+    time.sleep(0.5)
+    peak = rss_kib(p.pid)
+    ms, r = fetch_ms(port, "v-big")
+    rows.append(("8 × 15 MiB of a 16 MiB frame", f"RSS {rss0 // 1024}→{peak // 1024} MiB; real fetch {ms:.1f} ms {'ok' if r and r[0] == LOAD else 'FAILED'}"))
+    for c in conns:
+        c.close()
     p.close()
 
     # 5. 40,000 regions in descending order.
@@ -372,7 +391,19 @@ def _main():  # pragma: no cover - a measurement, not a test
     os.waitpid(child, 0)
     res_other = os.read(r, 200).decode()
     res_same = forge_local_notif(name, inc, "prefill-0", b"forged by the same uid")
-    got = p.call("notifs", count=2, timeout=1.5)
+    # 8. 300 idle connections to the notification socket.
+    f0 = nfds(p.pid)
+    idle = []
+    for _ in range(300):
+        try:
+            idle.append(local_connect(name))
+        except OSError:
+            break
+    time.sleep(0.5)
+    rows.append(("300 idle connections to the notification socket", f"fds {f0}→{nfds(p.pid)}"))
+    for c in idle:
+        c.close()
+    got = p.call("notifs", count=2)
     rows.append(("uid 65534 → notification socket", f"{res_other}; victim got {sum(len(v) for v in got.values()) if got else 0} forged (both)"))
     rows.append(("same uid, no secret → notification socket", f"{res_same}"))
     p.close()
