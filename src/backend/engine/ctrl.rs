@@ -267,8 +267,14 @@ impl Sender {
         hello.extend_from_slice(&nonce);
         hello.extend_from_slice(&tag.to_le_bytes());
         hello.extend_from_slice(from.as_bytes());
-        s.send(KIND_HELLO, &hello)?;
         s.stream.set_read_timeout(Some(ACK_WAIT)).map_err(opt)?;
+        if let Err(e) = s.send(KIND_HELLO, &hello) {
+            // Refused at once (another uid): the reason is waiting to be read.
+            return Err(match s.reply() {
+                Ok((KIND_REFUSE, why)) => refused(&why),
+                _ => e,
+            });
+        }
         match s.reply() {
             Ok((KIND_ACK, _)) => Ok(s),
             Ok((KIND_REFUSE, why)) => Err(refused(&why)),
