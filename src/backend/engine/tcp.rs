@@ -613,8 +613,9 @@ impl TcpProgress {
         if used != c.buf.len() {
             return false;
         }
-        let want = wire::hello_tag(self.shared.secret, h.kind, self.shared.incarnation, &c.nonce, &h.name);
-        let ok = h.incarnation == self.shared.incarnation && wire::tags_match(h.tag, want);
+        // Keyed by the cluster key too when one is set (see `crate::auth`).
+        let ok = h.incarnation == self.shared.incarnation
+            && crate::auth::hello_ok(self.shared.secret, h.kind, self.shared.incarnation, &c.nonce, &h.name, h.tag);
         if !ok {
             // Say so, so that a peer holding stale metadata knows at once that the incarnation it was
             // built for is not here (a stranger learns nothing it did not know).
@@ -1313,7 +1314,7 @@ impl TcpLink {
         }
         let nonce =
             wire::parse_challenge(&c).map_err(|e| (format!("{a} is not the agent we were given: {e}"), true))?;
-        let tag = wire::hello_tag(self.secret, kind, self.incarnation, &nonce, &self.me);
+        let tag = crate::auth::hello_tag(self.secret, kind, self.incarnation, &nonce, &self.me);
         let hello = wire::encode_hello(&Hello { kind, incarnation: self.incarnation, tag, name: self.me.clone() });
         let mut ans = [0u8; 1];
         let r = net::send_all(&s, &hello, &|| {}).and_then(|_| net::recv_exact(&s, &mut ans, &|| {}));
@@ -1323,7 +1324,7 @@ impl TcpLink {
                 Ok(s)
             }
             (Ok(()), wire::NAK) => {
-                Err((format!("{a} refused our credentials (the peer restarted, or the metadata is stale)"), true))
+                Err((format!("{a} refused our credentials (the peer restarted, the metadata is stale, or the cluster keys differ)"), true))
             }
             (Ok(()), _) => Err((format!("{a} answered the handshake with garbage"), false)),
             (Err(e), _) => Err((format!("handshake with {a}: {e}"), false)),
