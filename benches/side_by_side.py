@@ -43,6 +43,12 @@ PER_REQ = 1024  # blocks per KV request (16 MiB)
 SMALL_BYTES = 64 * KiB  # latency / notification buffer
 SMALL_XFER = 4 * KiB
 CTL_REGIONS = 1000
+# Production-shaped planning (vLLM's per-block N x 3 lists: one entry per block x layer x K/V).
+PLAN_ENTRY = 64  # bytes per prepped entry
+PLAN_SIZES = (1 << 14, 1 << 17, 1 << 20)  # entries per prepped list
+PLAN_COUNTS = (1024, 16384, 131072)  # random int64 indices per request
+PLAN_BYTES = PLAN_ENTRY * max(PLAN_SIZES)  # 64 MiB each side
+COLD_BYTES = 64 * MiB  # written between requests for the "cold" figures (L3 here: 32 MiB)
 
 # XOR keys of the verification patterns (each 8-byte word holds its word index XOR the key).
 KEY_BULK_READ = 0x1111_0000_0000_0001
@@ -50,15 +56,16 @@ KEY_BULK_WRITE = 0x2222_0000_0000_0002
 KEY_KV_READ = 0x3333_0000_0000_0003
 KEY_KV_WRITE = 0x4444_0000_0000_0004
 
-SCENARIOS = ("bulk", "kv", "latency", "notif", "control", "idle")
+SCENARIOS = ("bulk", "kv", "plan", "latency", "notif", "control", "idle")
 
 # Iteration counts per round. Samples are pooled over rounds.
+# plan_*: iterations of a 1024-index cell; larger requests run fewer (divided by sqrt(indices / 1024)).
 FULL = dict(rounds=3, bulk_warmup=3, bulk_iters=20, kv_warmup=3, kv_read=100, kv_write=50, kv_make=2000,
             lat_warmup=200, lat_iters=10000, notif_iters=1000, ctl_reps=3, ctl_agents=5, idle_secs=3.0,
-            timeout=300.0)
+            plan_warm=100, plan_cold=20, plan_e2e=20, timeout=300.0)
 QUICK = dict(rounds=1, bulk_warmup=1, bulk_iters=5, kv_warmup=1, kv_read=10, kv_write=5, kv_make=200,
              lat_warmup=50, lat_iters=1000, notif_iters=100, ctl_reps=2, ctl_agents=2, idle_secs=1.0,
-             timeout=25.0)
+             plan_warm=20, plan_cold=4, plan_e2e=4, timeout=40.0)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -145,6 +152,19 @@ def measure_idle(secs):
                 rss_kb=proc_status("VmRSS"), threads=len(th1), busy_threads=busy)
 
 
+def heap_in_use():
+    """Bytes allocated from glibc's malloc right now (all arenas, mmapped chunks included)."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    m = libc.mallinfo2()
+    return m.uordblks + m.hblkhd
+
+
 def percentile(sorted_vals, q):
     """Nearest-rank percentile of an already sorted list."""
     if not sorted_vals:
@@ -217,13 +237,14 @@ def child_target(a):
     bulk = np.empty(BULK_BYTES, np.uint8)
     kv = np.empty(KV_BYTES, np.uint8)
     small = np.zeros(SMALL_BYTES, np.uint8)
+    plan = np.zeros(PLAN_BYTES, np.uint8)
     fill_pattern(np, bulk, KEY_BULK_READ)
     fill_pattern(np, kv, KEY_KV_READ)
     agent.register_memory(agent.get_reg_descs(
-        [(x.ctypes.data, x.nbytes, 0, "") for x in (bulk, kv, small)], "DRAM"))
+        [(x.ctypes.data, x.nbytes, 0, "") for x in (bulk, kv, small, plan)], "DRAM"))
     md = agent.get_agent_metadata()
     ch.send(name=name, md=md.hex(), bulk=bulk.ctypes.data, kv=kv.ctypes.data, small=small.ctypes.data,
-            pid=os.getpid())
+            plan=plan.ctypes.data, pid=os.getpid())
     keep = []  # control-path agents stay alive (and their memory registered) until the end
     while True:
         try:
@@ -342,17 +363,18 @@ def child_initiator(a):
     bulk = np.empty(BULK_BYTES, np.uint8)
     kv = np.empty(KV_BYTES, np.uint8)
     small = np.zeros(SMALL_BYTES, np.uint8)
+    plan = np.ones(PLAN_BYTES, np.uint8)
     fill_pattern(np, bulk, KEY_BULK_WRITE)
     fill_pattern(np, kv, KEY_KV_WRITE)
     agent.register_memory(agent.get_reg_descs(
-        [(x.ctypes.data, x.nbytes, 0, "") for x in (bulk, kv, small)], "DRAM"))
+        [(x.ctypes.data, x.nbytes, 0, "") for x in (bulk, kv, small, plan)], "DRAM"))
     md = bytes.fromhex(hello["md"])
     t0 = time.perf_counter()
     peer = agent.add_remote_agent(md)
     res["main_md_bytes"] = len(md)
     res["main_add_remote_agent_s"] = time.perf_counter() - t0
     ctx = dict(np=np, api=api, ch=ch, agent=agent, peer=peer, hello=hello, bulk=bulk, kv=kv, small=small,
-               p=p, tpid=hello["pid"])
+               plan=plan, p=p, tpid=hello["pid"])
 
     def ask(**msg):
         ch.send(**msg)
@@ -478,6 +500,91 @@ def sc_kv(c):
     return out
 
 
+def sc_plan(c):
+    """Production-shaped planning: per-block N x 3 prepped lists of 2^14 / 2^17 / 2^20 entries of 64 B each
+    side, requests of 1024 / 16384 / 131072 random int64 indices (with repetition), WRITE to the target.
+    "cold": COLD_BYTES written by the initiator just before each timed call (its model ran in between)."""
+    import gc
+    np, agent, p, peer = c["np"], c["agent"], c["p"], c["peer"]
+    rng = np.random.default_rng(4242)
+    scratch = np.zeros(COLD_BYTES, np.uint8)
+    make, post, chk, rel = agent.make_prepped_xfer, agent.transfer, agent.check_xfer_state, agent.release_xfer_handle
+    pc, tc = time.perf_counter_ns, time.thread_time_ns
+    out = {}
+
+    def rows(base, n):
+        r = np.empty((n, 3), np.uint64)
+        r[:, 0] = np.uint64(base) + np.arange(n, dtype=np.uint64) * np.uint64(PLAN_ENTRY)
+        r[:, 1] = PLAN_ENTRY
+        r[:, 2] = 0
+        return r
+
+    def prep(name, r):
+        """prep_xfer_dlist from an N x 3 array, timed as the caller sees it (building the descriptor list
+        included); the heap bytes the prepped list keeps (glibc's mallinfo2: in use after - before, with the
+        descriptor list it was made from still alive; RSS would hide reuse of freed memory)."""
+        gc.collect()
+        t0 = pc()
+        descs = agent.get_xfer_descs(r, "DRAM")
+        t1 = pc()
+        heap0, rss0 = heap_in_use(), proc_status("VmRSS")
+        h = agent.prep_xfer_dlist(name, descs, "DRAM")
+        t2 = pc()
+        heap1, rss1 = heap_in_use(), proc_status("VmRSS")
+        del descs
+        return h, dict(prep_ms=(t2 - t0) / 1e6, descs_ms=(t1 - t0) / 1e6, heap_bytes=heap1 - heap0,
+                       rss_kb=rss1 - rss0)
+
+    for n in PLAN_SIZES:
+        cell = out[str(n)] = {}
+        local, cell["local"] = prep("", rows(c["plan"].ctypes.data, n))
+        remote, cell["remote"] = prep(peer, rows(c["hello"]["plan"], n))
+        cell["bytes_per_entry"] = (cell["local"]["heap_bytes"] + cell["remote"]["heap_bytes"]) / (2 * n)
+        for k in PLAN_COUNTS:
+            f = math.sqrt(k / 1024)
+            sets = [(rng.integers(0, n, k, dtype=np.int64), rng.integers(0, n, k, dtype=np.int64)) for _ in range(4)]
+            res = cell[str(k)] = {}
+            for mode in ("warm", "cold"):
+                iters = max(3, int((p["plan_warm"] if mode == "warm" else p["plan_cold"]) / f))
+                ns, cpu = [], []
+                for i in range(iters + 2):  # 2 warm-ups
+                    li, ri = sets[i % len(sets)]
+                    if mode == "cold":
+                        scratch.fill(i & 0xFF)
+                    c0 = tc()
+                    t0 = pc()
+                    h = make("WRITE", local, li, remote, ri)
+                    t1 = pc()
+                    c1 = tc()
+                    rel(h)
+                    if i >= 2:
+                        ns.append(t1 - t0)
+                        cpu.append(c1 - c0)
+                res[f"make_{mode}_us"] = [x / 1e3 for x in ns]
+                res[f"make_{mode}_cpu_us"] = [x / 1e3 for x in cpu]
+                iters = max(3, int(p["plan_e2e"] / f))
+                ns = []
+                for i in range(iters + 1):
+                    li, ri = sets[i % len(sets)]
+                    if mode == "cold":
+                        scratch.fill(i & 0xFF)
+                    t0 = pc()
+                    h = make("WRITE", local, li, remote, ri)
+                    st = post(h)
+                    while st == "PROC":
+                        st = chk(h)
+                    t1 = pc()
+                    if st != "DONE":
+                        raise RuntimeError(f"plan {n}/{k}: transfer ended in state {st}")
+                    rel(h)
+                    if i >= 1:
+                        ns.append(t1 - t0)
+                res[f"e2e_{mode}_us"] = [x / 1e3 for x in ns]
+        agent.release_dlist_handle(local)
+        agent.release_dlist_handle(remote)
+    return out
+
+
 def sc_latency(c):
     """One 4 KiB READ / WRITE handle reposted: post -> DONE, check_xfer_state polled in a tight loop."""
     agent, p = c["agent"], c["p"]
@@ -583,7 +690,7 @@ def sc_idle(c):
     return dict(target=theirs, initiator=mine)
 
 
-INITIATOR_SCENARIOS = dict(bulk=sc_bulk, kv=sc_kv, latency=sc_latency, notif=sc_notif, control=sc_control,
+INITIATOR_SCENARIOS = dict(bulk=sc_bulk, kv=sc_kv, plan=sc_plan, latency=sc_latency, notif=sc_notif, control=sc_control,
                            idle=sc_idle)
 
 
@@ -925,6 +1032,46 @@ def build_table(impls, gixl, nixl, scenarios):
     return lines, rows, notes, spread
 
 
+def build_plan_table(gixl, nixl):
+    """The production-shaped planning table: one row per (list size, indices), medians pooled over rounds."""
+    def med(im, *path):
+        if im is None or not im.available:
+            return None
+        return stat(pooled(im, "plan", *path), "median")
+
+    def trio(path, unit, better, target):
+        nv, gv = med(nixl, *path), med(gixl, *path)
+        r = ratio(gv, nv, better)
+        ok = "" if r is None or target is None else (" ✓" if r >= target else " ✗")
+        rs = "—" if r is None else f"{r:.2f}×"
+        return f"{fmt(nv, unit)} / {fmt(gv, unit)} ({rs}{ok})", dict(nixl=nv, gixl=gv, ratio=r)
+
+    lines = ["| list entries | indices | make_prepped_xfer warm (µs) | make_prepped_xfer cold (µs) "
+             "| make, thread CPU, warm (µs) | make, thread CPU, cold (µs) "
+             "| make + post + wait warm (µs) | make + post + wait cold (µs) |",
+             "|---:|---:|---|---|---|---|---|---|"]
+    rows = []
+    for n in PLAN_SIZES:
+        for k in PLAN_COUNTS:
+            cells, row = [], dict(entries=n, indices=k)
+            for key, target in (("make_warm_us", 2.0), ("make_cold_us", 2.0), ("make_warm_cpu_us", 2.0),
+                                ("make_cold_cpu_us", 2.0), ("e2e_warm_us", None), ("e2e_cold_us", None)):
+                txt, d = trio((str(n), str(k), key), "µs", "lo", target)
+                cells.append(txt)
+                row[key] = d
+            lines.append(f"| {n:,} | {k:,} | " + " | ".join(cells) + " |")
+            rows.append(row)
+    lines += ["", "| list entries | prep_xfer_dlist local (ms) | prep_xfer_dlist remote (ms) "
+              "| heap bytes kept per prepped entry |", "|---:|---|---|---|"]
+    for n in PLAN_SIZES:
+        a, da = trio((str(n), "local", "prep_ms"), "ms", "lo", None)
+        b, db = trio((str(n), "remote", "prep_ms"), "ms", "lo", None)
+        m, dm = trio((str(n), "bytes_per_entry"), "B/entry", "lo", 1.0)
+        lines.append(f"| {n:,} | {a} | {b} | {m} |")
+        rows.append(dict(entries=n, prep_local_ms=da, prep_remote_ms=db, bytes_per_entry=dm))
+    return lines, rows
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -1042,6 +1189,14 @@ def main():
     print()
     print("\n".join(lines))
     print()
+    plan_rows = []
+    if "plan" in params["scenarios"]:
+        plan_lines, plan_rows = build_plan_table(gixl, nixl)
+        print("Production-shaped planning: NIXL / gixl (ratio, above 1 = gixl better; ✓/✗: issue #13's ≥ 2×, "
+              "entries no larger than NIXL's)")
+        print()
+        print("\n".join(plan_lines))
+        print()
     for im in impls:
         if not im.available:
             print(f"- {im.label}: n/a — {im.reason}")
@@ -1070,7 +1225,8 @@ def main():
 
     if a.json:
         doc = dict(command=command, nproc=ncpu, loadavg_start=load_before, loadavg_end=load_after,
-                   mode="quick" if a.quick else "full", params=params, env=ucx, rows=rows, impls={})
+                   mode="quick" if a.quick else "full", params=params, env=ucx, rows=rows,
+                   plan_rows=plan_rows, impls={})
         for im in impls:
             entry = dict(label=im.label, python=im.python, module=im.module, available=im.available,
                          reason=im.reason, version=im.version, rounds=[])

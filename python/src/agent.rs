@@ -22,7 +22,7 @@ use crate::config::{AgentConfig, XferTelemetry};
 use crate::dlist::{bytes_of, mem_type, RegDList, RemoteDList, XferDList};
 use crate::enums::{MemT, StatusT, XferOpT};
 use crate::errors::{bad_handle, status_error, with_note, IntoPyResult};
-use crate::ndarray::{is_ndarray, ArrayView};
+use crate::ndarray::{is_ndarray, ArrayView, HeldIndices, Idx};
 
 /// Start well away from small integers, so that an index or a count passed by mistake is never a handle.
 static NEXT_HANDLE: AtomicU64 = AtomicU64::new(0x6_1000_0000);
@@ -127,6 +127,15 @@ fn indices(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
         out.push(item?.extract::<i64>()?);
     }
     Ok(out)
+}
+
+/// A 1-D int32 / int64 numpy array's memory, held for reading in place.
+fn held(obj: &Bound<'_, PyAny>) -> Option<HeldIndices> {
+    if is_ndarray(obj) {
+        HeldIndices::new(obj)
+    } else {
+        None
+    }
 }
 
 /// Expand NIXL 1.5.1's strided rows `(addr, len, dev, stride, count)` into `count` blocks each.
@@ -435,16 +444,41 @@ impl Agent {
         let op = xfer_op(operation)?;
         let local = self.dlist(local_side)?;
         let remote = self.dlist(remote_side)?;
-        let li = indices(local_indices)?;
-        let ri = indices(remote_indices)?;
         let opts = XferOpts {
             backends: self.hints(&backend)?,
             // Python's b"" means "no notification" (NIXL's binding does not set one for an empty string).
             notif: (!notif_msg.0.is_empty()).then_some(notif_msg.0),
             skip_desc_merge: skip_desc_merg,
         };
+        // int32 / int64 arrays are planned from in place (held, so numpy cannot free or resize them); anything
+        // else is converted first.
+        let (lh, rh) = (held(local_indices), held(remote_indices));
+        let (lc, rc) = (
+            if lh.is_none() {
+                Some(indices(local_indices)?)
+            } else {
+                None
+            },
+            if rh.is_none() {
+                Some(indices(remote_indices)?)
+            } else {
+                None
+            },
+        );
+        let li = lh
+            .as_ref()
+            .map_or_else(|| Idx::I64(lc.as_deref().unwrap_or(&[])), |h| h.idx());
+        let ri = rh
+            .as_ref()
+            .map_or_else(|| Idx::I64(rc.as_deref().unwrap_or(&[])), |h| h.idx());
+        let a = &self.agent;
         let x = py
-            .detach(|| self.agent.make_xfer_req(op, &local, &li, &remote, &ri, &opts))
+            .detach(|| match (li, ri) {
+                (Idx::I32(l), Idx::I32(r)) => a.make_xfer_req_with(op, &local, l, &remote, r, &opts),
+                (Idx::I64(l), Idx::I64(r)) => a.make_xfer_req_with(op, &local, l, &remote, r, &opts),
+                (Idx::I32(l), Idx::I64(r)) => a.make_xfer_req_with(op, &local, l, &remote, r, &opts),
+                (Idx::I64(l), Idx::I32(r)) => a.make_xfer_req_with(op, &local, l, &remote, r, &opts),
+            })
             .py_err()?;
         Ok(self.add_xfer(x))
     }

@@ -12,9 +12,10 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 
+use super::section::Section;
 use super::{Agent, BackendId, BackendSlot, RemoteAgent};
 use crate::backend::{BackendXfer, RegionKey, Seg, Target, XferOp, XferPlan};
-use crate::mem::{Desc, MemType, XferDList};
+use crate::mem::{MemType, XferDList};
 use crate::status::{Error, Result, Status};
 
 #[derive(Clone)]
@@ -26,12 +27,26 @@ pub(crate) enum Side {
     Remote(Arc<RemoteAgent>),
 }
 
+/// One backend's view of a prepped list: the region key of every group.
 struct Resolved {
     slot: Arc<BackendSlot>,
-    /// Per descriptor, an index into `keys`.
-    region: Vec<u32>,
+    /// Per group (see `Prepped::devs`), the key of the region that covers its descriptors.
     keys: Vec<Option<RegionKey>>,
 }
+
+/// One prepped descriptor in 16 bytes, so that a random index costs one cache line (and one prefetch):
+/// the address, the length (`LONG` when it does not fit in 32 bits; then `Prepped::long` has it) and the
+/// group, which stands for the device id and, in every backend, the region that covers the descriptor.
+#[derive(Clone, Copy, Default)]
+#[repr(C, align(16))]
+struct Entry {
+    addr: u64,
+    len: u32,
+    group: u32,
+}
+
+/// `Entry::len` of a descriptor whose length is in `Prepped::long`.
+const LONG: u32 = u32::MAX;
 
 /// `nixlDlistH`: descriptors resolved against registrations, for one side of future requests.
 #[derive(Clone)]
@@ -41,8 +56,25 @@ struct Prepped {
     owner: u128,
     side: Side,
     mem: MemType,
-    descs: Vec<Desc>,
+    entries: Vec<Entry>,
+    /// Lengths of `LONG` entries, by entry index (sorted).
+    long: Vec<(u32, u64)>,
+    /// Per group, the device id of its descriptors (a covering region is on the same device).
+    devs: Vec<u64>,
     resolved: Vec<Resolved>,
+}
+
+impl Prepped {
+    #[inline(always)]
+    fn len_of(&self, i: usize, e: &Entry) -> u64 {
+        if e.len != LONG {
+            return e.len as u64;
+        }
+        match self.long.binary_search_by_key(&(i as u32), |x| x.0) {
+            Ok(k) => self.long[k].1,
+            Err(_) => LONG as u64,
+        }
+    }
 }
 
 impl std::fmt::Debug for PreppedDList {
@@ -50,7 +82,7 @@ impl std::fmt::Debug for PreppedDList {
         write!(
             f,
             "PreppedDList({} {} descriptors, remote {:?})",
-            self.0.descs.len(),
+            self.0.entries.len(),
             self.0.mem.seg_name(),
             self.remote_name()
         )
@@ -59,10 +91,10 @@ impl std::fmt::Debug for PreppedDList {
 
 impl PreppedDList {
     pub fn len(&self) -> usize {
-        self.0.descs.len()
+        self.0.entries.len()
     }
     pub fn is_empty(&self) -> bool {
-        self.0.descs.is_empty()
+        self.0.entries.is_empty()
     }
     pub fn mem_type(&self) -> MemType {
         self.0.mem
@@ -166,6 +198,12 @@ impl Agent {
         if descs.is_empty() {
             return Err(Error::not_found("cannot prep an empty descriptor list"));
         }
+        if descs.len() > MAX_ENTRIES {
+            return Err(Error::invalid_param(format!(
+                "{} descriptors in one prepped list; gixl allows at most {MAX_ENTRIES}",
+                descs.len()
+            )));
+        }
         let side = if agent.is_empty() {
             Side::Initiator
         } else if agent == self.inner.name {
@@ -173,7 +211,8 @@ impl Agent {
         } else {
             Side::Remote(self.remote(agent)?)
         };
-        let mut resolved = Vec::new();
+        let mut groups = Groups::new(descs.len());
+        let mut slots = Vec::new();
         match &side {
             Side::Initiator | Side::Loopback => {
                 let local_only = matches!(side, Side::Loopback);
@@ -181,8 +220,8 @@ impl Agent {
                 let regs = self.inner.regs.read();
                 for slot in chosen {
                     let Some(sec) = regs.get(&(slot.id, mem)) else { continue };
-                    if let Some((region, keys)) = resolve(descs, |d| sec.find_cover(d), |i| sec.get(i).1.key.clone()) {
-                        resolved.push(Resolved { slot, region, keys });
+                    if groups.refine(descs, sec, |i| sec.get(i).1.key.clone()) {
+                        slots.push(slot);
                     }
                 }
             }
@@ -191,13 +230,13 @@ impl Agent {
                 let sections = ra.sections.read();
                 for slot in chosen {
                     let Some(sec) = sections.get(&(slot.id, mem)) else { continue };
-                    if let Some((region, keys)) = resolve(descs, |d| sec.find_cover(d), |i| sec.get(i).1.key.clone()) {
-                        resolved.push(Resolved { slot, region, keys });
+                    if groups.refine(descs, sec, |i| sec.get(i).1.key.clone()) {
+                        slots.push(slot);
                     }
                 }
             }
         }
-        if resolved.is_empty() {
+        if slots.is_empty() {
             let whose = if agent.is_empty() { "this agent" } else { agent };
             return Err(Error::not_found(format!(
                 "no backend has registrations of {whose} covering all {} {} descriptors",
@@ -205,13 +244,19 @@ impl Agent {
                 mem.seg_name()
             )));
         }
-        Ok(PreppedDList(Arc::new(Prepped {
-            owner: self.inner.incarnation,
-            side,
-            mem,
-            descs: descs.descs().to_vec(),
-            resolved,
-        })))
+        let Groups { of, keys, devs, .. } = groups;
+        let resolved = slots.into_iter().zip(keys).map(|(slot, keys)| Resolved { slot, keys }).collect();
+        let mut entries: Vec<Entry> = Vec::with_capacity(descs.len());
+        huge_pages_hint(&mut entries);
+        let mut long = Vec::new();
+        for (i, (d, &group)) in descs.iter().zip(&of).enumerate() {
+            let len = u32::try_from(d.len).ok().filter(|&l| l != LONG).unwrap_or_else(|| {
+                long.push((i as u32, d.len));
+                LONG
+            });
+            entries.push(Entry { addr: d.addr, len, group });
+        }
+        Ok(PreppedDList(Arc::new(Prepped { owner: self.inner.incarnation, side, mem, entries, long, devs, resolved })))
     }
 
     /// Build a request from two prepped lists and index lists (`makeXferReq`). Pure planning: no I/O.
@@ -223,6 +268,35 @@ impl Agent {
         remote: &PreppedDList,
         remote_idx: &[i64],
         opts: &XferOpts,
+    ) -> Result<XferReq> {
+        self.plan(op, local, local_idx, remote, remote_idx, opts, None)
+    }
+
+    /// `make_xfer_req` with indices of any `PlanIndex` type (NIXL's `int`, numpy's int64), read in place.
+    pub fn make_xfer_req_with<L: PlanIndex, R: PlanIndex>(
+        &self,
+        op: XferOp,
+        local: &PreppedDList,
+        local_idx: &[L],
+        remote: &PreppedDList,
+        remote_idx: &[R],
+        opts: &XferOpts,
+    ) -> Result<XferReq> {
+        self.plan(op, local, local_idx, remote, remote_idx, opts, None)
+    }
+
+    /// `makeXferReq` with the telemetry's descriptor count given (`createXferReq` reports its descriptors
+    /// before merging, as NIXL does) or, when `None`, the merged pieces.
+    #[allow(clippy::too_many_arguments)]
+    fn plan<L: PlanIndex, R: PlanIndex>(
+        &self,
+        op: XferOp,
+        local: &PreppedDList,
+        local_idx: &[L],
+        remote: &PreppedDList,
+        remote_idx: &[R],
+        opts: &XferOpts,
+        reported: Option<u64>,
     ) -> Result<XferReq> {
         let (l, r) = (&*local.0, &*remote.0);
         if l.owner != self.inner.incarnation || r.owner != self.inner.incarnation {
@@ -262,50 +336,7 @@ impl Agent {
             return Err(Error::backend(format!("backend {} cannot send notifications", slot.name)));
         }
 
-        let mut segs: Vec<Seg> = Vec::with_capacity(local_idx.len());
-        let mut total = 0u64;
-        // Random indices into large lists miss the cache four times each (two descriptors, two region
-        // entries); fetch a few iterations ahead so the misses overlap.
-        const AHEAD: usize = 8;
-        let prefetch = |k: usize| {
-            if let (Some(&li), Some(&ri)) = (local_idx.get(k), remote_idx.get(k)) {
-                let (li, ri) = (li as usize, ri as usize);
-                if li < l.descs.len() && ri < r.descs.len() {
-                    prefetch_read(&l.descs[li]);
-                    prefetch_read(&r.descs[ri]);
-                    prefetch_read(&lres.region[li]);
-                    prefetch_read(&rres.region[ri]);
-                }
-            }
-        };
-        for k in 0..AHEAD {
-            prefetch(k);
-        }
-        for (k, (&li, &ri)) in local_idx.iter().zip(remote_idx).enumerate() {
-            prefetch(k + AHEAD);
-            let li = index(li, l.descs.len(), "local")?;
-            let ri = index(ri, r.descs.len(), "remote")?;
-            let (ld, rd) = (&l.descs[li], &r.descs[ri]);
-            if ld.len != rd.len {
-                return Err(Error::invalid_param(format!(
-                    "length mismatch: local {} bytes, remote {} bytes",
-                    ld.len, rd.len
-                )));
-            }
-            total += ld.len;
-            let (lreg, rreg) = (lres.region[li], rres.region[ri]);
-            // Compared field by field and written straight into the vector: a `Seg` built on the stack and
-            // then copied stalls on store forwarding, which cost about half of this loop.
-            if !opts.skip_desc_merge {
-                if let Some(last) = segs.last_mut() {
-                    if mergeable(last, ld.addr, rd.addr, ld.dev, rd.dev, lreg, rreg) {
-                        last.len += ld.len;
-                        continue;
-                    }
-                }
-            }
-            segs.push(Seg { local: ld.addr, remote: rd.addr, len: ld.len, ldev: ld.dev, rdev: rd.dev, lreg, rreg });
-        }
+        let (segs, total) = plan_segs(l, local_idx, r, remote_idx, !opts.skip_desc_merge)?;
 
         let (target, remote_ra) = match &r.side {
             Side::Remote(ra) => {
@@ -317,7 +348,7 @@ impl Agent {
             }
             _ => (Target::Local, None),
         };
-        let desc_count = segs.len() as u64;
+        let desc_count = reported.unwrap_or(segs.len() as u64);
         let plan = XferPlan {
             op,
             local_mem: l.mem,
@@ -348,7 +379,8 @@ impl Agent {
         })))
     }
 
-    /// Prep both sides and make the request in one step (`createXferReq`).
+    /// Prep both sides and make the request in one step (`createXferReq`). Contiguous descriptors are still
+    /// moved as one piece, but the telemetry counts the descriptors given, as NIXL (which does not merge here).
     pub fn create_xfer_req(
         &self,
         op: XferOp,
@@ -369,8 +401,8 @@ impl Agent {
         }
         let l = self.prep_xfer_dlist("", local, &opts.backends)?;
         let r = self.prep_xfer_dlist(remote_agent, remote, &opts.backends)?;
-        let idx: Vec<i64> = (0..local.len() as i64).collect();
-        self.make_xfer_req(op, &l, &idx, &r, &idx, opts)
+        let idx: Vec<u32> = (0..local.len() as u32).collect();
+        self.plan(op, &l, &idx, &r, &idx, opts, Some(local.len() as u64))
     }
 
     /// The generation gate: is the peer this request was built against still the loaded, live one?
@@ -527,24 +559,192 @@ impl Agent {
     }
 }
 
-/// Resolve every descriptor with `find`; None unless all are covered. Region keys are deduplicated.
-fn resolve(
-    descs: &XferDList,
-    find: impl Fn(&Desc) -> Option<usize>,
-    key: impl Fn(usize) -> Option<RegionKey>,
-) -> Option<(Vec<u32>, Vec<Option<RegionKey>>)> {
-    let mut region = Vec::with_capacity(descs.len());
-    let mut keys = Vec::new();
-    let mut seen: HashMap<usize, u32> = HashMap::new();
-    for d in descs.iter() {
-        let i = find(d)?;
-        let k = *seen.entry(i).or_insert_with(|| {
-            keys.push(key(i));
-            (keys.len() - 1) as u32
-        });
-        region.push(k);
+/// Most descriptors in one prepped list (entry indices are 32-bit; NIXL's indices are `int`).
+const MAX_ENTRIES: usize = i32::MAX as usize;
+
+/// An index type `make_xfer_req` reads in place: NIXL's `int`, Python's int64 arrays, internal `u32`.
+pub trait PlanIndex: Copy + Send + Sync + 'static {
+    /// The value, with anything negative or too large for a list mapped to `u64::MAX` (out of range).
+    fn to_u64(self) -> u64;
+    /// For error messages.
+    fn to_i128(self) -> i128;
+}
+
+impl PlanIndex for i32 {
+    #[inline(always)]
+    fn to_u64(self) -> u64 {
+        u64::try_from(self).unwrap_or(u64::MAX)
     }
-    Some((region, keys))
+    fn to_i128(self) -> i128 {
+        self as i128
+    }
+}
+
+impl PlanIndex for i64 {
+    #[inline(always)]
+    fn to_u64(self) -> u64 {
+        u64::try_from(self).unwrap_or(u64::MAX)
+    }
+    fn to_i128(self) -> i128 {
+        self as i128
+    }
+}
+
+impl PlanIndex for u32 {
+    #[inline(always)]
+    fn to_u64(self) -> u64 {
+        self as u64
+    }
+    fn to_i128(self) -> i128 {
+        self as i128
+    }
+}
+
+/// Groups of descriptors that resolve to the same region in every backend tried so far.
+struct Groups {
+    /// Per descriptor, its group.
+    of: Vec<u32>,
+    /// Per backend that covers every descriptor, per group, the region's key.
+    keys: Vec<Vec<Option<RegionKey>>>,
+    /// Per group, the device id.
+    devs: Vec<u64>,
+}
+
+impl Groups {
+    fn new(n: usize) -> Groups {
+        Groups { of: vec![0; n], keys: Vec::new(), devs: Vec::new() }
+    }
+
+    /// Resolve every descriptor in `sec` and split the groups by the region found. `false` (and nothing
+    /// changed) unless every descriptor is covered. A descriptor covered by the region of the one before it
+    /// takes that region without a search, so a list of blocks inside a few registrations costs one check
+    /// per block.
+    fn refine<T>(&mut self, descs: &XferDList, sec: &Section<T>, key: impl Fn(usize) -> Option<RegionKey>) -> bool {
+        let first = self.keys.is_empty();
+        let mut of = Vec::with_capacity(descs.len());
+        // Per new group: the group it splits and the region it has in `sec`.
+        let mut parent: Vec<u32> = Vec::new();
+        let mut region_of: Vec<usize> = Vec::new();
+        let mut devs = Vec::new();
+        let mut index: HashMap<(u32, usize), u32> = HashMap::new();
+        // (old group, region, new group) of the previous descriptor.
+        let mut last: Option<(u32, usize, u32)> = None;
+        for (j, d) in descs.iter().enumerate() {
+            let old = if first { 0 } else { self.of[j] };
+            let region = match last {
+                Some((_, r, _)) if sec.covers(r, d) => r,
+                _ => match sec.find_cover(d) {
+                    Some(r) => r,
+                    None => return false,
+                },
+            };
+            let g = match last {
+                Some((o, r, g)) if o == old && r == region => g,
+                _ => *index.entry((old, region)).or_insert_with(|| {
+                    parent.push(old);
+                    region_of.push(region);
+                    devs.push(d.dev);
+                    (parent.len() - 1) as u32
+                }),
+            };
+            last = Some((old, region, g));
+            of.push(g);
+        }
+        let mut keys: Vec<Vec<Option<RegionKey>>> =
+            self.keys.iter().map(|old| parent.iter().map(|&p| old[p as usize].clone()).collect()).collect();
+        keys.push(region_of.iter().map(|&r| key(r)).collect());
+        *self = Groups { of, keys, devs };
+        true
+    }
+}
+
+/// Ask for huge pages for a large, not yet written buffer: a random index into a list of a million entries
+/// then misses the TLB far less often. Only a hint.
+fn huge_pages_hint<T>(v: &mut Vec<T>) {
+    const HUGE: usize = 2 << 20;
+    let bytes = v.capacity() * std::mem::size_of::<T>();
+    if bytes < 2 * HUGE {
+        return;
+    }
+    let start = v.as_mut_ptr() as usize;
+    let (from, to) = ((start + HUGE - 1) & !(HUGE - 1), (start + bytes) & !(HUGE - 1));
+    if to > from {
+        // SAFETY: the range lies inside the vector's own allocation; MADV_HUGEPAGE changes no contents.
+        unsafe {
+            libc::madvise(from as *mut libc::c_void, to - from, libc::MADV_HUGEPAGE);
+        }
+    }
+}
+
+/// Entries fetched ahead of the one being planned, so that the cache misses of random indices overlap.
+const AHEAD: usize = 16;
+
+/// The pieces of a request, merging as it goes: `(pieces, total bytes)`.
+fn plan_segs<L: PlanIndex, R: PlanIndex>(
+    l: &Prepped,
+    li: &[L],
+    r: &Prepped,
+    ri: &[R],
+    merge: bool,
+) -> Result<(Vec<Seg>, u64)> {
+    let (le, re) = (&l.entries[..], &r.entries[..]);
+    let (ln, rn) = (le.len(), re.len());
+    let n = li.len();
+    let mut segs: Vec<Seg> = Vec::with_capacity(n);
+    let mut total = 0u64;
+    let mut cur = Seg { local: 0, remote: 0, len: 0, ldev: 0, rdev: 0, lreg: 0, rreg: 0 };
+    // Index values can change under us (a caller's buffer read in place); a prefetch is only a hint, so
+    // one of an out-of-range index is clamped and nothing else depends on it.
+    let fetch = |k: usize| {
+        prefetch_read(&le[(li[k].to_u64() as usize).min(ln - 1)]);
+        prefetch_read(&re[(ri[k].to_u64() as usize).min(rn - 1)]);
+    };
+    for k in 0..AHEAD.min(n) {
+        fetch(k);
+    }
+    for k in 0..n {
+        if k + AHEAD < n {
+            fetch(k + AHEAD);
+        }
+        let (a, b) = (li[k], ri[k]);
+        let ia = a.to_u64();
+        if ia >= ln as u64 {
+            return Err(out_of_range("local", a.to_i128(), ln));
+        }
+        let ib = b.to_u64();
+        if ib >= rn as u64 {
+            return Err(out_of_range("remote", b.to_i128(), rn));
+        }
+        let (x, y) = (le[ia as usize], re[ib as usize]);
+        let len = if x.len == y.len && x.len != LONG {
+            x.len as u64
+        } else {
+            let (lx, ly) = (l.len_of(ia as usize, &x), r.len_of(ib as usize, &y));
+            if lx != ly {
+                return Err(Error::invalid_param(format!("length mismatch: local {lx} bytes, remote {ly} bytes")));
+            }
+            lx
+        };
+        total = total.saturating_add(len);
+        // The piece being built stays in registers; it is written out once, when the next one cannot
+        // continue it (merging costs no second pass and no re-read of the output).
+        if merge
+            && k != 0
+            && cur.lreg == x.group
+            && cur.rreg == y.group
+            && cur.local.checked_add(cur.len) == Some(x.addr)
+            && cur.remote.checked_add(cur.len) == Some(y.addr)
+        {
+            cur.len += len;
+            continue;
+        }
+        if k != 0 {
+            segs.push(Seg { ldev: l.devs[cur.lreg as usize], rdev: r.devs[cur.rreg as usize], ..cur });
+        }
+        cur = Seg { local: x.addr, remote: y.addr, len, ldev: 0, rdev: 0, lreg: x.group, rreg: y.group };
+    }
+    segs.push(Seg { ldev: l.devs[cur.lreg as usize], rdev: r.devs[cur.rreg as usize], ..cur });
+    Ok((segs, total))
 }
 
 /// A hint to bring `x` into the cache; no effect on the program's meaning.
@@ -559,24 +759,120 @@ fn prefetch_read<T>(x: &T) {
     let _ = x;
 }
 
-fn index(i: i64, n: usize, side: &str) -> Result<usize> {
-    usize::try_from(i)
-        .ok()
-        .filter(|&i| i < n)
-        .ok_or_else(|| Error::invalid_param(format!("{side} index {i} out of range for {n} descriptors")))
-}
-
-/// Two pieces merge when both sides continue exactly where the previous one ended, in the same regions.
-#[inline(always)]
-fn mergeable(a: &Seg, local: u64, remote: u64, ldev: u64, rdev: u64, lreg: u32, rreg: u32) -> bool {
-    a.ldev == ldev
-        && a.rdev == rdev
-        && a.lreg == lreg
-        && a.rreg == rreg
-        && a.local.checked_add(a.len) == Some(local)
-        && a.remote.checked_add(a.len) == Some(remote)
+fn out_of_range(side: &str, i: i128, n: usize) -> Error {
+    Error::invalid_param(format!("{side} index {i} out of range for {n} descriptors"))
 }
 
 fn ceil_us(d: std::time::Duration) -> u64 {
     d.as_nanos().div_ceil(1000) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Params;
+    use crate::mem::{Desc, RegDList, RegDesc};
+    use crate::AgentConfig;
+
+    const B: u64 = 512;
+
+    fn setup(name: &str, src: &[u8], dst: &[u8]) -> Agent {
+        let a = Agent::new(name, AgentConfig { capture_telemetry: true, ..AgentConfig::default() }).unwrap();
+        a.create_backend("UCX", &Params::new()).unwrap();
+        for b in [src, dst] {
+            let d = RegDesc { desc: Desc::new(b.as_ptr() as u64, b.len() as u64, 0), meta: vec![] };
+            a.register_mem(&RegDList::with_descs(MemType::Dram, vec![d]), &[]).unwrap();
+        }
+        a
+    }
+
+    fn blocks(b: &[u8], idx: &[u64]) -> XferDList {
+        XferDList::with_descs(MemType::Dram, idx.iter().map(|i| Desc::new(b.as_ptr() as u64 + i * B, B, 0)).collect())
+    }
+
+    fn posted_count(a: &Agent, x: &XferReq) -> u64 {
+        let mut s = a.post_xfer_req(x, NotifUpdate::Keep).unwrap();
+        while s == Status::InProg {
+            s = a.xfer_status(x).unwrap();
+        }
+        a.xfer_telemetry(x).unwrap().unwrap().desc_count
+    }
+
+    /// NIXL 1.5.1 (run): makeXferReq reports merged pieces (4 adjacent prepped blocks -> 1, none with
+    /// skip_desc_merge), createXferReq the descriptors it was given (4 adjacent -> 4).
+    #[test]
+    fn desc_count_per_call_path_as_nixl() {
+        let (src, dst) = (vec![7u8; 16 * B as usize], vec![0u8; 16 * B as usize]);
+        let a = setup("dc", &src, &dst);
+        let all: Vec<u64> = (0..16).collect();
+        let (lp, rp) = (
+            a.prep_xfer_dlist("", &blocks(&src, &all), &[]).unwrap(),
+            a.prep_xfer_dlist("dc", &blocks(&dst, &all), &[]).unwrap(),
+        );
+        let o = XferOpts::default();
+        let skip = XferOpts { skip_desc_merge: true, ..XferOpts::default() };
+        for (li, ri, merged) in
+            [([0i32, 1, 2, 3], [4i32, 5, 6, 7], 1u64), ([0, 1, 2, 5], [0, 1, 2, 5], 2), ([0, 1, 2, 3], [3, 2, 1, 0], 4)]
+        {
+            let x = a.make_xfer_req_with(XferOp::Write, &lp, &li, &rp, &ri, &o).unwrap();
+            assert_eq!(posted_count(&a, &x), merged, "make {li:?} -> {ri:?}");
+            assert_eq!(x.desc_count(), merged);
+            let x = a.make_xfer_req_with(XferOp::Write, &lp, &li, &rp, &ri, &skip).unwrap();
+            assert_eq!(posted_count(&a, &x), 4, "make, skip_desc_merge");
+            let lu: Vec<u64> = li.iter().map(|&i| i as u64).collect();
+            let ru: Vec<u64> = ri.iter().map(|&i| i as u64).collect();
+            let x = a.create_xfer_req(XferOp::Write, &blocks(&src, &lu), &blocks(&dst, &ru), "dc", &o).unwrap();
+            assert_eq!(posted_count(&a, &x), 4, "create {li:?} -> {ri:?}");
+        }
+    }
+
+    /// Merging, out-of-range indices of every kind, index types, lengths above 32 bits.
+    #[test]
+    fn plan_covers_edge_cases() {
+        let (src, dst) = (vec![1u8; 8 * B as usize], vec![0u8; 8 * B as usize]);
+        let a = setup("pe", &src, &dst);
+        let lp = a.prep_xfer_dlist("", &blocks(&src, &[0, 1, 2, 3, 4, 5, 6, 7]), &[]).unwrap();
+        let rp = a.prep_xfer_dlist("pe", &blocks(&dst, &[0, 1, 2, 3, 4, 5, 6, 7]), &[]).unwrap();
+        let o = XferOpts::default();
+        let x = a.make_xfer_req_with(
+            XferOp::Write,
+            &lp,
+            &[0u32, 1, 2, 3, 4, 5, 6, 7],
+            &rp,
+            &[0i64, 1, 2, 3, 4, 5, 6, 7],
+            &o,
+        );
+        let x = x.unwrap();
+        assert_eq!((x.desc_count(), x.total_bytes()), (1, 8 * B));
+        posted_count(&a, &x);
+        assert_eq!(dst, src);
+        for bad in [-1i64, 8, i64::MAX, i64::MIN] {
+            let e = a.make_xfer_req(XferOp::Write, &lp, &[0, bad], &rp, &[0, 0], &o).unwrap_err();
+            assert_eq!(e.status(), Status::InvalidParam);
+            assert!(e.to_string().contains(&format!("local index {bad} out of range")), "{e}");
+            let e = a.make_xfer_req(XferOp::Write, &lp, &[0, 0], &rp, &[0, bad], &o).unwrap_err();
+            assert!(e.to_string().contains(&format!("remote index {bad} out of range")), "{e}");
+        }
+        // Lengths above 32 bits live beside the entries; a mismatch is still caught.
+        let f = Agent::new("long", AgentConfig::default()).unwrap();
+        f.create_backend("POSIX", &Params::new()).unwrap();
+        let file = std::fs::File::open("/dev/zero").unwrap();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&file) as u64;
+        let reg = RegDesc { desc: Desc::new(0, 0, fd), meta: vec![] };
+        f.register_mem(&RegDList::with_descs(MemType::File, vec![reg]), &[]).unwrap();
+        let big = XferDList::with_descs(
+            MemType::File,
+            vec![Desc::new(0, 5 << 32, fd), Desc::new(0, u32::MAX as u64, fd), Desc::new(0, 7, fd)],
+        );
+        let p = f.prep_xfer_dlist("", &big, &[]).unwrap();
+        let q = f.prep_xfer_dlist("long", &big, &[]).unwrap();
+        assert_eq!(p.len(), 3);
+        assert_eq!(p.0.len_of(0, &p.0.entries[0]), 5 << 32);
+        assert_eq!(p.0.len_of(1, &p.0.entries[1]), u32::MAX as u64);
+        assert_eq!(p.0.len_of(2, &p.0.entries[2]), 7);
+        let (segs, total) = plan_segs(&p.0, &[0i32, 1, 2], &q.0, &[0i32, 1, 2], false).unwrap();
+        assert_eq!((segs.len(), total), (3, (5 << 32) + u32::MAX as u64 + 7));
+        let e = plan_segs(&p.0, &[0i32], &q.0, &[1i32], true).unwrap_err();
+        assert!(e.to_string().contains("length mismatch"), "{e}");
+    }
 }
