@@ -3,8 +3,11 @@
 //!
 //! - `make_xfer_req/strided`: 1024 random indices over 16,384 prepped 16 KiB blocks (the issue #6 case);
 //! - `make_xfer_req/<entries>x<indices>/<warm|cold>`: production-shaped per-block lists (vLLM's N x 3: one
-//!   64-byte entry per block x layer x K/V) of 2^14, 2^17 and 2^20 entries each side, requests of 1024, 16,384
-//!   and 131,072 random int64 indices; "cold" writes 64 MiB (twice this box's L3) before each timed call;
+//!   64-byte entry per block x layer x K/V, all blocks of one layer region, then the next, as vLLM's
+//!   NixlConnector builds them; here 64 regions, laid out in reverse order) of 2^14, 2^17 and 2^20 entries each
+//!   side, requests of 1024, 16,384 and 131,072 random int64 indices; "cold" writes 64 MiB (twice this box's
+//!   L3) before each timed call;
+//! - `make_xfer_req/shuffled <entries>x<indices>`: the same blocks in random order (nothing to compress);
 //! - `prep_xfer_dlist/<entries>`: resolving a list against the registrations;
 //! - `post_xfer_req`: a 4 KiB loopback READ (the generation gate plus an inline copy).
 //!
@@ -26,6 +29,7 @@ const ENTRY: u64 = 64;
 const SIZES: [usize; 3] = [1 << 14, 1 << 17, 1 << 20];
 const COUNTS: [usize; 3] = [1024, 16384, 131072];
 const COLD_BYTES: usize = 64 << 20;
+const REGIONS: u64 = 64;
 
 fn agent() -> Agent {
     let agent = Agent::new("bench", AgentConfig::default()).unwrap();
@@ -51,6 +55,27 @@ fn cpu_now() -> Duration {
     // SAFETY: a valid timespec to fill.
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// vLLM's per-block list over `b`: region-major, `n / REGIONS` blocks of `ENTRY` bytes per region; the regions
+/// lie in reverse order in memory (so the list is not one arithmetic progression).
+fn per_block(b: &[u8], n: usize) -> XferDList {
+    let per = n as u64 / REGIONS;
+    XferDList::with_descs(
+        MemType::Dram,
+        (0..n as u64)
+            .map(|i| Desc::new(b.as_ptr() as u64 + (REGIONS - 1 - i / per) * per * ENTRY + (i % per) * ENTRY, ENTRY, 0))
+            .collect(),
+    )
+}
+
+fn shuffled(l: &XferDList, seed: u64) -> XferDList {
+    let mut d = l.descs().to_vec();
+    let r = random_indices(seed, d.len(), d.len());
+    for i in (1..d.len()).rev() {
+        d.swap(i, r[i] as usize % (i + 1));
+    }
+    XferDList::with_descs(l.mem_type(), d)
 }
 
 fn random_indices(seed: u64, n: usize, below: usize) -> Vec<i64> {
@@ -105,17 +130,29 @@ fn production(c: &mut Criterion) {
     let bufs = [vec![1u8; max * ENTRY as usize], vec![0u8; max * ENTRY as usize]];
     bufs.iter().for_each(|b| register(&agent, b));
     let mut scratch = vec![0u8; COLD_BYTES];
-    for n in SIZES {
-        let (ld, rd) = (blocks(&bufs[1], n, ENTRY), blocks(&bufs[0], n, ENTRY));
-        c.bench_function(&format!("prep_xfer_dlist/{n}"), |b| b.iter(|| agent.prep_xfer_dlist("", &ld, &[]).unwrap()));
+    let cases: Vec<(String, usize, XferDList, XferDList, &[usize])> = SIZES
+        .iter()
+        .map(|&n| (n.to_string(), n, per_block(&bufs[1], n), per_block(&bufs[0], n), &COUNTS[..]))
+        .chain(std::iter::once((
+            format!("shuffled {max}"),
+            max,
+            shuffled(&per_block(&bufs[1], max), 7),
+            shuffled(&per_block(&bufs[0], max), 8),
+            &COUNTS[..2],
+        )))
+        .collect();
+    for (name, n, ld, rd, counts) in cases {
+        c.bench_function(&format!("prep_xfer_dlist/{name}"), |b| {
+            b.iter(|| agent.prep_xfer_dlist("", &ld, &[]).unwrap())
+        });
         let local = agent.prep_xfer_dlist("", &ld, &[]).unwrap();
         let remote = agent.prep_xfer_dlist("bench", &rd, &[]).unwrap();
-        for k in COUNTS {
+        for &k in counts {
             let sets: Vec<(Vec<i64>, Vec<i64>)> =
                 (0..4).map(|i| (random_indices(2 * i + 1, k, n), random_indices(2 * i + 2, k, n))).collect();
             for cold in [false, true] {
-                let name = format!("make_xfer_req/{n}x{k}/{}", if cold { "cold" } else { "warm" });
-                c.bench_function(&name, |b| {
+                let label = format!("make_xfer_req/{name}x{k}/{}", if cold { "cold" } else { "warm" });
+                c.bench_function(&label, |b| {
                     // iter_custom: the 64 MiB write before each cold call and every drop are not timed.
                     b.iter_custom(|iters| {
                         let mut total = Duration::ZERO;

@@ -45,6 +45,70 @@ struct Entry {
     group: u32,
 }
 
+/// `per` consecutive descriptors (the last run may have fewer) at `addr + k * stride`, one length and group.
+#[derive(Clone, Copy)]
+#[repr(C, align(32))]
+struct Run {
+    addr: u64,
+    stride: u64,
+    len: u32,
+    group: u32,
+}
+
+struct Runs {
+    runs: Vec<Run>,
+    per: usize,
+}
+
+/// Runs are used when they are at least this many times smaller than one entry per descriptor.
+const RUN_GAIN: usize = 8;
+
+impl Runs {
+    /// Equal-length, same-group, evenly spaced runs of one common size, if the list is made of them.
+    fn find(entries: &[Entry]) -> Option<Runs> {
+        let n = entries.len();
+        // The first run's length fixes `per`; every other run must have it (the last at most it).
+        let run_len = |from: usize| -> usize {
+            let e = entries[from];
+            if e.len == LONG || from + 1 >= n {
+                return 1;
+            }
+            let stride = entries[from + 1].addr.wrapping_sub(e.addr);
+            let mut k = from + 1;
+            while k < n {
+                let x = entries[k];
+                if x.len != e.len || x.group != e.group || x.addr.wrapping_sub(entries[k - 1].addr) != stride {
+                    break;
+                }
+                k += 1;
+            }
+            k - from
+        };
+        let per = run_len(0);
+        if per < RUN_GAIN * 2 {
+            return None;
+        }
+        let mut runs = Vec::with_capacity(n.div_ceil(per));
+        let mut from = 0;
+        while from < n {
+            let e = entries[from];
+            let take = per.min(n - from);
+            let stride = if take > 1 { entries[from + 1].addr.wrapping_sub(e.addr) } else { 0 };
+            // Every entry of the run must be exactly where the run puts it.
+            let ok = e.len != LONG
+                && entries[from..from + take].iter().enumerate().all(|(k, x)| {
+                    x.len == e.len && x.group == e.group && x.addr == e.addr.wrapping_add(stride.wrapping_mul(k as u64))
+                });
+            if !ok {
+                return None;
+            }
+            runs.push(Run { addr: e.addr, stride, len: e.len, group: e.group });
+            from += take;
+        }
+        (std::mem::size_of_val(&runs[..]) * RUN_GAIN <= std::mem::size_of_val(entries)).then_some(Runs { runs, per })
+    }
+}
+
 /// `Entry::len` of a descriptor whose length is in `Prepped::long`.
 const LONG: u32 = u32::MAX;
 
@@ -56,7 +120,13 @@ struct Prepped {
     owner: u128,
     side: Side,
     mem: MemType,
+    /// Number of descriptors.
+    n: usize,
+    /// One per descriptor, unless `runs` describes them all (then empty).
     entries: Vec<Entry>,
+    /// Per-block lists (vLLM's: every block of one layer, then the next layer) are arithmetic runs:
+    /// stored as runs of `per` descriptors each, a million entries take kilobytes and stay in cache.
+    runs: Option<Runs>,
     /// Lengths of `LONG` entries, by entry index (sorted).
     long: Vec<(u32, u64)>,
     /// Per group, the device id of its descriptors (a covering region is on the same device).
@@ -79,22 +149,16 @@ impl Prepped {
 
 impl std::fmt::Debug for PreppedDList {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "PreppedDList({} {} descriptors, remote {:?})",
-            self.0.entries.len(),
-            self.0.mem.seg_name(),
-            self.remote_name()
-        )
+        write!(f, "PreppedDList({} {} descriptors, remote {:?})", self.0.n, self.0.mem.seg_name(), self.remote_name())
     }
 }
 
 impl PreppedDList {
     pub fn len(&self) -> usize {
-        self.0.entries.len()
+        self.0.n
     }
     pub fn is_empty(&self) -> bool {
-        self.0.entries.is_empty()
+        self.0.n == 0
     }
     pub fn mem_type(&self) -> MemType {
         self.0.mem
@@ -256,7 +320,22 @@ impl Agent {
             });
             entries.push(Entry { addr: d.addr, len, group });
         }
-        Ok(PreppedDList(Arc::new(Prepped { owner: self.inner.incarnation, side, mem, entries, long, devs, resolved })))
+        let n = entries.len();
+        let runs = if long.is_empty() { Runs::find(&entries) } else { None };
+        if runs.is_some() {
+            entries = Vec::new();
+        }
+        Ok(PreppedDList(Arc::new(Prepped {
+            owner: self.inner.incarnation,
+            side,
+            mem,
+            n,
+            entries,
+            runs,
+            long,
+            devs,
+            resolved,
+        })))
     }
 
     /// Build a request from two prepped lists and index lists (`makeXferReq`). Pure planning: no I/O.
@@ -679,6 +758,56 @@ fn huge_pages_hint<T>(v: &mut Vec<T>) {
 /// Entries fetched ahead of the one being planned, so that the cache misses of random indices overlap.
 const AHEAD: usize = 16;
 
+/// How a planner reads one side's descriptors.
+trait Lookup: Copy {
+    fn get(self, i: usize) -> Entry;
+    fn prefetch(self, i: usize);
+}
+
+#[derive(Clone, Copy)]
+struct Dense<'a>(&'a [Entry]);
+
+impl Lookup for Dense<'_> {
+    #[inline(always)]
+    fn get(self, i: usize) -> Entry {
+        self.0[i]
+    }
+    #[inline(always)]
+    fn prefetch(self, i: usize) {
+        prefetch_read(&self.0[i.min(self.0.len() - 1)]);
+    }
+}
+
+/// Runs, their common size and its reciprocal: `i / per` for 32-bit `i` and `per` is one multiplication
+/// (Lemire, Kaser, Kurz: "Faster remainder by direct computation", 2019), not a division's latency.
+#[derive(Clone, Copy)]
+struct Strided<'a> {
+    runs: &'a [Run],
+    per: u64,
+    magic: u64,
+}
+
+impl<'a> Strided<'a> {
+    /// `r.per` is at least 2 (`Runs::find` makes runs of at least 16).
+    fn new(r: &'a Runs) -> Self {
+        let per = r.per as u64;
+        Strided { runs: &r.runs, per, magic: (u64::MAX / per).wrapping_add(1) }
+    }
+}
+
+impl Lookup for Strided<'_> {
+    #[inline(always)]
+    fn get(self, i: usize) -> Entry {
+        // Exact for i, per < 2^32: entries are at most i32::MAX (`MAX_ENTRIES`) and i < n here.
+        let q = ((self.magic as u128 * i as u128) >> 64) as u64;
+        let r = self.runs[q as usize];
+        let k = i as u64 - q * self.per;
+        Entry { addr: r.addr.wrapping_add(r.stride.wrapping_mul(k)), len: r.len, group: r.group }
+    }
+    #[inline(always)]
+    fn prefetch(self, _i: usize) {}
+}
+
 /// The pieces of a request, merging as it goes: `(pieces, total bytes)`.
 fn plan_segs<L: PlanIndex, R: PlanIndex>(
     l: &Prepped,
@@ -687,8 +816,26 @@ fn plan_segs<L: PlanIndex, R: PlanIndex>(
     ri: &[R],
     merge: bool,
 ) -> Result<(Vec<Seg>, u64)> {
-    let (le, re) = (&l.entries[..], &r.entries[..]);
-    let (ln, rn) = (le.len(), re.len());
+    match (&l.runs, &r.runs) {
+        (None, None) => plan_with(l, Dense(&l.entries), li, r, Dense(&r.entries), ri, merge),
+        (Some(a), None) => plan_with(l, Strided::new(a), li, r, Dense(&r.entries), ri, merge),
+        (None, Some(b)) => plan_with(l, Dense(&l.entries), li, r, Strided::new(b), ri, merge),
+        (Some(a), Some(b)) => plan_with(l, Strided::new(a), li, r, Strided::new(b), ri, merge),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn plan_with<L: PlanIndex, R: PlanIndex, A: Lookup, B: Lookup>(
+    l: &Prepped,
+    le: A,
+    li: &[L],
+    r: &Prepped,
+    re: B,
+    ri: &[R],
+    merge: bool,
+) -> Result<(Vec<Seg>, u64)> {
+    let (ln, rn) = (l.n, r.n);
     let n = li.len();
     let mut segs: Vec<Seg> = Vec::with_capacity(n);
     let mut total = 0u64;
@@ -696,8 +843,8 @@ fn plan_segs<L: PlanIndex, R: PlanIndex>(
     // Index values can change under us (a caller's buffer read in place); a prefetch is only a hint, so
     // one of an out-of-range index is clamped and nothing else depends on it.
     let fetch = |k: usize| {
-        prefetch_read(&le[(li[k].to_u64() as usize).min(ln - 1)]);
-        prefetch_read(&re[(ri[k].to_u64() as usize).min(rn - 1)]);
+        le.prefetch(li[k].to_u64() as usize);
+        re.prefetch(ri[k].to_u64() as usize);
     };
     for k in 0..AHEAD.min(n) {
         fetch(k);
@@ -715,7 +862,7 @@ fn plan_segs<L: PlanIndex, R: PlanIndex>(
         if ib >= rn as u64 {
             return Err(out_of_range("remote", b.to_i128(), rn));
         }
-        let (x, y) = (le[ia as usize], re[ib as usize]);
+        let (x, y) = (le.get(ia as usize), re.get(ib as usize));
         let len = if x.len == y.len && x.len != LONG {
             x.len as u64
         } else {
@@ -874,5 +1021,66 @@ mod tests {
         assert_eq!((segs.len(), total), (3, (5 << 32) + u32::MAX as u64 + 7));
         let e = plan_segs(&p.0, &[0i32], &q.0, &[1i32], true).unwrap_err();
         assert!(e.to_string().contains("length mismatch"), "{e}");
+    }
+
+    #[test]
+    fn strided_division_is_exact() {
+        let runs = |per: usize| Runs { runs: vec![Run { addr: 0, stride: 1, len: 1, group: 0 }; 1], per };
+        for per in [2usize, 3, 7, 64, 100, 1000, 16384, 65537, 1 << 20, (1 << 31) - 1] {
+            let r = runs(per);
+            let s = Strided::new(&r);
+            for i in [0usize, 1, per - 1, per, per + 1, 2 * per - 1, (1 << 31) - 2, (1 << 31) - 1, 12345678] {
+                let q = ((s.magic as u128 * i as u128) >> 64) as usize;
+                assert_eq!(q, i / per, "{i} / {per}");
+            }
+        }
+    }
+
+    /// A per-block list (layers in reverse order, so not one progression) is stored as runs and planned to the
+    /// same addresses as one entry per descriptor; a list that breaks the pattern stays dense.
+    #[test]
+    fn strided_runs_plan_like_entries() {
+        const LAYERS: u64 = 8;
+        const BLOCKS: u64 = 64;
+        let (src, dst) = (vec![3u8; (LAYERS * BLOCKS * B) as usize], vec![0u8; (LAYERS * BLOCKS * B) as usize]);
+        let a = setup("sr", &src, &dst);
+        let per_block = |b: &[u8]| -> Vec<u64> {
+            (0..LAYERS * BLOCKS)
+                .map(|i| b.as_ptr() as u64 + (LAYERS - 1 - i / BLOCKS) * BLOCKS * B + (i % BLOCKS) * B)
+                .collect()
+        };
+        let list =
+            |addrs: &[u64]| XferDList::with_descs(MemType::Dram, addrs.iter().map(|&x| Desc::new(x, B, 0)).collect());
+        let (la, ra) = (per_block(&src), per_block(&dst));
+        let lp = a.prep_xfer_dlist("", &list(&la), &[]).unwrap();
+        let rp = a.prep_xfer_dlist("sr", &list(&ra), &[]).unwrap();
+        let runs = lp.0.runs.as_ref().expect("runs");
+        assert_eq!(
+            (runs.runs.len(), runs.per, lp.0.entries.len(), lp.len()),
+            (LAYERS as usize, BLOCKS as usize, 0, 512)
+        );
+        let mut broken = ra.clone();
+        broken[100] += 8;
+        let dense = a.prep_xfer_dlist("sr", &list(&broken), &[]).unwrap();
+        assert!(dense.0.runs.is_none() && dense.0.entries.len() == 512);
+        let idx: Vec<i64> = (0..512).map(|k| (k * 37 + 11) % 512).collect();
+        let (segs, total) = plan_segs(&lp.0, &idx, &rp.0, &idx, false).unwrap();
+        assert_eq!(total, 512 * B);
+        for (s, &i) in segs.iter().zip(&idx) {
+            assert_eq!((s.local, s.remote, s.len), (la[i as usize], ra[i as usize], B));
+        }
+        let (segs, _) = plan_segs(&lp.0, &idx, &dense.0, &idx, false).unwrap();
+        for (s, &i) in segs.iter().zip(&idx) {
+            assert_eq!((s.local, s.remote), (la[i as usize], broken[i as usize]));
+        }
+        // Merging across a run works as with entries: blocks 0..64 of one layer are one piece.
+        let seq: Vec<i64> = (0..BLOCKS as i64).collect();
+        let x = a.make_xfer_req(XferOp::Write, &lp, &seq, &rp, &seq, &XferOpts::default()).unwrap();
+        assert_eq!(x.desc_count(), 1);
+        posted_count(&a, &x);
+        let at = ((LAYERS - 1) * BLOCKS * B) as usize;
+        assert_eq!(&dst[at..at + (BLOCKS * B) as usize], &src[at..at + (BLOCKS * B) as usize]);
+        let e = a.make_xfer_req(XferOp::Write, &lp, &[512], &rp, &[0], &XferOpts::default()).unwrap_err();
+        assert!(e.to_string().contains("local index 512 out of range for 512"), "{e}");
     }
 }
