@@ -1274,7 +1274,7 @@ def main():
                     fatal=pair.get("fatal"), errors=pair.get("errors", {}), wall_s=pair.get("wall_s"),
                     scenario_s=pair.get("scenario_s"), main_md_bytes=pair.get("main_md_bytes"), main_add_remote_agent_s=pair.get("main_add_remote_agent_s"),
                     summary=summarize_tree(pair.get("scenarios", {})), idle_fresh=r.get("idle")))
-            entry["pooled"] = {row["id"]: row[im.key if im.key == "gixl" else "nixl"] for row in rows}
+            entry["pooled"] = {row["id"]: row.get(im.key if im.key == "gixl" else "nixl") for row in rows}
             doc["impls"][im.key] = entry
         with open(a.json, "w") as f:
             json.dump(doc, f, indent=1)

@@ -65,47 +65,36 @@ const RUN_GAIN: usize = 8;
 
 impl Runs {
     /// Equal-length, same-group, evenly spaced runs of one common size, if the list is made of them.
-    fn find(entries: &[Entry]) -> Option<Runs> {
-        let n = entries.len();
+    fn find(n: usize, entry: impl Fn(usize) -> Entry) -> Option<Runs> {
         // The first run's length fixes `per`; every other run must have it (the last at most it).
-        let run_len = |from: usize| -> usize {
-            let e = entries[from];
-            if e.len == LONG || from + 1 >= n {
-                return 1;
-            }
-            let stride = entries[from + 1].addr.wrapping_sub(e.addr);
-            let mut k = from + 1;
-            while k < n {
-                let x = entries[k];
-                if x.len != e.len || x.group != e.group || x.addr.wrapping_sub(entries[k - 1].addr) != stride {
-                    break;
-                }
-                k += 1;
-            }
-            k - from
+        let first = entry(0);
+        if first.len == LONG || n < 2 {
+            return None;
+        }
+        let stride = entry(1).addr.wrapping_sub(first.addr);
+        let fits = |e: &Entry, x: &Entry, k: usize, stride: u64| {
+            x.len == e.len && x.group == e.group && x.addr == e.addr.wrapping_add(stride.wrapping_mul(k as u64))
         };
-        let per = run_len(0);
-        if per < RUN_GAIN * 2 {
+        let per = (1..n).find(|&k| !fits(&first, &entry(k), k, stride)).unwrap_or(n);
+        if per < RUN_GAIN * 2
+            || n.div_ceil(per) * std::mem::size_of::<Run>() * RUN_GAIN > n * std::mem::size_of::<Entry>()
+        {
             return None;
         }
         let mut runs = Vec::with_capacity(n.div_ceil(per));
         let mut from = 0;
         while from < n {
-            let e = entries[from];
+            let e = entry(from);
             let take = per.min(n - from);
-            let stride = if take > 1 { entries[from + 1].addr.wrapping_sub(e.addr) } else { 0 };
-            // Every entry of the run must be exactly where the run puts it.
-            let ok = e.len != LONG
-                && entries[from..from + take].iter().enumerate().all(|(k, x)| {
-                    x.len == e.len && x.group == e.group && x.addr == e.addr.wrapping_add(stride.wrapping_mul(k as u64))
-                });
-            if !ok {
+            let stride = if take > 1 { entry(from + 1).addr.wrapping_sub(e.addr) } else { 0 };
+            // Every descriptor of the run must be exactly where the run puts it.
+            if e.len == LONG || !(1..take).all(|k| fits(&e, &entry(from + k), k, stride)) {
                 return None;
             }
             runs.push(Run { addr: e.addr, stride, len: e.len, group: e.group });
             from += take;
         }
-        (std::mem::size_of_val(&runs[..]) * RUN_GAIN <= std::mem::size_of_val(entries)).then_some(Runs { runs, per })
+        Some(Runs { runs, per })
     }
 }
 
@@ -310,20 +299,23 @@ impl Agent {
         }
         let Groups { of, keys, devs, .. } = groups;
         let resolved = slots.into_iter().zip(keys).map(|(slot, keys)| Resolved { slot, keys }).collect();
-        let mut entries: Vec<Entry> = Vec::with_capacity(descs.len());
-        huge_pages_hint(&mut entries);
+        let d = descs.descs();
+        let n = d.len();
+        // Straight from the descriptors: a per-block list never builds the entries it does not keep.
+        let runs =
+            Runs::find(n, |i| Entry { addr: d[i].addr, len: u32::try_from(d[i].len).unwrap_or(LONG), group: of[i] });
+        let mut entries: Vec<Entry> = Vec::new();
         let mut long = Vec::new();
-        for (i, (d, &group)) in descs.iter().zip(&of).enumerate() {
-            let len = u32::try_from(d.len).ok().filter(|&l| l != LONG).unwrap_or_else(|| {
-                long.push((i as u32, d.len));
-                LONG
-            });
-            entries.push(Entry { addr: d.addr, len, group });
-        }
-        let n = entries.len();
-        let runs = if long.is_empty() { Runs::find(&entries) } else { None };
-        if runs.is_some() {
-            entries = Vec::new();
+        if runs.is_none() {
+            entries.reserve_exact(n);
+            huge_pages_hint(&mut entries);
+            for (i, (d, &group)) in d.iter().zip(&of).enumerate() {
+                let len = u32::try_from(d.len).ok().filter(|&l| l != LONG).unwrap_or_else(|| {
+                    long.push((i as u32, d.len));
+                    LONG
+                });
+                entries.push(Entry { addr: d.addr, len, group });
+            }
         }
         Ok(PreppedDList(Arc::new(Prepped {
             owner: self.inner.incarnation,
