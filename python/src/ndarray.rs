@@ -115,6 +115,15 @@ enum Ints {
     I64(*const i64, usize),
 }
 
+impl Idx<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Idx::I32(x) => x.len(),
+            Idx::I64(x) => x.len(),
+        }
+    }
+}
+
 impl HeldIndices {
     /// `None` unless `obj` exports a 1-D, C-contiguous, aligned buffer of native int32 or int64.
     pub fn new(obj: &Bound<'_, PyAny>) -> Option<HeldIndices> {
