@@ -4,7 +4,7 @@
 #
 # Steps: Rust unit + multi-process tests (cargo test, incl. the header-drift check); the header alone as C11
 # and C++17; the C library's exports; the C test suite under ASan/UBSan against gixl and against NVIDIA's
-# NIXL 1.5.1 (the oracle); the nixl-sys (stub-api) Rust consumer against gixl; the Python conformance suite
+# NIXL 1.5.1 (the oracle); the nixl-sys (stub-api) Rust consumer against gixl; the C++ drop-in (nixl.h) tests under ASan/UBSan against gixl and against NIXL's libnixl.so; the Python conformance suite
 # against gixl and against NIXL (including the fault matrix and hostile-input tests); the typed stubs
 # (mypy.stubtest); the two-process demo; the C tests under valgrind; a short soak; the Python extension's
 # exports; replacing NVIDIA's nixl-cu12 with gixl in a fresh virtualenv and back (scripts/swap-test.sh);
@@ -170,6 +170,20 @@ py_nixl() {
     count_py py-nixl "Python vs NIXL"
     return $rc
 }
+cpp_gixl() {
+    CPP_BUILD_DIR="$root/target/cpp-gixl" logged cpp-gixl ffi-tests/cpp/run.sh "$root/target/capi" "$root/target/capi/include"
+    local rc=$?
+    count_c cpp-gixl "C++ tests vs gixl"
+    return $rc
+}
+cpp_nixl() {
+    # The same C++ programs built against NIXL's libnixl.so (our headers in declaration-only mode, NIXL 1.5.1's layouts).
+    CPP_ORACLE=nixl CPP_BUILD_DIR="$root/target/cpp-nixl" logged cpp-nixl \
+        ffi-tests/cpp/run.sh "$root/$(nixl_site)/.nixl_cu12.mesonpy.libs" "$root/include/nixl"
+    local rc=$?
+    count_c cpp-nixl "C++ tests vs NIXL"
+    return $rc
+}
 stubs() { PATH="$root/.venv/gixl/bin:$PATH" python/scripts/stubtest.sh; }
 demo() { timeout 300 .venv/gixl/bin/python examples/kv_demo.py; }
 vllm_sequence() {
@@ -189,6 +203,8 @@ step "header compiles alone (C11, C++17)" header
 step "C library exports" capi_exports
 step "C tests + nixl-sys consumer vs gixl" ffi_gixl
 step "C tests vs NIXL 1.5.1" ffi_nixl
+step "C++ drop-in tests (nixl.h) vs gixl" cpp_gixl
+step "C++ drop-in tests vs NIXL 1.5.1 (libnixl.so)" cpp_nixl
 step "Python conformance vs gixl" py_gixl
 step "Python conformance vs NIXL 1.5.1" py_nixl
 step "type stubs (mypy.stubtest)" stubs

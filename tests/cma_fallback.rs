@@ -1,6 +1,7 @@
 //! When the kernel refuses cross-memory attach between two processes on one host (here: the initiator
 //! runs as `nobody` and the target as root, so `process_vm_readv` fails with EPERM), the engine moves that
-//! peer's data over TCP instead, and the transfer still succeeds. Notifications keep using the Unix socket.
+//! peer's data over TCP instead, and the transfer still succeeds. The target's notification socket refuses
+//! another uid, so notifications go over the TCP control connection too (it proves the same secret).
 //!
 //! Needs root (to start the child as another user); skips otherwise.
 

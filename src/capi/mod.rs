@@ -38,6 +38,7 @@ mod registry;
 
 pub mod agent;
 pub mod backend;
+pub mod cpp_support;
 pub mod dlist_handle;
 pub mod doctor;
 pub mod mem_list;

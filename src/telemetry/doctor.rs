@@ -477,7 +477,8 @@ fn peer_report(target: PeerTarget, cma_ok: bool, uid: u32) -> J {
     }
     let route_after = peer.route();
     if route_after == "tcp-after-cma-denied" {
-        why.push("the kernel refused cross-memory attach on the first transfer: gixl fell back to TCP".into());
+        let when = if route_before == route_after { "when the peer was loaded" } else { "on the first transfer" };
+        why.push(format!("the kernel refused cross-memory attach {when}: gixl fell back to TCP"));
     }
     out.push(("route_at_load", J::s(route_before)));
     out.push(("route", J::s(route_after)));
