@@ -620,11 +620,22 @@ impl Backend for Engine {
                 denied: AtomicBool::new(denied),
             }
         };
-        let route = if matches!(kind, PeerKind::InProcess { .. }) { "in-process" } else { "cma" };
-        crate::telemetry::log::info(&format!(
-            "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route {route} (same host)",
-            s.agent
-        ));
+        match &kind {
+            PeerKind::Cma { denied, pid, .. } if denied.load(Ordering::Acquire) => {
+                crate::telemetry::log::warn(&format!(
+                    "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route tcp (fall-back: the kernel \
+                     denied cross-memory attach to pid {pid}; `python -m gixl doctor` says why)",
+                    s.agent
+                ))
+            }
+            _ => {
+                let route = if matches!(kind, PeerKind::InProcess { .. }) { "in-process" } else { "cma" };
+                crate::telemetry::log::info(&format!(
+                    "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route {route} (same host)",
+                    s.agent
+                ))
+            }
+        }
         Ok(Arc::new(EnginePeer { name: agent.to_owned(), incarnation, kind, dead, owner: Arc::downgrade(s) }))
     }
 
