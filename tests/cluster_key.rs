@@ -48,8 +48,10 @@ fn endpoint(blob: &[u8]) -> (u128, u128, SocketAddr) {
     let mut at = 1;
     let n = uvar(ci, &mut at) as usize;
     at += n;
-    uvar(ci, &mut at);
-    uvar(ci, &mut at);
+    uvar(ci, &mut at); // pid
+    uvar(ci, &mut at); // start time
+    uvar(ci, &mut at); // gate fd
+    at += 8; // gate address
     let n = uvar(ci, &mut at) as usize;
     at += n;
     let secret = u128::from_le_bytes(ci[at..at + 16].try_into().unwrap());

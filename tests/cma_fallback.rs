@@ -108,11 +108,9 @@ fn denied_cross_memory_attach_falls_back_to_tcp() {
         return;
     }
     assert!(status.success());
-    // One WARNING when the kernel forced TCP (when the peer was loaded, or at the first transfer after an
-    // INFO line for route cma), never more.
-    let (info, warn) = logged.as_deref().and_then(|l| l.split_once(' ')).expect("no @log line");
-    assert_eq!(warn, "1", "fall-back warnings");
-    assert!(info == "0" || info == "1", "route info lines: {info}");
+    // One WARNING when the peer was loaded: the kernel refused to hand over its gate (it checks the same
+    // permission as for cross-memory attach), so TCP from the start and no INFO line for a CMA route.
+    assert_eq!(logged.as_deref(), Some("0 1"), "route log lines (info, warning)");
     let want: u64 = (0..size).map(|i| (i % 249) as u64 + 1).sum();
     assert_eq!(sum, Some(want));
     assert!(buf[..1 << 20].iter().all(|&b| b == 0xAB), "the WRITE did not land");

@@ -258,3 +258,12 @@ def test_cluster_key_signs_requests_and_metadata(victim, make_agent, bind):
         while (f := H.read_frame(s)) is not None:
             kinds.append(f[0])
         assert kinds == [5, H.ERR]
+
+
+def test_allowed_uids_pass_the_uid_check_but_still_need_the_secret(victim):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the attacker as uid 65534")
+    p, _, _ = victim("v-allow", env={"GIXL_ALLOW_UIDS": "65534"})
+    name, _, inc = H.local_sockets(p.pid)[0]
+    res = _as_uid(65534, lambda: _refusal(name, inc, "prefill-0", b"forged"))
+    assert res.startswith("refused:") and "uid" not in res and "hello" in res, res

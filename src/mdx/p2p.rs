@@ -388,16 +388,14 @@ impl Loop {
             && c.nonce.is_none()
             && flags & (libc::EPOLLOUT | libc::EPOLLERR | libc::EPOLLHUP) as u32 != 0
         {
-            {
-                match c.stream.take_error() {
-                    Ok(None) if self.key.is_none() => c.connecting = None,
-                    // With a key, the deadline runs on until the challenge arrives.
-                    Ok(None) => {}
-                    Ok(Some(e)) | Err(e) => {
-                        log!("could not connect to metadata peer {}: {e}", c.peer);
-                        self.close(token);
-                        return;
-                    }
+            match c.stream.take_error() {
+                Ok(None) if self.key.is_none() => c.connecting = None,
+                // With a key, the deadline runs on until the challenge arrives.
+                Ok(None) => {}
+                Ok(Some(e)) | Err(e) => {
+                    log!("could not connect to metadata peer {}: {e}", c.peer);
+                    self.close(token);
+                    return;
                 }
             }
         }

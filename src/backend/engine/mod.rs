@@ -569,6 +569,8 @@ impl Backend for Engine {
         // In process only to an engine that lives here under that incarnation, whatever the connection info
         // says; an incarnation of this process that is not in the registry was destroyed (or never existed).
         let local = registry().lock().get(&incarnation).and_then(Weak::upgrade);
+        // Why the kernel refused the peer's gate (so cross-memory attach): its data goes over TCP.
+        let mut fallback = None;
         let kind = if let Some(t) = local {
             let gate = Some(Attached::new(t.gate.clone())?);
             PeerKind::InProcess { target: Arc::downgrade(&t), gate }
@@ -584,7 +586,7 @@ impl Backend for Engine {
             let alive = pidfd.is_some() && crate::util::process_start_time(ci.pid).ok() == Some(ci.start_time);
             // The peer's gate, taken from that very process through the pidfd: if the kernel refuses, it would
             // refuse cross-memory attach too, and TCP carries the data.
-            let mut denied = false;
+            let mut denied = None;
             let gate = match pidfd
                 .as_ref()
                 .filter(|_| alive)
@@ -592,19 +594,22 @@ impl Backend for Engine {
             {
                 Some(Ok(g)) => Some(Attached::new(Arc::new(g))?),
                 Some(Err(e)) if cma_denied(&e) => {
-                    denied = true;
+                    denied = Some(e.to_string());
                     None
                 }
                 _ => None,
             };
             let watch = match &pidfd {
-                Some(fd) if alive && (gate.is_some() || denied) => Some(s.ctrl.watch(fd.as_raw_fd(), dead.clone())?),
+                Some(fd) if alive && (gate.is_some() || denied.is_some()) => {
+                    Some(s.ctrl.watch(fd.as_raw_fd(), dead.clone())?)
+                }
                 _ => {
                     dead.store(true, Ordering::Release);
                     None
                 }
             };
             let tcp = link(&dead);
+            fallback.clone_from(&denied);
             PeerKind::Cma {
                 pid: ci.pid,
                 pidfd,
@@ -617,23 +622,21 @@ impl Backend for Engine {
                 local_refused: AtomicBool::new(false),
                 sender: Mutex::new(None),
                 tcp,
-                denied: AtomicBool::new(denied),
+                denied: AtomicBool::new(denied.is_some()),
             }
         };
-        match &kind {
-            PeerKind::Cma { denied, pid, .. } if denied.load(Ordering::Acquire) => {
-                crate::telemetry::log::warn(&format!(
-                    "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route tcp (fall-back: the kernel \
-                     denied cross-memory attach to pid {pid}; `python -m gixl doctor` says why)",
-                    s.agent
-                ))
-            }
+        match (&kind, &fallback) {
+            (PeerKind::Cma { .. }, Some(why)) => crate::telemetry::log::warn(&format!(
+                "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route tcp (fall-back: the kernel \
+                 denied cross-memory attach: {why}; `python -m gixl doctor` says why)",
+                s.agent
+            )),
             _ => {
                 let route = if matches!(kind, PeerKind::InProcess { .. }) { "in-process" } else { "cma" };
                 crate::telemetry::log::info(&format!(
                     "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route {route} (same host)",
                     s.agent
-                ))
+                ));
             }
         }
         Ok(Arc::new(EnginePeer { name: agent.to_owned(), incarnation, kind, dead, owner: Arc::downgrade(s) }))

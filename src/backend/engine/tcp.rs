@@ -710,12 +710,14 @@ impl TcpProgress {
     }
 }
 
-/// Authenticated data connections are served by a few event loops (one per core, at most
-/// `MAX_LOOPS`), not a thread each: every socket is non-blocking and edge-triggered in the loop's epoll
+/// Authenticated data connections are served by a few event loops (one per core, at least
+/// `MIN_LOOPS` so a peer's default four connections move in parallel, at most `MAX_LOOPS`), not a thread
+/// each: every socket is non-blocking and edge-triggered in the loop's epoll
 /// set, and each connection is a small state machine (header → segment table → payload → reply) that runs
 /// until the socket would block. An idle connection costs nothing; a slow one holds no thread, only its
 /// state and, while its payload moves, a lease on the registrations it names.
-const MAX_LOOPS: usize = 4;
+const MIN_LOOPS: usize = 4;
+const MAX_LOOPS: usize = 8;
 
 struct ServeLoop {
     epfd: OwnedFd,
@@ -1006,9 +1008,9 @@ impl DataConn {
     }
 }
 
-/// Start the serving loops: one per core, at most `MAX_LOOPS`. Empty if none could start.
+/// Start the serving loops (see `MIN_LOOPS`). Empty if none could start.
 fn start_loops(sh: &Arc<TcpShared>) -> Vec<Arc<ServeLoop>> {
-    let n = std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(1, MAX_LOOPS);
+    let n = std::thread::available_parallelism().map_or(MIN_LOOPS, |n| n.get()).clamp(MIN_LOOPS, MAX_LOOPS);
     let mut loops = Vec::new();
     for _ in 0..n {
         let Ok(l) = ServeLoop::new().map(Arc::new) else { break };
