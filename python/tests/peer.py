@@ -335,10 +335,11 @@ class Peer:
         if libc.munmap(int(self.buf.ctypes.data) + off, 4096) != 0:
             raise OSError(ctypes.get_errno(), "munmap")
 
-    def dereg_when_written(self, off, sentinel, timeout=10.0):
-        """Wait until byte ``off`` of the buffer changes (a transfer is writing it), deregister the buffer, then
-        fill the whole buffer with ``sentinel``. Returns the seconds deregister_memory took."""
-        before = int(self.buf[off])
+    def dereg_when_written(self, off, sentinel, timeout=10.0, untouched=None):
+        """Wait until byte ``off`` of the buffer differs from ``untouched`` (default: its value now), i.e. a
+        transfer is writing it, deregister the buffer, then fill the whole buffer with ``sentinel``. Returns the
+        seconds deregister_memory took. Give ``untouched`` when the transfer may start before this runs."""
+        before = int(self.buf[off]) if untouched is None else untouched
         deadline = time.monotonic() + timeout
         while int(self.buf[off]) == before:
             if time.monotonic() > deadline:
