@@ -18,6 +18,9 @@
 pub mod agent;
 pub mod backend;
 pub mod capi;
+/// The GPU driver behind a trait: the real one (`cuda` feature) and a fake for tests.
+#[doc(hidden)]
+pub mod device;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod md;

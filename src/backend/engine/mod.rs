@@ -33,6 +33,7 @@ mod ctrl;
 pub(crate) mod net;
 mod pool;
 mod tcp;
+mod vram;
 pub mod wire;
 
 use std::any::Any;
@@ -101,6 +102,8 @@ struct Shared {
     pool: Pool,
     /// Workers for TCP pieces: they block on sockets, so they are not the copy threads.
     tcp_pool: Pool,
+    /// Registered VRAM, its exports and gate (see `vram`).
+    vram: vram::Vram,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -173,6 +176,7 @@ impl Engine {
             ctrl,
             pool: Pool::new(threads),
             tcp_pool: Pool::new((2 * conns).clamp(4, 64)),
+            vram: Default::default(),
         });
         registry().lock().insert(init.incarnation, Arc::downgrade(&shared));
         Ok(Engine { shared })
@@ -193,6 +197,7 @@ impl Shared {
             return;
         }
         registry().lock().remove(&self.incarnation);
+        self.vram.shutdown(self.tcp_opts.timeout);
         self.ctrl.shutdown();
         self.pool.shutdown();
         self.tcp_pool.shutdown();
@@ -389,7 +394,7 @@ impl Backend for Engine {
     }
 
     fn caps(&self) -> Caps {
-        // VRAM is advertised as NIXL's UCX plugin does; registering it fails until the `cuda` feature lands.
+        // VRAM is advertised as NIXL's UCX plugin does; registering it needs a device layer (`crate::device`).
         Caps { local: true, remote: true, notif: true, mems: vec![MemType::Dram, MemType::Vram] }
     }
 
@@ -399,7 +404,7 @@ impl Backend for Engine {
 
     fn register(&self, mem: MemType, desc: &RegDesc) -> Result<LocalRegion> {
         if mem == MemType::Vram {
-            return Err(Error::not_supported("VRAM needs GPU support (the `cuda` feature), which this build lacks"));
+            return self.shared.vram.register(&self.shared, desc);
         }
         if mem != MemType::Dram {
             return Err(Error::not_supported(format!("{} is not supported by this engine", mem.seg_name())));
@@ -408,7 +413,12 @@ impl Backend for Engine {
         Ok(LocalRegion { public: Vec::new(), key: None })
     }
 
-    fn deregister(&self, mem: MemType, desc: &Desc, _key: Option<&RegionKey>) {
+    fn deregister(&self, mem: MemType, desc: &Desc, key: Option<&RegionKey>) {
+        if mem == MemType::Vram {
+            // Waits for peers' copies inside the region (see `vram`).
+            self.shared.vram.deregister(&self.shared, key);
+            return;
+        }
         if mem != MemType::Dram {
             return;
         }
@@ -425,11 +435,14 @@ impl Backend for Engine {
 
     fn load_remote_region(
         &self,
-        _peer: &Arc<dyn Peer>,
-        _mem: MemType,
+        peer: &Arc<dyn Peer>,
+        mem: MemType,
         desc: &Desc,
-        _public: &[u8],
+        public: &[u8],
     ) -> Result<Option<RegionKey>> {
+        if mem == MemType::Vram {
+            return vram::load_remote(downcast(peer)?.incarnation, desc.addr, public).map(Some);
+        }
         Ok(Some(Arc::new(RemoteRegion { addr: desc.addr, len: desc.len })))
     }
 
@@ -535,8 +548,9 @@ impl Backend for Engine {
     }
 
     fn prep_xfer(&self, plan: XferPlan) -> Result<Box<dyn BackendXfer>> {
-        if plan.local_mem != MemType::Dram || plan.remote_mem != MemType::Dram {
-            return Err(Error::not_supported("this engine moves DRAM only"));
+        let vram = if vram::wants(&plan) { Some(vram::prep(&self.shared, &plan)?) } else { None };
+        if vram.is_none() && (plan.local_mem != MemType::Dram || plan.remote_mem != MemType::Dram) {
+            return Err(Error::not_supported("this engine moves DRAM and VRAM only"));
         }
         let route = match &plan.target {
             Target::Local => Route::Loopback,
@@ -545,7 +559,7 @@ impl Backend for Engine {
                 Route::Peer(p.clone())
             }
         };
-        let core = Arc::new(Core { shared: self.shared.clone(), plan, route });
+        let core = Arc::new(Core { shared: self.shared.clone(), plan, route, vram });
         Ok(Box::new(EngineXfer { core, run: Mutex::new(None) }))
     }
 
@@ -592,6 +606,8 @@ struct Core {
     shared: Arc<Shared>,
     plan: XferPlan,
     route: Route,
+    /// Set when the request touches VRAM: its copies go through `vram`.
+    vram: Option<vram::VramPlan>,
 }
 
 struct EngineXfer {
@@ -630,6 +646,9 @@ impl Core {
 
     /// Copy `segs` by whichever route this request takes.
     fn copy(&self, segs: &[Seg], run: &Run) -> Result<()> {
+        if let Some(v) = &self.vram {
+            return v.copy(self, segs, run);
+        }
         let op = self.plan.op;
         match self.peer().map(|p| &p.kind) {
             None | Some(PeerKind::InProcess { .. }) => {
