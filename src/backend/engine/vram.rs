@@ -34,7 +34,7 @@ use parking_lot::Mutex;
 
 use super::{copy, downcast, PeerKind, Run, Shared};
 use crate::backend::{LocalRegion, Peer, RegionKey, Seg, Target, XferOp, XferPlan};
-use crate::device::{self, Copy, Device, Export, HandleKind, IpcHandle, Mapping};
+use crate::device::{self, Copy, Device, Export, HandleKind, HostBuf, IpcHandle, Mapping};
 use crate::md::{put_bytes, put_uvar, Reader};
 use crate::mem::{MemType, RegDesc};
 use crate::status::{Error, Result, Status};
@@ -629,7 +629,7 @@ impl VramPlan {
         // Local VRAM, remote DRAM in another process: stage through a page-locked buffer.
         debug_assert!(self.local_is_vram);
         let Far::Process { pid, .. } = self.far else { return Err(Error::backend("unreachable route")) };
-        let buf = self.device.host_buf(self.dev, STAGE as usize)?;
+        let buf = Staging::take(self.device, self.dev)?;
         let dead = core.peer().map(|p| p.dead.clone()).unwrap_or_default();
         let stop = || run.abort.load(Ordering::Relaxed) || dead.load(Ordering::Relaxed);
         let mut chunk: Vec<Seg> = Vec::new();
@@ -685,6 +685,51 @@ impl VramPlan {
             }
         }
         flush(&mut chunk)
+    }
+}
+
+/// Page-locked staging buffers, kept for reuse (allocating pinned memory costs milliseconds).
+struct Staging {
+    dev: u32,
+    buf: Option<Box<dyn HostBuf>>,
+}
+
+type Kept = Vec<(u32, Box<dyn HostBuf>)>;
+
+fn staging_pool() -> &'static Mutex<Kept> {
+    static P: OnceLock<Mutex<Kept>> = OnceLock::new();
+    P.get_or_init(Default::default)
+}
+
+/// Buffers kept in the pool at most.
+const STAGING_KEPT: usize = 8;
+
+impl Staging {
+    fn take(device: &dyn Device, dev: u32) -> Result<Staging> {
+        let kept = {
+            let mut p = staging_pool().lock();
+            p.iter().position(|(d, _)| *d == dev).map(|i| p.swap_remove(i).1)
+        };
+        let buf = match kept {
+            Some(b) => b,
+            None => device.host_buf(dev, STAGE as usize)?,
+        };
+        Ok(Staging { dev, buf: Some(buf) })
+    }
+
+    fn ptr(&self) -> u64 {
+        self.buf.as_ref().map_or(0, |b| b.ptr())
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        let mut p = staging_pool().lock();
+        if let Some(b) = self.buf.take() {
+            if p.len() < STAGING_KEPT {
+                p.push((self.dev, b));
+            }
+        }
     }
 }
 
