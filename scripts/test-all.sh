@@ -2,8 +2,9 @@
 # scripts/test-all.sh — every test gixl has, from a fresh clone: installs what it needs (scripts/setup.sh),
 # then runs each suite and prints a summary. Exits non-zero if any step fails.
 #
-# Steps: Rust unit + multi-process tests (cargo test, incl. the header-drift check); the header alone as C11
-# and C++17; the C library's exports; the C test suite under ASan/UBSan against gixl and against NVIDIA's
+# Steps: Rust unit + multi-process tests (cargo test, incl. the header-drift check); the VRAM tests again
+# with the `cuda` feature (fake device layer); the header alone as C11 and C++17; the C library's exports;
+# the C test suite under ASan/UBSan against gixl and against NVIDIA's
 # NIXL 1.5.1 (the oracle); the nixl-sys (stub-api) Rust consumer against gixl; the Python conformance suite
 # against gixl and against NIXL (including the fault matrix and hostile-input tests); the typed stubs
 # (mypy.stubtest); the two-process demo; the C tests under valgrind; and a short soak.
@@ -35,6 +36,14 @@ scripts/setup.sh || { echo "setup failed"; exit 1; }
 nixl_site() { ls -d .venv/nixl/lib/python3*/site-packages | head -n 1; }
 
 rust_tests() { cargo test --workspace --release; }
+rust_cuda() {
+    # The `cuda` feature (cudarc; the driver is loaded at run time, so this builds and runs without CUDA) over
+    # the fake device layer: lint, the VRAM route's unit and multi-process tests (incl. the no-driver
+    # NOT_SUPPORTED path), and the GPU check program as a dry run.
+    cargo clippy --release --features cuda --lib --example gpu_check -- -D warnings &&
+        cargo test --release --features cuda --lib --test vram -- vram &&
+        GIXL_FAKE_DEVICE=1 GIXL_ITERS=2 timeout 120 cargo run -q --release --features cuda --example gpu_check
+}
 rust_lint() { cargo fmt --all --check && cargo clippy --workspace --all-targets --release -- -D warnings; }
 header() { scripts/check-header.sh; }
 capi_exports() {
@@ -77,6 +86,7 @@ soak_quick() { GIXL_TEST_INSTALLED=1 timeout 300 .venv/gixl/bin/python python/te
 
 step "rustfmt + clippy -D warnings" rust_lint
 step "cargo test" rust_tests
+step "cargo test --features cuda (fake device layer)" rust_cuda
 step "header compiles alone (C11, C++17)" header
 step "C library exports" capi_exports
 step "C tests + nixl-sys consumer vs gixl" ffi_gixl

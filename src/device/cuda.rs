@@ -28,6 +28,7 @@ const SYMBOLS: &[&str] = &[
     "cuDeviceGetCount",
     "cuDevicePrimaryCtxRetain",
     "cuCtxSetCurrent",
+    "cuCtxGetCurrent",
     "cuPointerGetAttribute",
     "cuMemGetAddressRange_v2",
     "cuIpcGetMemHandle",
@@ -106,9 +107,37 @@ fn check(r: sys::CUresult, what: &str) -> Result<()> {
     Err(Error::backend(format!("{what} failed: {name}")))
 }
 
+/// Makes a context current on this thread and puts the previous one back when dropped, so a call on an
+/// application thread (small requests run inline in `post`) leaves that thread's CUDA state as it was.
+struct Current {
+    prev: sys::CUcontext,
+    set: bool,
+}
+
+impl Current {
+    fn enter(ctx: usize) -> Result<Current> {
+        let mut prev: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        check(unsafe { sys::cuCtxGetCurrent(&mut prev) }, "cuCtxGetCurrent")?;
+        if prev as usize == ctx {
+            return Ok(Current { prev, set: false });
+        }
+        // SAFETY: a retained primary context.
+        check(unsafe { sys::cuCtxSetCurrent(ctx as sys::CUcontext) }, "cuCtxSetCurrent")?;
+        Ok(Current { prev, set: true })
+    }
+}
+
+impl Drop for Current {
+    fn drop(&mut self) {
+        if self.set {
+            // SAFETY: the context that was current before (or none).
+            unsafe { sys::cuCtxSetCurrent(self.prev) };
+        }
+    }
+}
+
 thread_local! {
-    /// The context last made current on this thread.
-    static CURRENT: RefCell<usize> = const { RefCell::new(0) };
     /// This thread's stream and event per device.
     static STREAMS: RefCell<HashMap<u32, Stream>> = RefCell::new(HashMap::new());
 }
@@ -121,10 +150,10 @@ struct Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
+        let _c = Current::enter(self.ctx);
         // SAFETY: handles created by this thread in `ctx`; errors (e.g. a driver already shut down at exit)
         // are ignored.
         unsafe {
-            sys::cuCtxSetCurrent(self.ctx as sys::CUcontext);
             sys::cuEventDestroy_v2(self.event);
             sys::cuStreamDestroy_v2(self.stream);
         }
@@ -132,8 +161,8 @@ impl Drop for Stream {
 }
 
 impl Cuda {
-    /// Make `dev`'s primary context current on this thread; returns it.
-    fn current(&self, dev: u32) -> Result<usize> {
+    /// `dev`'s primary context (retained on first use).
+    fn ctx(&self, dev: u32) -> Result<usize> {
         let slot = self.ctxs.get(dev as usize).ok_or_else(|| Error::invalid_param(format!("no CUDA device {dev}")))?;
         let ctx = match slot.get() {
             Some(&c) => c,
@@ -147,11 +176,6 @@ impl Cuda {
                 *slot.get_or_init(|| c as usize)
             }
         };
-        if CURRENT.with(|c| *c.borrow()) != ctx {
-            // SAFETY: a retained primary context.
-            check(unsafe { sys::cuCtxSetCurrent(ctx as sys::CUcontext) }, "cuCtxSetCurrent")?;
-            CURRENT.with(|c| *c.borrow_mut() = ctx);
-        }
         Ok(ctx)
     }
 
@@ -179,12 +203,11 @@ impl Mapping for Legacy {
 
 impl Drop for Legacy {
     fn drop(&mut self) {
+        let _c = Current::enter(self.ctx);
         // SAFETY: a mapping opened by cuIpcOpenMemHandle in `ctx`, closed once, after its last copy.
         unsafe {
-            sys::cuCtxSetCurrent(self.ctx as sys::CUcontext);
             sys::cuIpcCloseMemHandle(self.base);
         }
-        CURRENT.with(|c| *c.borrow_mut() = self.ctx);
     }
 }
 
@@ -203,14 +226,13 @@ impl Mapping for Vmm {
 
 impl Drop for Vmm {
     fn drop(&mut self) {
+        let _c = Current::enter(self.ctx);
         // SAFETY: the range reserved, mapped and accessed in `open`, released once after its last copy.
         unsafe {
-            sys::cuCtxSetCurrent(self.ctx as sys::CUcontext);
             sys::cuMemUnmap(self.base, self.size as usize);
             sys::cuMemAddressFree(self.base, self.size as usize);
             sys::cuMemRelease(self.handle);
         }
-        CURRENT.with(|c| *c.borrow_mut() = self.ctx);
     }
 }
 
@@ -234,12 +256,11 @@ impl HostBuf for Pinned {
 
 impl Drop for Pinned {
     fn drop(&mut self) {
+        let _c = Current::enter(self.ctx);
         // SAFETY: allocated by cuMemHostAlloc in `ctx`, freed once.
         unsafe {
-            sys::cuCtxSetCurrent(self.ctx as sys::CUcontext);
             sys::cuMemFreeHost(self.ptr as usize as *mut c_void);
         }
-        CURRENT.with(|c| *c.borrow_mut() = self.ctx);
     }
 }
 
@@ -249,6 +270,8 @@ impl Device for Cuda {
     }
 
     fn pointer_info(&self, addr: u64) -> Result<PtrInfo> {
+        // Attribute queries need some context; any device's will do (unified addressing).
+        let _any = Current::enter(self.ctx(0)?)?;
         let mt: u32 = self
             .attr(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE, addr)
             .map_err(|e| Error::invalid_param(format!("address {addr:#x} is not device memory ({})", e.message())))?;
@@ -257,7 +280,7 @@ impl Device for Cuda {
         }
         let dev: i32 = self.attr(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, addr)?;
         let dev = u32::try_from(dev).map_err(|_| Error::backend("negative device ordinal"))?;
-        self.current(dev)?;
+        let _c = Current::enter(self.ctx(dev)?)?;
         let (mut base, mut size) = (0u64, 0usize);
         // SAFETY: valid out-pointers.
         check(unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) }, "cuMemGetAddressRange")?;
@@ -265,7 +288,7 @@ impl Device for Cuda {
     }
 
     fn export(&self, info: &PtrInfo) -> Result<Export> {
-        self.current(info.dev)?;
+        let _c = Current::enter(self.ctx(info.dev)?)?;
         let legacy: i32 =
             self.attr(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, info.base)?;
         if legacy != 0 {
@@ -306,7 +329,8 @@ impl Device for Cuda {
     }
 
     fn open(&self, dev: u32, handle: &IpcHandle, exporter: BorrowedFd<'_>) -> Result<Box<dyn Mapping>> {
-        let ctx = self.current(dev)?;
+        let ctx = self.ctx(dev)?;
+        let _c = Current::enter(ctx)?;
         match handle.kind {
             HandleKind::Legacy => {
                 if handle.bytes.len() != 64 {
@@ -384,7 +408,8 @@ impl Device for Cuda {
     }
 
     fn copy(&self, dev: u32, copies: &[Copy]) -> Result<()> {
-        let ctx = self.current(dev)?;
+        let ctx = self.ctx(dev)?;
+        let _c = Current::enter(ctx)?;
         STREAMS.with(|m| {
             let mut m = m.borrow_mut();
             let s = match m.entry(dev) {
@@ -418,7 +443,8 @@ impl Device for Cuda {
     }
 
     fn host_buf(&self, dev: u32, len: usize) -> Result<Box<dyn HostBuf>> {
-        let ctx = self.current(dev)?;
+        let ctx = self.ctx(dev)?;
+        let _c = Current::enter(ctx)?;
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
         check(unsafe { sys::cuMemHostAlloc(&mut p, len, 0) }, "cuMemHostAlloc")?;
