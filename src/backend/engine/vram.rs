@@ -220,7 +220,8 @@ impl Vram {
         let dev = device::get()?;
         let d = &desc.desc;
         let info = dev.pointer_info(d.addr)?;
-        if d.addr - info.base + d.len > info.size {
+        let end = (d.addr - info.base).checked_add(d.len);
+        if !matches!(end, Some(e) if e <= info.size) {
             return Err(Error::invalid_param(format!(
                 "VRAM region {:#x}+{} crosses the end of its allocation ({:#x}+{})",
                 d.addr, d.len, info.base, info.size
@@ -329,8 +330,8 @@ struct Opened {
 
 /// Opened allocations and gate pages, per peer incarnation, so each is opened once.
 #[allow(clippy::type_complexity)]
-fn opened() -> &'static Mutex<(HashMap<(u128, u32, Vec<u8>), Weak<Opened>>, HashMap<u128, Weak<GatePage>>)> {
-    static O: OnceLock<Mutex<(HashMap<(u128, u32, Vec<u8>), Weak<Opened>>, HashMap<u128, Weak<GatePage>>)>> =
+fn opened() -> &'static Mutex<(HashMap<(u128, Vec<u8>), Weak<Opened>>, HashMap<u128, Weak<GatePage>>)> {
+    static O: OnceLock<Mutex<(HashMap<(u128, Vec<u8>), Weak<Opened>>, HashMap<u128, Weak<GatePage>>)>> =
         OnceLock::new();
     O.get_or_init(Default::default)
 }
@@ -431,7 +432,9 @@ fn open_alloc(dev: &dyn Device, r: &RemoteVram, on: u32, pidfd: BorrowedFd<'_>) 
     if let Some(o) = cur.as_ref() {
         return Ok(o.clone());
     }
-    let k = (r.incarnation, on, r.handle.bytes.clone());
+    // One mapping per peer allocation in this process, whichever device first opened it: the address is
+    // valid for every device (unified addressing), and CUDA maps a legacy handle once per process.
+    let k = (r.incarnation, r.handle.bytes.clone());
     let mut o = opened().lock();
     let op = match o.0.get(&k).and_then(Weak::upgrade) {
         Some(op) => op,
