@@ -60,6 +60,7 @@ fn prefill_child() {
     let ino = fake::identity(vram).unwrap();
     writeln!(out, "\n@md {} {vram} {} {ino}", hex(&a.local_md().unwrap()), dram.as_ptr() as u64).unwrap();
     out.flush().unwrap();
+    let mut snap = Vec::new();
     for line in std::io::stdin().lock().lines() {
         match line.unwrap().as_str() {
             "sum" => {
@@ -70,6 +71,13 @@ fn prefill_child() {
                 a.deregister_mem(&vl, &[]).unwrap();
                 writeln!(out, "ok").unwrap()
             }
+            // Deregister, then keep a copy of the buffer as it was when `deregister_mem` returned.
+            "dereg-snap" => {
+                a.deregister_mem(&vl, &[]).unwrap();
+                snap = slice(vram, size).to_vec();
+                writeln!(out, "ok").unwrap()
+            }
+            "same" => writeln!(out, "same {}", snap[..] == slice(vram, size)[..]).unwrap(),
             _ => break,
         }
         out.flush().unwrap();
@@ -330,4 +338,61 @@ fn vram_without_a_device_layer_is_not_supported() {
     } else {
         assert!(line.starts_with("NotSupported") && line.contains("`cuda` feature"), "{line}");
     }
+}
+
+/// `deregister_memory` racing a large WRITE from another process: whenever it returns (before, during or
+/// after the copy), not one byte lands afterwards. The child snapshots its buffer when `deregister_mem`
+/// returns; the parent waits for its request to end (DONE or NOT_FOUND), then the child compares.
+#[test]
+fn vram_deregistration_waits_for_copies_in_flight() {
+    let size = 64 * MIB;
+    let mut p = Prefill::start(size, 1, false, None);
+    let d = decode("vram-inflight-decode");
+    let lv = fake::alloc(0, size, false, None).unwrap();
+    reg(&d, MemType::Vram, lv, size, 0);
+    let o = XferOpts::default();
+    let mut outcomes = Vec::new();
+    for round in 0..4u8 {
+        if round > 0 {
+            // Registered again for the next round, fresh metadata.
+            p.kill();
+            p = Prefill::start(size, 1, false, None);
+            d.invalidate_remote_md("prefill").unwrap();
+        }
+        d.load_remote_md(&p.md).unwrap();
+        slice(lv, size).fill(0xA0 + round);
+        let w = d
+            .create_xfer_req(
+                XferOp::Write,
+                &one(MemType::Vram, lv, size, 0),
+                &one(MemType::Vram, p.vram, size, 1),
+                "prefill",
+                &o,
+            )
+            .unwrap();
+        let posted = d.post_xfer_req(&w, NotifUpdate::Keep);
+        assert_eq!(p.ask("dereg-snap"), "ok");
+        let end = match posted {
+            Ok(Status::InProg) => {
+                let t = Instant::now();
+                loop {
+                    match d.xfer_status(&w) {
+                        Ok(Status::InProg) if t.elapsed() < Duration::from_secs(20) => std::thread::yield_now(),
+                        other => break other,
+                    }
+                }
+            }
+            other => other,
+        };
+        match &end {
+            Ok(s) => assert_eq!(*s, Status::Success),
+            Err(e) => assert_eq!(e.status(), Status::NotFound, "{e}"),
+        }
+        outcomes.push(end.map_err(|e| e.status()));
+        assert_eq!(p.ask("same"), "same true", "round {round}: bytes landed after deregister_mem returned");
+        // Whatever happened before, the request is refused now.
+        assert_eq!(run(&d, &w).unwrap_err().status(), Status::NotFound);
+    }
+    eprintln!("outcomes of the racing WRITE: {outcomes:?}");
+    p.kill();
 }
