@@ -11,6 +11,10 @@
 //! - peers on another host (another boot, pid or network namespace): TCP (see `tcp`), with notifications
 //!   and heartbeats on a control connection.
 //!
+//! VRAM (requests with either side in GPU memory) goes through `vram`, over the device layer
+//! (`crate::device`): device copies in this process, CUDA IPC handles carried in metadata to another
+//! process, every copy behind the target's gate page.
+//!
 //! Small requests complete inline in `post`; large ones are split across a few copy threads (or, over TCP,
 //! across the peer's data connections).
 //!
