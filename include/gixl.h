@@ -309,6 +309,34 @@ nixl_capi_status_t nixl_capi_get_backend_params(nixl_capi_agent_t agent,
                                                 nixl_capi_mem_list_t *mems,
                                                 nixl_capi_params_t *params);
 
+// gixl: `nixl_capi_get_local_partial_md` with `include_conn_info` (NIXL's `includeConnInfo`): with a
+// non-empty `descs`, also put the connection info of the backends that serve them in the blob.
+nixl_capi_status_t gixl_get_local_partial_md(nixl_capi_agent_t agent,
+                                             nixl_capi_reg_dlist_t descs,
+                                             bool include_conn_info,
+                                             void **data,
+                                             size_t *len,
+                                             nixl_capi_opt_args_t opt_args);
+
+// gixl: `nixl_capi_send_local_partial_md` with `include_conn_info` and `label` (NIXL's `metadataLabel`,
+// required through etcd, ignored by a peer; NULL is "").
+nixl_capi_status_t gixl_send_local_partial_md(nixl_capi_agent_t agent,
+                                              nixl_capi_reg_dlist_t descs,
+                                              bool include_conn_info,
+                                              const char *label,
+                                              nixl_capi_opt_args_t opt_args);
+
+// gixl: `nixl_capi_fetch_remote_md` with `label` (NIXL's `metadataLabel`: which etcd key to read; NULL or
+// "" is the full metadata).
+nixl_capi_status_t gixl_fetch_remote_md(nixl_capi_agent_t agent,
+                                        const char *remote_name,
+                                        const char *label,
+                                        nixl_capi_opt_args_t opt_args);
+
+// gixl: whether two backend handles name the same backend of the same agent (NIXL's C++ API hands out one
+// pointer per backend; the C API a new handle per query). Either handle may be of a destroyed agent.
+nixl_capi_status_t gixl_backend_same(nixl_capi_backend_t a, nixl_capi_backend_t b, bool *same);
+
 // Resolves `descs` against registrations: `agent_name` "" for this agent's buffers as initiator, this
 // agent's own name for loopback, or a loaded peer. Empty or uncovered lists are NOT_FOUND.
 nixl_capi_status_t nixl_capi_prep_xfer_dlist(nixl_capi_agent_t agent,
@@ -321,6 +349,13 @@ nixl_capi_status_t nixl_capi_prep_xfer_dlist(nixl_capi_agent_t agent,
 // another agent, is INVALID_PARAM (and in the latter case the handle stays live).
 nixl_capi_status_t nixl_capi_release_xfer_dlist_handle(nixl_capi_agent_t agent,
                                                        nixl_capi_xfer_dlist_handle_t dlist_handle);
+
+// gixl: which routes work on this host (in-process, cross-memory attach with the reason when not, TCP,
+// RDMA devices, CUDA), the route gixl picks and why, versions, and this process's agents with their loaded
+// peers and incarnations, as JSON in a `malloc`'d NUL-terminated string the caller `free()`s.
+// With `peer_md` (a peer's metadata, `peer_md_len` bytes; NULL and 0 for none) it also loads that peer
+// into a throw-away agent, reports the route it gets and why, and times a READ from its first region.
+nixl_capi_status_t gixl_doctor(const void *peer_md, size_t peer_md_len, char **json_out);
 
 nixl_capi_status_t nixl_capi_destroy_mem_list(nixl_capi_mem_list_t list);
 

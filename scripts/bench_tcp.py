@@ -3,6 +3,7 @@
 
     sudo python3 scripts/bench_tcp.py                  # build gixl (release), 2 alternating rounds
     sudo python3 scripts/bench_tcp.py --rounds 1 --iters 10 --no-nixl
+    sudo python3 scripts/bench_tcp.py --no-nixl --no-build --gixl-bin before=/tmp/tcp_peer_old --gixl-bin after=target/release/examples/tcp_peer
 
 Two "hosts" are network namespaces joined by a veth pair (192.0.2.1 and 192.0.2.2, TEST-NET-1, which never
 leaves them); everything is deleted at the end. On that one link, in the same run:
@@ -257,6 +258,8 @@ def main():
     ap.add_argument("--no-nixl", action="store_true")
     ap.add_argument("--no-build", action="store_true")
     ap.add_argument("--nixl-python", default="/work/ref-nixl/bin/python")
+    ap.add_argument("--gixl-bin", action="append", default=[], metavar="NAME=PATH",
+                    help="compare these tcp_peer builds (e.g. before/after a change), alternating in each round")
     a = ap.parse_args()
     if a.role:
         return nixl_peer(a.role, a.md, a.iters, a.module)
@@ -267,7 +270,9 @@ def main():
         subprocess.run(["cargo", "build", "--release", "--example", "tcp_peer"], cwd=REPO, check=True)
     gixl_bin = os.path.join(REPO, "target", "release", "examples", "tcp_peer")
     env = dict(os.environ)
-    impls = [Impl("gixl", lambda role, md, iters: [gixl_bin, role, md, str(iters)], env)]
+    bins = [b.split("=", 1) for b in a.gixl_bin] or [("gixl", gixl_bin)]
+    impls = [Impl(name, lambda role, md, iters, path=os.path.abspath(path): [path, role, md, str(iters)], env)
+             for name, path in bins]
     if not a.no_nixl and os.path.exists(a.nixl_python):
         nenv = dict(env, UCX_TLS="tcp", NIXL_LOG_LEVEL="ERROR")
         me = os.path.abspath(__file__)

@@ -7,6 +7,8 @@
 #                     `stub-api` feature dlopen()s "libnixl_capi.so") written against NVIDIA NIXL
 #   libgixl.a         the static library
 #   gixl.h            a copy of include/gixl.h
+#   include/          NIXL's C++ API over gixl (nixl.h, nixl_types.h, nixl_params.h, nixl_descriptors.h,
+#                     serdes/serdes.h, header-only) and gixl.h: c++ -std=c++17 -Itarget/capi/include ... -lgixl
 # Link with: cc ... -Itarget/capi -Ltarget/capi -lnixl_capi   (or -lgixl); run with LD_LIBRARY_PATH=target/capi.
 set -euo pipefail
 
@@ -29,5 +31,9 @@ cp -f "$target/$profile/libgixl.so" "$out/libgixl.so"
 cp -f "$target/$profile/libgixl.so" "$out/libnixl_capi.so"
 cp -f "$target/$profile/libgixl.a" "$out/libgixl.a"
 cp -f "$root/include/gixl.h" "$out/gixl.h"
+rm -rf "$out/include"
+mkdir -p "$out/include"
+cp -rf "$root/include/nixl/." "$out/include/"
+cp -f "$root/include/gixl.h" "$out/include/gixl.h"
 n=$(nm -D --defined-only "$out/libnixl_capi.so" | grep -c ' T nixl_capi_' || true)
-echo "target/capi ($profile): libgixl.so, libnixl_capi.so, libgixl.a, gixl.h; $n nixl_capi_* functions exported"
+echo "target/capi ($profile): libgixl.so, libnixl_capi.so, libgixl.a, gixl.h, include/ (C++); $n nixl_capi_* functions exported"

@@ -63,3 +63,14 @@ for std in c11:"$cc -x c" c++17:"$cxx -x c++"; do
     echo '#include "gixl.h"' | $comp -std="$flag" -Wall -Wextra -Werror -I"$root/include" -fsyntax-only -
 done
 echo "ok   gixl.h alone (C11, C++17)"
+# The C++ drop-in headers (include/nixl/), each alone and all together, as C++17 and C++20, pedantic; also
+# in declaration-only mode (GIXL_NIXL_ORACLE), as built against NIXL's libnixl.so.
+for h in nixl_types.h nixl_params.h nixl_descriptors.h serdes/serdes.h nixl.h; do
+    for std in c++17 c++20; do
+        for mode in "" -DGIXL_NIXL_ORACLE; do
+            printf '#include <%s>\n#include <nixl.h>\n#include <%s>\n' "$h" "$h" |
+                $cxx -x c++ -std=$std $mode -Wall -Wextra -Werror -pedantic -I"$root/include/nixl" -fsyntax-only -
+        done
+    done
+done
+echo "ok   include/nixl/*.h alone and together (C++17, C++20; with and without GIXL_NIXL_ORACLE)"

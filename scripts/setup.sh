@@ -16,6 +16,8 @@ ls /usr/lib/llvm-*/lib/libclang.so* /usr/lib/x86_64-linux-gnu/libclang*.so* >/de
 command -v etcd >/dev/null || apt_missing+=(etcd-server)
 command -v ip >/dev/null || apt_missing+=(iproute2)
 command -v valgrind >/dev/null || apt_missing+=(valgrind)
+# tests/telemetry.rs scrapes gixl with a real Prometheus server.
+command -v prometheus >/dev/null || apt_missing+=(prometheus)
 if ((${#apt_missing[@]})); then
     echo "setup: apt-get install ${apt_missing[*]}"
     export DEBIAN_FRONTEND=noninteractive

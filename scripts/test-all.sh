@@ -4,10 +4,17 @@
 #
 # Steps: Rust unit + multi-process tests (cargo test, incl. the header-drift check); the VRAM tests again
 # with the `cuda` feature (fake device layer); the header alone as C11 and C++17; the C library's exports;
-# the C test suite under ASan/UBSan against gixl and against NVIDIA's
-# NIXL 1.5.1 (the oracle); the nixl-sys (stub-api) Rust consumer against gixl; the Python conformance suite
+# the C test suite under ASan/UBSan against gixl and against NVIDIA's NIXL 1.5.1 (the oracle); the nixl-sys
+# (stub-api) Rust consumer against gixl; the C++ drop-in (nixl.h) tests under ASan/UBSan against gixl and
+# against NIXL's libnixl.so; the Python conformance suite
 # against gixl and against NIXL (including the fault matrix and hostile-input tests); the typed stubs
-# (mypy.stubtest); the two-process demo; the C tests under valgrind; and a short soak.
+# (mypy.stubtest); the two-process demo; the C tests under valgrind; a short soak; the Python extension's
+# exports; replacing NVIDIA's nixl-cu12 with gixl in a fresh virtualenv and back (scripts/swap-test.sh);
+# and that no must-run test skipped on CI. Ends with passed / failed / skipped per suite.
+#
+# Skips: a Rust test that cannot run here calls tests/common::skip, which appends a line to $GIXL_SKIP_LOG;
+# pytest and the C runner count their own. With CI=true, a skip in the must-run set (network namespaces,
+# etcd, the CMA fall-back, io_uring, the Prometheus scrape) fails the run.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -15,6 +22,14 @@ cd "$root"
 passed=0
 failed=0
 failures=()
+logs="$root/target/test-all"
+mkdir -p "$logs"
+# Every skip a Rust test records (tests/common::skip, util::test_skip) lands here, one line each.
+export GIXL_SKIP_LOG="$logs/skips.txt"
+: >"$GIXL_SKIP_LOG"
+# Per-suite counts, one line each: "<suite>|<passed>|<failed>|<skipped>|<note>".
+counts="$logs/counts.txt"
+: >"$counts"
 step() {
     local name="$1"
     shift
@@ -30,12 +45,52 @@ step() {
         echo "=== $name: FAILED ($((SECONDS - t0)) s)"
     fi
 }
+# Run a suite with its output shown and kept in $logs/<tag>.log; returns the suite's status.
+logged() {
+    local tag="$1"
+    shift
+    "$@" 2>&1 | tee "$logs/$tag.log"
+    return "${PIPESTATUS[0]}"
+}
+# cargo test: sum libtest's "test result:" lines; skips are the lines the tests recorded.
+count_cargo() {
+    local p f i s
+    p=$(grep -o '[0-9]* passed;' "$logs/cargo.log" | awk '{n += $1} END {print n + 0}')
+    f=$(grep -o '[0-9]* failed;' "$logs/cargo.log" | awk '{n += $1} END {print n + 0}')
+    i=$(grep -o '[0-9]* ignored;' "$logs/cargo.log" | awk '{n += $1} END {print n + 0}')
+    s=$(grep -c '^SKIPPED: ' "$GIXL_SKIP_LOG")
+    echo "cargo test|$p|$f|$s|$i ignored (benchmarks, run on demand); a skipped test also counts as passed in libtest" >>"$counts"
+}
+# ffi-tests/run.sh ends with "N passed, M failed (K skipped)".
+count_c() {
+    local line
+    line=$(grep -E '^[0-9]+ passed, [0-9]+ failed \([0-9]+ skipped\)$' "$logs/$1.log" | tail -n 1)
+    [ -n "$line" ] || line="0 passed, 1 failed (0 skipped)"
+    # shellcheck disable=SC2086
+    set -- "$2" $line
+    echo "$1|$2|$4|${6#(}|" >>"$counts"
+}
+# pytest -q ends with "N passed, M skipped, K failed in ...".
+count_py() {
+    local line p f s
+    line=$(grep -E '^(=+ )?[0-9]+ (passed|failed)' "$logs/$1.log" | tail -n 1)
+    p=$(grep -oE '[0-9]+ passed' <<<"$line" | grep -oE '[0-9]+' || echo 0)
+    f=$(grep -oE '[0-9]+ (failed|error)' <<<"$line" | grep -oE '[0-9]+' | awk '{n += $1} END {print n + 0}')
+    s=$(grep -oE '[0-9]+ skipped' <<<"$line" | grep -oE '[0-9]+' || echo 0)
+    [ -n "$line" ] || f=1
+    echo "$2|$p|$f|$s|" >>"$counts"
+}
 
 scripts/setup.sh || { echo "setup failed"; exit 1; }
 
 nixl_site() { ls -d .venv/nixl/lib/python3*/site-packages | head -n 1; }
 
-rust_tests() { cargo test --workspace --release; }
+rust_tests() {
+    logged cargo cargo test --workspace --release
+    local rc=$?
+    count_cargo
+    return $rc
+}
 rust_cuda() {
     # The `cuda` feature (cudarc; the driver is loaded at run time, so this builds and runs without CUDA) over
     # the fake device layer: lint, the VRAM route's unit and multi-process tests (incl. the no-driver
@@ -44,7 +99,38 @@ rust_cuda() {
         cargo test --release --features cuda --lib --test vram -- vram &&
         GIXL_FAKE_DEVICE=1 GIXL_ITERS=2 timeout 120 cargo run -q --release --features cuda --example gpu_check
 }
-rust_lint() { cargo fmt --all --check && cargo clippy --workspace --all-targets --release -- -D warnings; }
+rust_lint() {
+    # A machine without the tools must not pass this step by accident.
+    if ! cargo fmt --version >/dev/null 2>&1; then
+        echo "rustfmt is NOT installed: rustup component add rustfmt (this step fails without it)"
+        return 1
+    fi
+    if ! cargo clippy --version >/dev/null 2>&1; then
+        echo "clippy is NOT installed: rustup component add clippy (this step fails without it)"
+        return 1
+    fi
+    cargo fmt --all --check && cargo clippy --workspace --all-targets --release -- -D warnings
+}
+# The Python extension is loaded by Python only: it must not export NIXL's C ABI as well (it is built
+# without the gixl crate's `capi` feature).
+py_exports() {
+    local so n
+    so=$(.venv/gixl/bin/python -c "import gixl._gixl as m; print(m.__file__)") || return 1
+    n=$(nm -D --defined-only "$so" | grep -c ' T nixl_capi_')
+    echo "$(basename "$so") exports $n nixl_capi_* functions (must be 0)"
+    [ "$n" -eq 0 ]
+}
+# On CI (root, Linux) the tests that need namespaces, etcd, another uid or io_uring must have run.
+must_run() {
+    local must
+    must=$(grep -E '^SKIPPED: .* \[(netns|etcd|cma|io_uring|prometheus)\]: ' "$GIXL_SKIP_LOG")
+    [ -n "$must" ] && printf 'must-run tests skipped:\n%s\n' "$must"
+    if [ "${CI:-}" = "true" ] && [ -n "$must" ]; then
+        echo "CI=true: these tests must run here (root, Linux, etcd, io_uring); failing"
+        return 1
+    fi
+    echo "must-run set (netns, etcd, cma, io_uring, prometheus): $(grep -cE '\[(netns|etcd|cma|io_uring|prometheus)\]' "$GIXL_SKIP_LOG") skipped"
+}
 header() { scripts/check-header.sh; }
 capi_exports() {
     scripts/build-capi.sh --release || return 1
@@ -53,7 +139,12 @@ capi_exports() {
     echo "libnixl_capi.so exports $n nixl_capi_* functions (NIXL 1.5.1 has 104)"
     [ "$n" -eq 104 ]
 }
-ffi_gixl() { FFI_CONSUMER=1 FFI_BUILD_DIR="$root/target/ffi-gixl" ffi-tests/run.sh "$root/target/capi" "$root/include"; }
+ffi_gixl() {
+    FFI_CONSUMER=1 FFI_BUILD_DIR="$root/target/ffi-gixl" logged c-gixl ffi-tests/run.sh "$root/target/capi" "$root/include"
+    local rc=$?
+    count_c c-gixl "C tests vs gixl"
+    return $rc
+}
 ffi_nixl() {
     # NIXL's wheel ships no C header: use the declarations of the nixl-sys crate (fetched by the consumer build),
     # kept outside the repository.
@@ -67,10 +158,38 @@ ffi_nixl() {
     mkdir -p "$decls"
     cp "$wrapper" "$decls/nixl_capi_decls.h"
     printf '#pragma once\n#include "nixl_capi_decls.h"\n' >"$decls/gixl.h"
-    GIXL_ORACLE=nixl FFI_BUILD_DIR="$root/target/ffi-nixl" ffi-tests/run.sh "$root/$(nixl_site)/.nixl_cu12.mesonpy.libs" "$decls"
+    GIXL_ORACLE=nixl FFI_BUILD_DIR="$root/target/ffi-nixl" logged c-nixl \
+        ffi-tests/run.sh "$root/$(nixl_site)/.nixl_cu12.mesonpy.libs" "$decls"
+    local rc=$?
+    count_c c-nixl "C tests vs NIXL"
+    return $rc
 }
-py_gixl() { GIXL_TEST_INSTALLED=1 .venv/gixl/bin/python -m pytest -q python/tests --impl gixl -p no:cacheprovider; }
-py_nixl() { .venv/nixl/bin/python -m pytest -q python/tests --impl nixl_cu12 -p no:cacheprovider; }
+py_gixl() {
+    GIXL_TEST_INSTALLED=1 logged py-gixl .venv/gixl/bin/python -m pytest -q -rs python/tests --impl gixl -p no:cacheprovider
+    local rc=$?
+    count_py py-gixl "Python vs gixl"
+    return $rc
+}
+py_nixl() {
+    logged py-nixl .venv/nixl/bin/python -m pytest -q -rs python/tests --impl nixl_cu12 -p no:cacheprovider
+    local rc=$?
+    count_py py-nixl "Python vs NIXL"
+    return $rc
+}
+cpp_gixl() {
+    CPP_BUILD_DIR="$root/target/cpp-gixl" logged cpp-gixl ffi-tests/cpp/run.sh "$root/target/capi" "$root/target/capi/include"
+    local rc=$?
+    count_c cpp-gixl "C++ tests vs gixl"
+    return $rc
+}
+cpp_nixl() {
+    # The same C++ programs built against NIXL's libnixl.so (our headers in declaration-only mode, NIXL 1.5.1's layouts).
+    CPP_ORACLE=nixl CPP_BUILD_DIR="$root/target/cpp-nixl" logged cpp-nixl \
+        ffi-tests/cpp/run.sh "$root/$(nixl_site)/.nixl_cu12.mesonpy.libs" "$root/include/nixl"
+    local rc=$?
+    count_c cpp-nixl "C++ tests vs NIXL"
+    return $rc
+}
 stubs() { PATH="$root/.venv/gixl/bin:$PATH" python/scripts/stubtest.sh; }
 demo() { timeout 300 .venv/gixl/bin/python examples/kv_demo.py; }
 vllm_sequence() {
@@ -91,6 +210,8 @@ step "header compiles alone (C11, C++17)" header
 step "C library exports" capi_exports
 step "C tests + nixl-sys consumer vs gixl" ffi_gixl
 step "C tests vs NIXL 1.5.1" ffi_nixl
+step "C++ drop-in tests (nixl.h) vs gixl" cpp_gixl
+step "C++ drop-in tests vs NIXL 1.5.1 (libnixl.so)" cpp_nixl
 step "Python conformance vs gixl" py_gixl
 step "Python conformance vs NIXL 1.5.1" py_nixl
 step "type stubs (mypy.stubtest)" stubs
@@ -98,6 +219,20 @@ step "two-process demo" demo
 step "vLLM call sequence: same output on gixl and NIXL" vllm_sequence
 step "C tests under valgrind (memcheck)" valgrind_c
 step "soak: 1000 cycles, 20 peer restarts, RSS and fds flat" soak_quick
+step "Python extension exports no C ABI" py_exports
+step "NIXL -> gixl swap and back in a fresh virtualenv" scripts/swap-test.sh
+step "must-run tests ran (fails on CI=true if any skipped)" must_run
+
+echo
+echo "=== tests per suite (skipped tests are listed above with their reason)"
+printf '%-22s %8s %8s %8s  %s\n' suite passed failed skipped note
+while IFS='|' read -r suite p f s note; do
+    printf '%-22s %8s %8s %8s  %s\n' "$suite" "$p" "$f" "$s" "$note"
+done <"$counts"
+if [ -s "$GIXL_SKIP_LOG" ]; then
+    echo "Rust skips:"
+    sed 's/^/  /' "$GIXL_SKIP_LOG"
+fi
 
 echo
 for f in "${failures[@]}"; do echo "failed step: $f"; done

@@ -17,6 +17,7 @@
 
 pub mod agent;
 pub mod backend;
+#[cfg(feature = "capi")]
 pub mod capi;
 /// The GPU driver behind a trait: the real one (`cuda` feature) and a fake for tests.
 #[doc(hidden)]
@@ -27,6 +28,7 @@ pub mod md;
 pub(crate) mod mdx;
 pub mod mem;
 pub mod status;
+pub mod telemetry;
 pub(crate) mod util;
 
 pub use agent::{Agent, AgentConfig, BackendId, NotifUpdate, PreppedDList, SyncMode, XferOpts, XferReq, XferTelemetry};

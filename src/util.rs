@@ -56,6 +56,26 @@ pub fn host_id() -> String {
     format!("{}|{}|{}", boot.trim(), ns("pid"), ns("net"))
 }
 
+/// A unit test that cannot run here says so the way the integration tests do (`tests/common::skip`):
+/// `SKIPPED: <test> [<kind>]: <why>` on stderr and appended to the file named by `GIXL_SKIP_LOG`.
+#[cfg(test)]
+pub(crate) fn test_skip(kind: &str, why: &str) {
+    use std::io::Write;
+    let thread = std::thread::current();
+    let line = format!("SKIPPED: {} [{kind}]: {why}", thread.name().unwrap_or("?"));
+    eprintln!("{line}");
+    if let Some(path) = std::env::var_os("GIXL_SKIP_LOG") {
+        let r = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| f.write_all(format!("{line}\n").as_bytes()));
+        if let Err(e) = r {
+            panic!("cannot record the skip in {path:?}: {e}");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

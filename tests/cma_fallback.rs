@@ -60,7 +60,7 @@ fn child_entry() {
 fn denied_cross_memory_attach_falls_back_to_tcp() {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("SKIPPED: needs root to start a child as another user");
+        common::skip("cma", "needs root to start a child as another user");
         return;
     }
     let size = 8 << 20;
@@ -91,7 +91,7 @@ fn denied_cross_memory_attach_falls_back_to_tcp() {
     let status = child.wait().unwrap();
     if sum.is_none() && !status.success() {
         // A child that cannot even start as nobody (binary not readable to it) says nothing about gixl.
-        eprintln!("SKIPPED: the child could not run as nobody ({status})");
+        common::skip("cma", &format!("the child could not run as nobody ({status})"));
         return;
     }
     assert!(status.success());

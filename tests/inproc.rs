@@ -146,3 +146,125 @@ fn request_errors_match_nixl() {
     assert_eq!(st(a.create_backend("UCX", &Params::new()).unwrap_err()), Status::InvalidParam);
     assert_eq!(st(a.create_backend("NOPE", &Params::new()).unwrap_err()), Status::NotFound);
 }
+
+// ----- exact to the incarnation (issue #10): in-process route -----
+
+/// Metadata of `victim` rewritten by an attacker: another name, the victim's incarnation and connection info
+/// (so the route is "in process, to the victim"), and `regions` claimed with the public bytes given.
+fn forged(victim: &Agent, name: &str, incarnation: Option<u128>, regions: Vec<(Desc, Vec<u8>)>) -> Vec<u8> {
+    let mut md = gixl::md::AgentMd::decode(&victim.local_md().unwrap()).unwrap();
+    md.name = name.to_owned();
+    if let Some(i) = incarnation {
+        md.incarnation = i;
+    }
+    md.sections[0].regions = regions;
+    md.encode()
+}
+
+#[test]
+fn forged_metadata_routes_nothing_into_unregistered_memory() {
+    let (v, _) = agent("fv-victim");
+    let (d, _) = agent("fv-decode");
+    // The victim registers one page of a 16 KiB buffer; the rest is memory it never registered.
+    let secret = vec![0x77u8; 16384];
+    let base = secret.as_ptr() as u64;
+    reg(&v, &secret[4096..8192]);
+    let real = gixl::md::AgentMd::decode(&v.local_md().unwrap()).unwrap();
+    let ticket = real.sections[0].regions[0].1.clone();
+    let src = vec![0xEEu8; 16384];
+    reg(&d, &src);
+    let whole = Desc::new(base, 16384, 0);
+    let post = |name: &str, md: Vec<u8>, off: u64, len: u64| -> Result<Status> {
+        d.load_remote_md(&md)?;
+        let local = XferDList::with_descs(MemType::Dram, vec![Desc::new(src.as_ptr() as u64, len, 0)]);
+        let remote = XferDList::with_descs(MemType::Dram, vec![Desc::new(base + off, len, 0)]);
+        let r = d.create_xfer_req(XferOp::Write, &local, &remote, name, &XferOpts::default())?;
+        d.post_xfer_req(&r, NotifUpdate::Keep)?;
+        wait(&d, &r)
+    };
+    // The victim's real ticket stretched over the whole buffer.
+    let e = post("fv-1", forged(&v, "fv-1", None, vec![(whole, ticket.clone())]), 0, 16384).unwrap_err();
+    assert_eq!(e.status(), Status::Backend, "{e}");
+    // A made-up slot and state.
+    let e = post("fv-2", forged(&v, "fv-2", None, vec![(whole, vec![5, 3])]), 0, 16384).unwrap_err();
+    assert_eq!(e.status(), Status::Backend, "{e}");
+    // Connection info of this very process but an incarnation no engine here has: not routed at all.
+    let e = post("fv-3", forged(&v, "fv-3", Some(42), vec![(whole, ticket.clone())]), 0, 16384).unwrap_err();
+    assert_eq!(e.status(), Status::RemoteDisconnect, "{e}");
+    assert!(secret.iter().all(|&b| b == 0x77), "unregistered memory was written");
+    // Control: inside the registration, the same forged route reaches it (it is the victim's registered memory).
+    let inside = Desc::new(base + 4096, 4096, 0);
+    assert_eq!(post("fv-4", forged(&v, "fv-4", None, vec![(inside, ticket)]), 4096, 4096).unwrap(), Status::Success);
+    assert!(secret[4096..8192].iter().all(|&b| b == 0xEE));
+    assert!(secret[..4096].iter().chain(&secret[8192..]).all(|&b| b == 0x77));
+}
+
+#[test]
+fn agent_recreated_in_process_at_the_same_address_is_not_written() {
+    let (d, _) = agent("rc-decode");
+    let src = vec![0x5Au8; 1 << 20];
+    reg(&d, &src);
+    let dst = vec![0u8; 1 << 20];
+    let (p, _) = agent("rc-prefill");
+    reg(&p, &dst);
+    d.load_remote_md(&p.local_md().unwrap()).unwrap();
+    let local = d.prep_xfer_dlist("", &xl(&src, 0, 1 << 20), &[]).unwrap();
+    let remote = d.prep_xfer_dlist("rc-prefill", &xl(&dst, 0, 1 << 20), &[]).unwrap();
+    let r = d.make_xfer_req(XferOp::Write, &local, &[0], &remote, &[0], &XferOpts::default()).unwrap();
+    assert_eq!(d.post_xfer_req(&r, NotifUpdate::Keep).unwrap(), Status::Success);
+    // Destroyed and created again under the same name, the same buffer registered again.
+    drop(p);
+    let dst = {
+        let mut b = dst;
+        b.fill(0x22);
+        b
+    };
+    let (p2, _) = agent("rc-prefill");
+    reg(&p2, &dst);
+    assert_eq!(d.post_xfer_req(&r, NotifUpdate::Keep).unwrap_err().status(), Status::RemoteDisconnect);
+    let e = d.make_xfer_req(XferOp::Write, &local, &[0], &remote, &[0], &XferOpts::default());
+    if let Ok(r2) = e {
+        assert_eq!(d.post_xfer_req(&r2, NotifUpdate::Keep).unwrap_err().status(), Status::RemoteDisconnect);
+    }
+    assert!(dst.iter().all(|&b| b == 0x22), "the new agent's buffer was written through an old handle");
+}
+
+#[test]
+fn deregistration_waits_for_in_process_copies() {
+    const SIZE: usize = 256 << 20;
+    let (d, _) = agent("dr-decode");
+    let (p, _) = agent("dr-prefill");
+    let src = vec![0x5Au8; SIZE];
+    reg(&d, &src);
+    let dst = vec![0u8; SIZE];
+    let l = RegDList::with_descs(
+        MemType::Dram,
+        vec![RegDesc { desc: Desc::new(dst.as_ptr() as u64, SIZE as u64, 0), meta: vec![] }],
+    );
+    p.register_mem(&l, &[]).unwrap();
+    d.load_remote_md(&p.local_md().unwrap()).unwrap();
+    let r =
+        d.create_xfer_req(XferOp::Write, &xl(&src, 0, SIZE), &xl(&dst, 0, SIZE), "dr-prefill", &XferOpts::default());
+    let r = r.unwrap();
+    let addr = dst.as_ptr() as usize;
+    let watcher = std::thread::spawn(move || {
+        // Deregister as soon as the write is under way, then overwrite everything with a sentinel.
+        let probe = (addr + SIZE / 2 + (8 << 20)) as *const u8;
+        // SAFETY: `dst` outlives this thread (joined below); volatile: another thread writes it.
+        while unsafe { std::ptr::read_volatile(probe) } == 0 {
+            std::hint::spin_loop();
+        }
+        p.deregister_mem(&l, &[]).unwrap();
+        // SAFETY: as above; after deregistration only this thread writes the buffer.
+        unsafe { std::ptr::write_bytes(addr as *mut u8, 0xEE, SIZE) };
+        p
+    });
+    let st = match d.post_xfer_req(&r, NotifUpdate::Keep) {
+        Ok(Status::InProg) => wait(&d, &r),
+        other => other,
+    };
+    let _p = watcher.join().unwrap();
+    assert!(matches!(st, Ok(Status::Success)) || st.as_ref().unwrap_err().status() == Status::Backend, "{st:?}");
+    let landed = dst.iter().filter(|&&b| b != 0xEE).count();
+    assert_eq!(landed, 0, "{landed} bytes landed after deregister_mem returned ({st:?})");
+}

@@ -248,3 +248,36 @@ fn many_small_blocks_cross_process() {
     );
     p.kill();
 }
+
+/// Metadata of another process, rewritten: the prefill's real region ticket stretched past its registration.
+/// Over cross-memory attach the target's gate refuses it whole; not one byte of the prefill changes.
+#[test]
+fn forged_metadata_over_cma_writes_nothing() {
+    let size = MIB;
+    let mut p = Prefill::start(size, 4);
+    let d = Agent::new("decode-forge", AgentConfig::default()).unwrap();
+    d.create_backend("UCX", &Params::new()).unwrap();
+    let src = vec![0xEEu8; 2 * size];
+    let sd = Desc::new(src.as_ptr() as u64, src.len() as u64, 0);
+    d.register_mem(&RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: sd, meta: vec![] }]), &[]).unwrap();
+    let mut md = gixl::md::AgentMd::decode(&p.md).unwrap();
+    md.name = "mallory".into();
+    let (desc, ticket) = md.sections[0].regions[0].clone();
+    md.sections[0].regions = vec![(Desc::new(desc.addr, desc.len + 4096, 0), ticket)];
+    d.load_remote_md(&md.encode()).unwrap();
+    // Straddles the end of the registration: half inside, half outside.
+    let at = p.addr + size as u64 - 4096;
+    for op in [XferOp::Write, XferOp::Read] {
+        let r = d.create_xfer_req(op, &one(sd.addr, 8192), &one(at, 8192), "mallory", &XferOpts::default()).unwrap();
+        let e = d.post_xfer_req(&r, NotifUpdate::Keep).unwrap_err();
+        assert_eq!(e.status(), Status::Backend, "{op:?}: {e}");
+    }
+    assert_eq!(p.sum(), 4 * size as u64, "the prefill's buffer changed");
+    assert!(src.iter().all(|&b| b == 0xEE), "a refused READ delivered data");
+    // The genuine metadata still works on the same connection.
+    d.load_remote_md(&p.md).unwrap();
+    let r = d.create_xfer_req(XferOp::Read, &one(sd.addr, 4096), &one(at, 4096), "prefill", &XferOpts::default());
+    assert_eq!(d.post_xfer_req(&r.unwrap(), NotifUpdate::Keep).unwrap(), Status::Success);
+    assert!(src[..4096].iter().all(|&b| b == 4));
+    p.kill();
+}

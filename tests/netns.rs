@@ -24,6 +24,8 @@ use gixl::*;
 struct ChildState {
     agent: Agent,
     bufs: Vec<Vec<u8>>,
+    /// Connections a flooding stranger holds open.
+    held: Vec<TcpStream>,
 }
 
 fn reply(r: std::result::Result<String, String>) {
@@ -62,7 +64,7 @@ fn agent_child() {
     let cfg = AgentConfig { listen_thread: listen, listen_port: 0, ..Default::default() };
     let agent = Agent::new(&name, cfg).unwrap();
     agent.create_backend("UCX", &Params::new()).unwrap();
-    let mut s = ChildState { agent, bufs: Vec::new() };
+    let mut s = ChildState { agent, bufs: Vec::new(), held: Vec::new() };
     reply(Ok(format!("ready {}", std::process::id())));
     for line in std::io::stdin().lock().lines() {
         let line = line.unwrap();
@@ -167,6 +169,23 @@ fn child_cmd(s: &mut ChildState, w: &[&str]) -> std::result::Result<String, Stri
         }
         "sum" => Ok(s.bufs[num(1) as usize].iter().map(|&b| b as u64).sum::<u64>().to_string()),
         "attack" => attack(&unhex(w[1]), num(2), num(3)),
+        "hostile" => hostile(&unhex(w[1]), num(2), num(3)),
+        "flood" => {
+            // flood MD N: open N idle connections to the target's TCP port and hold them.
+            let md = AgentMd::decode(&unhex(w[1])).map_err(st)?;
+            let (addrs, _) = tcp_endpoint(&md.conns[0].1).map_err(st)?;
+            let to = *addrs.iter().find(|a| !a.ip().is_loopback()).ok_or("no address")?;
+            for _ in 0..num(2) {
+                if let Ok(c) = TcpStream::connect_timeout(&to, Duration::from_secs(5)) {
+                    s.held.push(c);
+                }
+            }
+            Ok(s.held.len().to_string())
+        }
+        "unflood" => {
+            s.held.clear();
+            Ok(String::new())
+        }
         other => Err(format!("unknown command {other}")),
     }
 }
@@ -249,6 +268,140 @@ fn attack(md: &[u8], addr: u64, len: u64) -> std::result::Result<String, String>
     }
     let ok = req(XferOp::Read, wire::WireSeg { region: addr, region_len: len, addr, len: 64 });
     log.push(format!("in-bounds-read={}", if ok == wire::REPLY_OK { "ok" } else { "DENIED" }));
+    Ok(log.join(" "))
+}
+
+/// A stranger on another host sends malformed or hostile bytes for every TCP message, without and with the
+/// target's secret. Each case must be closed (or NAKed) by the target without serving anything; the log is
+/// `case=verdict` pairs, where the verdict is `closed`, `nak`, `closed-after-MS` (a deadline closed it) or
+/// something in capitals when the target did anything else.
+fn hostile(md: &[u8], addr: u64, len: u64) -> std::result::Result<String, String> {
+    let md = AgentMd::decode(md).map_err(st)?;
+    let (addrs, secret) = tcp_endpoint(&md.conns[0].1).map_err(st)?;
+    let to = *addrs.iter().find(|a| !a.ip().is_loopback()).ok_or("no address")?;
+    let inc = md.incarnation;
+    let mut log = Vec::new();
+    let challenged = || -> (TcpStream, [u8; 16]) {
+        let mut s = TcpStream::connect_timeout(&to, Duration::from_secs(5)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+        let mut c = [0u8; wire::CHALLENGE_BYTES];
+        s.read_exact(&mut c).unwrap();
+        (s, wire::parse_challenge(&c).unwrap())
+    };
+    // What the target does next: closes (EOF or reset), or sends bytes.
+    let verdict = |s: &mut TcpStream| -> String {
+        let t = Instant::now();
+        let mut b = [0u8; 64];
+        match s.read(&mut b) {
+            Ok(0) | Err(_) if t.elapsed() >= Duration::from_secs(14) => "OPEN".into(),
+            Ok(0) | Err(_) => {
+                if t.elapsed() > Duration::from_millis(200) {
+                    format!("closed-after-{}", t.elapsed().as_millis())
+                } else {
+                    "closed".into()
+                }
+            }
+            Ok(1) if b[0] == wire::NAK => {
+                let mut rest = [0u8; 8];
+                match s.read(&mut rest) {
+                    Ok(0) | Err(_) => "nak".into(),
+                    Ok(_) => "NAK-THEN-DATA".into(),
+                }
+            }
+            Ok(n) => format!("ANSWERED-{n}-BYTES"),
+        }
+    };
+    let hello_bytes = |kind: u8, nonce: &[u8; 16], sec: u128, name: &str| {
+        let tag = wire::hello_tag(sec, kind, inc, nonce, name);
+        wire::encode_hello(&wire::Hello { kind, incarnation: inc, tag, name: name.into() })
+    };
+    // ---- before authentication ----
+    {
+        let (mut s, n) = challenged();
+        let h = hello_bytes(wire::KIND_DATA, &n, secret, "mallory");
+        s.write_all(&h[..10]).unwrap();
+        log.push(format!("slow-hello={}", verdict(&mut s)));
+    }
+    {
+        let (mut s, _) = challenged();
+        log.push(format!("silent={}", verdict(&mut s)));
+    }
+    {
+        let (mut s, n) = challenged();
+        s.write_all(&hello_bytes(wire::KIND_DATA, &n, secret ^ 1, &"A".repeat(wire::MAX_NAME))).unwrap();
+        log.push(format!("max-name-wrong-tag={}", verdict(&mut s)));
+    }
+    {
+        let (mut s, n) = challenged();
+        let mut h = hello_bytes(wire::KIND_DATA, &n, secret, "mallory");
+        h[33..35].copy_from_slice(&u16::MAX.to_le_bytes());
+        let _ = s.write_all(&h);
+        log.push(format!("name-too-long={}", verdict(&mut s)));
+    }
+    {
+        let (mut s, n) = challenged();
+        let mut h = hello_bytes(wire::KIND_DATA, &n, secret, "mallory");
+        h[8] = 7;
+        let _ = s.write_all(&h);
+        log.push(format!("bad-kind={}", verdict(&mut s)));
+    }
+    {
+        let (mut s, _) = challenged();
+        let _ = s.write_all(b"GIXLTCP9");
+        log.push(format!("bad-magic={}", verdict(&mut s)));
+    }
+    {
+        let (mut s, _) = challenged();
+        let junk: Vec<u8> = (0..1u32 << 20).map(|i| (i * 7 + 3) as u8).collect();
+        let _ = s.write_all(&junk);
+        log.push(format!("junk-1MiB={}", verdict(&mut s)));
+    }
+    {
+        let (mut s, n) = challenged();
+        let mut h = hello_bytes(wire::KIND_DATA, &n, secret, "mallory");
+        h.extend_from_slice(b"extra bytes before the answer");
+        let _ = s.write_all(&h);
+        log.push(format!("hello-plus-trailing={}", verdict(&mut s)));
+    }
+    // ---- with the secret (NIXL's trust model: whoever has the metadata may transfer) ----
+    let authed = |kind: u8| -> TcpStream {
+        let (mut s, n) = challenged();
+        s.write_all(&hello_bytes(kind, &n, secret, "mallory")).unwrap();
+        let mut a = [0u8; 1];
+        s.read_exact(&mut a).unwrap();
+        assert_eq!(a[0], wire::ACK);
+        s
+    };
+    for (what, frame) in [
+        ("ctrl-oversized", { [0xff, 0xff, 0xff, 0x7f, wire::CTRL_NOTIF].to_vec() }),
+        ("ctrl-zero-length", vec![0, 0, 0, 0, wire::CTRL_PING]),
+        ("ctrl-unknown-kind", vec![1, 0, 0, 0, 99]),
+        ("ctrl-pong-from-initiator", wire::encode_ctrl_head(wire::CTRL_PONG, 0).to_vec()),
+        ("ctrl-ping-with-body", vec![2, 0, 0, 0, wire::CTRL_PING, 0]),
+    ] {
+        let mut s = authed(wire::KIND_CTRL);
+        let _ = s.write_all(&frame);
+        log.push(format!("{what}={}", verdict(&mut s)));
+    }
+    let seg = wire::WireSeg { region: addr, region_len: len, addr, len: 64 };
+    let req = |mutate: &dyn Fn(&mut Vec<u8>)| -> Vec<u8> {
+        let mut b = Vec::new();
+        wire::encode_req(XferOp::Write, &[seg], &mut b);
+        mutate(&mut b);
+        b
+    };
+    for (what, bytes) in [
+        ("data-bad-magic", req(&|b| b[0] = b'X')),
+        ("data-bad-op", req(&|b| b[2] = 9)),
+        ("data-zero-segments", req(&|b| b[4..8].copy_from_slice(&0u32.to_le_bytes()))),
+        ("data-too-many-segments", req(&|b| b[4..8].copy_from_slice(&u32::MAX.to_le_bytes()))),
+        ("data-total-too-big", req(&|b| b[8..16].copy_from_slice(&u64::MAX.to_le_bytes()))),
+        ("data-sum-mismatch", req(&|b| b[8..16].copy_from_slice(&65u64.to_le_bytes()))),
+    ] {
+        let mut s = authed(wire::KIND_DATA);
+        let _ = s.write_all(&bytes);
+        log.push(format!("{what}={}", verdict(&mut s)));
+    }
     Ok(log.join(" "))
 }
 
@@ -359,6 +512,19 @@ impl Proc {
             }
         }
         n
+    }
+
+    /// Open descriptors and resident memory (KiB) of the process.
+    fn fds_rss(&self) -> (usize, u64) {
+        let fds = std::fs::read_dir(format!("/proc/{}/fd", self.pid)).map(|d| d.count()).unwrap_or(0);
+        let st = std::fs::read_to_string(format!("/proc/{}/status", self.pid)).unwrap_or_default();
+        let rss = st
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        (fds, rss)
     }
 
     fn kill(&mut self) -> u64 {
@@ -474,6 +640,36 @@ fn killed_or_partitioned_peer_is_a_remote_disconnect_within_the_bound() {
         // Later posts fail the same way at once.
         let e = ini.try_cmd(&format!("xfer read {ib} prefill {taddr} 4096 1 -")).unwrap_err();
         assert!(e.starts_with("NIXL_ERR_REMOTE_DISCONNECT"), "{e}");
+        if fault == "link-down" {
+            // The link comes back: the same peer, same handles, works again without remove / re-add (a
+            // retry is let through once the back-off has passed: 1 s, then 2 s, ...).
+            net.link(0, true);
+            let t = Instant::now();
+            let mut tries = 0;
+            let ok = loop {
+                tries += 1;
+                match ini.try_cmd(&format!("xfer read {ib} prefill {taddr} 4096 1 -")) {
+                    Ok(_) => break true,
+                    Err(e) if t.elapsed() < Duration::from_secs(20) => {
+                        assert!(e.starts_with("NIXL_ERR_REMOTE_DISCONNECT"), "{e}");
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    Err(_) => break false,
+                }
+            };
+            eprintln!("link back up: READ works again after {:?} ({tries} posts)", t.elapsed());
+            assert!(ok, "the peer did not recover once reachable");
+        } else {
+            // Killed: the listener is gone, so the retry after the back-off proves it (connection refused)
+            // and the peer stays disconnected for good.
+            std::thread::sleep(Duration::from_millis(1100));
+            for _ in 0..2 {
+                let t = Instant::now();
+                let e = ini.try_cmd(&format!("xfer read {ib} prefill {taddr} 4096 1 -")).unwrap_err();
+                assert!(e.starts_with("NIXL_ERR_REMOTE_DISCONNECT"), "{e}");
+                eprintln!("killed peer, post after the back-off: {e} in {:?}", t.elapsed());
+            }
+        }
     }
 }
 
@@ -495,6 +691,59 @@ fn strangers_cannot_touch_memory_across_hosts() {
     }
     assert_eq!(results.len(), 16);
     assert_eq!(target.cmd(&format!("sum {b}")), (0x42 * len as u64).to_string(), "target memory changed");
+}
+
+/// A stranger on a third host floods the target's TCP port with idle connections and then sends hostile
+/// bytes for every TCP message. The real peer's READs keep working throughout, the target's descriptors
+/// and memory stay bounded, its memory is untouched and no notification arrives from the stranger.
+#[test]
+fn hostile_peers_across_hosts_are_refused_and_bounded() {
+    let _g = SERIAL.lock();
+    let Some(net) = Net::new("h", 3) else { return };
+    let mut target = Proc::start(&net, 0, "victim", false, &[]);
+    let mut ini = Proc::start(&net, 1, "decode", false, &[]);
+    let mut mallory = Proc::start(&net, 2, "mallory", false, &[]);
+    let len = 1 << 20;
+    let (tb, taddr) = target.reg(len, 0x42);
+    let (ib, _) = ini.reg(len, 0);
+    let md = target.cmd("md");
+    ini.cmd(&format!("load {md}"));
+    let read = |ini: &mut Proc| -> std::result::Result<u64, String> {
+        ini.try_cmd(&format!("xfer read {ib} victim {taddr} {len} 16 -")).map(|us| us.parse().unwrap())
+    };
+    let us = read(&mut ini).unwrap();
+    let base = target.fds_rss();
+    eprintln!("baseline: READ 1 MiB {us} µs; target fds {} RSS {} KiB", base.0, base.1);
+
+    let n: usize = mallory.cmd(&format!("flood {md} 300")).parse().unwrap();
+    let during = target.fds_rss();
+    let us = read(&mut ini);
+    eprintln!("{n} idle connections from another host: READ {us:?} µs; target fds {} RSS {} KiB", during.0, during.1);
+    assert!(us.is_ok(), "the real peer was starved: {us:?}");
+    // Pending handshakes per source address are capped (16), whatever the stranger opens.
+    assert!(during.0 <= base.0 + 20, "target fds {} -> {}", base.0, during.0);
+    mallory.cmd("unflood");
+
+    let log = mallory.cmd(&format!("hostile {md} {taddr} {len}"));
+    eprintln!("{log}");
+    let after = target.fds_rss();
+    let us = read(&mut ini);
+    eprintln!("after the hostile cases: READ {us:?} µs; target fds {} RSS {} KiB", after.0, after.1);
+    let results: Vec<(&str, &str)> = log.split(' ').filter_map(|kv| kv.split_once('=')).collect();
+    assert_eq!(results.len(), 19, "{log}");
+    for (k, v) in &results {
+        let deadline_case = matches!(*k, "slow-hello" | "silent");
+        let ok = match *v {
+            "closed" | "nak" => !deadline_case,
+            v => deadline_case && v.strip_prefix("closed-after-").is_some_and(|ms| ms.parse::<u64>().unwrap() <= 2500),
+        };
+        assert!(ok, "{k} = {v}");
+    }
+    assert!(us.is_ok(), "the real peer stopped working: {us:?}");
+    assert!(after.0 <= base.0 + 4, "target fds {} -> {}", base.0, after.0);
+    assert!(after.1 <= base.1 + 8 * 1024, "target RSS {} -> {} KiB", base.1, after.1);
+    assert_eq!(target.cmd(&format!("sum {tb}")), (0x42 * len as u64).to_string(), "target memory changed");
+    assert_eq!(target.cmd("notifs"), "", "a stranger's notification arrived");
 }
 
 #[test]
@@ -525,4 +774,300 @@ fn etcd_exchange_and_watch_across_hosts() {
     let us: u64 = d.cmd("wait_gone prefill 10000").parse().unwrap();
     eprintln!("etcd watch invalidated the peer {us} µs after polling started");
     assert!(!etcd.keys(&net).iter().any(|k| k.starts_with("/nixl/agents//prefill/")));
+}
+
+// ---------- hostile peers on loopback (no namespaces needed): one process, agents with transport=tcp ----------
+
+fn tcp_agent(name: &str, timeout_ms: u64) -> Agent {
+    let a = Agent::new(name, AgentConfig::default()).unwrap();
+    let p: Params =
+        [("transport", "tcp"), ("tcp_addr", "127.0.0.1"), ("disconnect_timeout_ms", &timeout_ms.to_string())]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+    a.create_backend("UCX", &p).unwrap();
+    a
+}
+
+fn reg_list(buf: &[u8]) -> RegDList {
+    let d = Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0);
+    RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: d, meta: vec![] }])
+}
+
+fn xl(buf: &[u8], off: usize, len: usize) -> XferDList {
+    XferDList::with_descs(MemType::Dram, vec![Desc::new(buf.as_ptr() as u64 + off as u64, len as u64, 0)])
+}
+
+/// The target's TCP address (loopback), incarnation and secret, as anyone holding its metadata knows them.
+fn endpoint_of(b: &Agent) -> (std::net::SocketAddr, u128, u128) {
+    let md = AgentMd::decode(&b.local_md().unwrap()).unwrap();
+    let (addrs, secret) = tcp_endpoint(&md.conns[0].1).unwrap();
+    (addrs[0], md.incarnation, secret)
+}
+
+/// A TCP connection from a chosen local source address (127.0.0.0/8 has many).
+fn connect_from(src: std::net::Ipv4Addr, to: std::net::SocketAddr) -> std::io::Result<TcpStream> {
+    use std::os::fd::FromRawFd;
+    let std::net::SocketAddr::V4(to) = to else { panic!("IPv4 only") };
+    // SAFETY: plain socket calls on a descriptor we own; the address structs are fully initialised.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let s = TcpStream::from_raw_fd(fd);
+        let sin = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
+            sin_family: libc::AF_INET as u16,
+            sin_port: port.to_be(),
+            sin_addr: libc::in_addr { s_addr: u32::from(ip).to_be() },
+            sin_zero: [0; 8],
+        };
+        let len = std::mem::size_of::<libc::sockaddr_in>() as u32;
+        let a = sin(src, 0);
+        if libc::bind(fd, (&a as *const libc::sockaddr_in).cast(), len) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let b = sin(*to.ip(), to.port());
+        if libc::connect(fd, (&b as *const libc::sockaddr_in).cast(), len) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(s)
+    }
+}
+
+/// Open descriptors and resident memory (KiB) of this process.
+fn fds_and_rss() -> (usize, u64) {
+    let fds = std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0);
+    let st = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let rss = st
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    (fds, rss)
+}
+
+/// An authenticated raw data connection (the attacker holds the target's metadata: NIXL's trust model lets
+/// it transfer into registered memory, but nothing else).
+fn raw_data_conn(to: std::net::SocketAddr, inc: u128, secret: u128) -> TcpStream {
+    let mut s = TcpStream::connect(to).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut c = [0u8; wire::CHALLENGE_BYTES];
+    s.read_exact(&mut c).unwrap();
+    let nonce = wire::parse_challenge(&c).unwrap();
+    let tag = wire::hello_tag(secret, wire::KIND_DATA, inc, &nonce, "trickler");
+    let h = wire::Hello { kind: wire::KIND_DATA, incarnation: inc, tag, name: "trickler".into() };
+    s.write_all(&wire::encode_hello(&h)).unwrap();
+    let mut ack = [0u8; 1];
+    s.read_exact(&mut ack).unwrap();
+    assert_eq!(ack[0], wire::ACK);
+    s
+}
+
+fn read_once(
+    a: &Agent,
+    peer: &str,
+    dst: &[u8],
+    src_addr: u64,
+    len: usize,
+) -> (std::result::Result<Status, Error>, Duration) {
+    let t = Instant::now();
+    let r = a.create_xfer_req(
+        XferOp::Read,
+        &xl(dst, 0, len),
+        &XferDList::with_descs(MemType::Dram, vec![Desc::new(src_addr, len as u64, 0)]),
+        peer,
+        &XferOpts::default(),
+    );
+    let r = match r {
+        Ok(r) => r,
+        Err(e) => return (Err(e), t.elapsed()),
+    };
+    let res = a.post_xfer_req(&r, NotifUpdate::Keep).and_then(|s| match s {
+        Status::InProg => wait_xfer(a, &r, Duration::from_secs(30)),
+        s => Ok(s),
+    });
+    (res, t.elapsed())
+}
+
+/// Strangers open hundreds of idle connections to the engine's port (from another source address, and
+/// from the real peer's own); the real peer's READ still works, and so does the next one after they left.
+#[test]
+fn idle_connection_flood_does_not_starve_a_real_peer() {
+    let _g = SERIAL.lock();
+    let b = tcp_agent("flood-target", 1000);
+    let a = tcp_agent("flood-initiator", 1000);
+    let src = vec![0x5Au8; 1 << 16];
+    b.register_mem(&reg_list(&src), &[]).unwrap();
+    let dst = vec![0u8; 1 << 16];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    let (to, _, _) = endpoint_of(&b);
+    for (what, ip) in
+        [("other source", std::net::Ipv4Addr::new(127, 0, 0, 2)), ("same source", std::net::Ipv4Addr::LOCALHOST)]
+    {
+        let before = fds_and_rss();
+        let flood: Vec<TcpStream> = (0..300).filter_map(|_| connect_from(ip, to).ok()).collect();
+        // Every connection was accepted and challenged (the challenge is the positive signal).
+        let t = Instant::now();
+        let during = fds_and_rss();
+        let (r, took) = read_once(&a, "flood-target", &dst, src.as_ptr() as u64, 4096);
+        eprintln!(
+            "flood of {} idle connections ({what}): READ {:?} in {took:?}; fds {} -> {}, RSS {} -> {} KiB",
+            flood.len(),
+            r.as_ref().map_err(|e| e.status()),
+            before.0,
+            during.0,
+            before.1,
+            during.1
+        );
+        let _ = t;
+        drop(flood);
+        let (r2, took2) = read_once(&a, "flood-target", &dst, src.as_ptr() as u64, 4096);
+        eprintln!("after the flood left: READ {:?} in {took2:?}", r2.as_ref().map_err(|e| e.status()));
+        assert_eq!(r.map_err(|e| e.status()), Ok(Status::Success), "{what}: the real peer was starved");
+        assert_eq!(r2.map_err(|e| e.status()), Ok(Status::Success), "{what}: the real peer stayed dead");
+        assert!(took < Duration::from_secs(2), "{what}: READ took {took:?}");
+    }
+    assert!(dst[..4096].iter().all(|&x| x == 0x5A));
+}
+
+/// Read a byte that another thread (the engine, through the kernel) may be writing.
+fn peek(buf: &[u8], i: usize) -> u8 {
+    assert!(i < buf.len());
+    // SAFETY: in bounds; a volatile read so the loop that polls it re-reads memory each time.
+    unsafe { std::ptr::read_volatile(buf.as_ptr().add(i)) }
+}
+
+/// Start a WRITE of `len` bytes into `region` that sends `first` payload bytes at once and then one byte
+/// every `every`, for at most `cap`. Returns (bytes sent, why it stopped) when the target cuts it off.
+fn trickle(
+    to: std::net::SocketAddr,
+    inc: u128,
+    secret: u128,
+    region: (u64, u64),
+    first: usize,
+    every: Duration,
+    cap: Duration,
+) -> (std::thread::JoinHandle<(usize, String)>, std::sync::mpsc::Receiver<()>) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let h = std::thread::spawn(move || {
+        let mut s = raw_data_conn(to, inc, secret);
+        let (addr, len) = region;
+        let mut b = Vec::new();
+        wire::encode_req(XferOp::Write, &[wire::WireSeg { region: addr, region_len: len, addr, len }], &mut b);
+        b.extend(std::iter::repeat_n(0xEEu8, first));
+        s.write_all(&b).unwrap();
+        let _ = tx.send(());
+        let t = Instant::now();
+        let mut sent = first;
+        while t.elapsed() < cap {
+            // Sleeping is the attack here (a slow peer), not a wait for a result.
+            std::thread::sleep(every);
+            if let Err(e) = s.write_all(&[0xEE]) {
+                return (sent, format!("cut off: {e}"));
+            }
+            sent += 1;
+        }
+        (sent, "never cut off".to_owned())
+    });
+    (h, rx)
+}
+
+/// A peer trickling one byte every 2 s into a region: deregistering that region returns within about the
+/// disconnect timeout, the trickler is cut off, and not one byte lands after `deregister_mem` returned.
+#[test]
+fn trickling_peer_cannot_hold_deregistration_or_teardown() {
+    let _g = SERIAL.lock();
+    for teardown in [false, true] {
+        let b = tcp_agent(if teardown { "trickle-td" } else { "trickle-dereg" }, 1000);
+        let buf = vec![0x11u8; 1 << 20];
+        b.register_mem(&reg_list(&buf), &[]).unwrap();
+        let (to, inc, secret) = endpoint_of(&b);
+        let (h, started) = trickle(
+            to,
+            inc,
+            secret,
+            (buf.as_ptr() as u64, buf.len() as u64),
+            1000,
+            Duration::from_secs(2),
+            Duration::from_secs(12),
+        );
+        started.recv().unwrap();
+        // The first 1000 bytes land (positive signal that the request is being served).
+        let t = Instant::now();
+        while peek(&buf, 999) != 0xEE {
+            assert!(t.elapsed() < Duration::from_secs(10), "the trickled WRITE was never served");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let t = Instant::now();
+        if teardown {
+            drop(b);
+        } else {
+            b.deregister_mem(&reg_list(&buf), &[]).unwrap();
+        }
+        let took = t.elapsed();
+        let snap = buf.clone();
+        let (sent, why) = h.join().unwrap();
+        let landed_after = buf.iter().zip(&snap).filter(|(x, y)| x != y).count();
+        eprintln!(
+            "trickling peer during {}: returned after {took:?}; trickler sent {sent} bytes, {why}; {landed_after} bytes landed after",
+            if teardown { "agent teardown" } else { "deregister_mem" }
+        );
+        assert!(took < Duration::from_millis(2500), "blocked for {took:?}");
+        assert!(why.starts_with("cut off"), "{why}");
+        assert_eq!(landed_after, 0);
+    }
+}
+
+/// A real WRITE of 256 MiB is in flight when the target deregisters the region: once `deregister_mem`
+/// returns, not one more byte changes, and the initiator's request ends with a defined status.
+#[test]
+fn deregister_during_a_tcp_write_stops_it_exactly() {
+    let _g = SERIAL.lock();
+    let b = tcp_agent("dw-target", 1000);
+    let a = tcp_agent("dw-initiator", 1000);
+    let len = 256 << 20;
+    let dst = vec![0u8; len];
+    b.register_mem(&reg_list(&dst), &[]).unwrap();
+    let src = vec![0xABu8; len];
+    a.register_mem(&reg_list(&src), &[]).unwrap();
+    a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    // 16 KiB blocks, remote side reversed: many separate requests on every connection.
+    let n = len / (16 << 10);
+    let l = XferDList::with_descs(
+        MemType::Dram,
+        (0..n).map(|i| Desc::new(src.as_ptr() as u64 + (i * 16384) as u64, 16384, 0)).collect(),
+    );
+    let r = XferDList::with_descs(
+        MemType::Dram,
+        (0..n).rev().map(|i| Desc::new(dst.as_ptr() as u64 + (i * 16384) as u64, 16384, 0)).collect(),
+    );
+    let req = a.create_xfer_req(XferOp::Write, &l, &r, "dw-target", &XferOpts::default()).unwrap();
+    let st = a.post_xfer_req(&req, NotifUpdate::Keep).unwrap();
+    assert_eq!(st, Status::InProg);
+    // Wait until bytes are landing, then deregister.
+    let t = Instant::now();
+    while !(0..len).step_by(4096).any(|i| peek(&dst, i) != 0) {
+        assert!(t.elapsed() < Duration::from_secs(20));
+        std::hint::spin_loop();
+    }
+    let t = Instant::now();
+    b.deregister_mem(&reg_list(&dst), &[]).unwrap();
+    let took = t.elapsed();
+    let snap = dst.clone();
+    let end = wait_xfer(&a, &req, Duration::from_secs(30));
+    let changed = dst.iter().zip(&snap).filter(|(x, y)| x != y).count();
+    let landed = snap.iter().filter(|&&x| x != 0).count();
+    eprintln!(
+        "deregister during a 256 MiB WRITE: returned after {took:?} with {landed} bytes landed; request ended {:?}; {changed} bytes changed after",
+        end.as_ref().map_err(|e| e.status())
+    );
+    assert_eq!(changed, 0);
+    match end {
+        Ok(Status::Success) => assert_eq!(landed, len, "DONE but not every byte landed"),
+        Ok(s) => panic!("request still {s:?}"),
+        Err(e) => assert!(matches!(e.status(), Status::Backend | Status::RemoteDisconnect), "{e}"),
+    }
 }

@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 
 use gixl::*;
 
+mod common;
+
 /// Agents with a POSIX backend on each queue this machine has, labelled.
 fn agents(tag: &str) -> Vec<(&'static str, Agent)> {
     let mut v = Vec::new();
@@ -25,7 +27,7 @@ fn agents(tag: &str) -> Vec<(&'static str, Agent)> {
             Ok(_) => v.push((label, a)),
             Err(e) => {
                 assert_eq!(label, "io_uring", "{e}");
-                eprintln!("io_uring unavailable here, testing the thread pool only: {e}");
+                common::skip("io_uring", &format!("io_uring unavailable here, testing the thread pool only: {e}"));
             }
         }
     }
@@ -212,7 +214,7 @@ fn o_direct_needs_alignment_and_says_so() {
         {
             Ok(f) => f,
             Err(e) => {
-                eprintln!("{}: O_DIRECT refused by this file system ({e}): skipped", p.display());
+                common::skip("o_direct", &format!("{}: O_DIRECT refused by this file system ({e})", p.display()));
                 return;
             }
         };
@@ -227,7 +229,10 @@ fn o_direct_needs_alignment_and_says_so() {
         match post_wait(&a, &w) {
             Ok(s) => assert_eq!(s, Status::Success, "{label}"),
             Err(e) if e.message().contains("Invalid argument") => {
-                eprintln!("{label}: this file system takes O_DIRECT opens but not O_DIRECT I/O ({e}): skipped");
+                common::skip(
+                    "o_direct",
+                    &format!("{label}: this file system takes O_DIRECT opens but not O_DIRECT I/O ({e})"),
+                );
                 return;
             }
             Err(e) => panic!("{label}: {e}"),

@@ -4,7 +4,7 @@
 # signatures. Checked against the compiled module by `python/scripts/stubtest.sh`.
 
 import datetime
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, SupportsIndex, SupportsInt, final, overload
 
 import numpy as np
@@ -448,3 +448,13 @@ class nixlAgent:
     def invalidateLocalMD(self, ip_addr: str = "", port: int = 0) -> None: ...
     def prepMemView(self, dlist: nixlXferDList | nixlRemoteDList, backends: _Backends = ...) -> _Handle: ...
     def releaseMemView(self, mvh: _Handle) -> None: ...
+
+# gixl additions (not in NIXL's module): `gixl doctor` and the log sink.
+def _doctor(
+    peer_md: bytes | None = None,
+    peer_name: str | None = None,
+    peer_ip: str | None = None,
+    peer_port: int = 0,
+) -> str: ...
+def _set_log_sink(sink: Callable[[int, str], object]) -> bool: ...
+def _log_detach() -> None: ...

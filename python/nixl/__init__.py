@@ -7,6 +7,7 @@ and the main ``nixl._api`` classes are also available at the top level.
 
 from . import _utils, logging  # noqa: F401  (no native code needed)
 from . import _bindings  # noqa: F401
+from ._conflict import check_conflicts as _check_conflicts
 from . import _api  # noqa: F401
 from ._api import (  # noqa: F401
     DEFAULT_COMM_PORT,
@@ -17,6 +18,9 @@ from ._api import (  # noqa: F401
     nixl_thread_sync_t,
     nixl_xfer_handle,
 )
+
+logging.install_native_sink(__import__("gixl._gixl", fromlist=["_gixl"]))
+_check_conflicts()
 
 try:
     from gixl import __version__  # noqa: F401

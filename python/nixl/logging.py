@@ -10,16 +10,23 @@ Environment:
   (case-insensitive). Anything else is reported and ignored.
 * ``NIXL_DEBUG_LOGGING``: ``true``/``1``/``yes`` turns
   :data:`logging.raiseExceptions` on; otherwise it is turned off, as NIXL does.
+
+gixl's own lines (the route chosen for each peer at INFO, a fall-back such as
+"cross-memory attach denied, using TCP" at WARNING) come from the native
+library through the ``nixl.gixl`` logger, once ``nixl`` is imported.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
 import threading
 
 __all__ = ["get_logger", "setup_logging"]
+
+_NATIVE_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 
 _ROOT_NAME = "nixl"
 _LEVELS = {
@@ -91,3 +98,15 @@ def get_logger(name: str) -> logging.Logger:
     setup_logging()
     short = name.lstrip("_") if name else name
     return logging.getLogger(f"{_ROOT_NAME}.{short}" if short else _ROOT_NAME)
+
+
+def install_native_sink(native) -> None:
+    """Send the native library's log lines to the ``nixl.gixl`` logger (once per process)."""
+    log = get_logger("gixl")
+
+    def sink(level: int, message: str) -> None:
+        log.log(_NATIVE_LEVELS.get(level, logging.INFO), "%s", message)
+
+    if native._set_log_sink(sink):
+        # Lines logged while the interpreter shuts down go to stderr instead.
+        atexit.register(native._log_detach)

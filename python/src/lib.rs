@@ -31,5 +31,51 @@ fn gixl_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     dlist::register(m)?;
     config::register(m)?;
     agent::register(m)?;
+    m.add_function(wrap_pyfunction!(_doctor, m)?)?;
+    m.add_function(wrap_pyfunction!(_set_log_sink, m)?)?;
+    m.add_function(wrap_pyfunction!(_log_detach, m)?)?;
     Ok(())
+}
+
+/// The `gixl doctor` report as JSON: this host, plus a peer given by its metadata (`peer_md`) or by its
+/// listener (`peer_name`, `peer_ip`, `peer_port`).
+#[pyfunction]
+#[pyo3(signature = (peer_md=None, peer_name=None, peer_ip=None, peer_port=0))]
+fn _doctor(
+    py: Python<'_>,
+    peer_md: Option<Vec<u8>>,
+    peer_name: Option<String>,
+    peer_ip: Option<String>,
+    peer_port: u16,
+) -> String {
+    use gixl::telemetry::doctor::{report, PeerTarget};
+    let peer = match (peer_md, peer_name, peer_ip) {
+        (Some(md), _, _) => Some(PeerTarget::Md(md)),
+        (None, Some(name), Some(ip)) => Some(PeerTarget::Listener {
+            name,
+            ip,
+            port: peer_port,
+        }),
+        _ => None,
+    };
+    py.detach(|| report(peer))
+}
+
+/// Route gixl's log lines to `sink(level, message)` (level: 1 debug, 2 info, 3 warning, 4 error), called
+/// with the interpreter attached. Once per process.
+#[pyfunction]
+fn _set_log_sink(sink: Py<PyAny>) -> bool {
+    gixl::telemetry::log::set_sink(Box::new(move |level, msg| {
+        Python::attach(|py| {
+            if let Err(e) = sink.call1(py, (level as u8, msg)) {
+                e.print(py);
+            }
+        })
+    }))
+}
+
+/// The interpreter is exiting: log lines go to stderr from now on.
+#[pyfunction]
+fn _log_detach() {
+    gixl::telemetry::log::disable_sink();
 }

@@ -9,6 +9,7 @@ Bytes travel as {"__b": "<hex>"}. Every request gets exactly one reply:
 from __future__ import annotations
 
 import ctypes
+import gc
 import hashlib
 import json
 import os
@@ -285,6 +286,92 @@ class Peer:
                 pass
         self.xfers.clear()
         self.dlists.clear()
+
+    # -- exactness (test_exact.py) ------------------------------------------------
+    def recreate(self, fill):
+        """Destroy the agent and create a new one under the same name in this process, registering the same
+        buffer (same virtual address) filled with ``fill``: the same-process re-creation case."""
+        name = self.agent.name
+        self.release_all()
+        self.agent.deregister_memory(self.reg)
+        self.agent = self.reg = None
+        gc.collect()
+        self.agent = api.nixl_agent(name, api.nixl_agent_config())
+        self.buf[:] = fill
+        self.reg = self.agent.register_memory([(self.buf.ctypes.data, self.buf.nbytes, 0, "")], "DRAM")
+        return {"md": self.agent.get_agent_metadata(), "addr": int(self.buf.ctypes.data)}
+
+    def reexec(self):
+        """Reply, then exec this very script in place (same pid, same start time, a new image); the new image
+        serves the same pipe. ASLR stays off if it was (personality survives exec)."""
+        _proto.write(json.dumps({"ok": True, "result": None}) + "\n")
+        _proto.flush()
+        os.dup2(_proto.fileno(), 1)
+        os.execv(sys.executable, [sys.executable, os.path.abspath(__file__)])
+
+    def personality(self):
+        with open("/proc/self/personality") as f:
+            return int(f.read(), 16)
+
+    def unmap_page(self, off):
+        """munmap one page of the (fixed-address) buffer: a registered range the process no longer maps."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        if libc.munmap(int(self.buf.ctypes.data) + off, 4096) != 0:
+            raise OSError(ctypes.get_errno(), "munmap")
+
+    def dereg_when_written(self, off, sentinel, timeout=10.0):
+        """Wait until byte ``off`` of the buffer changes (a transfer is writing it), deregister the buffer, then
+        fill the whole buffer with ``sentinel``. Returns the seconds deregister_memory took."""
+        before = int(self.buf[off])
+        deadline = time.monotonic() + timeout
+        while int(self.buf[off]) == before:
+            if time.monotonic() > deadline:
+                raise TimeoutError("no transfer wrote the buffer")
+        t0 = time.monotonic()
+        self.agent.deregister_memory(self.reg)
+        took = time.monotonic() - t0
+        self.reg = None
+        self.buf[:] = sentinel
+        return took
+
+    def count_not(self, value):
+        """Bytes of the buffer that differ from ``value``."""
+        return int(np.count_nonzero(self.buf != value))
+
+    def xfer_outcome(self, xid, timeout=20.0):
+        """Post (already done by the caller or not) and poll ``xid`` to its end: the final state or exception."""
+        try:
+            states = self.wait(xid, timeout=timeout)
+            return "hang (PROC)" if states[-1] == "PROC" else states[-1]
+        except Exception as exc:
+            return type(exc).__name__
+
+    def post_outcome(self, xid, timeout=20.0):
+        """transfer() then poll to the end; the post's result or exception, then the final one."""
+        try:
+            s = self.agent.transfer(self.xfers[xid])
+        except Exception as exc:
+            return type(exc).__name__
+        if s == "ERR":
+            return "ERR"
+        return self.xfer_outcome(xid, timeout)
+
+    def make_new(self, op, name, local, remote, notif=b""):
+        """initialize_xfer with explicit descriptor rows, as a fresh request id (or the exception name)."""
+        try:
+            h = self.agent.initialize_xfer(
+                op,
+                self.agent.get_xfer_descs([tuple(int(x) for x in r) for r in local], "DRAM"),
+                self.agent.get_xfer_descs([tuple(int(x) for x in r) for r in remote], "DRAM"),
+                name,
+                notif,
+            )
+        except Exception as exc:
+            return type(exc).__name__
+        i = self._id()
+        self.xfers[i] = h
+        return i
 
     # -- memory ----------------------------------------------------------------
     def read_buf(self, off=0, length=None):

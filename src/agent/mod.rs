@@ -117,6 +117,17 @@ impl RemoteAgent {
     pub fn peer(&self, id: BackendId) -> Option<&Arc<dyn Peer>> {
         self.peers.iter().find(|(b, _)| *b == id).map(|(_, p)| p)
     }
+
+    /// How telemetry and `gixl doctor` show this peer: its first backend's route.
+    pub fn telemetry_row(&self) -> crate::telemetry::PeerRow {
+        let p = self.peers.first().map(|(_, p)| p);
+        crate::telemetry::PeerRow {
+            name: self.name.clone(),
+            incarnation: self.incarnation,
+            route: p.map_or("", |p| p.route()).to_owned(),
+            connected: !p.is_some_and(|p| p.disconnected()),
+        }
+    }
 }
 
 pub struct Agent {
@@ -132,6 +143,8 @@ pub(crate) struct Inner {
     pub secret: u128,
     pub cfg: AgentConfig,
     pub telemetry: bool,
+    /// Telemetry sinks (NIXL's environment) and this agent's entry for `gixl doctor`.
+    pub tele: Arc<crate::telemetry::Telemetry>,
     pub backends: RwLock<Vec<Arc<BackendSlot>>>,
     pub regs: RwLock<HashMap<(BackendId, MemType), Section<LocalEntry>>>,
     pub remotes: RwLock<HashMap<String, Arc<RemoteAgent>>>,
@@ -152,9 +165,12 @@ impl Agent {
             None => cfg.capture_telemetry,
         };
         let listen = cfg.listen_thread.then_some(cfg.listen_port);
+        let incarnation = crate::util::random_u128();
+        let tele = crate::telemetry::Telemetry::new(name, incarnation, telemetry)?;
         let inner = Arc::new(Inner {
             name: name.to_owned(),
-            incarnation: crate::util::random_u128(),
+            incarnation,
+            tele,
             secret: crate::util::random_u128(),
             cfg,
             telemetry,
@@ -163,6 +179,12 @@ impl Agent {
             remotes: RwLock::new(HashMap::new()),
             closing: AtomicBool::new(false),
         });
+        let weak = Arc::downgrade(&inner);
+        inner.tele.set_peer_source(Arc::new(move || {
+            let Some(inner) = weak.upgrade() else { return Vec::new() };
+            let remotes: Vec<Arc<RemoteAgent>> = inner.remotes.read().values().cloned().collect();
+            remotes.iter().map(|ra| ra.telemetry_row()).collect()
+        }));
         let host = Arc::new(AgentHost { inner: Arc::downgrade(&inner), name: name.to_owned() });
         let mdx = Mdx::new(host, listen)?;
         Ok(Agent { inner, mdx: Some(Arc::new(mdx)) })
@@ -305,6 +327,8 @@ impl Agent {
         for (id, desc, e) in done {
             regs.entry((id, mem)).or_insert_with(|| Section::new(mem)).insert(desc, e);
         }
+        drop(regs);
+        self.inner.tele.registered(descs.iter().map(|d| d.desc.len).sum());
         Ok(())
     }
 
@@ -333,6 +357,8 @@ impl Agent {
                 }
             }
         }
+        drop(regs);
+        self.inner.tele.deregistered(descs.iter().map(|d| d.desc.len).sum());
         Ok(())
     }
 
@@ -531,6 +557,7 @@ impl Agent {
 
     /// NIXL 1.4 mode: drop `ra` from the table if it is still the loaded incarnation.
     pub(crate) fn on_disconnect(&self, ra: &Arc<RemoteAgent>) {
+        self.inner.tele.disconnect(&ra.name, ra.incarnation);
         if !self.inner.cfg.invalidate_on_disconnect {
             return;
         }

@@ -117,6 +117,8 @@ struct Xfer {
     bx: Box<dyn BackendXfer>,
     desc_count: u64,
     total_bytes: u64,
+    /// READ (telemetry counts it as received bytes) or WRITE (sent).
+    read: bool,
     st: Mutex<XferState>,
 }
 
@@ -337,6 +339,7 @@ impl Agent {
             bx,
             desc_count,
             total_bytes: total,
+            read: op == XferOp::Read,
             st: Mutex::new(XferState {
                 notif: opts.notif.clone(),
                 last: None,
@@ -377,6 +380,7 @@ impl Agent {
     fn gate(&self, x: &Xfer) -> Result<()> {
         let Some(ra) = &x.remote else { return Ok(()) };
         if ra.invalidated.load(Ordering::Acquire) {
+            self.inner.tele.stale_refusal();
             return Err(Error::not_found(format!(
                 "request was built against agent '{}' incarnation {:032x}, which has been invalidated or replaced",
                 ra.name, ra.incarnation
@@ -431,12 +435,34 @@ impl Agent {
             Err(e) => e.status(),
         });
         drop(st);
+        self.telemetry_after(x, &res, false);
         if let (Err(e), Some(ra)) = (&res, &x.remote) {
             if e.status() == Status::RemoteDisconnect {
                 self.on_disconnect(ra);
             }
         }
         res
+    }
+
+    /// NIXL's telemetry events for the outcome of a post (`polled`: seen by a status check).
+    fn telemetry_after(&self, x: &Xfer, res: &Result<Status>, polled: bool) {
+        let t = &self.inner.tele;
+        match res {
+            Ok(Status::Success) => {
+                let st = x.st.lock();
+                let post_us = st.post_duration_us;
+                let xfer_us = match (st.post_start, x.bx.completed_at()) {
+                    (Some(s), Some(c)) if c >= s => ceil_us(c - s),
+                    _ => post_us,
+                }
+                .max(post_us);
+                drop(st);
+                t.xfer_done(x.read, x.total_bytes, post_us, xfer_us);
+            }
+            Ok(_) => {}
+            Err(e) if polled || e.status() != Status::InProg => t.error(e.status()),
+            Err(_) => {}
+        }
     }
 
     /// `Success`, `InProg`, or the error that ended the last post. Never-posted requests are NOT_POSTED.
@@ -459,6 +485,9 @@ impl Agent {
                     Err(e) => e.status(),
                 });
                 drop(st);
+                if !matches!(res, Ok(Status::InProg)) {
+                    self.telemetry_after(x, &res, true);
+                }
                 if let (Err(e), Some(ra)) = (&res, &x.remote) {
                     if e.status() == Status::RemoteDisconnect {
                         self.on_disconnect(ra);

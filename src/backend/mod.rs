@@ -52,6 +52,15 @@ pub trait Peer: Send + Sync + 'static {
     fn as_any(&self) -> &dyn Any;
     /// Whether the backend has seen this peer fail. Cheap (an atomic load); called on every post.
     fn disconnected(&self) -> bool;
+    /// The route this peer's data takes now (`in-process`, `cma`, `tcp`, `tcp-after-cma-denied`), for
+    /// telemetry, logs and `gixl doctor`.
+    fn route(&self) -> &'static str {
+        ""
+    }
+    /// The peer's process id when it runs on this host (in this pid namespace), for `gixl doctor`.
+    fn pid(&self) -> Option<i32> {
+        None
+    }
 }
 
 /// Where a transfer goes: this agent's own memory (loopback) or a loaded peer.

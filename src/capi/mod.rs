@@ -38,7 +38,9 @@ mod registry;
 
 pub mod agent;
 pub mod backend;
+pub mod cpp_support;
 pub mod dlist_handle;
+pub mod doctor;
 pub mod mem_list;
 pub mod mem_view;
 pub mod notif_map;

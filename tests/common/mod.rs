@@ -1,11 +1,34 @@
 //! Helpers shared by the multi-host tests: hex, a clock shared by all processes, network namespaces
-//! joined by a bridge, and a throw-away etcd.
+//! joined by a bridge, a throw-away etcd, and the one way a test says it could not run (`skip`).
 #![allow(dead_code)]
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+/// A test (or part of one) that cannot run on this machine says so here, never by returning quietly:
+/// `SKIPPED: <test> [<kind>]: <why>` on stderr (libtest shows it for passing tests only with `--nocapture`),
+/// and the same line appended to the file named by `GIXL_SKIP_LOG` when set.
+/// `scripts/test-all.sh` sets it, counts the lines per suite, and fails on CI (`CI=true`) when a test of
+/// the must-run kinds (`netns`, `etcd`, `cma`, `io_uring`, `prometheus`) skipped. `kind` names what was missing.
+pub fn skip(kind: &str, why: &str) {
+    let thread = std::thread::current();
+    let test = thread.name().unwrap_or("?");
+    let line = format!("SKIPPED: {test} [{kind}]: {why}");
+    eprintln!("{line}");
+    if let Some(path) = std::env::var_os("GIXL_SKIP_LOG") {
+        // O_APPEND writes of one short line are atomic, so parallel tests and suites share the file.
+        let r = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| f.write_all(format!("{line}\n").as_bytes()));
+        if let Err(e) = r {
+            panic!("cannot record the skip in {}: {e}", std::path::Path::new(&path).display());
+        }
+    }
+}
 
 pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
@@ -46,7 +69,7 @@ impl Net {
         let switch = format!("{base}-sw");
         let names: Vec<String> = (0..n).map(|i| format!("{base}-h{i}")).collect();
         if let Err(e) = ip(&["netns", "add", &switch]) {
-            eprintln!("SKIPPED: cannot create network namespaces here (needs root and iproute2): {e}");
+            skip("netns", &format!("cannot create network namespaces here (needs root and iproute2): {e}"));
             return None;
         }
         // From here on, dropping `net` deletes whatever was created.
@@ -57,7 +80,7 @@ impl Net {
             Ok(())
         };
         if let Err(e) = setup() {
-            eprintln!("SKIPPED: cannot create a bridge in a namespace: {e}");
+            skip("netns", &format!("cannot create a bridge in a namespace: {e}"));
             return None;
         }
         for (i, ns) in names.iter().enumerate() {
@@ -75,7 +98,7 @@ impl Net {
                 Ok(())
             })();
             if let Err(e) = r {
-                eprintln!("SKIPPED: cannot build the test network: {e}");
+                skip("netns", &format!("cannot build the test network: {e}"));
                 return None;
             }
         }
@@ -118,7 +141,7 @@ impl Etcd {
     pub fn start(at: Option<(&Net, usize)>) -> Option<Etcd> {
         let bin = ["/usr/bin/etcd", "/usr/local/bin/etcd"].into_iter().find(|p| std::path::Path::new(p).exists());
         let Some(bin) = bin else {
-            eprintln!("SKIPPED: etcd is not installed (apt-get install etcd-server)");
+            skip("etcd", "etcd is not installed (apt-get install etcd-server)");
             return None;
         };
         let dir = std::env::temp_dir().join(format!("gixl-etcd-{}-{}", std::process::id(), now_ns()));
@@ -151,7 +174,7 @@ impl Etcd {
         let child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
-                eprintln!("SKIPPED: cannot start etcd: {e}");
+                skip("etcd", &format!("cannot start etcd: {e}"));
                 return None;
             }
         };
@@ -167,7 +190,7 @@ impl Etcd {
                 return Some(e);
             }
             if t.elapsed() > Duration::from_secs(20) {
-                eprintln!("SKIPPED: etcd did not become ready");
+                skip("etcd", "etcd did not become ready within 20 s");
                 return None;
             }
             std::thread::sleep(Duration::from_millis(100));

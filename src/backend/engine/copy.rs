@@ -1,13 +1,52 @@
 //! Moving bytes: `memcpy` inside one process and cross-memory attach (`process_vm_readv/writev`) between
-//! processes on one host. Callers pass segments already checked against registrations.
+//! processes on one host. Callers pass segments already checked against registrations, one batch at a time
+//! (see [`for_batches`]), each batch inside the target's gate (`gate`).
 
 use std::io;
 
 use crate::backend::{Seg, XferOp};
-use crate::status::{Error, Result};
+use crate::status::{Error, Result, Status};
 
-/// Most iovecs one `process_vm_*` call takes (the kernel's UIO_MAXIOV).
+/// Most iovecs one `process_vm_*` call takes (the kernel's UIO_MAXIOV); one of them is the gate probe.
 const IOV_MAX: usize = 1024;
+/// Segments per batch.
+pub const BATCH_SEGS: usize = IOV_MAX - 1;
+/// Bytes per batch: bounds how long a deregistration waits for a batch already inside the gate.
+pub const BATCH_BYTES: u64 = 16 << 20;
+
+/// Call `f` on consecutive batches of `segs`, each at most `max_segs` segments and `max_bytes` bytes; longer
+/// segments are cut. Batches are slices of `segs` where no cut is needed (no copying).
+pub fn for_batches(
+    segs: &[Seg],
+    max_segs: usize,
+    max_bytes: u64,
+    f: &mut dyn FnMut(&[Seg]) -> Result<()>,
+) -> Result<()> {
+    let mut i = 0;
+    while i < segs.len() {
+        if segs[i].len > max_bytes {
+            let mut s = segs[i];
+            while s.len > 0 {
+                let mut piece = s;
+                piece.len = s.len.min(max_bytes);
+                f(std::slice::from_ref(&piece))?;
+                s.local += piece.len;
+                s.remote += piece.len;
+                s.len -= piece.len;
+            }
+            i += 1;
+            continue;
+        }
+        let (mut j, mut bytes) = (i, 0u64);
+        while j < segs.len() && j - i < max_segs && segs[j].len <= max_bytes - bytes {
+            bytes += segs[j].len;
+            j += 1;
+        }
+        f(&segs[i..j])?;
+        i = j;
+    }
+    Ok(())
+}
 
 /// Copy `segs` within this process.
 ///
@@ -25,78 +64,111 @@ pub unsafe fn local_copy(op: XferOp, segs: &[Seg]) {
     }
 }
 
-/// Copy `segs` between this process and `pid` with cross-memory attach, batching up to IOV_MAX
-/// segments per call and resuming after partial transfers. `stop` is polled between calls.
+/// Where the target's gate is mapped in its own address space, and the incarnation it holds.
+#[derive(Debug, Clone, Copy)]
+pub struct Probe {
+    pub addr: u64,
+    pub incarnation: u128,
+}
+
+/// Copy one batch between this process and `pid` with cross-memory attach, resuming after partial
+/// transfers. The first remote iovec of every call is `probe`'s gate: a read of the incarnation id, or a
+/// write to the gate's scratch bytes, so the call moves nothing unless `pid` still maps that incarnation's
+/// gate, and a read proves which address space its data came from.
+///
+/// Errors: REMOTE_DISCONNECT if the process is gone or no longer this incarnation (`gone` is set);
+/// BACKEND for a descriptor that faults (the peer stays usable) and for other failures; EPERM/ENOSYS keep
+/// their `io::Error` source (see `cma_denied`).
 ///
 /// # Safety
 /// The local range of every segment must be valid, registered memory of this process for the duration
 /// of the call. (The remote side is checked by the kernel: a bad remote address fails with EFAULT.)
-pub unsafe fn cma_copy(pid: i32, op: XferOp, segs: &[Seg], stop: &dyn Fn() -> bool) -> Result<()> {
-    let mut local: Vec<libc::iovec> = Vec::with_capacity(segs.len().min(IOV_MAX));
-    let mut remote: Vec<libc::iovec> = Vec::with_capacity(segs.len().min(IOV_MAX));
-    for batch in segs.chunks(IOV_MAX) {
-        if stop() {
-            return Err(Error::new(crate::Status::Canceled, "transfer stopped"));
-        }
+pub unsafe fn cma_batch(pid: i32, op: XferOp, segs: &[Seg], probe: &Probe, gone: &mut bool) -> Result<()> {
+    let want: usize = segs.iter().map(|s| s.len as usize).sum();
+    let expect = probe.incarnation.to_le_bytes();
+    let mut canary = [0u8; super::gate::PROBE_BYTES];
+    let probe_off = match op {
+        XferOp::Read => super::gate::OFF_INCARNATION,
+        XferOp::Write => super::gate::OFF_PROBE,
+    };
+    if op == XferOp::Write {
+        canary = expect;
+    }
+    let iov = |a: u64, l: u64| libc::iovec { iov_base: a as usize as *mut libc::c_void, iov_len: l as usize };
+    let mut local: Vec<libc::iovec> = Vec::with_capacity(segs.len() + 1);
+    let mut remote: Vec<libc::iovec> = Vec::with_capacity(segs.len() + 1);
+    let mut done = 0usize;
+    while done < want {
         local.clear();
         remote.clear();
-        for s in batch {
-            local.push(libc::iovec { iov_base: s.local as usize as *mut libc::c_void, iov_len: s.len as usize });
-            remote.push(libc::iovec { iov_base: s.remote as usize as *mut libc::c_void, iov_len: s.len as usize });
-        }
-        let want: usize = batch.iter().map(|s| s.len as usize).sum();
-        let mut done = 0usize;
-        while done < want {
-            let (l, r) = (skip(&local, done), skip(&remote, done));
-            // SAFETY: the local iovecs point at registered local memory (caller's contract); the kernel
-            // checks the remote ones.
-            let n = unsafe {
-                match op {
-                    XferOp::Read => libc::process_vm_readv(pid, l.as_ptr(), l.len() as _, r.as_ptr(), r.len() as _, 0),
-                    XferOp::Write => {
-                        libc::process_vm_writev(pid, l.as_ptr(), l.len() as _, r.as_ptr(), r.len() as _, 0)
-                    }
-                }
-            };
-            if n < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(cma_error(pid, op, e));
+        local.push(iov(canary.as_mut_ptr() as u64, canary.len() as u64));
+        remote.push(iov(probe.addr + probe_off as u64, canary.len() as u64));
+        let mut skip = done as u64;
+        for s in segs {
+            if skip >= s.len {
+                skip -= s.len;
+                continue;
             }
-            if n == 0 {
-                return Err(Error::backend(format!("cross-memory attach to pid {pid} made no progress")));
-            }
-            done += n as usize;
+            local.push(iov(s.local + skip, s.len - skip));
+            remote.push(iov(s.remote + skip, s.len - skip));
+            skip = 0;
         }
+        // SAFETY: the local iovecs point at registered local memory (caller's contract) and at `canary`; the
+        // kernel checks the remote ones.
+        let n = unsafe {
+            let (l, r) = (local.as_ptr(), remote.as_ptr());
+            match op {
+                XferOp::Read => libc::process_vm_readv(pid, l, local.len() as _, r, remote.len() as _, 0),
+                XferOp::Write => libc::process_vm_writev(pid, l, local.len() as _, r, remote.len() as _, 0),
+            }
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(cma_error(pid, op, e, gone));
+        }
+        let n = n as usize;
+        if n < canary.len() || (op == XferOp::Read && canary != expect) {
+            *gone = true;
+            return Err(Error::disconnected(format!(
+                "process {pid} no longer holds the agent incarnation {:032x}",
+                probe.incarnation
+            )));
+        }
+        let data = n - canary.len();
+        if data == 0 {
+            let (l, r) = (local.get(1).map(|v| v.iov_base as u64), remote.get(1).map(|v| v.iov_base as u64));
+            return Err(Error::backend(format!(
+                "{}: a descriptor faulted (local {:#x}, remote {:#x} in process {pid}): its memory is not mapped",
+                call_name(op),
+                l.unwrap_or(0),
+                r.unwrap_or(0)
+            )));
+        }
+        done += data;
     }
     Ok(())
 }
 
-/// The iovec list with the first `n` bytes dropped (the first entry trimmed).
-fn skip(v: &[libc::iovec], mut n: usize) -> Vec<libc::iovec> {
-    let mut i = 0;
-    while i < v.len() && n >= v[i].iov_len {
-        n -= v[i].iov_len;
-        i += 1;
+fn call_name(op: XferOp) -> &'static str {
+    if op == XferOp::Read {
+        "process_vm_readv"
+    } else {
+        "process_vm_writev"
     }
-    let mut out: Vec<libc::iovec> = v[i..].to_vec();
-    if let Some(first) = out.first_mut() {
-        first.iov_base = (first.iov_base as usize + n) as *mut libc::c_void;
-        first.iov_len -= n;
-    }
-    out
 }
 
-fn cma_error(pid: i32, op: XferOp, e: io::Error) -> Error {
-    let call = if op == XferOp::Read { "process_vm_readv" } else { "process_vm_writev" };
+fn cma_error(pid: i32, op: XferOp, e: io::Error, gone: &mut bool) -> Error {
+    let call = call_name(op);
     match e.raw_os_error() {
         Some(libc::ESRCH) => {
-            Error::os(crate::Status::RemoteDisconnect, format!("peer process {pid} has exited ({call})"), e)
+            *gone = true;
+            Error::os(Status::RemoteDisconnect, format!("peer process {pid} has exited ({call})"), e)
         }
         Some(libc::EPERM) | Some(libc::ENOSYS) => Error::os(
-            crate::Status::Backend,
+            Status::Backend,
             format!(
                 "the kernel denied cross-memory attach to pid {pid} ({call}); same-host transfers need ptrace \
                  permission between the processes (same user, and Yama ptrace_scope ≤ 1 or CAP_SYS_PTRACE; \
@@ -104,17 +176,25 @@ fn cma_error(pid: i32, op: XferOp, e: io::Error) -> Error {
             ),
             e,
         ),
-        Some(libc::EFAULT) => Error::os(
-            crate::Status::RemoteDisconnect,
-            format!("{call}: peer {pid} no longer maps the registered range (it freed or unmapped it)"),
-            e,
-        ),
-        _ => Error::os(crate::Status::Backend, format!("{call} to pid {pid} failed"), e),
+        // Nothing moved and the first remote element (the gate) faulted: this address space does not hold
+        // the incarnation (exec'd image, other process).
+        Some(libc::EFAULT) => {
+            *gone = true;
+            Error::os(
+                Status::RemoteDisconnect,
+                format!(
+                    "{call}: process {pid} no longer maps the agent's transfer gate (it exec'd or is another process)"
+                ),
+                e,
+            )
+        }
+        _ => Error::os(Status::Backend, format!("{call} to pid {pid} failed"), e),
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::gate::Gate;
     use super::*;
 
     fn seg(local: &mut [u8], remote: &[u8]) -> Seg {
@@ -129,27 +209,84 @@ mod tests {
         }
     }
 
+    fn me() -> i32 {
+        std::process::id() as i32
+    }
+
     #[test]
     fn cma_reads_own_process_in_batches() {
+        let g = Gate::create(5).unwrap();
+        let probe = Probe { addr: g.addr(), incarnation: 5 };
         let src: Vec<Vec<u8>> = (0..2500).map(|i| vec![(i % 251) as u8; 64]).collect();
         let mut dst: Vec<Vec<u8>> = (0..2500).map(|_| vec![0u8; 64]).collect();
         let segs: Vec<Seg> = dst.iter_mut().zip(&src).map(|(d, s)| seg(d, s)).collect();
-        // SAFETY: all local ranges are live Vecs.
-        unsafe { cma_copy(std::process::id() as i32, XferOp::Read, &segs, &|| false).unwrap() };
+        let mut calls = 0;
+        for_batches(&segs, BATCH_SEGS, BATCH_BYTES, &mut |b| {
+            calls += 1;
+            let mut gone = false;
+            // SAFETY: all local ranges are live Vecs.
+            unsafe { cma_batch(me(), XferOp::Read, b, &probe, &mut gone) }
+        })
+        .unwrap();
+        assert_eq!(calls, 3);
         assert_eq!(dst, src);
     }
 
     #[test]
-    fn skip_trims_across_entries() {
-        let a = [0u8; 10];
-        let v = vec![
-            libc::iovec { iov_base: a.as_ptr() as *mut _, iov_len: 4 },
-            libc::iovec { iov_base: a.as_ptr() as *mut _, iov_len: 6 },
-        ];
-        let s = skip(&v, 5);
-        assert_eq!(s.len(), 1);
-        assert_eq!(s[0].iov_len, 5);
-        assert_eq!(s[0].iov_base as usize, a.as_ptr() as usize + 1);
+    fn batches_cut_long_segments_and_respect_limits() {
+        let s = |len| Seg { local: 0, remote: 1000, len, ldev: 0, rdev: 0, lreg: 0, rreg: 0 };
+        let segs = [s(3), s(3), s(10), s(1), s(1), s(1)];
+        let mut got = Vec::new();
+        for_batches(&segs, 2, 4, &mut |b| {
+            got.push(b.iter().map(|x| (x.remote, x.len)).collect::<Vec<_>>());
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(
+            got,
+            vec![
+                vec![(1000, 3)],
+                vec![(1000, 3)],
+                vec![(1000, 4)],
+                vec![(1004, 4)],
+                vec![(1008, 2)],
+                vec![(1000, 1), (1000, 1)],
+                vec![(1000, 1)]
+            ]
+        );
+    }
+
+    #[test]
+    fn a_wrong_gate_moves_nothing_and_a_faulting_descriptor_is_local() {
+        let g = Gate::create(9).unwrap();
+        let src = vec![7u8; 4096];
+        let mut dst = vec![0u8; 4096];
+        let segs = [seg(&mut dst, &src)];
+        for op in [XferOp::Read, XferOp::Write] {
+            // The gate's incarnation differs from the one expected: a read sees the canary.
+            let mut gone = false;
+            let wrong = Probe { addr: g.addr(), incarnation: 10 };
+            let r = unsafe { cma_batch(me(), op, &segs, &wrong, &mut gone) };
+            if op == XferOp::Read {
+                assert_eq!(r.unwrap_err().status(), Status::RemoteDisconnect);
+                assert!(gone);
+            }
+            // No gate at that address: nothing moves at all.
+            let mut gone = false;
+            let unmapped = Probe { addr: 8192, incarnation: 9 };
+            let e = unsafe { cma_batch(me(), op, &segs, &unmapped, &mut gone) }.unwrap_err();
+            assert_eq!(e.status(), Status::RemoteDisconnect);
+            assert!(gone);
+        }
+        assert!(src.iter().all(|&b| b == 7));
+        // A descriptor pointing nowhere fails the batch with BACKEND; the peer is not declared gone.
+        let mut gone = false;
+        let probe = Probe { addr: g.addr(), incarnation: 9 };
+        let mut bad = seg(&mut dst, &src);
+        bad.remote = 4096;
+        let e = unsafe { cma_batch(me(), XferOp::Read, &[bad], &probe, &mut gone) }.unwrap_err();
+        assert_eq!(e.status(), Status::Backend, "{e}");
+        assert!(!gone);
     }
 
     #[test]
@@ -157,8 +294,10 @@ mod tests {
         let mut d = [0u8; 8];
         let s = [0u8; 8];
         let segs = [seg(&mut d, &s)];
+        let mut gone = false;
         // pid_max is at most 2^22, so this pid cannot exist.
-        let e = unsafe { cma_copy(i32::MAX - 1, XferOp::Read, &segs, &|| false) }.unwrap_err();
-        assert_eq!(e.status(), crate::Status::RemoteDisconnect);
+        let p = Probe { addr: 4096, incarnation: 1 };
+        let e = unsafe { cma_batch(i32::MAX - 1, XferOp::Read, &segs, &p, &mut gone) }.unwrap_err();
+        assert_eq!(e.status(), Status::RemoteDisconnect);
     }
 }

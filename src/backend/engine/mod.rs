@@ -3,7 +3,8 @@
 //! `device_list`, `ucx_devices`, `ucx_error_handling_mode`, ...) are accepted and ignored.
 //!
 //! Routes, chosen per peer from its connection info:
-//! - loopback and peers in this process: `memcpy`;
+//! - loopback and peers in this process (found in the process's registry of live engines by incarnation id,
+//!   never by connection info): `memcpy`;
 //! - peers in another process on this host: cross-memory attach (`process_vm_readv/writev`), the peer
 //!   identified by pid + start time and watched through a pidfd, notifications over an abstract Unix socket;
 //!   if the kernel denies cross-memory attach (EPERM/ENOSYS: containers, seccomp, Yama), that peer's data
@@ -11,9 +12,12 @@
 //! - peers on another host (another boot, pid or network namespace): TCP (see `tcp`), with notifications
 //!   and heartbeats on a control connection.
 //!
+//! Same-host routes copy batch by batch, each batch inside the target incarnation's gate (see `gate`): the
+//! target's live flag and registrations decide, and deregistration and destruction wait for batches inside.
+//!
 //! VRAM (requests with either side in GPU memory) goes through `vram`, over the device layer
 //! (`crate::device`): device copies in this process, CUDA IPC handles carried in metadata to another
-//! process, every copy behind the target's gate page.
+//! process, every copy behind the target's VRAM gate page.
 //!
 //! Small requests complete inline in `post`; large ones are split across a few copy threads (or, over TCP,
 //! across the peer's data connections).
@@ -33,6 +37,8 @@
 
 mod copy;
 mod ctrl;
+mod gate;
+mod liveness;
 /// Socket helpers, shared with the metadata listener (`crate::mdx`).
 pub(crate) mod net;
 mod pool;
@@ -55,6 +61,7 @@ use crate::md::{put_bytes, put_uvar, Reader};
 use crate::mem::{Desc, MemType, RegDesc};
 use crate::status::{Error, Result, Status};
 use ctrl::{Ctrl, NotifQueue, Sender};
+use gate::{Attached, Gate, RegionTicket};
 use pool::Pool;
 use tcp::{LinkTarget, Regions, TcpLink, TcpOpts, TcpSetup};
 
@@ -100,13 +107,17 @@ struct Shared {
     /// Shown only inside this engine's metadata; a TCP connection must present it.
     secret: u128,
     regions: Arc<Regions>,
+    /// What same-host peers must pass for every batch (see `gate`).
+    gate: Arc<Gate>,
     queue: Arc<NotifQueue>,
     closed: Arc<AtomicBool>,
+    /// Test-only fault injection (`GIXL_TEST_FAULT=copy_panic`): copy workers panic.
+    panic_copies: bool,
     ctrl: Ctrl,
     pool: Pool,
     /// Workers for TCP pieces: they block on sockets, so they are not the copy threads.
     tcp_pool: Pool,
-    /// Registered VRAM, its exports and gate (see `vram`).
+    /// Registered VRAM, its exports and gate page (see `vram`).
     vram: vram::Vram,
 }
 
@@ -164,6 +175,7 @@ impl Engine {
             queue.clone(),
             TcpSetup { bind, opts: tcp_opts, secret, regions: regions.clone() },
         )?;
+        let gate = Arc::new(Gate::create(init.incarnation)?);
         let shared = Arc::new(Shared {
             agent: init.agent_name,
             incarnation: init.incarnation,
@@ -175,8 +187,10 @@ impl Engine {
             tcp_opts,
             secret,
             regions,
+            gate,
             queue,
             closed: Arc::new(AtomicBool::new(false)),
+            panic_copies: std::env::var("GIXL_TEST_FAULT").is_ok_and(|v| v.split(',').any(|f| f == "copy_panic")),
             ctrl,
             pool: Pool::new(threads),
             tcp_pool: Pool::new((2 * conns).clamp(4, 64)),
@@ -194,14 +208,17 @@ impl Drop for Engine {
 }
 
 impl Shared {
-    /// Stop serving peers (in-process ones see `closed`, TCP ones lose their connections and the region
+    /// Stop serving peers (same-host ones find the gate closed, TCP ones lose their connections and the region
     /// table) and stop the threads. Requests that outlive this fail with BACKEND. Idempotent.
     fn shutdown(&self) {
         if self.closed.swap(true, Ordering::AcqRel) {
             return;
         }
         registry().lock().remove(&self.incarnation);
+        // Peers' VRAM copies: refused from here, those inside waited for (see `vram`).
         self.vram.shutdown(self.tcp_opts.timeout);
+        // From here no peer's batch passes the gate; those inside finish before this returns.
+        self.gate.close(self.tcp_opts.timeout);
         self.ctrl.shutdown();
         self.pool.shutdown();
         self.tcp_pool.shutdown();
@@ -219,14 +236,18 @@ fn copy_threads(init: &BackendInit) -> usize {
 }
 
 enum PeerKind {
-    /// Another agent in this process.
-    InProcess { target: Weak<Shared>, closed: Arc<AtomicBool> },
+    /// Another agent in this process, found in `registry()` by its incarnation; `gate` is None when no engine
+    /// of that incarnation lives here (destroyed, or metadata that only claims to be from this process).
+    InProcess { target: Weak<Shared>, gate: Option<Attached> },
     /// Another process on this host. `tcp` carries the data instead once the kernel has denied
     /// cross-memory attach (`denied`).
     Cma {
         pid: i32,
         pidfd: OwnedFd,
         watch: Option<u64>,
+        /// The peer's gate (None when the kernel denied taking it: then `denied` is set and TCP carries data).
+        gate: Option<Attached>,
+        probe: copy::Probe,
         sock: Vec<u8>,
         sender: Mutex<Option<Sender>>,
         tcp: Arc<TcpLink>,
@@ -250,8 +271,25 @@ impl Peer for EnginePeer {
     }
     fn disconnected(&self) -> bool {
         match &self.kind {
-            PeerKind::InProcess { closed, .. } => closed.load(Ordering::Acquire),
-            PeerKind::Cma { .. } | PeerKind::Tcp { .. } => self.dead.load(Ordering::Acquire),
+            PeerKind::InProcess { gate, .. } => gate.as_ref().is_none_or(|g| !g.gate.live()),
+            PeerKind::Cma { gate, .. } => {
+                self.dead.load(Ordering::Acquire) || gate.as_ref().is_some_and(|g| !g.gate.live())
+            }
+            PeerKind::Tcp { link } => link.down(),
+        }
+    }
+    fn route(&self) -> &'static str {
+        match &self.kind {
+            PeerKind::InProcess { .. } => "in-process",
+            PeerKind::Cma { denied, .. } if denied.load(Ordering::Acquire) => "tcp-after-cma-denied",
+            PeerKind::Cma { .. } => "cma",
+            PeerKind::Tcp { .. } => "tcp",
+        }
+    }
+    fn pid(&self) -> Option<i32> {
+        match &self.kind {
+            PeerKind::Cma { pid, .. } => Some(*pid),
+            _ => None,
         }
     }
 }
@@ -269,8 +307,8 @@ impl Drop for EnginePeer {
 impl EnginePeer {
     fn send_notif(&self, from: &str, msg: &[u8]) -> Result<()> {
         match &self.kind {
-            PeerKind::InProcess { target, closed } => {
-                let t = target.upgrade().filter(|_| !closed.load(Ordering::Acquire));
+            PeerKind::InProcess { target, .. } => {
+                let t = target.upgrade().filter(|_| !self.disconnected());
                 let t = t.ok_or_else(|| Error::disconnected(format!("agent '{}' has been destroyed", self.name)))?;
                 t.queue.lock().push((from.to_owned(), msg.to_vec()));
                 Ok(())
@@ -295,16 +333,18 @@ impl EnginePeer {
 }
 
 /// The connection info version this engine writes and reads.
-const CONN_VERSION: u8 = 2;
+const CONN_VERSION: u8 = 3;
 const MAX_ADDRS: usize = 64;
 
-/// `version 2 | host id | pid | start time | Unix socket name | secret u128 | TCP port u16 | addresses`,
-/// an address being `4 | 4 bytes` or `6 | 16 bytes`.
+/// `version 3 | host id | pid | start time | gate fd | gate address u64 | Unix socket name | secret u128 |
+/// TCP port u16 | addresses`, an address being `4 | 4 bytes` or `6 | 16 bytes`.
 fn conn_info(s: &Shared) -> Vec<u8> {
     let mut out = vec![CONN_VERSION];
     put_bytes(&mut out, s.host.as_bytes());
     put_uvar(&mut out, s.pid as u64);
     put_uvar(&mut out, s.start_time);
+    put_uvar(&mut out, s.gate.raw_fd() as u64);
+    out.extend_from_slice(&s.gate.addr().to_le_bytes());
     put_bytes(&mut out, &s.ctrl.sock_name);
     out.extend_from_slice(&s.secret.to_le_bytes());
     out.extend_from_slice(&s.ctrl.tcp.port.to_le_bytes());
@@ -330,6 +370,8 @@ struct ConnInfo {
     host: String,
     pid: i32,
     start_time: u64,
+    gate_fd: i32,
+    gate_addr: u64,
     sock: Vec<u8>,
     secret: u128,
     addrs: Vec<SocketAddr>,
@@ -343,6 +385,8 @@ fn parse_conn(b: &[u8]) -> Result<ConnInfo> {
     let host = r.string(4096)?;
     let pid = i32::try_from(r.uvar()?).map_err(|_| Error::mismatch("bad pid in connection info"))?;
     let start_time = r.uvar()?;
+    let gate_fd = i32::try_from(r.uvar()?).map_err(|_| Error::mismatch("bad gate in connection info"))?;
+    let gate_addr = u64::from_le_bytes(r.array()?);
     let sock = r.bytes(108)?.to_vec();
     let secret = u128::from_le_bytes(r.array()?);
     let port = u16::from_le_bytes(r.array()?);
@@ -359,7 +403,7 @@ fn parse_conn(b: &[u8]) -> Result<ConnInfo> {
     if r.left() != 0 || pid <= 0 || port == 0 {
         return Err(Error::mismatch("malformed engine connection info"));
     }
-    Ok(ConnInfo { host, pid, start_time, sock, secret, addrs })
+    Ok(ConnInfo { host, pid, start_time, gate_fd, gate_addr, sock, secret, addrs })
 }
 
 /// For `crate::fuzzing` only: the connection-info parser and the notification-frame parser.
@@ -376,10 +420,40 @@ pub fn tcp_endpoint(conn: &[u8]) -> Result<(Vec<SocketAddr>, u128)> {
     parse_conn(conn).map(|c| (c.addrs, c.secret))
 }
 
-/// A peer's registration as its metadata names it; sent with each TCP request so the target can find it.
+/// A peer's registration as its metadata names it; sent with each TCP request so the target can find it, and
+/// checked against the target's gate (slot and state from the region's public bytes) on same-host routes.
 struct RemoteRegion {
     addr: u64,
     len: u64,
+    ticket: RegionTicket,
+}
+
+/// What a local registration keeps: its place in the gate.
+struct LocalGateRegion(RegionTicket);
+
+fn encode_ticket(t: RegionTicket) -> Vec<u8> {
+    let mut out = Vec::with_capacity(8);
+    put_uvar(&mut out, t.slot as u64);
+    put_uvar(&mut out, t.state);
+    out
+}
+
+fn decode_ticket(b: &[u8]) -> Result<RegionTicket> {
+    let mut r = Reader { buf: b, pos: 0 };
+    let slot = u32::try_from(r.uvar()?).map_err(|_| Error::mismatch("bad region slot in metadata"))?;
+    let state = r.uvar()?;
+    if r.left() != 0 {
+        return Err(Error::mismatch("malformed engine region info"));
+    }
+    Ok(RegionTicket { slot, state })
+}
+
+/// Has the process behind `pidfd` exited? (A pidfd polls readable once it has.) Only measured now.
+#[cfg(test)]
+fn pidfd_exited(pidfd: &OwnedFd) -> bool {
+    let mut p = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd, no wait.
+    unsafe { libc::poll(&mut p, 1, 0) > 0 && p.revents != 0 }
 }
 
 fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
@@ -413,8 +487,9 @@ impl Backend for Engine {
         if mem != MemType::Dram {
             return Err(Error::not_supported(format!("{} is not supported by this engine", mem.seg_name())));
         }
-        *self.shared.regions.write().entry((desc.desc.addr, desc.desc.len)).or_insert(0) += 1;
-        Ok(LocalRegion { public: Vec::new(), key: None })
+        let ticket = self.shared.gate.register(desc.desc.addr, desc.desc.len)?;
+        self.shared.regions.add(desc.desc.addr, desc.desc.len);
+        Ok(LocalRegion { public: encode_ticket(ticket), key: Some(Arc::new(LocalGateRegion(ticket))) })
     }
 
     fn deregister(&self, mem: MemType, desc: &Desc, key: Option<&RegionKey>) {
@@ -426,15 +501,12 @@ impl Backend for Engine {
         if mem != MemType::Dram {
             return;
         }
-        // Waits for TCP requests being served from the table, so none touches the range after this.
-        let mut t = self.shared.regions.write();
-        let k = (desc.addr, desc.len);
-        if let Some(n) = t.get_mut(&k) {
-            *n -= 1;
-            if *n == 0 {
-                t.remove(&k);
-            }
+        // Same-host peers first: refuse new batches, wait (bounded) for those inside.
+        if let Some(t) = key.and_then(|k| k.downcast_ref::<LocalGateRegion>()) {
+            self.shared.gate.retire(t.0, self.shared.tcp_opts.timeout);
         }
+        // Waits (bounded) for TCP requests being served from the range, so none touches it after this.
+        self.shared.regions.remove(desc.addr, desc.len);
     }
 
     fn load_remote_region(
@@ -447,7 +519,8 @@ impl Backend for Engine {
         if mem == MemType::Vram {
             return vram::load_remote(downcast(peer)?.incarnation, desc.addr, public).map(Some);
         }
-        Ok(Some(Arc::new(RemoteRegion { addr: desc.addr, len: desc.len })))
+        let ticket = decode_ticket(public)?;
+        Ok(Some(Arc::new(RemoteRegion { addr: desc.addr, len: desc.len, ticket })))
     }
 
     fn conn_info(&self) -> Vec<u8> {
@@ -467,7 +540,9 @@ impl Backend for Engine {
         }
         let dead = Arc::new(AtomicBool::new(false));
         let link = |dead: &Arc<AtomicBool>| {
-            let t = LinkTarget { peer: agent, incarnation, secret: ci.secret, addrs: addrs.clone() };
+            // A TCP-only peer recovers from transient failures; a CMA peer's liveness is its pidfd's.
+            let recover = !same_host || s.transport == Transport::Tcp;
+            let t = LinkTarget { peer: agent, incarnation, secret: ci.secret, addrs: addrs.clone(), recover };
             TcpLink::new(&s.ctrl.tcp, &s.agent, t, dead.clone())
         };
         if !same_host || s.transport == Transport::Tcp {
@@ -477,6 +552,12 @@ impl Backend for Engine {
                 )));
             }
             let kind = PeerKind::Tcp { link: link(&dead) };
+            let why =
+                if same_host { "GIXL_TRANSPORT=tcp" } else { "another host, or another pid or network namespace" };
+            crate::telemetry::log::info(&format!(
+                "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route tcp ({why})",
+                s.agent
+            ));
             return Ok(Arc::new(EnginePeer {
                 name: agent.to_owned(),
                 incarnation,
@@ -485,10 +566,14 @@ impl Backend for Engine {
                 owner: Arc::downgrade(s),
             }));
         }
-        let kind = if ci.pid == s.pid && ci.start_time == s.start_time {
-            let target = registry().lock().get(&incarnation).cloned().unwrap_or_default();
-            let closed = target.upgrade().map(|t| t.closed.clone()).unwrap_or_else(|| Arc::new(AtomicBool::new(true)));
-            PeerKind::InProcess { target, closed }
+        // In process only to an engine that lives here under that incarnation, whatever the connection info
+        // says; an incarnation of this process that is not in the registry was destroyed (or never existed).
+        let local = registry().lock().get(&incarnation).and_then(Weak::upgrade);
+        let kind = if let Some(t) = local {
+            let gate = Some(Attached::new(t.gate.clone())?);
+            PeerKind::InProcess { target: Arc::downgrade(&t), gate }
+        } else if ci.pid == s.pid && ci.start_time == s.start_time {
+            PeerKind::InProcess { target: Weak::new(), gate: None }
         } else {
             let pidfd = pidfd_open(ci.pid);
             // Opened first, checked second: if the start time still matches, the pidfd is that process.
@@ -498,7 +583,18 @@ impl Backend for Engine {
                 // The process is gone; keep a placeholder descriptor so the peer reports disconnected.
                 Err(_) => pidfd_open(s.pid).map_err(|e| Error::os(Status::Backend, "pidfd_open", e))?,
             };
-            let watch = if alive {
+            // The peer's gate, taken from that very process through the pidfd: if the kernel refuses, it would
+            // refuse cross-memory attach too, and TCP carries the data.
+            let mut denied = false;
+            let gate = match alive.then(|| Gate::attach(pidfd.as_raw_fd(), ci.gate_fd, incarnation)) {
+                Some(Ok(g)) => Some(Attached::new(Arc::new(g))?),
+                Some(Err(e)) if cma_denied(&e) => {
+                    denied = true;
+                    None
+                }
+                _ => None,
+            };
+            let watch = if alive && (gate.is_some() || denied) {
                 Some(s.ctrl.watch(pidfd.as_raw_fd(), dead.clone())?)
             } else {
                 dead.store(true, Ordering::Release);
@@ -509,12 +605,19 @@ impl Backend for Engine {
                 pid: ci.pid,
                 pidfd,
                 watch,
+                gate,
+                probe: copy::Probe { addr: ci.gate_addr, incarnation },
                 sock: ci.sock.clone(),
                 sender: Mutex::new(None),
                 tcp,
-                denied: AtomicBool::new(false),
+                denied: AtomicBool::new(denied),
             }
         };
+        let route = if matches!(kind, PeerKind::InProcess { .. }) { "in-process" } else { "cma" };
+        crate::telemetry::log::info(&format!(
+            "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route {route} (same host)",
+            s.agent
+        ));
         Ok(Arc::new(EnginePeer { name: agent.to_owned(), incarnation, kind, dead, owner: Arc::downgrade(s) }))
     }
 
@@ -610,7 +713,7 @@ struct Core {
     shared: Arc<Shared>,
     plan: XferPlan,
     route: Route,
-    /// Set when the request touches VRAM: its copies go through `vram`.
+    /// Set when the request touches VRAM: its copies go through `vram` (its own gate page).
     vram: Option<vram::VramPlan>,
 }
 
@@ -648,49 +751,101 @@ impl Core {
         }
     }
 
-    /// Copy `segs` by whichever route this request takes.
+    /// The remote regions this request may touch, as (gate slot, state, address, length).
+    fn gate_regions(&self) -> impl Iterator<Item = (u32, u64, u64, u64)> + '_ {
+        self.plan.remote_keys.iter().map(|k| {
+            match k.as_ref().and_then(|k| k.downcast_ref::<RemoteRegion>()) {
+                Some(r) => (r.ticket.slot, r.ticket.state, r.addr, r.len),
+                // Never for this engine's plans; refused by the gate if it happens.
+                None => (u32::MAX, 0, 0, 0),
+            }
+        })
+    }
+
+    /// Copy `segs` by whichever route this request takes. Same-host routes go batch by batch, each inside
+    /// the target's gate.
     fn copy(&self, segs: &[Seg], run: &Run) -> Result<()> {
+        if self.shared.panic_copies {
+            panic!("injected copy-worker panic (GIXL_TEST_FAULT=copy_panic)");
+        }
         if let Some(v) = &self.vram {
             return v.copy(self, segs, run);
         }
         let op = self.plan.op;
-        match self.peer().map(|p| &p.kind) {
-            None | Some(PeerKind::InProcess { .. }) => {
-                if let Some(p) = self.peer() {
-                    if p.disconnected() {
-                        return Err(Error::disconnected(format!("agent '{}' has been destroyed", p.name)));
+        let stopped = || Error::new(Status::Canceled, "transfer stopped");
+        let Some(p) = self.peer() else {
+            // SAFETY: loopback: the agent resolved both sides against this agent's own registrations.
+            unsafe { copy::local_copy(op, segs) };
+            return Ok(());
+        };
+        match &p.kind {
+            PeerKind::InProcess { gate, .. } => {
+                let gate = gate
+                    .as_ref()
+                    .ok_or_else(|| Error::disconnected(format!("agent '{}' has been destroyed", p.name)))?;
+                copy::for_batches(segs, usize::MAX, copy::BATCH_BYTES, &mut |b| {
+                    if run.abort.load(Ordering::Relaxed) {
+                        return Err(stopped());
                     }
-                }
-                // SAFETY: the agent resolved every segment against registrations of live agents in this
-                // process; registered memory must stay valid while registered (NIXL's contract).
-                unsafe { copy::local_copy(op, segs) };
-                Ok(())
+                    let _inside = gate.enter(self.gate_regions())?;
+                    // SAFETY: local ranges were resolved against this agent's registrations; remote ones are
+                    // inside registrations the target still holds (the gate), which it cannot drop while we
+                    // are inside.
+                    unsafe { copy::local_copy(op, b) };
+                    Ok(())
+                })
             }
-            Some(PeerKind::Tcp { link }) => self.tcp_copy(link, segs, run),
-            Some(PeerKind::Cma { tcp, denied, .. }) if denied.load(Ordering::Acquire) => self.tcp_copy(tcp, segs, run),
-            Some(PeerKind::Cma { pid, tcp, denied, .. }) => {
-                let dead = &self.peer().map(|p| p.dead.clone()).unwrap_or_default();
-                let stop = || run.abort.load(Ordering::Relaxed) || dead.load(Ordering::Relaxed);
-                // SAFETY: local ranges were resolved against this agent's registrations.
-                let r = unsafe { copy::cma_copy(*pid, op, segs, &stop) };
+            PeerKind::Tcp { link } => self.tcp_copy(link, segs, run),
+            PeerKind::Cma { tcp, denied, .. } if denied.load(Ordering::Acquire) => self.tcp_copy(tcp, segs, run),
+            PeerKind::Cma { pid, gate, probe, tcp, denied, .. } => {
+                let gate =
+                    gate.as_ref().ok_or_else(|| Error::disconnected(format!("agent '{}' is not reachable", p.name)))?;
+                let mut gone = false;
+                let r = copy::for_batches(segs, copy::BATCH_SEGS, copy::BATCH_BYTES, &mut |b| {
+                    if run.abort.load(Ordering::Relaxed) || p.dead.load(Ordering::Relaxed) {
+                        return Err(stopped());
+                    }
+                    // Identity is checked inside the call itself: its first iovec is the incarnation's gate
+                    // (see `copy::cma_batch`), which an exec'd image or a process that took over the pid does
+                    // not map. (A pidfd poll here would cost a syscall per batch and still miss exec.)
+                    let inside = gate.enter(self.gate_regions());
+                    if let Err(e) = &inside {
+                        gone = e.status() == Status::RemoteDisconnect;
+                    }
+                    let _inside = inside?;
+                    // SAFETY: local ranges were resolved against this agent's registrations.
+                    unsafe { copy::cma_batch(*pid, op, b, probe, &mut gone) }
+                });
                 if r.as_ref().err().is_some_and(cma_denied) {
                     // The kernel checks permission before moving a byte, so nothing was copied: go by TCP.
-                    denied.store(true, Ordering::Release);
+                    if !denied.swap(true, Ordering::AcqRel) {
+                        let why = r.as_ref().err().map(|e| e.to_string()).unwrap_or_default();
+                        crate::telemetry::log::warn(&format!(
+                            "agent '{}': peer '{}' route tcp (fall-back: the kernel denied cross-memory attach: {why}; \
+                             `python -m gixl doctor` says why)",
+                            self.shared.agent,
+                            self.peer().map(|p| p.name.as_str()).unwrap_or("")
+                        ));
+                    }
                     return self.tcp_copy(tcp, segs, run);
                 }
-                if r.is_err() && dead.load(Ordering::Acquire) {
-                    return Err(Error::disconnected(format!(
-                        "agent '{}' exited during the transfer",
-                        self.peer().map(|p| p.name.as_str()).unwrap_or("")
-                    )));
+                if gone {
+                    p.dead.store(true, Ordering::Release);
                 }
-                if let Err(e) = &r {
-                    if e.status() == Status::RemoteDisconnect {
-                        dead.store(true, Ordering::Release);
-                    }
+                if r.is_err() && p.dead.load(Ordering::Acquire) {
+                    return Err(Error::disconnected(format!("agent '{}' exited during the transfer", p.name)));
                 }
                 r
             }
+        }
+    }
+
+    /// `copy`, with any failure, a panic included, recorded on the request (never unwinding further).
+    fn guarded_copy(&self, segs: &[Seg], run: &Run) {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.copy(segs, run))) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => run.fail(e),
+            Err(_) => run.fail(Error::backend("a copy worker panicked; this request failed (the agent stays usable)")),
         }
     }
 
@@ -790,9 +945,7 @@ impl BackendXfer for EngineXfer {
             link.begin();
         }
         if inline {
-            if let Err(e) = core.copy(&plan.segs, &run) {
-                run.fail(e);
-            }
+            core.guarded_copy(&plan.segs, &run);
             core.finish(&run);
             return self.status();
         }
@@ -803,9 +956,7 @@ impl BackendXfer for EngineXfer {
             let (core, run) = (core.clone(), run.clone());
             pool.submit(Box::new(move || {
                 if !run.abort.load(Ordering::Relaxed) {
-                    if let Err(e) = core.copy(&part, &run) {
-                        run.fail(e);
-                    }
+                    core.guarded_copy(&part, &run);
                 }
                 if run.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
                     core.finish(&run);
@@ -821,10 +972,11 @@ impl BackendXfer for EngineXfer {
         match st {
             Status::Success => Ok(Status::Success),
             Status::InProg => {
-                // A dead peer is reported at once, not when the copy threads notice.
+                // A dead peer is reported without waiting for the copy threads to notice it by themselves,
+                // but only once they have stopped: a terminal status means nothing touches the buffers.
                 if let Some(p) = self.core.peer() {
                     if p.disconnected() {
-                        run.abort.store(true, Ordering::Release);
+                        self.abort();
                         return Err(Error::disconnected(format!("agent '{}' has disconnected", p.name)));
                     }
                 }
@@ -850,6 +1002,13 @@ impl BackendXfer for EngineXfer {
 
     fn completed_at(&self) -> Option<Instant> {
         self.run.lock().as_ref().and_then(|r| *r.done_at.lock())
+    }
+}
+
+impl Drop for EngineXfer {
+    /// Whoever drops the request may free its buffers next: no copy of it may still run.
+    fn drop(&mut self) {
+        self.abort();
     }
 }
 
@@ -903,6 +1062,8 @@ mod tests {
         put_bytes(&mut b, b"h");
         put_uvar(&mut b, 42);
         put_uvar(&mut b, 7);
+        put_uvar(&mut b, 3);
+        b.extend_from_slice(&(1u64 << 41).to_le_bytes());
         put_bytes(&mut b, b"sock");
         b.extend_from_slice(&99u128.to_le_bytes());
         b.extend_from_slice(&4242u16.to_le_bytes());
@@ -914,13 +1075,73 @@ mod tests {
         b
     }
 
+    /// What the gate adds per batch of a same-host transfer, measured in this process (run by hand:
+    /// `cargo test --release --lib measure_gate_cost -- --ignored --nocapture`).
+    #[test]
+    #[ignore = "a measurement, not a check"]
+    fn measure_gate_cost() {
+        let g = Arc::new(Gate::create(3).unwrap());
+        let t = g.register(0x10000, 0x10000).unwrap();
+        let a = Attached::new(g.clone()).unwrap();
+        let pidfd = pidfd_open(std::process::id() as i32).unwrap();
+        let n = 200_000;
+        let per = |t0: Instant| t0.elapsed().as_nanos() as f64 / n as f64;
+        let t0 = Instant::now();
+        for _ in 0..n {
+            let _i = std::hint::black_box(a.enter([(t.slot, t.state, 0x10000, 0x1000)]).unwrap());
+        }
+        let enter = per(t0);
+        let t0 = Instant::now();
+        for _ in 0..n {
+            assert!(!pidfd_exited(std::hint::black_box(&pidfd)));
+        }
+        let poll = per(t0);
+        let src = vec![1u8; 4096];
+        let mut dst = vec![0u8; 4096];
+        let s = Seg {
+            local: dst.as_mut_ptr() as u64,
+            remote: src.as_ptr() as u64,
+            len: 4096,
+            ldev: 0,
+            rdev: 0,
+            lreg: 0,
+            rreg: 0,
+        };
+        let me = std::process::id() as i32;
+        let probe = copy::Probe { addr: g.addr(), incarnation: 3 };
+        let t0 = Instant::now();
+        for _ in 0..n {
+            let mut gone = false;
+            unsafe { copy::cma_batch(me, XferOp::Read, &[s], &probe, &mut gone) }.unwrap();
+        }
+        let with_probe = per(t0);
+        let (l, r) = (
+            libc::iovec { iov_base: s.local as *mut _, iov_len: 4096 },
+            libc::iovec { iov_base: s.remote as *mut _, iov_len: 4096 },
+        );
+        let t0 = Instant::now();
+        for _ in 0..n {
+            assert_eq!(unsafe { libc::process_vm_readv(me, &l, 1, &r, 1, 0) }, 4096);
+        }
+        let bare = per(t0);
+        eprintln!(
+            "gate per batch: enter+leave {enter:.0} ns; 4 KiB process_vm_readv {bare:.0} ns bare vs {with_probe:.0} ns \
+             with the probe iovec (+{:.0} ns); added per batch ≈ {:.2} µs (a pidfd poll, not done, would add \
+             {poll:.0} ns more)",
+            with_probe - bare,
+            (enter + with_probe - bare) / 1000.0
+        );
+    }
+
     #[test]
     fn conn_info_round_trip_and_garbage() {
         assert!(parse_conn(b"").is_err());
         assert!(parse_conn(&[2, 0]).is_err());
+        assert!(parse_conn(&[3, 0]).is_err());
         let b = conn_bytes(&[(4, &[192, 0, 2, 1]), (6, &[0; 16])]);
         let c = parse_conn(&b).unwrap();
         assert_eq!((c.host.as_str(), c.pid, c.start_time, c.sock.as_slice(), c.secret), ("h", 42, 7, &b"sock"[..], 99));
+        assert_eq!((c.gate_fd, c.gate_addr), (3, 1 << 41));
         assert_eq!(c.addrs, vec!["192.0.2.1:4242".parse().unwrap(), "[::]:4242".parse().unwrap()]);
         for n in 0..b.len() {
             assert!(parse_conn(&b[..n]).is_err(), "prefix {n}");
@@ -1150,10 +1371,10 @@ mod tests {
         let (addr, inc, secret) = endpoint(&b);
         let inside = region + 1024;
 
-        // Wrong secret, wrong incarnation, garbage: closed without an answer.
-        assert_eq!(hello(addr, wire::KIND_DATA, inc, secret ^ 1).1, None);
-        assert_eq!(hello(addr, wire::KIND_CTRL, inc, secret ^ (1 << 127)).1, None);
-        assert_eq!(hello(addr, wire::KIND_DATA, inc + 1, secret).1, None);
+        // Wrong secret, wrong incarnation: NAK and closed; garbage: closed without an answer.
+        assert_eq!(hello(addr, wire::KIND_DATA, inc, secret ^ 1).1, Some(wire::NAK));
+        assert_eq!(hello(addr, wire::KIND_CTRL, inc, secret ^ (1 << 127)).1, Some(wire::NAK));
+        assert_eq!(hello(addr, wire::KIND_DATA, inc + 1, secret).1, Some(wire::NAK));
         {
             let mut s = TcpStream::connect(addr).unwrap();
             s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -1180,7 +1401,7 @@ mod tests {
             });
             let (mut s2, n2) = challenged(addr);
             assert_ne!(n1, n2);
-            assert_eq!(answer(&mut s2, &recorded), None, "replayed");
+            assert_eq!(answer(&mut s2, &recorded), Some(wire::NAK), "replayed");
             assert_eq!(answer(&mut s1, &recorded), Some(wire::ACK), "the original is fine");
         }
 

@@ -73,7 +73,7 @@ pub unsafe fn recv_iovecs(fd: RawFd, iov: &mut [libc::iovec], progress: &dyn Fn(
 }
 
 /// Drop `n` bytes from the front of `iov[i..]`; returns the new first non-empty index.
-fn advance(iov: &mut [libc::iovec], mut i: usize, mut n: usize) -> usize {
+pub fn advance(iov: &mut [libc::iovec], mut i: usize, mut n: usize) -> usize {
     while n > 0 && i < iov.len() {
         let l = iov[i].iov_len;
         if n >= l {
@@ -88,11 +88,59 @@ fn advance(iov: &mut [libc::iovec], mut i: usize, mut n: usize) -> usize {
     skip_empty(iov, i)
 }
 
-fn skip_empty(iov: &[libc::iovec], mut i: usize) -> usize {
+pub fn skip_empty(iov: &[libc::iovec], mut i: usize) -> usize {
     while i < iov.len() && iov[i].iov_len == 0 {
         i += 1;
     }
     i
+}
+
+/// One non-blocking `readv` into `iov` (at most `IOV_MAX` of them): Ok(0) is end of stream, WouldBlock
+/// when nothing is there.
+///
+/// # Safety
+/// Every iovec must describe memory writable for the duration of the call and not otherwise in use.
+pub unsafe fn readv_now(fd: RawFd, iov: &[libc::iovec]) -> io::Result<usize> {
+    let n = iov.len().min(IOV_MAX);
+    // SAFETY: an all-zero msghdr is a valid "no name, no control data" header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+    msg.msg_iovlen = n as _;
+    loop {
+        // SAFETY: `n` valid iovecs; the caller guarantees the memory is writable.
+        let r = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT) };
+        if r >= 0 {
+            return Ok(r as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// One non-blocking `sendmsg` of `iov` (at most `IOV_MAX` of them): bytes sent, WouldBlock when none
+/// could be.
+///
+/// # Safety
+/// Every iovec must describe memory readable for the duration of the call.
+pub unsafe fn sendmsg_now(fd: RawFd, iov: &[libc::iovec]) -> io::Result<usize> {
+    let n = iov.len().min(IOV_MAX);
+    // SAFETY: an all-zero msghdr is a valid "no name, no control data" header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+    msg.msg_iovlen = n as _;
+    loop {
+        // SAFETY: `n` valid iovecs; the caller guarantees the memory is readable.
+        let r = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        if r >= 0 {
+            return Ok(r as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
 }
 
 /// Send all of `buf` (blocking, with the socket's timeout), without SIGPIPE.
@@ -136,22 +184,6 @@ pub fn send_now(fd: RawFd, buf: &[u8]) -> io::Result<usize> {
         if e.kind() != io::ErrorKind::Interrupted {
             return Err(e);
         }
-    }
-}
-
-/// Sleep until `fd` is readable (or hung up). No timeout: an idle connection costs nothing.
-pub fn wait_readable(fd: RawFd) -> bool {
-    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-    loop {
-        // SAFETY: one valid pollfd.
-        let r = unsafe { libc::poll(&mut p, 1, -1) };
-        if r > 0 {
-            return true;
-        }
-        if r < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-            continue;
-        }
-        return false;
     }
 }
 

@@ -80,6 +80,8 @@ fn worker(q: Arc<(Mutex<Queue>, Condvar)>) {
                 cv.wait(&mut g);
             }
         };
-        task();
+        // A task that panics must not take the thread (and the tasks queued behind it) down with it; the
+        // engine's tasks record their own panics on their request.
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task));
     }
 }

@@ -25,25 +25,145 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
-use parking_lot::{Condvar, Mutex, RwLock};
+use parking_lot::{Condvar, Mutex};
 
 use super::ctrl::NotifQueue;
+use super::liveness::{DialPlan, LiveCfg, Liveness};
 use super::net::{self, iovec};
 use super::wire::{self, CtrlMsg, Hello, RegionTable, WireSeg};
 use crate::backend::{Seg, XferOp};
 use crate::status::{Error, Result, Status};
 use crate::util::monotonic_ns;
 
-/// The registrations a target serves, shared with its serving threads.
-pub type Regions = RwLock<RegionTable>;
+/// The registrations a target serves, and the leases its serving threads hold on them.
+///
+/// A request is checked against the table and, if allowed, leases the registrations it names for as long
+/// as it touches their memory; the table's lock is held only for the check, never across socket I/O.
+/// Removing the last registration of a range refuses later requests at once and then waits for the
+/// leases on that range only, for at most the disconnect timeout: a peer still holding one then is too
+/// slow and its connection is shut down, which wakes its serving thread out of the socket call; the wait
+/// then continues until the lease is given back (a woken thread returns from its one system call), so
+/// nothing touches the range after `remove` returns.
+#[derive(Default)]
+pub struct Regions {
+    st: Mutex<RegionState>,
+    released: Condvar,
+    /// Disconnect timeout in ns: how long `remove` waits before cutting the holders off (0: not set yet,
+    /// use one second).
+    bound_ns: AtomicU64,
+}
 
-/// Pending (not yet authenticated) inbound connections kept at once; more are closed on arrival.
+#[derive(Default)]
+struct RegionState {
+    table: RegionTable,
+    /// Serving connection id → the ranges its current request holds, and its socket (to cut it off).
+    leases: HashMap<u64, Held>,
+    closed: bool,
+}
+
+/// The ranges one serving connection's request holds, and its socket.
+type Held = (Vec<(u64, u64)>, Weak<TcpStream>);
+
+impl Regions {
+    pub fn set_bound(&self, d: Duration) {
+        self.bound_ns.store(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+    }
+
+    /// One more registration of exactly `addr..addr+len`.
+    pub fn add(&self, addr: u64, len: u64) {
+        *self.st.lock().table.entry((addr, len)).or_insert(0) += 1;
+    }
+
+    /// One registration fewer. When it was the last of that range, wait for requests holding a lease on it
+    /// (bounded, see the type's comment).
+    pub fn remove(&self, addr: u64, len: u64) {
+        let k = (addr, len);
+        let mut st = self.st.lock();
+        let Some(n) = st.table.get_mut(&k) else { return };
+        *n -= 1;
+        if *n > 0 {
+            return;
+        }
+        st.table.remove(&k);
+        let bound = match self.bound_ns.load(Ordering::Relaxed) {
+            0 => Duration::from_secs(1),
+            ns => Duration::from_nanos(ns),
+        };
+        self.wait_leases(st, bound, |ranges| ranges.contains(&k));
+    }
+
+    /// The engine is going away: refuse everything from now on, cut every serving connection off at once
+    /// and wait until no request touches memory.
+    pub fn close(&self) {
+        let mut st = self.st.lock();
+        st.closed = true;
+        st.table.clear();
+        self.wait_leases(st, Duration::ZERO, |_| true);
+    }
+
+    fn wait_leases(
+        &self,
+        mut st: parking_lot::MutexGuard<'_, RegionState>,
+        bound: Duration,
+        holds: impl Fn(&[(u64, u64)]) -> bool,
+    ) {
+        let deadline = std::time::Instant::now() + bound;
+        let mut cut = false;
+        loop {
+            let holders: Vec<Weak<TcpStream>> =
+                st.leases.values().filter(|(r, _)| holds(r)).map(|(_, s)| s.clone()).collect();
+            if holders.is_empty() {
+                return;
+            }
+            if !cut && std::time::Instant::now() >= deadline {
+                // Too slow: shut the holders' connections down, which ends their socket calls.
+                for s in holders.iter().filter_map(Weak::upgrade) {
+                    let _ = s.shutdown(Shutdown::Both);
+                }
+                cut = true;
+            }
+            if cut {
+                self.released.wait(&mut st);
+            } else {
+                let _ = self.released.wait_until(&mut st, deadline);
+            }
+        }
+    }
+
+    /// Check `segs` and lease the ranges they name for connection `conn` until `release(conn)`. False:
+    /// refused (some segment lies outside every registration, or the engine is closing).
+    pub fn lease(&self, conn: u64, stream: &Arc<TcpStream>, segs: &[WireSeg]) -> bool {
+        let mut st = self.st.lock();
+        if st.closed || !wire::segs_allowed(&st.table, segs) {
+            return false;
+        }
+        let mut ranges: Vec<(u64, u64)> = segs.iter().map(|s| (s.region, s.region_len)).collect();
+        ranges.sort_unstable();
+        ranges.dedup();
+        st.leases.insert(conn, (ranges, Arc::downgrade(stream)));
+        true
+    }
+
+    /// Connection `conn` no longer touches the memory it leased.
+    pub fn release(&self, conn: u64) {
+        self.st.lock().leases.remove(&conn);
+        self.released.notify_all();
+    }
+}
+
+/// Pending (not yet authenticated) inbound connections kept at once. When full, a newcomer takes the slot
+/// of the oldest pending connection of the source address that holds the most: strangers flooding from a
+/// few addresses only ever push out each other, and a real peer's handshake (one round trip) gets through.
 const MAX_PENDING: usize = 256;
+/// Pending connections one source address may hold; its oldest is closed to make room for its newest.
+const PER_SOURCE: usize = 16;
+/// Authenticated inbound control connections kept at once.
+const MAX_CTRL_IN: usize = 1024;
 /// Data connections served at once.
 const MAX_SERVING: usize = 1024;
 
@@ -62,15 +182,9 @@ impl TcpOpts {
     pub fn stall(&self) -> Duration {
         (self.timeout * 5).max(Duration::from_secs(5))
     }
-    /// Pings go out this often while requests are in flight.
-    fn ping_every_ns(&self) -> u64 {
-        (self.timeout.as_nanos() as u64 / 8).max(1_000_000)
-    }
-    /// Silence for this long declares the peer dead. A quarter of the timeout is left for the partition to
-    /// start after the last answer and for the progress thread to be scheduled, so a request in flight
-    /// fails within `timeout` of the fault.
-    fn silence_ns(&self) -> u64 {
-        (self.timeout.as_nanos() as u64 / 4 * 3).max(1_000_000)
+    /// A connection must complete its handshake within this long (one round trip in practice).
+    pub fn handshake(&self) -> Duration {
+        (self.timeout * 2).clamp(Duration::from_millis(500), Duration::from_secs(10))
     }
 }
 
@@ -127,6 +241,8 @@ pub struct TcpShared {
     next_out: AtomicU64,
     serving: Mutex<Vec<Weak<TcpStream>>>,
     nserving: AtomicUsize,
+    loops: OnceLock<Vec<Arc<ServeLoop>>>,
+    next_serve: AtomicU64,
     closed: AtomicBool,
 }
 
@@ -135,7 +251,6 @@ struct Out {
     conn: Arc<CtrlConn>,
     link: Weak<TcpLink>,
     buf: Vec<u8>,
-    next_ping: Option<u64>,
 }
 
 /// A control connection to a peer. Frames are written whole under `w`.
@@ -143,6 +258,8 @@ pub struct CtrlConn {
     stream: TcpStream,
     w: Mutex<()>,
     token: u64,
+    /// The link's epoch when it was made.
+    epoch: u64,
 }
 
 impl TcpShared {
@@ -153,7 +270,7 @@ impl TcpShared {
     }
 
     fn add_out(&self, conn: Arc<CtrlConn>, link: Weak<TcpLink>) -> Result<()> {
-        self.out.lock().insert(conn.token, Out { conn: conn.clone(), link, buf: Vec::new(), next_ping: None });
+        self.out.lock().insert(conn.token, Out { conn: conn.clone(), link, buf: Vec::new() });
         if let Err(e) = epoll_add(self.epfd.as_raw_fd(), conn.stream.as_raw_fd(), conn.token) {
             self.out.lock().remove(&conn.token);
             return Err(e);
@@ -179,53 +296,51 @@ impl TcpShared {
     /// requests being served, so nothing touches memory after this returns.
     pub fn close(&self) {
         self.closed.store(true, Ordering::Release);
-        self.regions.write().clear();
         for s in self.serving.lock().drain(..).filter_map(|w| w.upgrade()) {
             let _ = s.shutdown(Shutdown::Both);
         }
+        for l in self.loops.get().into_iter().flatten() {
+            l.wake();
+        }
+        self.regions.close();
         let outs: Vec<_> = self.out.lock().drain().map(|(_, o)| o).collect();
         for o in outs {
             let _ = o.conn.stream.shutdown(Shutdown::Both);
         }
     }
 
-    /// Called by the progress thread on each wake-up: heartbeats and timeouts of outbound control
-    /// connections. Returns how long it may sleep (None: until something happens).
+    /// Called by the progress thread on each wake-up: feeds each peer's `Liveness` the time and what it
+    /// needs, and does what it says (ping, declare down). Returns how long it may sleep (None: until
+    /// something happens).
     fn tick(&self, now: u64) -> Option<u64> {
-        let silence = self.opts.silence_ns();
-        let every = self.opts.ping_every_ns();
         let mut next: Option<u64> = None;
-        let mut dead = Vec::new();
+        let mut down = Vec::new();
         // Links upgraded under the lock are dropped after it: dropping the last one unregisters it.
         let mut seen = Vec::new();
         {
-            let mut out = self.out.lock();
-            for (&token, o) in out.iter_mut() {
+            let out = self.out.lock();
+            for o in out.values() {
                 let Some(link) = o.link.upgrade() else { continue };
-                seen.push(link.clone());
-                if link.inflight.load(Ordering::Acquire) == 0 {
-                    o.next_ping = None;
-                    continue;
-                }
-                let deadline = link.last_rx.load(Ordering::Acquire).saturating_add(silence);
-                if now >= deadline {
-                    dead.push((token, link));
-                    continue;
-                }
-                let due = *o.next_ping.get_or_insert(now);
-                if now >= due {
+                let inflight = link.inflight.load(Ordering::Acquire);
+                let last_rx = link.last_rx.load(Ordering::Acquire);
+                let t = link.live.lock().tick(now, inflight, last_rx);
+                if t.ping {
                     ping(&o.conn);
-                    o.next_ping = Some(now + every);
                 }
-                let soonest = deadline.min(o.next_ping.unwrap_or(deadline));
-                next = Some(next.map_or(soonest, |n| n.min(soonest)));
+                if t.down {
+                    down.push(link.clone());
+                }
+                if let Some(w) = t.wake_in {
+                    next = Some(next.map_or(w, |n| n.min(w)));
+                }
+                seen.push(link);
             }
         }
-        for (token, link) in dead {
-            self.remove_out(token);
+        for link in down {
+            let silence = LiveCfg::for_timeout(self.opts.timeout.as_nanos() as u64).silence;
             link.kill(format!("no answer to heartbeats for {:?}", Duration::from_nanos(silence)));
         }
-        next.map(|n| n.saturating_sub(now))
+        next
     }
 
     /// Bytes arrived on an outbound control connection.
@@ -302,6 +417,10 @@ pub struct TcpProgress {
 
 struct In {
     stream: TcpStream,
+    /// Where it came from (handshake slots are shared out per source address).
+    src: IpAddr,
+    /// Accept order, for eviction of the oldest.
+    seq: u64,
     /// The challenge this connection must answer.
     nonce: [u8; 16],
     buf: Vec<u8>,
@@ -324,6 +443,7 @@ impl TcpProgress {
         wake: Arc<OwnedFd>,
     ) -> Result<TcpProgress> {
         let TcpSetup { bind, opts, secret, regions } = setup;
+        regions.set_bound(opts.timeout);
         let listener = TcpListener::bind(bind)
             .map_err(|e| Error::os(Status::Backend, format!("binding the TCP listener on {bind}"), e))?;
         listener.set_nonblocking(true).map_err(|e| Error::os(Status::Backend, "TCP listener", e))?;
@@ -342,6 +462,8 @@ impl TcpProgress {
             next_out: AtomicU64::new(0),
             serving: Mutex::new(Vec::new()),
             nserving: AtomicUsize::new(0),
+            loops: OnceLock::new(),
+            next_serve: AtomicU64::new(0),
             closed: AtomicBool::new(false),
         });
         Ok(TcpProgress { shared, listener, queue, inbound: HashMap::new(), next_in: 0 })
@@ -378,18 +500,15 @@ impl TcpProgress {
 
     fn accept(&mut self) {
         loop {
-            let stream = match self.listener.accept() {
-                Ok((s, _)) => s,
+            let (stream, from) = match self.listener.accept() {
+                Ok(x) => x,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(_) => return,
             };
-            let pending = self.inbound.values().filter(|c| c.name.is_none()).count();
-            if pending >= MAX_PENDING
-                || self.shared.closed.load(Ordering::Acquire)
-                || stream.set_nonblocking(true).is_err()
-            {
+            if self.shared.closed.load(Ordering::Acquire) || stream.set_nonblocking(true).is_err() {
                 continue;
             }
+            self.make_room(from.ip());
             // A fresh socket's send buffer is empty: the challenge always fits.
             let nonce = crate::util::random_u128().to_le_bytes();
             let challenge = wire::encode_challenge(&nonce);
@@ -399,9 +518,33 @@ impl TcpProgress {
             let token = TOKEN_IN + self.next_in;
             self.next_in = (self.next_in + 1) % (1 << 32);
             if epoll_add(self.shared.epfd.as_raw_fd(), stream.as_raw_fd(), token).is_ok() {
-                let deadline = monotonic_ns() + self.shared.opts.stall().as_nanos() as u64;
-                self.inbound.insert(token, In { stream, nonce, buf: Vec::new(), name: None, deadline });
+                let deadline = monotonic_ns() + self.shared.opts.handshake().as_nanos() as u64;
+                let (src, seq) = (from.ip(), self.next_in);
+                self.inbound.insert(token, In { stream, src, seq, nonce, buf: Vec::new(), name: None, deadline });
             }
+        }
+    }
+
+    /// Before taking a pending connection from `src`: close the oldest pending one of `src` if it holds
+    /// `PER_SOURCE`, else, when every slot is taken, the oldest of the source holding the most.
+    fn make_room(&mut self, src: IpAddr) {
+        let mut per: HashMap<IpAddr, (usize, u64, u64)> = HashMap::new();
+        let mut pending = 0;
+        for (&t, c) in self.inbound.iter().filter(|(_, c)| c.name.is_none()) {
+            pending += 1;
+            let e = per.entry(c.src).or_insert((0, u64::MAX, t));
+            e.0 += 1;
+            if c.seq < e.1 {
+                (e.1, e.2) = (c.seq, t);
+            }
+        }
+        let victim = match per.get(&src) {
+            Some(&(n, _, t)) if n >= PER_SOURCE => Some(t),
+            _ if pending >= MAX_PENDING => per.values().max_by_key(|(n, seq, _)| (*n, u64::MAX - seq)).map(|e| e.2),
+            _ => None,
+        };
+        if let Some(t) = victim {
+            self.drop_in(t);
         }
     }
 
@@ -464,10 +607,21 @@ impl TcpProgress {
         }
         let want = wire::hello_tag(self.shared.secret, h.kind, self.shared.incarnation, &c.nonce, &h.name);
         let ok = h.incarnation == self.shared.incarnation && wire::tags_match(h.tag, want);
-        if !ok || self.shared.closed.load(Ordering::Acquire) {
+        if !ok {
+            // Say so, so that a peer holding stale metadata knows at once that the incarnation it was
+            // built for is not here (a stranger learns nothing it did not know).
+            let _ = net::send_now(c.stream.as_raw_fd(), &[wire::NAK]);
+            return false;
+        }
+        if self.shared.closed.load(Ordering::Acquire) {
             return false;
         }
         if h.kind == wire::KIND_CTRL {
+            let ctrl_in = self.inbound.values().filter(|c| c.name.is_some()).count();
+            let Some(c) = self.inbound.get_mut(&token) else { return false };
+            if ctrl_in >= MAX_CTRL_IN {
+                return false;
+            }
             if net::send_now(c.stream.as_raw_fd(), &[wire::ACK]).ok() != Some(1) {
                 return false;
             }
@@ -482,17 +636,19 @@ impl TcpProgress {
         true
     }
 
+    /// Hand an authenticated data connection to a serving loop (started on first use).
     fn serve_data(&mut self, stream: TcpStream) {
         let sh = &self.shared;
-        if sh.nserving.load(Ordering::Acquire) >= MAX_SERVING || stream.set_nonblocking(false).is_err() {
+        if sh.nserving.load(Ordering::Acquire) >= MAX_SERVING {
+            return;
+        }
+        let loops = sh.loops.get_or_init(|| start_loops(sh));
+        if loops.is_empty() {
             return;
         }
         net::tune(&stream, sh.opts.stall());
-        let stall = sh.opts.stall();
-        if stream.set_read_timeout(Some(stall)).is_err() || stream.set_write_timeout(Some(stall)).is_err() {
-            return;
-        }
-        if net::send_all(&stream, &[wire::ACK], &|| {}).is_err() {
+        // A fresh socket's send buffer is empty: the answer always fits.
+        if net::send_now(stream.as_raw_fd(), &[wire::ACK]).ok() != Some(1) {
             return;
         }
         let stream = Arc::new(stream);
@@ -502,14 +658,10 @@ impl TcpProgress {
             serving.push(Arc::downgrade(&stream));
         }
         sh.nserving.fetch_add(1, Ordering::AcqRel);
-        let shared = sh.clone();
-        let spawned = std::thread::Builder::new().name("gixl-tcp-serve".into()).spawn(move || {
-            serve(&stream, &shared.regions);
-            shared.nserving.fetch_sub(1, Ordering::AcqRel);
-        });
-        if spawned.is_err() {
-            sh.nserving.fetch_sub(1, Ordering::AcqRel);
-        }
+        let id = sh.next_serve.fetch_add(1, Ordering::Relaxed);
+        let l = &loops[id as usize % loops.len()];
+        l.inbox.lock().push((id, stream));
+        l.wake();
     }
 
     /// Frames on an authenticated inbound control connection.
@@ -549,72 +701,321 @@ impl TcpProgress {
     }
 }
 
-/// Serve one authenticated data connection until it closes. Every request is checked against `regions`
-/// under its read lock, which is held while memory is touched.
-fn serve(stream: &TcpStream, regions: &Regions) {
-    let fd = stream.as_raw_fd();
-    let mut table = Vec::new();
-    let mut iov: Vec<libc::iovec> = Vec::with_capacity(wire::MAX_SEGS + 1);
-    let mut scratch = Vec::new();
-    let none = || {};
-    loop {
-        if !net::wait_readable(fd) {
-            return;
+/// Authenticated data connections are served by a few event loops (one per core, at most
+/// `MAX_LOOPS`), not a thread each: every socket is non-blocking and edge-triggered in the loop's epoll
+/// set, and each connection is a small state machine (header → segment table → payload → reply) that runs
+/// until the socket would block. An idle connection costs nothing; a slow one holds no thread, only its
+/// state and, while its payload moves, a lease on the registrations it names.
+const MAX_LOOPS: usize = 4;
+
+struct ServeLoop {
+    epfd: OwnedFd,
+    wake: OwnedFd,
+    /// Connections handed over by the progress thread, taken on the next wake-up.
+    inbox: Mutex<Vec<(u64, Arc<TcpStream>)>>,
+}
+
+impl ServeLoop {
+    fn new() -> io::Result<ServeLoop> {
+        // SAFETY: plain syscalls; results checked before use.
+        let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if ep < 0 {
+            return Err(io::Error::last_os_error());
         }
-        let mut h = [0u8; wire::REQ_HEADER];
-        if net::recv_exact(stream, &mut h, &none).is_err() {
-            return;
+        // SAFETY: a fresh descriptor we own.
+        let epfd = unsafe { OwnedFd::from_raw_fd(ep) };
+        // SAFETY: as above.
+        let w = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if w < 0 {
+            return Err(io::Error::last_os_error());
         }
-        let Ok(hdr) = wire::parse_req_header(&h) else { return };
-        table.resize(hdr.nseg * wire::SEG_BYTES, 0);
-        if net::recv_exact(stream, &mut table, &none).is_err() {
-            return;
+        // SAFETY: a fresh descriptor we own.
+        let wake = unsafe { OwnedFd::from_raw_fd(w) };
+        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: u64::MAX };
+        // SAFETY: valid event, both descriptors open.
+        if unsafe { libc::epoll_ctl(epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, wake.as_raw_fd(), &mut ev) } < 0 {
+            return Err(io::Error::last_os_error());
         }
-        let Ok(segs) = wire::parse_segs(&table, &hdr) else { return };
-        let regs = regions.read();
-        let allowed = wire::segs_allowed(&regs, &segs);
-        let reply_ok = wire::encode_reply(wire::REPLY_OK);
-        iov.clear();
-        let r = match (hdr.op, allowed) {
-            (XferOp::Read, true) => {
-                iov.push(iovec(reply_ok.as_ptr() as u64, reply_ok.len() as u64));
-                iov.extend(segs.iter().map(|s| iovec(s.addr, s.len)));
-                // SAFETY: every segment lies inside a registration present in the table, whose read lock
-                // we hold: registered memory stays valid while registered (NIXL's contract), and
-                // deregistration waits for this lock. We only read it.
-                unsafe { net::send_iovecs(fd, &mut iov, &none) }
+        Ok(ServeLoop { epfd, wake, inbox: Mutex::new(Vec::new()) })
+    }
+
+    fn wake(&self) {
+        let one: u64 = 1;
+        // SAFETY: writing 8 bytes to our eventfd.
+        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    /// Runs until the engine closes. `sh` is weak so the loop does not keep the engine alive.
+    fn run(&self, sh: Weak<TcpShared>) {
+        let mut conns: HashMap<u64, Box<DataConn>> = HashMap::new();
+        let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
+        let mut scratch = vec![0u8; 64 * 1024];
+        loop {
+            let Some(shared) = sh.upgrade() else { return };
+            if shared.closed.load(Ordering::Acquire) {
+                for (_, c) in conns.drain() {
+                    c.close(&shared, &self.epfd);
+                }
+                return;
             }
-            (XferOp::Write, true) => {
-                iov.extend(segs.iter().map(|s| iovec(s.addr, s.len)));
-                // SAFETY: as above; the owner granted writes to registered memory by registering it.
-                let r = unsafe { net::recv_iovecs(fd, &mut iov, &none) };
-                drop(regs);
-                r.and_then(|_| net::send_all(stream, &reply_ok, &none))
+            let stall = shared.opts.stall().as_nanos() as u64;
+            let now = monotonic_ns();
+            let timeout = conns
+                .values()
+                .filter_map(|c| c.deadline(stall))
+                .map(|d| d.saturating_sub(now).div_ceil(1_000_000).min(i32::MAX as u64) as i32)
+                .min()
+                .unwrap_or(-1);
+            drop(shared);
+            // SAFETY: `events` has room for its length.
+            let n =
+                unsafe { libc::epoll_wait(self.epfd.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, timeout) };
+            let Some(shared) = sh.upgrade() else { return };
+            if n < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+                return;
             }
-            (op, false) => {
-                drop(regs);
-                let mut r = Ok(());
-                if op == XferOp::Write {
-                    // Swallow the payload so the connection stays in step; it is bounded by MAX_REQ_BYTES.
-                    scratch.resize(64 * 1024, 0);
-                    let mut left = hdr.total as usize;
-                    while left > 0 && r.is_ok() {
-                        let n = left.min(scratch.len());
-                        r = net::recv_exact(stream, &mut scratch[..n], &none);
-                        left -= n;
+            let mut ready: Vec<u64> = events[..n.max(0) as usize].iter().map(|e| e.u64).collect();
+            if ready.contains(&u64::MAX) {
+                let mut v = 0u64;
+                // SAFETY: reading 8 bytes from our eventfd into `v`.
+                unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+                for (id, stream) in self.inbox.lock().drain(..) {
+                    let mut ev = libc::epoll_event {
+                        events: (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET) as u32,
+                        u64: id,
+                    };
+                    // SAFETY: valid event; the socket is open (we hold it).
+                    if unsafe {
+                        libc::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, stream.as_raw_fd(), &mut ev)
+                    } < 0
+                    {
+                        shared.nserving.fetch_sub(1, Ordering::AcqRel);
+                        continue;
+                    }
+                    conns.insert(id, Box::new(DataConn::new(id, stream)));
+                    ready.push(id);
+                }
+            }
+            for id in ready {
+                let Some(c) = conns.get_mut(&id) else { continue };
+                if !c.drive(&shared.regions, &mut scratch) {
+                    if let Some(c) = conns.remove(&id) {
+                        c.close(&shared, &self.epfd);
                     }
                 }
-                r.and_then(|_| net::send_all(stream, &wire::encode_reply(wire::REPLY_DENIED), &none))
             }
-        };
-        if r.is_err() {
-            return;
+            // Connections stuck mid-request for longer than the stall bound are given up.
+            let stall = shared.opts.stall().as_nanos() as u64;
+            let now = monotonic_ns();
+            let late: Vec<u64> =
+                conns.values().filter(|c| c.deadline(stall).is_some_and(|d| d <= now)).map(|c| c.id).collect();
+            for id in late {
+                if let Some(c) = conns.remove(&id) {
+                    c.close(&shared, &self.epfd);
+                }
+            }
         }
     }
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Header,
+    Table,
+    /// WRITE payload into leased memory.
+    Recv,
+    /// A refused WRITE's payload, swallowed so the connection stays in step.
+    Drain,
+    /// READ: the OK reply and the payload out of leased memory.
+    Send,
+    /// The 8-byte reply of a WRITE or a refusal.
+    Reply,
+}
+
+/// One data connection's state in a serving loop.
+struct DataConn {
+    id: u64,
+    stream: Arc<TcpStream>,
+    phase: Phase,
+    hdr: [u8; wire::REQ_HEADER],
+    req: Option<wire::ReqHeader>,
+    table: Vec<u8>,
+    got: usize,
+    iov: Vec<libc::iovec>,
+    at: usize,
+    leased: bool,
+    reply: [u8; wire::REPLY_BYTES],
+    left: u64,
+    /// Last progress (ns): a connection mid-request that makes none for the stall bound is closed.
+    last: u64,
+}
+
+// SAFETY: the iovecs point into registered memory leased by this connection, or at `reply` (re-pointed
+// before each use); the connection is only ever used by the loop thread that owns it.
+unsafe impl Send for DataConn {}
+
+impl DataConn {
+    fn new(id: u64, stream: Arc<TcpStream>) -> DataConn {
+        DataConn {
+            id,
+            stream,
+            phase: Phase::Header,
+            hdr: [0; wire::REQ_HEADER],
+            req: None,
+            table: Vec::new(),
+            got: 0,
+            iov: Vec::new(),
+            at: 0,
+            leased: false,
+            reply: [0; wire::REPLY_BYTES],
+            left: 0,
+            last: monotonic_ns(),
+        }
+    }
+
+    /// When this connection must have made progress by: None while it waits for a request (idle).
+    fn deadline(&self, stall: u64) -> Option<u64> {
+        (self.phase != Phase::Header || self.got > 0).then(|| self.last.saturating_add(stall))
+    }
+
+    fn close(&self, sh: &TcpShared, epfd: &OwnedFd) {
+        if self.leased {
+            sh.regions.release(self.id);
+        }
+        let _ = self.stream.shutdown(Shutdown::Both);
+        // SAFETY: removing a descriptor we added; `self.stream` still holds it open.
+        unsafe {
+            libc::epoll_ctl(epfd.as_raw_fd(), libc::EPOLL_CTL_DEL, self.stream.as_raw_fd(), std::ptr::null_mut())
+        };
+        sh.nserving.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Move the state machine as far as the socket allows. False: close the connection (end of stream, an
+    /// error, or a malformed request).
+    fn drive(&mut self, regions: &Regions, scratch: &mut [u8]) -> bool {
+        let fd = self.stream.as_raw_fd();
+        loop {
+            let r = match self.phase {
+                Phase::Header => net::recv_now(fd, &mut self.hdr[self.got..]),
+                Phase::Table => net::recv_now(fd, &mut self.table[self.got..]),
+                Phase::Drain => {
+                    let n = (self.left as usize).min(scratch.len());
+                    net::recv_now(fd, &mut scratch[..n])
+                }
+                Phase::Reply => net::send_now(fd, &self.reply[self.got..]),
+                // SAFETY: the iovecs point into registrations this connection holds a lease on
+                // (registered memory stays valid while registered, NIXL's contract; deregistration waits
+                // for the lease), or at `self.reply`, which lives in `self`.
+                Phase::Recv => unsafe { net::readv_now(fd, &self.iov[self.at..]) },
+                // SAFETY: as above; only read.
+                Phase::Send => unsafe { net::sendmsg_now(fd, &self.iov[self.at..]) },
+            };
+            let n = match r {
+                Ok(0) => return false,
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
+                Err(_) => return false,
+            };
+            self.last = monotonic_ns();
+            match self.phase {
+                Phase::Header => {
+                    self.got += n;
+                    if self.got == wire::REQ_HEADER {
+                        let Ok(h) = wire::parse_req_header(&self.hdr) else { return false };
+                        self.req = Some(h);
+                        self.table.resize(h.nseg * wire::SEG_BYTES, 0);
+                        (self.phase, self.got) = (Phase::Table, 0);
+                    }
+                }
+                Phase::Table => {
+                    self.got += n;
+                    if self.got == self.table.len() && !self.start(regions) {
+                        return false;
+                    }
+                }
+                Phase::Drain => {
+                    self.left -= n as u64;
+                    if self.left == 0 {
+                        self.reply_with(wire::REPLY_DENIED);
+                    }
+                }
+                Phase::Reply => {
+                    self.got += n;
+                    if self.got == wire::REPLY_BYTES {
+                        (self.phase, self.got) = (Phase::Header, 0);
+                    }
+                }
+                Phase::Recv | Phase::Send => {
+                    self.at = net::advance(&mut self.iov, self.at, n);
+                    if self.at == self.iov.len() {
+                        regions.release(self.id);
+                        self.leased = false;
+                        if self.phase == Phase::Recv {
+                            self.reply_with(wire::REPLY_OK);
+                        } else {
+                            (self.phase, self.got) = (Phase::Header, 0);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The segment table is complete: check it, lease the registrations, and pick the next phase.
+    fn start(&mut self, regions: &Regions) -> bool {
+        let Some(h) = self.req else { return false };
+        let Ok(segs) = wire::parse_segs(&self.table, &h) else { return false };
+        let allowed = regions.lease(self.id, &self.stream, &segs);
+        self.iov.clear();
+        self.at = 0;
+        match (h.op, allowed) {
+            (XferOp::Read, true) => {
+                self.leased = true;
+                self.reply = wire::encode_reply(wire::REPLY_OK);
+                self.iov.push(iovec(self.reply.as_ptr() as u64, wire::REPLY_BYTES as u64));
+                self.iov.extend(segs.iter().map(|s| iovec(s.addr, s.len)));
+                self.phase = Phase::Send;
+            }
+            (XferOp::Write, true) => {
+                self.leased = true;
+                self.iov.extend(segs.iter().map(|s| iovec(s.addr, s.len)));
+                self.phase = Phase::Recv;
+            }
+            (XferOp::Write, false) if h.total > 0 => {
+                self.left = h.total;
+                self.phase = Phase::Drain;
+            }
+            (_, false) => self.reply_with(wire::REPLY_DENIED),
+        }
+        self.at = net::skip_empty(&self.iov, 0);
+        true
+    }
+
+    fn reply_with(&mut self, status: u8) {
+        self.reply = wire::encode_reply(status);
+        (self.phase, self.got) = (Phase::Reply, 0);
+    }
+}
+
+/// Start the serving loops: one per core, at most `MAX_LOOPS`. Empty if none could start.
+fn start_loops(sh: &Arc<TcpShared>) -> Vec<Arc<ServeLoop>> {
+    let n = std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(1, MAX_LOOPS);
+    let mut loops = Vec::new();
+    for _ in 0..n {
+        let Ok(l) = ServeLoop::new().map(Arc::new) else { break };
+        let (l2, weak) = (l.clone(), Arc::downgrade(sh));
+        if std::thread::Builder::new().name("gixl-tcp-serve".into()).spawn(move || l2.run(weak)).is_err() {
+            break;
+        }
+        loops.push(l);
+    }
+    loops
+}
+
 /// The initiator's side of one peer: its addresses and credentials, the control connection and a few data
-/// connections, all opened on first use.
+/// connections, all opened on first use. Its health is a `Liveness` state machine: a peer that went down
+/// (silence, a broken connection, a failed dial) is redialed by a later request once its back-off has
+/// passed, and is up again if the same incarnation answers; only a proven failure is final.
 pub struct TcpLink {
     peer: String,
     me: String,
@@ -623,7 +1024,14 @@ pub struct TcpLink {
     addrs: Vec<SocketAddr>,
     opts: TcpOpts,
     shared: Weak<TcpShared>,
+    /// The peer's "disconnected" flag as the agent sees it: set while the link is down.
     pub dead: Arc<AtomicBool>,
+    /// May a link that went down come back? (No when `dead` is shared with another liveness source, e.g.
+    /// a pidfd, whose verdict is final.)
+    recover: bool,
+    live: Mutex<Liveness>,
+    /// Bumped each time the link goes down: failures of connections from an earlier epoch are old news.
+    epoch: AtomicU64,
     why: Mutex<Option<String>>,
     good: Mutex<Option<SocketAddr>>,
     dial_ctrl: Mutex<()>,
@@ -648,7 +1056,12 @@ pub struct LinkTarget<'a> {
     pub incarnation: u128,
     pub secret: u128,
     pub addrs: Vec<SocketAddr>,
+    /// Whether the link may recover after going down (see `TcpLink::recover`).
+    pub recover: bool,
 }
+
+/// Why a dial failed, and whether that proves the incarnation is not there.
+type DialError = (String, bool);
 
 impl TcpLink {
     pub fn new(shared: &Arc<TcpShared>, me: &str, t: LinkTarget<'_>, dead: Arc<AtomicBool>) -> Arc<TcpLink> {
@@ -661,6 +1074,9 @@ impl TcpLink {
             opts: shared.opts,
             shared: Arc::downgrade(shared),
             dead,
+            recover: t.recover,
+            live: Mutex::new(Liveness::new(LiveCfg::for_timeout(shared.opts.timeout.as_nanos() as u64))),
+            epoch: AtomicU64::new(0),
             why: Mutex::new(None),
             good: Mutex::new(None),
             dial_ctrl: Mutex::new(()),
@@ -682,18 +1098,45 @@ impl TcpLink {
         Error::disconnected(format!("agent '{}' is unreachable over TCP: {why}", self.peer))
     }
 
-    /// Declare the peer dead: every socket is shut down, which wakes whoever waits on one.
+    /// The peer went down (silence, a broken connection): every socket is shut down, which wakes whoever
+    /// waits on one. Requests fail; a later one may redial after the back-off.
     pub fn kill(&self, why: String) {
-        if self.dead.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        self.why.lock().get_or_insert(why);
-        self.shut_all();
+        self.went_down(why, false);
     }
 
-    fn shut_all(&self) {
-        if let Some(c) = self.ctrl.lock().as_ref() {
+    /// Like `kill`, from a connection of `epoch`: ignored if the link has gone down (and maybe come back)
+    /// since that connection was made.
+    fn kill_from(&self, epoch: u64, why: String) {
+        if self.epoch.load(Ordering::Acquire) == epoch {
+            self.went_down(why, false);
+        }
+    }
+
+    fn went_down(&self, why: String, proven: bool) {
+        let now = monotonic_ns();
+        {
+            let mut l = self.live.lock();
+            if proven {
+                l.dial_failed(now, true);
+            } else {
+                l.broken(now);
+            }
+            // Under the liveness lock, so a concurrent revival sees either all of this or none.
+            if !self.dead.swap(true, Ordering::AcqRel) || proven {
+                *self.why.lock() = Some(why);
+            }
+            self.epoch.fetch_add(1, Ordering::AcqRel);
+        }
+        self.drop_conns();
+    }
+
+    /// Shut down and forget every connection (the control connection leaves the progress thread's set).
+    fn drop_conns(&self) {
+        if let Some(c) = self.ctrl.lock().take() {
             let _ = c.stream.shutdown(Shutdown::Both);
+            if let Some(sh) = self.shared.upgrade() {
+                sh.remove_out(c.token);
+            }
         }
         let mut d = self.data.lock();
         for s in d.all.iter().filter_map(|w| w.upgrade()) {
@@ -704,28 +1147,56 @@ impl TcpLink {
         self.data_cv.notify_all();
     }
 
+    /// A handshake succeeded on a connection dialed in `epoch`: the incarnation we were built for answers.
+    /// A link that was down is up again (unless a proven failure or a close came first). False when the
+    /// connection must not be used.
+    fn handshook(&self, epoch: u64) -> bool {
+        let mut l = self.live.lock();
+        if self.closed.load(Ordering::Acquire) {
+            return false;
+        }
+        if !self.dead.load(Ordering::Acquire) {
+            return self.epoch.load(Ordering::Acquire) == epoch;
+        }
+        if !self.recover || !l.dial_ok() {
+            return false;
+        }
+        self.why.lock().take();
+        self.touch();
+        self.dead.store(false, Ordering::Release);
+        true
+    }
+
     /// The peer was invalidated or dropped: close everything, stop heartbeats. Not a death.
     pub fn close(&self) {
         self.closed.store(true, Ordering::Release);
-        let token = self.ctrl.lock().as_ref().map(|c| c.token);
-        if let (Some(t), Some(sh)) = (token, self.shared.upgrade()) {
-            sh.remove_out(t);
-        }
         self.why.lock().get_or_insert_with(|| "the peer was invalidated".into());
-        self.shut_all();
+        self.drop_conns();
+    }
+
+    /// Is the peer unusable now? Down and not due for a retry, proven gone, or closed.
+    pub fn down(&self) -> bool {
+        if self.closed.load(Ordering::Acquire) {
+            return true;
+        }
+        if !self.dead.load(Ordering::Acquire) {
+            return false;
+        }
+        !self.recover || !self.live.lock().may_dial(monotonic_ns())
     }
 
     fn usable(&self) -> Result<()> {
-        if self.dead.load(Ordering::Acquire) || self.closed.load(Ordering::Acquire) {
+        if self.down() {
             return Err(self.gone());
         }
         Ok(())
     }
 
-    /// A request starts: heartbeats run while any is in flight.
+    /// A request starts: heartbeats run while any is in flight. Its start counts as a sign of life, stored
+    /// before the count goes up so the progress thread never sees a request with an old one.
     pub fn begin(&self) {
+        self.touch();
         if self.inflight.fetch_add(1, Ordering::AcqRel) == 0 {
-            self.touch();
             if let Some(s) = self.shared.upgrade() {
                 s.wake();
             }
@@ -736,23 +1207,26 @@ impl TcpLink {
         self.inflight.fetch_sub(1, Ordering::AcqRel);
     }
 
-    /// Open the control connection if it is not open yet (blocking, bounded by the timeout per address).
+    /// Open the control connection if it is not open yet (blocking, bounded by the disconnect timeout).
     pub fn connect(self: &Arc<Self>) -> Result<Arc<CtrlConn>> {
         self.usable()?;
         if let Some(c) = self.ctrl.lock().clone() {
             return Ok(c);
         }
         let _g = self.dial_ctrl.lock();
+        self.usable()?;
         if let Some(c) = self.ctrl.lock().clone() {
             return Ok(c);
         }
         let shared = self.shared.upgrade().ok_or_else(|| Error::backend("engine is shutting down"))?;
-        let stream = self.dial(wire::KIND_CTRL).map_err(|why| {
-            self.kill(why);
-            self.gone()
-        })?;
+        let epoch = self.epoch.load(Ordering::Acquire);
+        let stream = self.dial(wire::KIND_CTRL).map_err(|e| self.dial_failed(e))?;
+        if !self.handshook(epoch) {
+            let _ = stream.shutdown(Shutdown::Both);
+            return Err(self.gone());
+        }
         let token = TOKEN_OUT + (shared.next_out.fetch_add(1, Ordering::Relaxed) % (1 << 32));
-        let conn = Arc::new(CtrlConn { stream, w: Mutex::new(()), token });
+        let conn = Arc::new(CtrlConn { stream, w: Mutex::new(()), token, epoch: self.epoch.load(Ordering::Acquire) });
         *self.ctrl.lock() = Some(conn.clone());
         shared.add_out(conn.clone(), Arc::downgrade(self))?;
         // Death or close may have raced with the dial; they shut down whatever `ctrl` held before.
@@ -764,56 +1238,88 @@ impl TcpLink {
         Ok(conn)
     }
 
+    fn dial_failed(&self, (why, proven): DialError) -> Error {
+        if self.dead.load(Ordering::Acquire) {
+            // Already down: this was a retry. Back off further (or for good).
+            self.live.lock().dial_failed(monotonic_ns(), proven);
+            *self.why.lock() = Some(why);
+        } else {
+            self.went_down(why, proven);
+        }
+        self.gone()
+    }
+
     /// Connect to the first address that answers, answer its challenge, and wait for the target's ACK.
-    fn dial(&self, kind: u8) -> std::result::Result<TcpStream, String> {
-        let good = *self.good.lock();
-        let order = good.into_iter().chain(self.addrs.iter().copied().filter(|a| Some(*a) != good));
-        let hello = |nonce: &[u8; 16]| {
-            let tag = wire::hello_tag(self.secret, kind, self.incarnation, nonce, &self.me);
-            wire::encode_hello(&Hello { kind, incarnation: self.incarnation, tag, name: self.me.clone() })
-        };
-        let mut last = String::from("no address to connect to");
-        for a in order {
-            let s = match TcpStream::connect_timeout(&a, self.opts.timeout) {
-                Ok(s) => s,
-                Err(e) => {
-                    last = format!("connecting to {a}: {e}");
-                    continue;
+    /// Failures that prove nothing (no route, a timeout, a close before the answer) are retried with
+    /// back-off for up to the disconnect timeout; a NAK or a refused connection on every address ends it.
+    fn dial(&self, kind: u8) -> std::result::Result<TcpStream, DialError> {
+        let mut plan = DialPlan::new(monotonic_ns(), self.opts.timeout.as_nanos() as u64);
+        loop {
+            let good = *self.good.lock();
+            let order = good.into_iter().chain(self.addrs.iter().copied().filter(|a| Some(*a) != good));
+            let mut last = (String::from("no address to connect to"), true);
+            let mut proven = true;
+            for a in order {
+                let left = plan.left(monotonic_ns());
+                if left == 0 {
+                    proven = false;
+                    break;
                 }
-            };
-            net::tune(&s, self.opts.stall());
-            let r = s
-                .set_read_timeout(Some(self.opts.timeout))
-                .and_then(|_| s.set_write_timeout(Some(self.opts.stall())))
-                .and_then(|_| {
-                    let mut c = [0u8; wire::CHALLENGE_BYTES];
-                    net::recv_exact(&s, &mut c, &|| {})?;
-                    let nonce =
-                        wire::parse_challenge(&c).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.0))?;
-                    net::send_all(&s, &hello(&nonce), &|| {})
-                })
-                .and_then(|_| {
-                    let mut ack = [0u8; 1];
-                    net::recv_exact(&s, &mut ack, &|| {})?;
-                    if ack[0] == wire::ACK {
-                        Ok(())
-                    } else {
-                        Err(io::Error::new(io::ErrorKind::InvalidData, "bad answer"))
+                match self.dial_one(a, kind, Duration::from_nanos(left)) {
+                    Ok(s) => {
+                        *self.good.lock() = Some(a);
+                        return Ok(s);
                     }
-                })
-                .and_then(|_| s.set_read_timeout(Some(self.opts.stall())));
-            match r {
-                Ok(()) => {
-                    *self.good.lock() = Some(a);
-                    return Ok(s);
+                    Err(e) => {
+                        proven &= e.1;
+                        last = e;
+                    }
                 }
-                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
-                    last = format!("{a} refused our credentials (the peer restarted, or the metadata is stale)");
-                }
-                Err(e) => last = format!("handshake with {a}: {e}"),
+            }
+            if proven || self.closed.load(Ordering::Acquire) {
+                return Err((last.0, proven));
+            }
+            match plan.next(monotonic_ns()) {
+                Some(wait) => std::thread::sleep(Duration::from_nanos(wait)),
+                None => return Err((format!("{} (retried for {:?})", last.0, self.opts.timeout), false)),
             }
         }
-        Err(last)
+    }
+
+    /// One handshake with one address, within `left`.
+    fn dial_one(&self, a: SocketAddr, kind: u8, left: Duration) -> std::result::Result<TcpStream, DialError> {
+        let s = TcpStream::connect_timeout(&a, left.max(Duration::from_millis(1))).map_err(|e| {
+            // Nobody listens there: the target's listener lives as long as its agent.
+            let proven = e.kind() == io::ErrorKind::ConnectionRefused;
+            (format!("connecting to {a}: {e}"), proven)
+        })?;
+        net::tune(&s, self.opts.stall());
+        let wait = left.min(self.opts.handshake()).max(Duration::from_millis(1));
+        let mut c = [0u8; wire::CHALLENGE_BYTES];
+        let r = s
+            .set_read_timeout(Some(wait))
+            .and_then(|_| s.set_write_timeout(Some(self.opts.stall())))
+            .and_then(|_| net::recv_exact(&s, &mut c, &|| {}));
+        if let Err(e) = r {
+            return Err((format!("{a} closed before its challenge (busy, or not a gixl engine): {e}"), false));
+        }
+        let nonce =
+            wire::parse_challenge(&c).map_err(|e| (format!("{a} is not the agent we were given: {e}"), true))?;
+        let tag = wire::hello_tag(self.secret, kind, self.incarnation, &nonce, &self.me);
+        let hello = wire::encode_hello(&Hello { kind, incarnation: self.incarnation, tag, name: self.me.clone() });
+        let mut ans = [0u8; 1];
+        let r = net::send_all(&s, &hello, &|| {}).and_then(|_| net::recv_exact(&s, &mut ans, &|| {}));
+        match (r, ans[0]) {
+            (Ok(()), wire::ACK) => {
+                s.set_read_timeout(Some(self.opts.stall())).map_err(|e| (format!("{a}: {e}"), false))?;
+                Ok(s)
+            }
+            (Ok(()), wire::NAK) => {
+                Err((format!("{a} refused our credentials (the peer restarted, or the metadata is stale)"), true))
+            }
+            (Ok(()), _) => Err((format!("{a} answered the handshake with garbage"), false)),
+            (Err(e), _) => Err((format!("handshake with {a}: {e}"), false)),
+        }
     }
 
     /// Send a notification on the control connection.
@@ -831,38 +1337,49 @@ impl TcpLink {
         let progress = || self.touch();
         let r = net::send_all(&c.stream, &head, &progress).and_then(|_| net::send_all(&c.stream, msg, &progress));
         if let Err(e) = r {
-            self.kill(format!("sending a notification: {e}"));
+            self.kill_from(c.epoch, format!("sending a notification: {e}"));
             return Err(self.gone());
         }
         Ok(())
     }
 
-    fn checkout(&self) -> Result<Arc<TcpStream>> {
+    /// A data connection and the epoch it belongs to.
+    fn checkout(&self) -> Result<(Arc<TcpStream>, u64)> {
         let mut g = self.data.lock();
         loop {
             self.usable()?;
+            let epoch = self.epoch.load(Ordering::Acquire);
             if let Some(s) = g.idle.pop() {
-                return Ok(s);
+                return Ok((s, epoch));
             }
             if g.open < self.opts.conns {
                 g.open += 1;
                 drop(g);
-                return match self.dial(wire::KIND_DATA) {
+                let r = self.dial(wire::KIND_DATA);
+                let r = r.and_then(|s| {
+                    if self.handshook(epoch) {
+                        Ok(s)
+                    } else {
+                        let _ = s.shutdown(Shutdown::Both);
+                        Err(("the link went down during the handshake".into(), false))
+                    }
+                });
+                return match r {
                     Ok(s) => {
                         let s = Arc::new(s);
                         let mut g = self.data.lock();
                         g.all.retain(|w| w.strong_count() > 0);
                         g.all.push(Arc::downgrade(&s));
+                        let epoch = self.epoch.load(Ordering::Acquire);
                         if self.dead.load(Ordering::Acquire) || self.closed.load(Ordering::Acquire) {
                             let _ = s.shutdown(Shutdown::Both);
                         }
-                        Ok(s)
+                        Ok((s, epoch))
                     }
-                    Err(why) => {
+                    Err(e) => {
                         self.data.lock().open -= 1;
                         self.data_cv.notify_one();
-                        self.kill(why);
-                        Err(self.gone())
+                        Err(self.dial_failed(e))
                     }
                 };
             }
@@ -870,9 +1387,10 @@ impl TcpLink {
         }
     }
 
-    fn checkin(&self, s: Arc<TcpStream>, reusable: bool) {
+    fn checkin(&self, s: Arc<TcpStream>, epoch: u64, reusable: bool) {
         let mut g = self.data.lock();
-        if reusable && !self.dead.load(Ordering::Acquire) && !self.closed.load(Ordering::Acquire) {
+        let current = self.epoch.load(Ordering::Acquire) == epoch;
+        if reusable && current && !self.dead.load(Ordering::Acquire) && !self.closed.load(Ordering::Acquire) {
             g.idle.push(s);
         } else {
             g.open -= 1;
@@ -892,21 +1410,23 @@ impl TcpLink {
         region: &dyn Fn(&Seg) -> (u64, u64),
         stop: &dyn Fn() -> bool,
     ) -> Result<()> {
-        let conn = self.checkout()?;
-        let r = self.run_on(&conn, op, segs, region, stop);
+        let (conn, epoch) = self.checkout()?;
+        let r = self.run_on(&conn, epoch, op, segs, region, stop);
         // Denied and canceled requests leave the connection in step; anything else does not.
         let reusable = match &r {
             Ok(()) => true,
             // I/O errors kill the link, so only these two can leave it alive.
             Err(e) => matches!(e.status(), Status::Backend | Status::Canceled),
         };
-        self.checkin(conn, reusable);
+        self.checkin(conn, epoch, reusable);
         r
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn run_on(
         &self,
         s: &TcpStream,
+        epoch: u64,
         op: XferOp,
         segs: &[Seg],
         region: &dyn Fn(&Seg) -> (u64, u64),
@@ -970,9 +1490,9 @@ impl TcpLink {
                 }
                 Err(e) => {
                     if e.kind() == io::ErrorKind::InvalidData {
-                        self.kill(format!("protocol error on a data connection: {e}"));
+                        self.kill_from(epoch, format!("protocol error on a data connection: {e}"));
                     } else {
-                        self.kill(format!("data connection failed: {e}"));
+                        self.kill_from(epoch, format!("data connection failed: {e}"));
                     }
                     return Err(self.gone());
                 }

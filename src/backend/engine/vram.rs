@@ -627,14 +627,47 @@ impl VramPlan {
                     }
                 })
                 .collect();
+            // Remote DRAM of another agent in this process: inside that agent's gate (see `gate`), as DRAM is.
+            if !self.remote_is_vram {
+                if let Some(PeerKind::InProcess { gate, .. }) = core.peer().map(|p| &p.kind) {
+                    let gate = gate.as_ref().ok_or_else(|| Error::disconnected("the peer agent has been destroyed"))?;
+                    let _inside = gate.enter(core.gate_regions())?;
+                    return self.device.copy(self.dev, &copies);
+                }
+            }
             return self.device.copy(self.dev, &copies);
         }
         // Local VRAM, remote DRAM in another process: stage through a page-locked buffer.
         debug_assert!(self.local_is_vram);
         let Far::Process { pid, .. } = self.far else { return Err(Error::backend("unreachable route")) };
+        let peer = core.peer().ok_or_else(|| Error::backend("unreachable route"))?;
+        let PeerKind::Cma { gate: Some(cma_gate), probe, .. } = &peer.kind else {
+            return Err(Error::not_supported(format!(
+                "agent '{}' cannot be reached by cross-memory attach, which VRAM <-> remote DRAM needs",
+                peer.name
+            )));
+        };
+        // The remote DRAM side goes through the peer's CMA gate (see `gate`), batch by batch, as DRAM does.
+        let cma = |staged: &[Seg]| -> Result<()> {
+            let mut gone = false;
+            let r = copy::for_batches(staged, copy::BATCH_SEGS, copy::BATCH_BYTES, &mut |b| {
+                if run.abort.load(Ordering::Relaxed) || peer.dead.load(Ordering::Relaxed) {
+                    return Err(Error::new(Status::Canceled, "transfer stopped"));
+                }
+                let inside = cma_gate.enter(core.gate_regions());
+                if let Err(e) = &inside {
+                    gone = e.status() == Status::RemoteDisconnect;
+                }
+                let _inside = inside?;
+                // SAFETY: the staged local ranges lie inside the staging buffer, alive for the call.
+                unsafe { copy::cma_batch(pid, op, b, probe, &mut gone) }
+            });
+            if gone {
+                peer.dead.store(true, Ordering::Release);
+            }
+            r
+        };
         let buf = Staging::take(self.device, self.dev)?;
-        let dead = core.peer().map(|p| p.dead.clone()).unwrap_or_default();
-        let stop = || run.abort.load(Ordering::Relaxed) || dead.load(Ordering::Relaxed);
         let mut chunk: Vec<Seg> = Vec::new();
         let mut used = 0u64;
         let flush = |chunk: &mut Vec<Seg>| -> Result<()> {
@@ -657,14 +690,12 @@ impl VramPlan {
             }
             match op {
                 XferOp::Read => {
-                    // SAFETY: the staged local ranges lie inside `buf`, alive for the call.
-                    unsafe { copy::cma_copy(pid, op, &staged, &stop) }?;
+                    cma(&staged)?;
                     self.device.copy(self.dev, &dev_copies)?;
                 }
                 XferOp::Write => {
                     self.device.copy(self.dev, &dev_copies)?;
-                    // SAFETY: as above.
-                    unsafe { copy::cma_copy(pid, op, &staged, &stop) }?;
+                    cma(&staged)?;
                 }
             }
             chunk.clear();

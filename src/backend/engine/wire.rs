@@ -3,7 +3,9 @@
 //! fed garbage directly (see the tests at the bottom).
 //!
 //! Every connection starts with a challenge from the target, a HELLO from the initiator that proves it knows
-//! the target's secret without sending it, and one `ACK` byte from the target (or the target closes):
+//! the target's secret without sending it, and one byte from the target: `ACK`, or `NAK` (wrong incarnation
+//! or tag) and a close. A close without that byte (handshake deadline, slots full, malformed HELLO) says
+//! nothing about the target's incarnation:
 //! ```text
 //! CHALLENGE = "GIXLTCP2" | nonce (16 random bytes, new per connection)
 //! HELLO     = "GIXLTCP2" | kind u8 (1 control, 2 data) | target incarnation u128 | tag u64
@@ -41,6 +43,10 @@ pub const KIND_CTRL: u8 = 1;
 pub const KIND_DATA: u8 = 2;
 /// The target's answer to a good HELLO.
 pub const ACK: u8 = 0xA5;
+/// The target's answer to a HELLO for another incarnation or with a wrong tag, before it closes: the
+/// incarnation the initiator was built against is not at this address (a proven failure, unlike a close
+/// without a word, which may be overload or a stranger's flood).
+pub const NAK: u8 = 0x5A;
 pub const MAX_NAME: usize = 4096;
 const HELLO_FIXED: usize = 8 + 1 + 16 + 8 + 2;
 

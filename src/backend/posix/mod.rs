@@ -828,7 +828,7 @@ mod tests {
     fn abort_waits_for_io_in_the_kernel() {
         // A read from an empty pipe stays in flight until someone writes: only io_uring can do that at an offset.
         let Ok(b) = posix(&[("use_uring", "true")]) else {
-            eprintln!("io_uring unavailable here: skipped");
+            crate::util::test_skip("io_uring", "io_uring unavailable here");
             return;
         };
         let mut fds = [0; 2];

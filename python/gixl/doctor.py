@@ -1,0 +1,111 @@
+"""``gixl doctor``: which routes work on this host and to a given peer, which one gixl picks and why.
+
+``python -m gixl doctor [--json] [--peer-md FILE | --peer NAME@HOST:PORT]``
+
+* ``--peer-md FILE``: a peer's metadata (``nixl_agent.get_agent_metadata()`` written to a file);
+* ``--peer NAME@HOST:PORT``: fetch it from the peer's metadata listener (``enable_listen_thread``).
+
+With a peer, a throw-away agent loads it, reports the route it gets (in-process, cma, tcp,
+tcp-after-cma-denied) and why, and times a READ from the peer's first registered region.
+The C function ``gixl_doctor`` returns the same JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Optional
+
+__all__ = ["doctor", "main", "render"]
+
+
+def doctor(peer_md: Optional[bytes] = None, peer: Optional[str] = None) -> dict:
+    """The report as a dict (see ``python -m gixl doctor --json``)."""
+    from . import _gixl  # type: ignore[attr-defined]
+
+    if peer is not None:
+        name, _, hostport = peer.rpartition("@")
+        host, _, port = hostport.rpartition(":")
+        if not name or not host or not port.isdigit():
+            raise ValueError(f"--peer wants NAME@HOST:PORT, got {peer!r}")
+        return json.loads(_gixl._doctor(peer_name=name, peer_ip=host, peer_port=int(port)))
+    return json.loads(_gixl._doctor(peer_md=peer_md))
+
+
+def _yes(ok: Any) -> str:
+    return "yes" if ok else "NO"
+
+
+def render(r: dict) -> str:
+    """The report for people."""
+    v, h, routes = r["versions"], r["host"], r["routes"]
+    out = [
+        f"gixl {v['gixl']} (NIXL API {v['nixl_api']}; features: {', '.join(v['features']) or 'none'})",
+        f"host {h['hostname']}, kernel {h['kernel']}, pid {h['pid']}, uid {h['uid']}",
+        f"  namespaces: {h['pid_ns']} {h['net_ns']}",
+        "routes on this host:",
+        f"  in-process  {_yes(routes['in_process']['works'])}  {routes['in_process']['why']}",
+        f"  cma         {_yes(routes['cma']['works'])}  {routes['cma']['why']}",
+    ]
+    c = routes["cma"]["checks"]
+    scope = "none (no Yama)" if c["yama_ptrace_scope"] is None else c["yama_ptrace_scope"]
+    out.append(
+        f"              Yama ptrace_scope {scope}, seccomp {c['seccomp_mode']}, "
+        f"CAP_SYS_PTRACE {_yes(c['cap_sys_ptrace'])}, self-probe {c['self_probe']}"
+    )
+    out.append(f"  tcp         {_yes(routes['tcp']['works'])}  {routes['tcp']['why']}")
+    rd = routes["rdma"]
+    out.append(f"  rdma        {_yes(rd['works'])}  devices: {', '.join(rd['devices']) or 'none'}; {rd['why']}")
+    cu = routes["cuda"]
+    out.append(f"  cuda        {_yes(cu['works'])}  libcuda {cu['libcuda']}; {cu['why']}")
+    out.append(f"transport {r['transport']}: {r['route_choice']}")
+    if r["agents"]:
+        out.append("agents in this process:")
+        for a in r["agents"]:
+            out.append(f"  {a['name']} incarnation {a['incarnation']}")
+            for p in a["remotes"]:
+                state = "connected" if p["connected"] else "DISCONNECTED"
+                out.append(f"    peer {p['name']} incarnation {p['incarnation']} route {p['route']} ({state})")
+    p = r.get("peer")
+    if p is not None:
+        if not p.get("ok"):
+            out.append(f"peer: FAILED at {p.get('stage', '?')}: {p.get('error', '')}")
+        else:
+            if "listener" in p:
+                li = p["listener"]
+                reach = "reachable" if li["reachable"] else f"NOT reachable ({li['error']})"
+                out.append(f"peer listener {li['address']}: {reach} in {li['connect_ms']:.1f} ms")
+            out.append(f"peer {p['name']} incarnation {p['incarnation']}")
+            if p["route"] != p["route_at_load"]:
+                out.append(f"  route: {p['route']} (was {p['route_at_load']} when loaded)")
+            else:
+                out.append(f"  route: {p['route']}")
+            out.append(f"  why: {p['why']}")
+            pr = p["read_probe"]
+            if "gb_per_s" in pr:
+                out.append(f"  READ of {pr['bytes']} bytes: best {pr['best_seconds'] * 1e3:.2f} ms, {pr['gb_per_s']:.2f} GB/s")
+            else:
+                out.append(f"  READ probe: {pr.get('error') or pr.get('skipped')}")
+    return "\n".join(out)
+
+
+def main(argv: Optional[list] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gixl doctor", description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--peer-md", metavar="FILE", help="a peer's metadata, as get_agent_metadata() returns it")
+    g.add_argument("--peer", metavar="NAME@HOST:PORT", help="a peer's metadata listener")
+    a = ap.parse_args(argv)
+    md = None
+    if a.peer_md:
+        with open(a.peer_md, "rb") as f:
+            md = f.read()
+    r = doctor(peer_md=md, peer=a.peer)
+    print(json.dumps(r, indent=2) if a.json else render(r))
+    p = r.get("peer")
+    return 1 if p is not None and not p.get("ok") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

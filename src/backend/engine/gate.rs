@@ -1,0 +1,517 @@
+//! The target's gate: what every same-host transfer (cross-memory attach or in-process copy) must pass,
+//! kept by the target, not by the initiator's cache of the target's metadata.
+//!
+//! Each engine incarnation creates one shared memory object (a sealed-size `memfd`, close-on-exec) and maps
+//! it at an address chosen at random (not by ASLR, so a re-executed image with ASLR off does not get the same
+//! one). It holds:
+//! - a header: magic, layout version, the incarnation id, a live flag, and the words a drain waits on;
+//! - one slot per registration: a state word (`generation << 1 | live`), the registered address and length.
+//!   The slot and state travel in the region's public metadata bytes;
+//! - one slot per initiator (another engine of this host that reaches this one): its owner (pid and start
+//!   time, so a dead owner's slot is reclaimed) and its count of batches in flight.
+//!
+//! An initiator maps the same object (taken from the target with `pidfd_getfd(2)`, which needs the very ptrace
+//! permission cross-memory attach needs; in-process peers share the mapping) and brackets every batch of
+//! copies with [`Attached::enter`]: increment its in-flight count, then check the live flag and the state of
+//! every region the request touches. The target retires a region (or the whole incarnation) by changing the
+//! state first and then waiting, bounded, until every in-flight count is zero. Both sides use sequentially
+//! consistent operations on the two words, so either the initiator sees the retirement or the target sees the
+//! batch and waits for it: once `deregister` or the agent's destruction returns, no batch that passed the gate
+//! is still copying.
+//!
+//! Cross-memory attach names the target by pid. To tie each call to this incarnation's address space the
+//! engine makes the first remote iovec of every `process_vm_readv/writev` call a 16-byte access to the gate's
+//! mapping at its advertised address (see `copy::cma_copy`): the kernel resolves the pid to one address space
+//! per call and stops at the first element that faults, so in an exec'd image or another process (where that
+//! random address is not mapped) the call fails before any data moves; a read also returns the incarnation id
+//! from that address, proving which object the data came from.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::status::{Error, Result, Status};
+
+const MAGIC: u64 = u64::from_le_bytes(*b"GIXLGATE");
+const VERSION: u64 = 1;
+
+const PAGE: usize = 4096;
+/// Initiator slots: one per engine of this host that reaches this one (64 bytes each).
+pub const INIT_SLOTS: usize = 256;
+const INIT_BYTES: usize = 64;
+/// Registrations one incarnation can hold at once (32 bytes each; untouched pages cost nothing).
+pub const REGION_SLOTS: usize = 1 << 16;
+const REGION_BYTES: usize = 32;
+const INIT_BASE: usize = PAGE;
+const REGION_BASE: usize = INIT_BASE + INIT_SLOTS * INIT_BYTES;
+pub const SIZE: usize = REGION_BASE + REGION_SLOTS * REGION_BYTES;
+
+// Header words.
+const OFF_MAGIC: usize = 0;
+const OFF_VERSION: usize = 8;
+/// The incarnation id, 16 bytes little-endian: what a probing read returns.
+pub const OFF_INCARNATION: usize = 16;
+const OFF_LIVE: usize = 32;
+/// Futex word bumped by an initiator leaving while a drain waits.
+const OFF_DRAIN_SEQ: usize = 40;
+/// Drains in progress.
+const OFF_DRAINING: usize = 48;
+/// One past the highest initiator slot ever claimed (bounds the drain's scan).
+const OFF_CLAIMED: usize = 56;
+/// Scratch bytes a probing write lands on.
+pub const OFF_PROBE: usize = 128;
+pub const PROBE_BYTES: usize = 16;
+
+/// Where gates are placed: [2^40, 2^45), far below where mmap and the heap start on x86-64 and arm64 (with or
+/// without ASLR), so another process is very unlikely to map anything at a gate's address.
+const PLACE_LO: u64 = 1 << 40;
+const PLACE_HI: u64 = 1 << 45;
+
+/// A gate mapping: the target's own (`owner`) or an initiator's view of a peer's.
+pub struct Gate {
+    base: *mut u8,
+    incarnation: u128,
+    /// The memfd, kept open by the owner so that peers can take it with `pidfd_getfd`.
+    fd: OwnedFd,
+    /// Owner only: free region slots.
+    regions: Mutex<RegionAlloc>,
+}
+
+// SAFETY: the mapping is only accessed through atomics (and immutable-while-live region fields).
+unsafe impl Send for Gate {}
+// SAFETY: as above.
+unsafe impl Sync for Gate {}
+
+#[derive(Default)]
+struct RegionAlloc {
+    free: Vec<u32>,
+    next: u32,
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        // SAFETY: `base` is our own mapping of SIZE bytes; nothing references it once the last owner is gone.
+        unsafe { libc::munmap(self.base.cast(), SIZE) };
+    }
+}
+
+fn os(what: &str, e: io::Error) -> Error {
+    Error::os(Status::Backend, what.to_owned(), e)
+}
+
+/// A target-side registration's place in the gate: the slot and the state word that is live while it lasts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegionTicket {
+    pub slot: u32,
+    pub state: u64,
+}
+
+impl Gate {
+    /// A fresh gate for a new engine incarnation, mapped at a random address.
+    pub fn create(incarnation: u128) -> Result<Gate> {
+        // SAFETY: a valid NUL-terminated name; flags are constants.
+        let fd = unsafe { libc::memfd_create(c"gixl-gate".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        if fd < 0 {
+            return Err(os("memfd_create for the transfer gate", io::Error::last_os_error()));
+        }
+        // SAFETY: a fresh descriptor we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: plain syscalls on our descriptor.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), SIZE as libc::off_t) } != 0 {
+            return Err(os("sizing the transfer gate", io::Error::last_os_error()));
+        }
+        // The size can never change, so a peer's mapping never faults (SIGBUS) on a truncated object.
+        // SAFETY: as above.
+        unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) };
+        let base = map_random(fd.as_raw_fd())?;
+        let g = Gate { base, incarnation, fd, regions: Mutex::default() };
+        g.word(OFF_INCARNATION).store(incarnation as u64, Ordering::Relaxed);
+        g.word(OFF_INCARNATION + 8).store((incarnation >> 64) as u64, Ordering::Relaxed);
+        g.word(OFF_VERSION).store(VERSION, Ordering::Relaxed);
+        g.word(OFF_LIVE).store(1, Ordering::Relaxed);
+        g.word(OFF_MAGIC).store(MAGIC, Ordering::Release);
+        Ok(g)
+    }
+
+    /// Map a peer's gate, taken from its process through `pidfd` (the descriptor number it advertises), and
+    /// check that it is the gate of `incarnation`. Errors: EPERM/ENOSYS as `io::Error` sources (the kernel
+    /// forbids reaching that process: the caller falls back to TCP); anything else is REMOTE_DISCONNECT.
+    pub fn attach(pidfd: RawFd, remote_fd: i32, incarnation: u128) -> Result<Gate> {
+        // SAFETY: plain syscall; the result is checked.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd, remote_fd, 0) };
+        if fd < 0 {
+            let e = io::Error::last_os_error();
+            return Err(match e.raw_os_error() {
+                Some(libc::EPERM) | Some(libc::ENOSYS) => os("pidfd_getfd (taking the peer's transfer gate)", e),
+                _ => {
+                    Error::os(Status::RemoteDisconnect, "the peer's transfer gate is gone (pidfd_getfd)".to_owned(), e)
+                }
+            });
+        }
+        // SAFETY: a fresh descriptor we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        let gone =
+            || Error::disconnected("the peer's transfer gate does not belong to the incarnation its metadata names");
+        // SAFETY: `st` is a valid out-pointer.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0
+            || (st.st_mode & libc::S_IFMT) != libc::S_IFREG
+            || st.st_size != SIZE as libc::off_t
+        {
+            return Err(gone());
+        }
+        // The object must be size-sealed, or its owner could shrink it under our mapping.
+        // SAFETY: plain syscall.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & (libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) != libc::F_SEAL_SHRINK | libc::F_SEAL_GROW {
+            return Err(gone());
+        }
+        // SAFETY: a shared mapping of a sealed object of exactly SIZE bytes.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                SIZE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(os("mapping the peer's transfer gate", io::Error::last_os_error()));
+        }
+        let g = Gate { base: base.cast(), incarnation, fd, regions: Mutex::default() };
+        if g.word(OFF_MAGIC).load(Ordering::Acquire) != MAGIC
+            || g.word(OFF_VERSION).load(Ordering::Relaxed) != VERSION
+            || g.read_incarnation() != incarnation
+        {
+            return Err(gone());
+        }
+        Ok(g)
+    }
+
+    /// The address this gate is mapped at in the process that created it (what peers probe).
+    pub fn addr(&self) -> u64 {
+        self.base as u64
+    }
+
+    pub fn raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    fn word(&self, off: usize) -> &AtomicU64 {
+        debug_assert!(off.is_multiple_of(8) && off + 8 <= SIZE);
+        // SAFETY: in bounds and 8-aligned inside our live mapping; shared memory is only used atomically.
+        unsafe { &*(self.base.add(off) as *const AtomicU64) }
+    }
+
+    fn word32(&self, off: usize) -> &AtomicU32 {
+        // SAFETY: as `word`.
+        unsafe { &*(self.base.add(off) as *const AtomicU32) }
+    }
+
+    fn read_incarnation(&self) -> u128 {
+        let lo = self.word(OFF_INCARNATION).load(Ordering::Relaxed) as u128;
+        let hi = self.word(OFF_INCARNATION + 8).load(Ordering::Relaxed) as u128;
+        lo | hi << 64
+    }
+
+    pub fn live(&self) -> bool {
+        self.word(OFF_LIVE).load(Ordering::SeqCst) == 1
+    }
+
+    // ----- target side -----
+
+    /// Give a new registration a slot. Fails when every slot is taken.
+    pub fn register(&self, addr: u64, len: u64) -> Result<RegionTicket> {
+        let mut a = self.regions.lock();
+        let slot = match a.free.pop() {
+            Some(s) => s,
+            None if (a.next as usize) < REGION_SLOTS => {
+                a.next += 1;
+                a.next - 1
+            }
+            None => {
+                return Err(Error::backend(format!(
+                    "this agent already holds {REGION_SLOTS} registrations with the UCX engine (the most it can gate)"
+                )))
+            }
+        };
+        let off = REGION_BASE + slot as usize * REGION_BYTES;
+        let state = ((self.word(off).load(Ordering::Relaxed) >> 1) + 1) << 1 | 1;
+        self.word(off + 8).store(addr, Ordering::Relaxed);
+        self.word(off + 16).store(len, Ordering::Relaxed);
+        self.word(off).store(state, Ordering::Release);
+        Ok(RegionTicket { slot, state })
+    }
+
+    /// Retire a registration: from now on no batch passes the gate for it; returns once none that passed
+    /// is still copying (or after `limit`, logged).
+    pub fn retire(&self, t: RegionTicket, limit: Duration) {
+        let off = REGION_BASE + t.slot as usize * REGION_BYTES;
+        if self.word(off).compare_exchange(t.state, t.state & !1, Ordering::SeqCst, Ordering::SeqCst).is_err() {
+            return;
+        }
+        self.drain(limit);
+        self.regions.lock().free.push(t.slot);
+    }
+
+    /// The incarnation ends: refuse every later batch and wait for those inside.
+    pub fn close(&self, limit: Duration) {
+        if self.word(OFF_LIVE).swap(0, Ordering::SeqCst) == 1 {
+            self.drain(limit);
+        }
+    }
+
+    /// Wait until no initiator has a batch in flight. Dead initiators' counts are reclaimed. Sleeps on a
+    /// futex that leaving initiators wake; rechecks every 2 ms for dead owners.
+    fn drain(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        self.word(OFF_DRAINING).fetch_add(1, Ordering::SeqCst);
+        let seq = self.word32(OFF_DRAIN_SEQ);
+        loop {
+            let seen = seq.load(Ordering::SeqCst);
+            if self.busy_slots() == 0 {
+                break;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                eprintln!(
+                    "gixl: a peer's copy is still inside the transfer gate after {} ms; proceeding (is that \
+                     process stopped?)",
+                    limit.as_millis()
+                );
+                break;
+            }
+            let wait = (deadline - now).min(Duration::from_millis(2));
+            let ts = libc::timespec { tv_sec: 0, tv_nsec: wait.as_nanos() as libc::c_long };
+            // SAFETY: a futex wait on a word of our shared mapping, with a timeout.
+            unsafe { libc::syscall(libc::SYS_futex, seq.as_ptr(), libc::FUTEX_WAIT, seen, &ts as *const _, 0, 0) };
+            self.reclaim_dead();
+        }
+        self.word(OFF_DRAINING).fetch_sub(1, Ordering::SeqCst);
+    }
+
+    fn claimed(&self) -> usize {
+        (self.word(OFF_CLAIMED).load(Ordering::SeqCst) as usize).min(INIT_SLOTS)
+    }
+
+    fn busy_slots(&self) -> usize {
+        (0..self.claimed()).filter(|&i| self.word(init_off(i) + 24).load(Ordering::SeqCst) != 0).count()
+    }
+
+    /// Zero the counts of initiators whose process has exited (they can never leave).
+    fn reclaim_dead(&self) {
+        for i in 0..self.claimed() {
+            let o = init_off(i);
+            if self.word(o + 24).load(Ordering::SeqCst) == 0 || self.word(o).load(Ordering::SeqCst) == 0 {
+                continue;
+            }
+            let pid = self.word(o + 8).load(Ordering::Relaxed) as i32;
+            let start = self.word(o + 16).load(Ordering::Relaxed);
+            if pid > 0 && crate::util::process_start_time(pid).ok() != Some(start) {
+                self.word(o + 24).store(0, Ordering::SeqCst);
+                self.word(o).store(0, Ordering::SeqCst);
+            }
+        }
+    }
+
+    // ----- initiator side -----
+
+    /// Claim an initiator slot for this process. None when all are taken.
+    fn claim(&self, pid: i32, start: u64) -> Option<u32> {
+        let token = (crate::util::random_u128() as u64) | 1;
+        for i in 0..INIT_SLOTS {
+            let o = init_off(i);
+            if self.word(o).compare_exchange(0, token, Ordering::SeqCst, Ordering::Relaxed).is_ok() {
+                self.word(o + 8).store(pid as u64, Ordering::Relaxed);
+                self.word(o + 16).store(start, Ordering::Relaxed);
+                self.word(o + 24).store(0, Ordering::SeqCst);
+                self.word(OFF_CLAIMED).fetch_max(i as u64 + 1, Ordering::SeqCst);
+                return Some(i as u32);
+            }
+        }
+        None
+    }
+
+    fn region_ok(&self, slot: u32, state: u64, addr: u64, len: u64) -> bool {
+        if slot as usize >= REGION_SLOTS {
+            return false;
+        }
+        let off = REGION_BASE + slot as usize * REGION_BYTES;
+        if self.word(off).load(Ordering::SeqCst) != state || state & 1 == 0 {
+            return false;
+        }
+        let (ra, rl) = (self.word(off + 8).load(Ordering::Relaxed), self.word(off + 16).load(Ordering::Relaxed));
+        addr >= ra && addr.checked_add(len).is_some_and(|end| ra.checked_add(rl).is_some_and(|rend| end <= rend))
+    }
+}
+
+fn init_off(i: usize) -> usize {
+    INIT_BASE + i * INIT_BYTES
+}
+
+/// Map `fd` at a random page-aligned address in [PLACE_LO, PLACE_HI), never replacing a mapping; after a few
+/// collisions, wherever the kernel likes.
+fn map_random(fd: RawFd) -> Result<*mut u8> {
+    let prot = libc::PROT_READ | libc::PROT_WRITE;
+    for _ in 0..8 {
+        let r = crate::util::random_u128() as u64;
+        let hint = (PLACE_LO + r % (PLACE_HI - PLACE_LO - SIZE as u64)) & !(PAGE as u64 - 1);
+        // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping; the result is checked.
+        let p = unsafe {
+            libc::mmap(hint as *mut libc::c_void, SIZE, prot, libc::MAP_SHARED | libc::MAP_FIXED_NOREPLACE, fd, 0)
+        };
+        if p != libc::MAP_FAILED {
+            if p as u64 == hint {
+                return Ok(p.cast());
+            }
+            // Old kernels treat the flag as a hint only.
+            // SAFETY: our own fresh mapping.
+            unsafe { libc::munmap(p, SIZE) };
+        }
+    }
+    // SAFETY: as above, without a hint.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), SIZE, prot, libc::MAP_SHARED, fd, 0) };
+    if p == libc::MAP_FAILED {
+        return Err(os("mapping the transfer gate", io::Error::last_os_error()));
+    }
+    Ok(p.cast())
+}
+
+/// An initiator's claim on a peer's gate: the mapping and its own in-flight slot.
+pub struct Attached {
+    pub gate: std::sync::Arc<Gate>,
+    slot: u32,
+}
+
+impl Attached {
+    pub fn new(gate: std::sync::Arc<Gate>) -> Result<Attached> {
+        let pid = std::process::id() as i32;
+        let start = crate::util::process_start_time(pid).map_err(|e| os("reading own process start time", e))?;
+        let slot = gate.claim(pid, start).ok_or_else(|| {
+            Error::backend(format!("the peer's transfer gate has no free initiator slot ({INIT_SLOTS} in use)"))
+        })?;
+        Ok(Attached { gate, slot })
+    }
+
+    /// Enter the gate for one batch touching `regions` (slot, state, address, length as the metadata says):
+    /// Ok(guard) if the incarnation is live and every region still registered there, covering the range.
+    pub fn enter<'a>(&'a self, regions: impl IntoIterator<Item = (u32, u64, u64, u64)>) -> Result<Inside<'a>> {
+        let count = self.gate.word(init_off(self.slot as usize) + 24);
+        count.fetch_add(1, Ordering::SeqCst);
+        let inside = Inside { a: self };
+        if !self.gate.live() {
+            return Err(Error::disconnected(format!(
+                "agent incarnation {:032x} has been destroyed",
+                self.gate.incarnation
+            )));
+        }
+        for (slot, state, addr, len) in regions {
+            if !self.gate.region_ok(slot, state, addr, len) {
+                return Err(Error::backend(format!(
+                    "the target no longer has {len} bytes at {addr:#x} registered (deregistered, or metadata that \
+                     does not match its registrations)"
+                )));
+            }
+        }
+        Ok(inside)
+    }
+}
+
+impl Drop for Attached {
+    fn drop(&mut self) {
+        let o = init_off(self.slot as usize);
+        // Only if it is still ours (a drain may have reclaimed it, which it does only for dead processes).
+        if self.gate.word(o + 24).load(Ordering::SeqCst) == 0 {
+            self.gate.word(o).store(0, Ordering::SeqCst);
+        }
+    }
+}
+
+/// A batch inside the gate; leaving wakes a waiting drain.
+pub struct Inside<'a> {
+    a: &'a Attached,
+}
+
+impl Drop for Inside<'_> {
+    fn drop(&mut self) {
+        let g = &self.a.gate;
+        g.word(init_off(self.a.slot as usize) + 24).fetch_sub(1, Ordering::SeqCst);
+        if g.word(OFF_DRAINING).load(Ordering::SeqCst) != 0 {
+            let seq = g.word32(OFF_DRAIN_SEQ);
+            seq.fetch_add(1, Ordering::SeqCst);
+            // SAFETY: a futex wake on a word of a shared mapping (not FUTEX_PRIVATE: the waiter is another process).
+            unsafe { libc::syscall(libc::SYS_futex, seq.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0, 0, 0) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn placed_at_random_in_the_reserved_range() {
+        let a = Gate::create(1).unwrap();
+        let b = Gate::create(1).unwrap();
+        assert_ne!(a.addr(), b.addr());
+        for g in [&a, &b] {
+            assert!((PLACE_LO..PLACE_HI).contains(&g.addr()), "{:#x}", g.addr());
+        }
+    }
+
+    #[test]
+    fn regions_retire_and_drain_waits_for_batches_inside() {
+        let g = Arc::new(Gate::create(7).unwrap());
+        let t = g.register(0x1000, 0x1000).unwrap();
+        let a = Attached::new(g.clone()).unwrap();
+        // Inside the region only, and only while registered.
+        assert!(a.enter([(t.slot, t.state, 0x1000, 0x1000)]).is_ok());
+        assert!(a.enter([(t.slot, t.state, 0x1000, 0x1001)]).is_err());
+        assert!(a.enter([(t.slot, t.state, 0xfff, 2)]).is_err());
+        assert!(a.enter([(t.slot, t.state ^ 2, 0x1000, 1)]).is_err());
+        let inside = a.enter([(t.slot, t.state, 0x1800, 8)]).unwrap();
+        let left = Arc::new(AtomicU64::new(0));
+        let (g2, l2) = (g.clone(), left.clone());
+        let retire = std::thread::spawn(move || {
+            g2.retire(t, Duration::from_secs(10));
+            l2.load(Ordering::SeqCst)
+        });
+        // The retirement is visible at once, even while the drain waits.
+        while a.enter([(t.slot, t.state, 0x1000, 8)]).is_ok() {
+            std::thread::yield_now();
+        }
+        left.store(1, Ordering::SeqCst);
+        drop(inside);
+        assert_eq!(retire.join().unwrap(), 1, "retire returned before the batch inside left");
+        // The slot is reused with a new state; the old ticket stays refused.
+        let t2 = g.register(0x1000, 0x1000).unwrap();
+        assert_eq!(t2.slot, t.slot);
+        assert_ne!(t2.state, t.state);
+        assert!(a.enter([(t.slot, t.state, 0x1000, 8)]).is_err());
+        assert!(a.enter([(t2.slot, t2.state, 0x1000, 8)]).is_ok());
+        g.close(Duration::from_secs(1));
+        let e = a.enter([]).err().unwrap();
+        assert_eq!(e.status(), Status::RemoteDisconnect);
+    }
+
+    #[test]
+    fn attach_through_pidfd_checks_the_incarnation() {
+        let g = Gate::create(0xabc).unwrap();
+        let pidfd = super::super::pidfd_open(std::process::id() as i32).unwrap();
+        let v = Gate::attach(pidfd.as_raw_fd(), g.raw_fd(), 0xabc).unwrap();
+        assert_eq!(v.read_incarnation(), 0xabc);
+        assert_eq!(
+            Gate::attach(pidfd.as_raw_fd(), g.raw_fd(), 0xabd).err().unwrap().status(),
+            Status::RemoteDisconnect
+        );
+        // Some other descriptor (stdin, a pipe...) is not a gate.
+        let e = Gate::attach(pidfd.as_raw_fd(), pidfd.as_raw_fd(), 0xabc).err().unwrap();
+        assert_eq!(e.status(), Status::RemoteDisconnect);
+    }
+}

@@ -1,0 +1,508 @@
+//! `gixl doctor`: which routes work on this host and, given a peer, to that peer; which one gixl picks and
+//! why; versions; the agents of this process with their loaded peers. The report is JSON (C:
+//! `gixl_doctor`, Python: `gixl.doctor()`; `python -m gixl doctor` prints it for people).
+
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+use crate::agent::{Agent, AgentConfig, XferOpts};
+use crate::backend::{Params, XferOp};
+use crate::mem::{Desc, MemType, RegDList, RegDesc, XferDList};
+use crate::status::Status;
+
+/// A tiny JSON value, enough for the report.
+pub enum J {
+    Null,
+    Bool(bool),
+    Num(f64),
+    Str(String),
+    Arr(Vec<J>),
+    Obj(Vec<(&'static str, J)>),
+}
+
+impl J {
+    fn s(v: impl Into<String>) -> J {
+        J::Str(v.into())
+    }
+    pub fn write(&self, o: &mut String) {
+        match self {
+            J::Null => o.push_str("null"),
+            J::Bool(b) => o.push_str(if *b { "true" } else { "false" }),
+            J::Num(x) if x.is_finite() => {
+                if x.fract() == 0.0 && x.abs() < 1e15 {
+                    let _ = write!(o, "{}", *x as i64);
+                } else {
+                    let _ = write!(o, "{x:.3}");
+                }
+            }
+            J::Num(_) => o.push_str("null"),
+            J::Str(s) => {
+                o.push('"');
+                for c in s.chars() {
+                    match c {
+                        '"' => o.push_str("\\\""),
+                        '\\' => o.push_str("\\\\"),
+                        '\n' => o.push_str("\\n"),
+                        c if (c as u32) < 0x20 => {
+                            let _ = write!(o, "\\u{:04x}", c as u32);
+                        }
+                        c => o.push(c),
+                    }
+                }
+                o.push('"');
+            }
+            J::Arr(v) => {
+                o.push('[');
+                for (i, x) in v.iter().enumerate() {
+                    if i > 0 {
+                        o.push(',');
+                    }
+                    x.write(o);
+                }
+                o.push(']');
+            }
+            J::Obj(v) => {
+                o.push('{');
+                for (i, (k, x)) in v.iter().enumerate() {
+                    if i > 0 {
+                        o.push(',');
+                    }
+                    J::s(*k).write(o);
+                    o.push(':');
+                    x.write(o);
+                }
+                o.push('}');
+            }
+        }
+    }
+}
+
+/// Who to check besides this host.
+pub enum PeerTarget {
+    /// A peer's metadata blob (`get_agent_metadata()` written to a file).
+    Md(Vec<u8>),
+    /// A peer's metadata listener: its agent name, address and port.
+    Listener { name: String, ip: String, port: u16 },
+}
+
+fn read(p: &str) -> Option<String> {
+    std::fs::read_to_string(p).ok().map(|s| s.trim().to_owned())
+}
+
+fn status_field(pid: &str, key: &str) -> Option<String> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines().find_map(|l| l.strip_prefix(key).map(|v| v.trim().to_owned()))
+}
+
+fn uid_of(pid: &str) -> Option<u32> {
+    status_field(pid, "Uid:")?.split_whitespace().nth(1)?.parse().ok()
+}
+
+fn has_cap_sys_ptrace() -> bool {
+    status_field("self", "CapEff:").and_then(|h| u64::from_str_radix(&h, 16).ok()).is_some_and(|c| c & (1 << 19) != 0)
+}
+
+/// Cross-memory attach on this process itself: catches seccomp filters and kernels without it.
+fn cma_self_probe() -> Result<(), std::io::Error> {
+    let src = [7u8; 8];
+    let mut dst = [0u8; 8];
+    let l = libc::iovec { iov_base: dst.as_mut_ptr().cast(), iov_len: 8 };
+    let r = libc::iovec { iov_base: src.as_ptr() as *mut libc::c_void, iov_len: 8 };
+    // SAFETY: both iovecs describe live buffers of this process of the stated length.
+    let n = unsafe { libc::process_vm_readv(libc::getpid(), &l, 1, &r, 1, 0) };
+    if n == 8 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// What this host allows cross-memory attach between two unrelated processes, with the reasons.
+fn cma_host() -> (bool, Vec<String>, J) {
+    let yama = read("/proc/sys/kernel/yama/ptrace_scope").and_then(|v| v.parse::<i32>().ok());
+    let seccomp = status_field("self", "Seccomp:");
+    let cap = has_cap_sys_ptrace();
+    let probe = cma_self_probe();
+    let mut why = Vec::new();
+    let mut ok = true;
+    if let Err(e) = &probe {
+        ok = false;
+        why.push(format!("process_vm_readv on this process fails ({e}): a seccomp filter or a kernel without it"));
+    }
+    match yama {
+        Some(1) if !cap => {
+            ok = false;
+            why.push(
+                "Yama ptrace_scope=1: only a parent may attach to its descendants (peers are not), unless \
+                 CAP_SYS_PTRACE"
+                    .into(),
+            );
+        }
+        Some(2) if !cap => {
+            ok = false;
+            why.push("Yama ptrace_scope=2: only processes with CAP_SYS_PTRACE may attach".into());
+        }
+        Some(3) => {
+            ok = false;
+            why.push("Yama ptrace_scope=3: no process may attach".into());
+        }
+        _ => {}
+    }
+    if seccomp.as_deref().is_some_and(|s| s != "0") && probe.is_ok() {
+        why.push(format!(
+            "seccomp mode {} is active here, but it lets process_vm_readv through",
+            seccomp.as_deref().unwrap_or("?")
+        ));
+    }
+    if ok {
+        why.push(if cap {
+            "allowed: CAP_SYS_PTRACE, so also to processes of other users".into()
+        } else {
+            "allowed between processes of the same uid in the same pid namespace (other uids: denied)".into()
+        });
+    }
+    let detail = J::Obj(vec![
+        ("yama_ptrace_scope", yama.map_or(J::Null, |v| J::Num(v as f64))),
+        ("seccomp_mode", seccomp.map_or(J::Null, J::s)),
+        ("cap_sys_ptrace", J::Bool(cap)),
+        (
+            "self_probe",
+            J::s(match &probe {
+                Ok(()) => "ok".to_owned(),
+                Err(e) => e.to_string(),
+            }),
+        ),
+    ]);
+    (ok, why, detail)
+}
+
+fn rdma_devices() -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir("/sys/class/infiniband")
+        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+fn libcuda() -> Result<(), String> {
+    let name = c"libcuda.so.1";
+    // SAFETY: dlopen with a NUL-terminated name; the handle is closed at once.
+    let h = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    if h.is_null() {
+        // SAFETY: dlerror returns a thread-local message or NULL.
+        let e = unsafe { libc::dlerror() };
+        let msg = if e.is_null() {
+            "not found".to_owned()
+        } else {
+            // SAFETY: non-NULL dlerror strings are NUL-terminated.
+            unsafe { std::ffi::CStr::from_ptr(e) }.to_string_lossy().into_owned()
+        };
+        return Err(msg);
+    }
+    // SAFETY: a handle dlopen just returned.
+    unsafe { libc::dlclose(h) };
+    Ok(())
+}
+
+fn kernel() -> String {
+    read("/proc/sys/kernel/osrelease").unwrap_or_default()
+}
+
+/// The whole report, as JSON.
+pub fn report(peer: Option<PeerTarget>) -> String {
+    let (cma_ok, cma_why, cma_detail) = cma_host();
+    let host_id = crate::util::host_id();
+    let mut parts = host_id.split('|');
+    let (boot, pidns, netns) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let rdma = rdma_devices();
+    let cuda = libcuda();
+    // SAFETY: getuid/geteuid have no preconditions.
+    let (uid, euid) = unsafe { (libc::getuid(), libc::geteuid()) };
+    let agents = super::live_agents()
+        .into_iter()
+        .map(|(name, inc, peers)| {
+            J::Obj(vec![
+                ("name", J::s(name)),
+                ("incarnation", J::s(format!("{inc:032x}"))),
+                (
+                    "remotes",
+                    J::Arr(
+                        peers
+                            .into_iter()
+                            .map(|p| {
+                                J::Obj(vec![
+                                    ("name", J::s(p.name)),
+                                    ("incarnation", J::s(format!("{:032x}", p.incarnation))),
+                                    ("route", J::s(p.route)),
+                                    ("connected", J::Bool(p.connected)),
+                                ])
+                            })
+                            .collect(),
+                    ),
+                ),
+            ])
+        })
+        .collect();
+    let transport = std::env::var("GIXL_TRANSPORT").unwrap_or_else(|_| "auto".into());
+    let routes = J::Obj(vec![
+        ("in_process", J::Obj(vec![("works", J::Bool(true)), ("why", J::s("agents of one process copy with memcpy"))])),
+        ("cma", J::Obj(vec![("works", J::Bool(cma_ok)), ("why", J::s(cma_why.join("; "))), ("checks", cma_detail)])),
+        (
+            "tcp",
+            J::Obj(vec![
+                ("works", J::Bool(true)),
+                ("why", J::s("peers in another host, pid or network namespace; and CMA fall-back")),
+            ]),
+        ),
+        (
+            "rdma",
+            J::Obj(vec![
+                ("works", J::Bool(false)),
+                ("devices", J::Arr(rdma.iter().map(|d| J::s(d.clone())).collect())),
+                ("why", J::s("gixl has no RDMA route yet (the `rdma` feature is planned): RDMA NICs are not used")),
+            ]),
+        ),
+        (
+            "cuda",
+            J::Obj(vec![
+                ("works", J::Bool(false)),
+                (
+                    "libcuda",
+                    J::s(match &cuda {
+                        Ok(()) => "loadable".to_owned(),
+                        Err(e) => format!("not loadable: {e}"),
+                    }),
+                ),
+                ("ipc", J::Bool(false)),
+                ("why", J::s("gixl moves DRAM only (VRAM and CUDA IPC are planned behind the `cuda` feature)")),
+            ]),
+        ),
+    ]);
+    let pick = if transport == "tcp" {
+        "tcp for every peer (GIXL_TRANSPORT=tcp)".to_owned()
+    } else if cma_ok {
+        "in-process for agents of this process; cma for peers on this host in this pid namespace; tcp otherwise"
+            .to_owned()
+    } else {
+        "in-process for agents of this process; tcp for all others (cma is denied here: the first transfer to a \
+         peer on this host tries cma and falls back, with a warning)"
+            .to_owned()
+    };
+    let peer_j = peer.map(|p| peer_report(p, cma_ok, uid));
+    let mut top = vec![
+        (
+            "versions",
+            J::Obj(vec![
+                ("gixl", J::s(crate::VERSION)),
+                ("nixl_api", J::s(crate::NIXL_API_VERSION)),
+                (
+                    "features",
+                    J::Arr(
+                        [
+                            ("capi", cfg!(feature = "capi")),
+                            ("rdma", cfg!(feature = "rdma")),
+                            ("cuda", cfg!(feature = "cuda")),
+                        ]
+                        .iter()
+                        .filter(|(_, on)| *on)
+                        .map(|(n, _)| J::s(*n))
+                        .collect(),
+                    ),
+                ),
+            ]),
+        ),
+        (
+            "host",
+            J::Obj(vec![
+                ("hostname", J::s(super::hostname())),
+                ("kernel", J::s(kernel())),
+                ("pid", J::Num(std::process::id() as f64)),
+                ("uid", J::Num(uid as f64)),
+                ("euid", J::Num(euid as f64)),
+                ("boot_id", J::s(boot)),
+                ("pid_ns", J::s(pidns)),
+                ("net_ns", J::s(netns)),
+            ]),
+        ),
+        ("transport", J::s(transport)),
+        ("routes", routes),
+        ("route_choice", J::s(pick)),
+        ("agents", J::Arr(agents)),
+    ];
+    if let Some(p) = peer_j {
+        top.push(("peer", p));
+    }
+    let mut o = String::new();
+    J::Obj(top).write(&mut o);
+    o
+}
+
+fn err_j(stage: &str, e: impl std::fmt::Display) -> J {
+    J::Obj(vec![("ok", J::Bool(false)), ("stage", J::s(stage)), ("error", J::s(e.to_string()))])
+}
+
+/// Load the peer into a throw-away agent, see which route it gets, READ from its first region a few times.
+fn peer_report(target: PeerTarget, cma_ok: bool, uid: u32) -> J {
+    let me = format!("gixl-doctor-{}-{:x}", std::process::id(), crate::util::random_u128() as u32);
+    let a = match Agent::new(&me, AgentConfig { listen_thread: false, ..AgentConfig::default() }) {
+        Ok(a) => a,
+        Err(e) => return err_j("create agent", e),
+    };
+    if let Err(e) = a.create_backend("UCX", &Params::new()) {
+        return err_j("create backend", e);
+    }
+    let mut out: Vec<(&'static str, J)> = Vec::new();
+    let name = match target {
+        PeerTarget::Md(md) => match a.load_remote_md(&md) {
+            Ok(n) => n,
+            Err(e) => return err_j("load metadata", e),
+        },
+        PeerTarget::Listener { name, ip, port } => {
+            let t = Instant::now();
+            let addr = format!("{ip}:{port}");
+            let reach = std::net::ToSocketAddrs::to_socket_addrs(&addr)
+                .map_err(|e| e.to_string())
+                .and_then(|mut it| it.next().ok_or_else(|| "no address".to_owned()))
+                .and_then(|sa| {
+                    std::net::TcpStream::connect_timeout(&sa, Duration::from_secs(3)).map_err(|e| e.to_string())
+                });
+            let failed = reach.as_ref().err().cloned();
+            out.push((
+                "listener",
+                J::Obj(vec![
+                    ("address", J::s(addr.clone())),
+                    ("reachable", J::Bool(reach.is_ok())),
+                    ("connect_ms", J::Num(t.elapsed().as_secs_f64() * 1e3)),
+                    ("error", reach.err().map_or(J::Null, J::s)),
+                ]),
+            ));
+            if let Some(e) = failed {
+                out.push(("ok", J::Bool(false)));
+                out.push(("stage", J::s("listener")));
+                out.push(("error", J::s(format!("cannot connect to {addr}: {e}"))));
+                return J::Obj(out);
+            }
+            if let Err(e) = a.fetch_remote_md(&name, &ip, port, "") {
+                return err_j("fetch metadata", e);
+            }
+            let t = Instant::now();
+            while a.remote_incarnation(&name).is_err() {
+                if t.elapsed() > Duration::from_secs(10) {
+                    out.push(("ok", J::Bool(false)));
+                    out.push(("stage", J::s("fetch metadata")));
+                    out.push(("error", J::s(format!("no metadata from {name} at {ip}:{port} within 10 s"))));
+                    return J::Obj(out);
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            name
+        }
+    };
+    let ra = a.inner.remotes.read().get(&name).cloned();
+    let Some(ra) = ra else { return err_j("load metadata", "the peer is not loaded") };
+    let Some((bid, peer)) = ra.peers.first().cloned() else { return err_j("load metadata", "no backend in common") };
+    let route_before = peer.route();
+    out.push(("ok", J::Bool(true)));
+    out.push(("name", J::s(name.clone())));
+    out.push(("incarnation", J::s(format!("{:032x}", ra.incarnation))));
+    let mut why = Vec::new();
+    match route_before {
+        "in-process" => why.push("the peer is an agent of this process".to_owned()),
+        "tcp" => why.push("the peer is on another host, or in another pid or network namespace".to_owned()),
+        "cma" => why.push("the peer is a process on this host in this pid namespace".to_owned()),
+        _ => {}
+    }
+    if let Some(pid) = peer.pid() {
+        out.push(("pid", J::Num(pid as f64)));
+        match uid_of(&pid.to_string()) {
+            Some(pu) if pu != uid && !has_cap_sys_ptrace() => why.push(format!(
+                "its uid is {pu}, ours {uid}: the kernel denies CMA across users without CAP_SYS_PTRACE"
+            )),
+            Some(pu) => out.push(("peer_uid", J::Num(pu as f64))),
+            None => why.push("its /proc entry is not readable here".to_owned()),
+        }
+        if !cma_ok {
+            why.push("this host denies CMA (see routes.cma)".to_owned());
+        }
+    }
+    // A READ from the peer's first DRAM region, 3 times (at most 16 MiB): the route's real behaviour.
+    let region = ra
+        .sections
+        .read()
+        .get(&(bid, MemType::Dram))
+        .and_then(|s| s.iter().next().map(|(d, _)| *d))
+        .filter(|d| d.len > 0);
+    let mut probe: Vec<(&'static str, J)> = Vec::new();
+    match region {
+        None => probe.push(("skipped", J::s("the peer's metadata has no DRAM region to read from"))),
+        Some(d) => {
+            let len = d.len.min(16 << 20) as usize;
+            let buf = vec![0u8; len];
+            let l = RegDList::with_descs(
+                MemType::Dram,
+                vec![RegDesc { desc: Desc::new(buf.as_ptr() as u64, len as u64, 0), meta: vec![] }],
+            );
+            let r = (|| -> crate::Result<(f64, usize)> {
+                a.register_mem(&l, &[])?;
+                let local = XferDList::with_descs(MemType::Dram, vec![Desc::new(buf.as_ptr() as u64, len as u64, 0)]);
+                let remote = XferDList::with_descs(MemType::Dram, vec![Desc::new(d.addr, len as u64, d.dev)]);
+                let req = a.create_xfer_req(XferOp::Read, &local, &remote, &name, &XferOpts::default())?;
+                let mut best = f64::MAX;
+                for _ in 0..3 {
+                    let t = Instant::now();
+                    let mut s = a.post_xfer_req(&req, crate::agent::NotifUpdate::Keep)?;
+                    while s == Status::InProg {
+                        if t.elapsed() > Duration::from_secs(20) {
+                            return Err(crate::Error::backend("the probe READ did not finish within 20 s"));
+                        }
+                        std::thread::sleep(Duration::from_micros(200));
+                        s = a.xfer_status(&req)?;
+                    }
+                    best = best.min(t.elapsed().as_secs_f64());
+                }
+                a.release_xfer_req(&req)?;
+                Ok((best, len))
+            })();
+            match r {
+                Ok((secs, n)) => {
+                    probe.push(("bytes", J::Num(n as f64)));
+                    probe.push(("best_seconds", J::Num(secs)));
+                    probe.push(("gb_per_s", J::Num(n as f64 / secs / 1e9)));
+                }
+                Err(e) => probe.push(("error", J::s(e.to_string()))),
+            }
+            let _ = a.deregister_mem(&l, &[]);
+        }
+    }
+    let route_after = peer.route();
+    if route_after == "tcp-after-cma-denied" {
+        let when = if route_before == route_after { "when the peer was loaded" } else { "on the first transfer" };
+        why.push(format!("the kernel refused cross-memory attach {when}: gixl fell back to TCP"));
+    }
+    out.push(("route_at_load", J::s(route_before)));
+    out.push(("route", J::s(route_after)));
+    out.push(("why", J::s(why.join("; "))));
+    out.push(("read_probe", J::Obj(probe)));
+    let _ = a.invalidate_remote_md(&name);
+    J::Obj(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_escapes_and_nests() {
+        let mut o = String::new();
+        J::Obj(vec![("a", J::Arr(vec![J::Num(1.0), J::Num(0.5), J::Null])), ("b", J::s("q\"\\\n\u{1}"))]).write(&mut o);
+        assert_eq!(o, r#"{"a":[1,0.500,null],"b":"q\"\\\n\u0001"}"#);
+    }
+
+    #[test]
+    fn host_report_names_every_route() {
+        let r = report(None);
+        for k in ["\"in_process\"", "\"cma\"", "\"tcp\"", "\"rdma\"", "\"cuda\"", "\"nixl_api\":\"1.5.1\""] {
+            assert!(r.contains(k), "{k} missing from {r}");
+        }
+    }
+}

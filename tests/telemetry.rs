@@ -1,0 +1,400 @@
+//! Telemetry the way operators consume NIXL's:
+//! - a real Prometheus server (Debian's `prometheus`), started here on a loopback port, scrapes the
+//!   `NIXL_TELEMETRY_EXPORTER=prometheus` endpoints of two gixl processes that transfer to each other, and
+//!   its query API must return NIXL's metric names with the right values (and gixl's own series);
+//! - the file sink under `NIXL_TELEMETRY_DIR` has NIXL 1.5.1's layout: the same header, size and event
+//!   sequence as the file NIXL itself writes for the same program (NIXL run from `.venv/nixl` when present).
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use gixl::*;
+
+fn one(base: u64, len: usize) -> XferDList {
+    XferDList::with_descs(MemType::Dram, vec![Desc::new(base, len as u64, 0)])
+}
+
+fn reg(a: &Agent, buf: &[u8]) {
+    let d = Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0);
+    a.register_mem(&RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: d, meta: vec![] }]), &[]).unwrap();
+}
+
+fn wait(a: &Agent, r: &XferReq) {
+    let t = Instant::now();
+    let mut s = a.post_xfer_req(r, NotifUpdate::Keep).unwrap();
+    while s == Status::InProg {
+        assert!(t.elapsed() < Duration::from_secs(30), "transfer did not finish");
+        std::thread::sleep(Duration::from_micros(100));
+        s = a.xfer_status(r).unwrap();
+    }
+    assert_eq!(s, Status::Success);
+}
+
+/// Block until the parent closes our stdin (the exporter keeps serving meanwhile).
+fn hold() {
+    let mut sink = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut sink);
+}
+
+fn child_target() {
+    let a = Agent::new("tele-target", AgentConfig::default()).unwrap();
+    a.create_backend("UCX", &Params::new()).unwrap();
+    let buf = vec![7u8; 1 << 20];
+    reg(&a, &buf);
+    println!("\n@md {}", hex(&a.local_md().unwrap()));
+    println!("@addr {}", buf.as_ptr() as u64);
+    std::io::stdout().flush().unwrap();
+    hold();
+}
+
+fn child_initiator() {
+    let md = unhex(&std::env::var("GIXL_MD").unwrap());
+    let addr: u64 = std::env::var("GIXL_ADDR").unwrap().parse().unwrap();
+    let a = Agent::new("tele-initiator", AgentConfig::default()).unwrap();
+    a.create_backend("UCX", &Params::new()).unwrap();
+    let buf = vec![1u8; 1 << 20];
+    reg(&a, &buf);
+    a.load_remote_md(&md).unwrap();
+    let b = buf.as_ptr() as u64;
+    let o = XferOpts::default();
+    for i in 0..3 {
+        let r =
+            a.create_xfer_req(XferOp::Write, &one(b, 4096), &one(addr + i * 4096, 4096), "tele-target", &o).unwrap();
+        wait(&a, &r);
+    }
+    for _ in 0..2 {
+        let r = a.create_xfer_req(XferOp::Read, &one(b, 8192), &one(addr, 8192), "tele-target", &o).unwrap();
+        wait(&a, &r);
+    }
+    // A request built against the loaded incarnation, then the peer is invalidated: refused as stale.
+    let stale = a.create_xfer_req(XferOp::Write, &one(b, 64), &one(addr, 64), "tele-target", &o).unwrap();
+    a.invalidate_remote_md("tele-target").unwrap();
+    assert_eq!(a.post_xfer_req(&stale, NotifUpdate::Keep).unwrap_err().status(), Status::NotFound);
+    a.load_remote_md(&md).unwrap();
+    println!("\n@done");
+    std::io::stdout().flush().unwrap();
+    hold();
+}
+
+/// The program `tele.py` runs on NIXL: two agents, 4 KiB registered each, three 4 KiB WRITEs A -> B.
+fn child_file_sink() {
+    let a = Agent::new("A", AgentConfig::default()).unwrap();
+    a.create_backend("UCX", &Params::new()).unwrap();
+    let bagent = Agent::new("B", AgentConfig::default()).unwrap();
+    bagent.create_backend("UCX", &Params::new()).unwrap();
+    let src = vec![3u8; 4096];
+    let dst = vec![0u8; 4096];
+    reg(&a, &src);
+    reg(&bagent, &dst);
+    a.load_remote_md(&bagent.local_md().unwrap()).unwrap();
+    for _ in 0..3 {
+        let r = a
+            .create_xfer_req(
+                XferOp::Write,
+                &one(src.as_ptr() as u64, 4096),
+                &one(dst.as_ptr() as u64, 4096),
+                "B",
+                &XferOpts::default(),
+            )
+            .unwrap();
+        wait(&a, &r);
+        a.release_xfer_req(&r).unwrap();
+    }
+    println!("\n@written");
+}
+
+#[test]
+fn child_entry() {
+    match std::env::var("GIXL_CHILD").as_deref() {
+        Ok("tele-target") => child_target(),
+        Ok("tele-initiator") => child_initiator(),
+        Ok("file-sink") => child_file_sink(),
+        _ => {}
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn spawn(kind: &str, env: &[(&str, String)]) -> (Child, BufReader<ChildStdout>) {
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+        .env("GIXL_CHILD", kind)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped());
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let mut child = c.spawn().unwrap();
+    let out = BufReader::new(child.stdout.take().unwrap());
+    (child, out)
+}
+
+/// The value after `@key ` on the child's stdout.
+fn expect(out: &mut BufReader<ChildStdout>, key: &str) -> String {
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "child exited before printing @{key}");
+        if let Some(v) = line.trim_end().strip_prefix(&format!("@{key}")) {
+            return v.trim().to_owned();
+        }
+    }
+}
+
+/// GET `path` from 127.0.0.1:`port`; the body.
+fn http_get(port: u16, path: &str) -> Result<String, String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").map_err(|e| e.to_string())?;
+    let mut r = String::new();
+    s.read_to_string(&mut r).map_err(|e| e.to_string())?;
+    let (head, body) = r.split_once("\r\n\r\n").ok_or("no HTTP header")?;
+    if !head.starts_with("HTTP/1.") || !head.split(' ').nth(1).is_some_and(|c| c == "200") {
+        return Err(head.lines().next().unwrap_or("").to_owned());
+    }
+    Ok(body.to_owned())
+}
+
+fn urlencode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'_' | b'-' | b'.' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// Ask Prometheus until `query` returns `want` (a positive signal: the scrape happened and says so).
+fn until_prom(port: u16, query: &str, want: &str) {
+    let t = Instant::now();
+    let mut last = String::new();
+    while t.elapsed() < Duration::from_secs(60) {
+        if let Ok(body) = http_get(port, &format!("/api/v1/query?query={}", urlencode(query))) {
+            if body.contains(&format!(",\"{want}\"]")) {
+                eprintln!("prometheus: {query} = {want} after {:?}", t.elapsed());
+                return;
+            }
+            last = body;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    panic!("Prometheus never answered {query} = {want}; last answer: {last}");
+}
+
+struct Killed(Child);
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn tmpdir(tag: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("telemetry-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn prometheus_scrapes_nixl_metrics_from_two_processes() {
+    let Some(bin) = ["/usr/bin/prometheus", "/usr/local/bin/prometheus"].into_iter().find(|p| Path::new(p).exists())
+    else {
+        skip("prometheus", "the Prometheus server is not installed (apt-get install prometheus)");
+        return;
+    };
+    let (pt, pi, pp) = (free_port(), free_port(), free_port());
+    let env = |port: u16| {
+        vec![
+            ("NIXL_TELEMETRY_ENABLE", "y".to_string()),
+            ("NIXL_TELEMETRY_EXPORTER", "prometheus".to_string()),
+            ("NIXL_TELEMETRY_PROMETHEUS_PORT", port.to_string()),
+            ("NIXL_TELEMETRY_PROMETHEUS_LOCAL", "yes".to_string()),
+        ]
+    };
+    let (target, mut tout) = spawn("tele-target", &env(pt));
+    let target = Killed(target);
+    let md = expect(&mut tout, "md");
+    let addr = expect(&mut tout, "addr");
+    let mut ienv = env(pi);
+    ienv.push(("GIXL_MD", md));
+    ienv.push(("GIXL_ADDR", addr));
+    let (ini, mut iout) = spawn("tele-initiator", &ienv);
+    let ini = Killed(ini);
+    expect(&mut iout, "done");
+
+    // The endpoint itself: NIXL's names, NIXL's default buckets.
+    let text = http_get(pi, "/metrics").unwrap();
+    for name in [
+        "agent_tx_bytes_total",
+        "agent_rx_bytes_total",
+        "agent_tx_requests_num_total",
+        "agent_rx_requests_num_total",
+        "agent_memory_registered_total",
+        "agent_memory_deregistered_total",
+        "agent_xfer_time_total",
+        "agent_xfer_post_time_total",
+        "agent_telemetry_events_dropped_total",
+        "agent_errors_total",
+        "agent_tx_last_bytes",
+        "agent_rx_last_bytes",
+        "agent_memory_registered_last_bytes",
+        "agent_memory_deregistered_last_bytes",
+        "agent_xfer_time",
+        "agent_xfer_post_time",
+        "agent_xfer_time_us",
+        "agent_xfer_post_time_us",
+    ] {
+        assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing:\n{text}");
+    }
+    let les: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("agent_xfer_time_us_bucket{"))
+        .filter_map(|l| l.split("le=\"").nth(1)?.split('"').next())
+        .collect();
+    assert_eq!(
+        les,
+        [
+            "10", "25", "50", "100", "250", "500", "1000", "2500", "5000", "10000", "25000", "50000", "100000",
+            "250000", "500000", "1000000", "5000000", "10000000", "+Inf"
+        ]
+    );
+
+    // A real Prometheus scrapes both processes.
+    let dir = tmpdir("prom");
+    let cfg = dir.join("prometheus.yml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n  - job_name: gixl\n    \
+             static_configs:\n      - targets: ['127.0.0.1:{pt}', '127.0.0.1:{pi}']\n"
+        ),
+    )
+    .unwrap();
+    let prom = Command::new(bin)
+        .arg(format!("--config.file={}", cfg.display()))
+        .arg(format!("--storage.tsdb.path={}", dir.join("data").display()))
+        .arg(format!("--web.listen-address=127.0.0.1:{pp}"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.join("prometheus.log")).unwrap())
+        .spawn()
+        .unwrap();
+    let _prom = Killed(prom);
+    let i = "agent_name=\"tele-initiator\"";
+    until_prom(pp, "count(up{job=\"gixl\"} == 1)", "2");
+    until_prom(pp, &format!("agent_tx_bytes_total{{{i}}}"), "12288");
+    until_prom(pp, &format!("agent_rx_bytes_total{{{i}}}"), "16384");
+    until_prom(pp, &format!("agent_tx_requests_num_total{{{i}}}"), "3");
+    until_prom(pp, &format!("agent_rx_requests_num_total{{{i}}}"), "2");
+    until_prom(pp, &format!("agent_rx_last_bytes{{{i}}}"), "8192");
+    until_prom(pp, &format!("agent_xfer_time_us_count{{{i}}}"), "5");
+    until_prom(pp, &format!("agent_xfer_post_time_us_bucket{{{i},le=\"+Inf\"}}"), "5");
+    until_prom(pp, "agent_memory_registered_total{agent_name=\"tele-target\"}", "1048576");
+    until_prom(pp, &format!("agent_errors_total{{{i},status=\"remote_disconnect\"}}"), "0");
+    // gixl's own series: the stale request, the peer with its incarnation and route.
+    until_prom(pp, &format!("gixl_stale_handle_refusals_total{{{i}}}"), "1");
+    until_prom(pp, &format!("gixl_peer_connected{{{i},peer=\"tele-target\"}}"), "1");
+    until_prom(
+        pp,
+        &format!("count(gixl_peer_info{{{i},peer=\"tele-target\",route=~\"cma|tcp-after-cma-denied\"}})"),
+        "1",
+    );
+    drop(ini);
+    drop(target);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `tele.py`: what `child_file_sink` does, on NIXL; waits until NIXL has flushed 13 events.
+const NIXL_PROGRAM: &str = r#"
+import os, struct, sys, time
+import numpy as np
+from nixl_cu12._api import nixl_agent, nixl_agent_config
+cfg = lambda: nixl_agent_config(backends=["UCX"])
+a, b = nixl_agent("A", cfg()), nixl_agent("B", cfg())
+src = np.full(4096, 3, dtype=np.uint8); dst = np.zeros(4096, dtype=np.uint8)
+a.register_memory([(src.ctypes.data, 4096, 0, "")], "DRAM")
+b.register_memory([(dst.ctypes.data, 4096, 0, "")], "DRAM")
+a.add_remote_agent(b.get_agent_metadata())
+for _ in range(3):
+    h = a.initialize_xfer("WRITE", a.get_xfer_descs([(src.ctypes.data, 4096, 0)], "DRAM"),
+                          b.get_xfer_descs([(dst.ctypes.data, 4096, 0)], "DRAM"), "B")
+    a.transfer(h)
+    while a.check_xfer_state(h) != "DONE":
+        time.sleep(0.001)
+    a.release_xfer_handle(h)
+path = os.path.join(os.environ["NIXL_TELEMETRY_DIR"], "A")
+t = time.monotonic()
+while time.monotonic() - t < 20:
+    if os.path.exists(path) and struct.unpack_from("<Q", open(path, "rb").read(8))[0] >= 13:
+        print("@written"); sys.exit(0)
+    time.sleep(0.05)
+sys.exit("NIXL did not flush its telemetry")
+"#;
+
+#[test]
+fn file_sink_has_nixls_layout() {
+    let dir = tmpdir("file");
+    let gdir = dir.join("gixl");
+    std::fs::create_dir_all(&gdir).unwrap();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+        .env("GIXL_CHILD", "file-sink")
+        .env("NIXL_TELEMETRY_ENABLE", "y")
+        .env("NIXL_TELEMETRY_DIR", &gdir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let gfile = std::fs::read(gdir.join("A")).unwrap();
+    let (version, events) = gixl::telemetry::file::read_events(&gdir.join("A")).unwrap();
+    assert_eq!(version, 4);
+    assert_eq!(gfile.len(), 40 + 4096 * 16, "NIXL's file for 4096 events is 65576 bytes");
+    let types: Vec<u32> = events.iter().map(|e| e.0).collect();
+    assert_eq!(types, [4, 7, 6, 0, 2, 7, 6, 0, 2, 7, 6, 0, 2], "registration, then per WRITE post/xfer/bytes/count");
+    assert_eq!(events[0].1, 4096);
+    assert!(events.iter().filter(|e| e.0 == 0).all(|e| e.1 == 4096));
+    assert!(events.iter().filter(|e| e.0 == 2).all(|e| e.1 == 1));
+    let (_, bevents) = gixl::telemetry::file::read_events(&gdir.join("B")).unwrap();
+    assert_eq!(bevents, [(4, 4096)], "B registered 4 KiB and moved nothing");
+
+    // The same program on NIXL 1.5.1: same header (after the positions), size, and event sequence.
+    let py = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/nixl/bin/python");
+    if !py.exists() {
+        skip("nixl-oracle", "NIXL 1.5.1 is not installed in .venv/nixl (scripts/setup.sh installs it)");
+        return;
+    }
+    let ndir = dir.join("nixl");
+    std::fs::create_dir_all(&ndir).unwrap();
+    let script = dir.join("tele.py");
+    std::fs::write(&script, NIXL_PROGRAM).unwrap();
+    let out = Command::new(&py)
+        .arg(&script)
+        .env("NIXL_TELEMETRY_ENABLE", "y")
+        .env("NIXL_TELEMETRY_DIR", &ndir)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("@written"),
+        "NIXL run failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let nfile = std::fs::read(ndir.join("A")).unwrap();
+    assert_eq!(nfile.len(), gfile.len());
+    assert_eq!(nfile[16..40], gfile[16..40], "header after the positions: version, expected version, capacity, mask");
+    let (nversion, nevents) = gixl::telemetry::file::read_events(&ndir.join("A")).unwrap();
+    assert_eq!(nversion, version);
+    let ntypes: Vec<u32> = nevents.iter().map(|e| e.0).collect();
+    assert_eq!(ntypes, types);
+    let sizes = |ev: &[(u32, u64)]| ev.iter().filter(|e| [0, 2, 4].contains(&e.0)).copied().collect::<Vec<_>>();
+    assert_eq!(sizes(&nevents), sizes(&events), "bytes and counts agree (times differ)");
+    let _ = std::fs::remove_dir_all(&dir);
+}
