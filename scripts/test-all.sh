@@ -73,7 +73,7 @@ count_c() {
 # pytest -q ends with "N passed, M skipped, K failed in ...".
 count_py() {
     local line p f s
-    line=$(grep -E '^(=+ )?[0-9]+ (passed|failed)' "$logs/$1.log" | tail -n 1)
+    line=$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|errors?|deselected)\b.* in [0-9.]+s' "$logs/$1.log" | tail -n 1)
     p=$(grep -oE '[0-9]+ passed' <<<"$line" | grep -oE '[0-9]+' || echo 0)
     f=$(grep -oE '[0-9]+ (failed|error)' <<<"$line" | grep -oE '[0-9]+' | awk '{n += $1} END {print n + 0}')
     s=$(grep -oE '[0-9]+ skipped' <<<"$line" | grep -oE '[0-9]+' || echo 0)
@@ -124,12 +124,16 @@ py_exports() {
 must_run() {
     local must
     must=$(grep -E '^SKIPPED: .* \[(netns|etcd|cma|io_uring|prometheus)\]: ' "$GIXL_SKIP_LOG")
+    # pytest's own skips (-rs lines) of the Python etcd tests count too.
+    local py
+    py=$(grep -hE '^SKIPPED \[[0-9]+\] .*test_etcd' "$logs"/py-gixl.log 2>/dev/null)
+    [ -n "$py" ] && must=$(printf '%s\n%s' "$must" "$py")
     [ -n "$must" ] && printf 'must-run tests skipped:\n%s\n' "$must"
     if [ "${CI:-}" = "true" ] && [ -n "$must" ]; then
         echo "CI=true: these tests must run here (root, Linux, etcd, io_uring); failing"
         return 1
     fi
-    echo "must-run set (netns, etcd, cma, io_uring, prometheus): $(grep -cE '\[(netns|etcd|cma|io_uring|prometheus)\]' "$GIXL_SKIP_LOG") skipped"
+    echo "must-run set (netns, etcd, cma, io_uring, prometheus): $(grep -c . <<<"${must}") skipped"
 }
 header() { scripts/check-header.sh; }
 capi_exports() {

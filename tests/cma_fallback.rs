@@ -12,9 +12,13 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
+use gixl::telemetry::log;
 use gixl::*;
 
 fn child() {
+    // gixl's log lines: the fall-back must be announced once, as a warning.
+    static LINES: std::sync::Mutex<Vec<(log::Level, String)>> = std::sync::Mutex::new(Vec::new());
+    log::set_sink(Box::new(|level, msg| LINES.lock().unwrap().push((level, msg.to_owned()))));
     let md = unhex(&std::env::var("GIXL_MD").unwrap());
     let addr: u64 = std::env::var("GIXL_ADDR").unwrap().parse().unwrap();
     let size: usize = std::env::var("GIXL_SIZE").unwrap().parse().unwrap();
@@ -46,6 +50,10 @@ fn child() {
     // Then a WRITE of 1 MiB, back over the same route.
     buf[..1 << 20].fill(0xAB);
     assert_eq!(run(XferOp::Write, 1 << 20, b"write-done"), Status::Success);
+    let lines = LINES.lock().unwrap().clone();
+    let info = lines.iter().filter(|(l, m)| *l == log::Level::Info && m.contains("route cma (same host)")).count();
+    let warn = lines.iter().filter(|(l, m)| *l == log::Level::Warn && m.contains("route tcp (fall-back")).count();
+    println!("\n@log {info} {warn}");
     println!("\n@sum {sum}");
 }
 
@@ -82,8 +90,12 @@ fn denied_cross_memory_attach_falls_back_to_tcp() {
         .unwrap();
     let out = BufReader::new(child.stdout.take().unwrap());
     let mut sum = None;
+    let mut logged = None;
     for l in out.lines() {
         let l = l.unwrap();
+        if let Some(s) = l.strip_prefix("@log ") {
+            logged = Some(s.to_owned());
+        }
         if let Some(s) = l.strip_prefix("@sum ") {
             sum = Some(s.parse::<u64>().unwrap());
         }
@@ -95,6 +107,8 @@ fn denied_cross_memory_attach_falls_back_to_tcp() {
         return;
     }
     assert!(status.success());
+    // One INFO line when the peer was loaded (route cma), one WARNING when the kernel forced TCP.
+    assert_eq!(logged.as_deref(), Some("1 1"), "route log lines (info, warning)");
     let want: u64 = (0..size).map(|i| (i % 249) as u64 + 1).sum();
     assert_eq!(sum, Some(want));
     assert!(buf[..1 << 20].iter().all(|&b| b == 0xAB), "the WRITE did not land");

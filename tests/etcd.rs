@@ -44,6 +44,12 @@ fn loaded(a: &Agent, name: &str) -> bool {
 
 #[test]
 fn etcd_send_fetch_watch_and_restart() {
+    // gixl's log lines, kept so the test can wait for "gave up" instead of sleeping past the deadline.
+    static LINES: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    gixl::telemetry::log::set_sink(Box::new(|_, msg| {
+        eprintln!("gixl log: {msg}");
+        LINES.lock().unwrap().push(msg.to_owned());
+    }));
     let Some(etcd) = Etcd::start(None) else { return };
     std::env::set_var("NIXL_ETCD_ENDPOINTS", &etcd.endpoint);
     std::env::remove_var("NIXL_ETCD_NAMESPACE");
@@ -112,7 +118,10 @@ fn etcd_send_fetch_watch_and_restart() {
     });
     std::env::remove_var("NIXL_ETCD_NAMESPACE");
 
-    std::thread::sleep(Duration::from_secs(6));
+    // The positive signal: the fetch reports that it gave up (after 5 s); only then is "not loaded" final.
+    until("the ghost fetch to give up", Duration::from_secs(20), || {
+        LINES.lock().unwrap().iter().any(|l| l.contains("agent 'etcd-ghost'") && l.contains("did not appear"))
+    });
     assert!(!loaded(&ghost_seeker, "etcd-ghost"));
     std::env::remove_var("NIXL_ETCD_ENDPOINTS");
 }

@@ -278,7 +278,8 @@ fn attack(md: &[u8], addr: u64, len: u64) -> std::result::Result<String, String>
 fn hostile(md: &[u8], addr: u64, len: u64) -> std::result::Result<String, String> {
     let md = AgentMd::decode(md).map_err(st)?;
     let (addrs, secret) = tcp_endpoint(&md.conns[0].1).map_err(st)?;
-    let to = *addrs.iter().find(|a| !a.ip().is_loopback()).ok_or("no address")?;
+    // Another host's address if it advertises one, else (a loopback-only target) its loopback address.
+    let to = *addrs.iter().find(|a| !a.ip().is_loopback()).or(addrs.first()).ok_or("no address")?;
     let inc = md.incarnation;
     let mut log = Vec::new();
     let challenged = || -> (TcpStream, [u8; 16]) {
@@ -1070,4 +1071,168 @@ fn deregister_during_a_tcp_write_stops_it_exactly() {
         Ok(s) => panic!("request still {s:?}"),
         Err(e) => assert!(matches!(e.status(), Status::Backend | Status::RemoteDisconnect), "{e}"),
     }
+}
+
+fn threads() -> usize {
+    std::fs::read_dir("/proc/self/task").map(|d| d.count()).unwrap_or(0)
+}
+
+/// Hundreds of authenticated, idle data connections cost no thread each (they are served by a few event
+/// loops), and a stalled reader (a READ whose payload it never reads) holds a deregistration for no more
+/// than the disconnect timeout.
+#[test]
+fn data_connections_hold_no_threads_and_a_stalled_reader_is_cut_off() {
+    let _g = SERIAL.lock();
+    let b = tcp_agent("loops-target", 1000);
+    let a = tcp_agent("loops-initiator", 1000);
+    let big = vec![0x33u8; 64 << 20];
+    b.register_mem(&reg_list(&big), &[]).unwrap();
+    let dst = vec![0u8; 1 << 16];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    let (to, inc, secret) = endpoint_of(&b);
+    // The first READ starts the serving loops.
+    let (r, _) = read_once(&a, "loops-target", &dst, big.as_ptr() as u64, 4096);
+    assert_eq!(r.map_err(|e| e.status()), Ok(Status::Success));
+    let (t0, f0) = (threads(), fds_and_rss().0);
+    let conns: Vec<TcpStream> = (0..200).map(|_| raw_data_conn(to, inc, secret)).collect();
+    let (t1, f1) = (threads(), fds_and_rss().0);
+    let (r, took) = read_once(&a, "loops-target", &dst, big.as_ptr() as u64, 4096);
+    eprintln!(
+        "{} authenticated idle data connections: threads {t0} -> {t1}, fds {f0} -> {f1}; a real READ {:?} in {took:?}",
+        conns.len(),
+        r.as_ref().map_err(|e| e.status())
+    );
+    assert!(t1 <= t0 + 1, "threads {t0} -> {t1}");
+    assert_eq!(r.map_err(|e| e.status()), Ok(Status::Success));
+    drop(conns);
+
+    // A READ of 32 MiB whose payload is never read: the target's sends stall with the lease held.
+    let mut s = raw_data_conn(to, inc, secret);
+    let (addr, len) = (big.as_ptr() as u64, big.len() as u64);
+    let mut req = Vec::new();
+    wire::encode_req(XferOp::Read, &[wire::WireSeg { region: addr, region_len: len, addr, len: 32 << 20 }], &mut req);
+    s.write_all(&req).unwrap();
+    let mut first = [0u8; wire::REPLY_BYTES];
+    s.read_exact(&mut first).unwrap();
+    assert_eq!(first[0], wire::REPLY_OK, "the READ is being served");
+    let t = Instant::now();
+    b.deregister_mem(&reg_list(&big), &[]).unwrap();
+    let took = t.elapsed();
+    // The reader was cut off: draining what is buffered ends in end-of-stream or a reset, short of 32 MiB.
+    let mut got = 0usize;
+    let mut chunk = vec![0u8; 1 << 20];
+    loop {
+        match s.read(&mut chunk) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got += n,
+        }
+    }
+    eprintln!(
+        "stalled reader during deregister_mem: returned after {took:?}; the reader got {got} of {} bytes",
+        32 << 20
+    );
+    assert!(took >= Duration::from_millis(900) && took < Duration::from_millis(2500), "{took:?}");
+    assert!(got < 32 << 20);
+}
+
+/// The target restarts under the same name on the same port (a new incarnation): the initiator's peer goes
+/// down, and the retry after the back-off is refused with NAK, which proves the incarnation gone: the peer
+/// stays disconnected (no redial on every post) and the new agent's memory is never touched.
+#[test]
+fn a_new_incarnation_on_the_same_port_is_proven_gone() {
+    let _g = SERIAL.lock();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let at = format!("127.0.0.1:{port}");
+    let agent_at = |name: &str| {
+        let a = Agent::new(name, AgentConfig::default()).unwrap();
+        let p: Params = [("transport", "tcp"), ("tcp_addr", at.as_str())]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+        a.create_backend("UCX", &p).unwrap();
+        a
+    };
+    let a = tcp_agent("restart-initiator", 1000);
+    let dst = vec![0u8; 1 << 16];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    let old_buf = vec![0x21u8; 1 << 16];
+    let b1 = agent_at("restart-target");
+    b1.register_mem(&reg_list(&old_buf), &[]).unwrap();
+    a.load_remote_md(&b1.local_md().unwrap()).unwrap();
+    let (r, _) = read_once(&a, "restart-target", &dst, old_buf.as_ptr() as u64, 4096);
+    assert_eq!(r.map_err(|e| e.status()), Ok(Status::Success));
+    drop(b1);
+    // The new incarnation registers memory at the address the old one used (the old buffer is ours).
+    let b2 = agent_at("restart-target");
+    b2.register_mem(&reg_list(&old_buf), &[]).unwrap();
+    let t = Instant::now();
+    let mut errors = Vec::new();
+    while t.elapsed() < Duration::from_millis(3500) {
+        let (r, took) = read_once(&a, "restart-target", &dst, old_buf.as_ptr() as u64, 4096);
+        let e = r.expect_err("a READ through the old incarnation's metadata succeeded");
+        assert_eq!(e.status(), Status::RemoteDisconnect, "{e}");
+        if errors.last().map(|(m, _): &(String, Duration)| m != e.message()).unwrap_or(true) {
+            errors.push((e.message().to_owned(), took));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("new incarnation on the same port: {errors:?}");
+    assert!(errors.iter().any(|(m, _)| m.contains("refused our credentials")), "{errors:?}");
+    // After the NAK, posts fail at once: no more dials.
+    let (r, took) = read_once(&a, "restart-target", &dst, old_buf.as_ptr() as u64, 4096);
+    assert_eq!(r.map_err(|e| e.status()), Err(Status::RemoteDisconnect));
+    assert!(took < Duration::from_millis(50), "{took:?}");
+    assert!(old_buf.iter().all(|&x| x == 0x21));
+    drop(b2);
+}
+
+/// The same hostile cases as across hosts, on loopback against an agent of this process.
+#[test]
+fn hostile_peers_on_loopback_are_refused_and_bounded() {
+    let _g = SERIAL.lock();
+    let b = tcp_agent("lo-victim", 1000);
+    let a = tcp_agent("lo-decode", 1000);
+    let buf = vec![0x42u8; 1 << 20];
+    b.register_mem(&reg_list(&buf), &[]).unwrap();
+    let dst = vec![0u8; 1 << 16];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    let (r, _) = read_once(&a, "lo-victim", &dst, buf.as_ptr() as u64, 4096);
+    assert_eq!(r.map_err(|e| e.status()), Ok(Status::Success));
+    let base = fds_and_rss();
+    let log = hostile(&b.local_md().unwrap(), buf.as_ptr() as u64, buf.len() as u64).unwrap();
+    eprintln!("{log}");
+    let results: Vec<(&str, &str)> = log.split(' ').filter_map(|kv| kv.split_once('=')).collect();
+    assert_eq!(results.len(), 19, "{log}");
+    for (k, v) in &results {
+        let deadline_case = matches!(*k, "slow-hello" | "silent");
+        let ok = match *v {
+            "closed" | "nak" => !deadline_case,
+            v => deadline_case && v.strip_prefix("closed-after-").is_some_and(|ms| ms.parse::<u64>().unwrap() <= 2500),
+        };
+        assert!(ok, "{k} = {v}");
+    }
+    let (r, took) = read_once(&a, "lo-victim", &dst, buf.as_ptr() as u64, 4096);
+    // The target closes its ends as it refuses; give the progress thread a moment to have dropped them all
+    // (a positive signal: the descriptor count comes back down).
+    let t = Instant::now();
+    let mut after = fds_and_rss();
+    while after.0 > base.0 + 2 && t.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(10));
+        after = fds_and_rss();
+    }
+    eprintln!(
+        "loopback hostile cases: real READ {:?} in {took:?} after; fds {} -> {}, RSS {} -> {} KiB",
+        r.as_ref().map_err(|e| e.status()),
+        base.0,
+        after.0,
+        base.1,
+        after.1
+    );
+    assert_eq!(r.map_err(|e| e.status()), Ok(Status::Success));
+    assert!(after.0 <= base.0 + 2, "fds {} -> {}", base.0, after.0);
+    assert!(after.1 <= base.1 + 8 * 1024, "RSS {} -> {} KiB", base.1, after.1);
+    assert!(buf.iter().all(|&x| x == 0x42), "target memory changed");
+    assert!(b.notifs(&[]).unwrap().is_empty(), "a stranger's notification arrived");
 }

@@ -3,7 +3,8 @@
 //!   `NIXL_TELEMETRY_EXPORTER=prometheus` endpoints of two gixl processes that transfer to each other, and
 //!   its query API must return NIXL's metric names with the right values (and gixl's own series);
 //! - the file sink under `NIXL_TELEMETRY_DIR` has NIXL 1.5.1's layout: the same header, size and event
-//!   sequence as the file NIXL itself writes for the same program (NIXL run from `.venv/nixl` when present).
+//!   sequence as the file NIXL itself writes for the same program (NIXL run from `.venv/nixl` when present),
+//!   also with `NIXL_TELEMETRY_ENABLED_METRICS` selecting events.
 
 mod common;
 
@@ -78,6 +79,27 @@ fn child_initiator() {
     assert_eq!(a.post_xfer_req(&stale, NotifUpdate::Keep).unwrap_err().status(), Status::NotFound);
     a.load_remote_md(&md).unwrap();
     println!("\n@done");
+    std::io::stdout().flush().unwrap();
+    // The parent kills the target, then asks for one more post: a disconnect.
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).unwrap();
+    let r = a.create_xfer_req(XferOp::Read, &one(b, 4096), &one(addr, 4096), "tele-target", &o).unwrap();
+    let t = Instant::now();
+    let e = loop {
+        let res = a.post_xfer_req(&r, NotifUpdate::Keep).and_then(|s| match s {
+            Status::InProg => a.xfer_status(&r),
+            s => Ok(s),
+        });
+        match res {
+            Err(e) => break e,
+            Ok(_) => {
+                assert!(t.elapsed() < Duration::from_secs(10), "the killed peer still answers");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+    };
+    assert_eq!(e.status(), Status::RemoteDisconnect, "{e}");
+    println!("\n@disconnected");
     std::io::stdout().flush().unwrap();
     hold();
 }
@@ -157,7 +179,7 @@ fn http_get(port: u16, path: &str) -> Result<String, String> {
     let mut r = String::new();
     s.read_to_string(&mut r).map_err(|e| e.to_string())?;
     let (head, body) = r.split_once("\r\n\r\n").ok_or("no HTTP header")?;
-    if !head.starts_with("HTTP/1.") || !head.split(' ').nth(1).is_some_and(|c| c == "200") {
+    if !head.starts_with("HTTP/1.") || head.split(' ').nth(1) != Some("200") {
         return Err(head.lines().next().unwrap_or("").to_owned());
     }
     Ok(body.to_owned())
@@ -308,12 +330,22 @@ fn prometheus_scrapes_nixl_metrics_from_two_processes() {
         &format!("count(gixl_peer_info{{{i},peer=\"tele-target\",route=~\"cma|tcp-after-cma-denied\"}})"),
         "1",
     );
-    drop(ini);
+
+    // The target dies; the initiator's next post is a REMOTE_DISCONNECT, and Prometheus sees it.
     drop(target);
+    let mut ini = ini;
+    writeln!(ini.0.stdin.as_mut().unwrap(), "post").unwrap();
+    ini.0.stdin.as_mut().unwrap().flush().unwrap();
+    expect(&mut iout, "disconnected");
+    until_prom(pp, &format!("gixl_peer_connected{{{i},peer=\"tele-target\"}}"), "0");
+    until_prom(pp, &format!("gixl_peer_disconnects_total{{{i},peer=\"tele-target\"}}"), "1");
+    until_prom(pp, &format!("agent_errors_total{{{i},status=\"remote_disconnect\"}}"), "1");
+    until_prom(pp, &format!("agent_errors_total{{{i},status=\"not_found\"}}"), "1");
+    drop(ini);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// `tele.py`: what `child_file_sink` does, on NIXL; waits until NIXL has flushed 13 events.
+/// `tele.py N`: what `child_file_sink` does, on NIXL; waits until NIXL has flushed N events.
 const NIXL_PROGRAM: &str = r#"
 import os, struct, sys, time
 import numpy as np
@@ -334,7 +366,7 @@ for _ in range(3):
 path = os.path.join(os.environ["NIXL_TELEMETRY_DIR"], "A")
 t = time.monotonic()
 while time.monotonic() - t < 20:
-    if os.path.exists(path) and struct.unpack_from("<Q", open(path, "rb").read(8))[0] >= 13:
+    if os.path.exists(path) and struct.unpack_from("<Q", open(path, "rb").read(8))[0] >= int(sys.argv[1]):
         print("@written"); sys.exit(0)
     time.sleep(0.05)
 sys.exit("NIXL did not flush its telemetry")
@@ -345,14 +377,7 @@ fn file_sink_has_nixls_layout() {
     let dir = tmpdir("file");
     let gdir = dir.join("gixl");
     std::fs::create_dir_all(&gdir).unwrap();
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
-        .env("GIXL_CHILD", "file-sink")
-        .env("NIXL_TELEMETRY_ENABLE", "y")
-        .env("NIXL_TELEMETRY_DIR", &gdir)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    gixl_run(&gdir, "");
     let gfile = std::fs::read(gdir.join("A")).unwrap();
     let (version, events) = gixl::telemetry::file::read_events(&gdir.join("A")).unwrap();
     assert_eq!(version, 4);
@@ -375,18 +400,23 @@ fn file_sink_has_nixls_layout() {
     std::fs::create_dir_all(&ndir).unwrap();
     let script = dir.join("tele.py");
     std::fs::write(&script, NIXL_PROGRAM).unwrap();
-    let out = Command::new(&py)
-        .arg(&script)
-        .env("NIXL_TELEMETRY_ENABLE", "y")
-        .env("NIXL_TELEMETRY_DIR", &ndir)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("@written"),
-        "NIXL run failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let nixl = |dir: &Path, expect: usize, metrics: &str| {
+        let out = Command::new(&py)
+            .arg(&script)
+            .arg(expect.to_string())
+            .env("NIXL_TELEMETRY_ENABLE", "y")
+            .env("NIXL_TELEMETRY_DIR", dir)
+            .env("NIXL_TELEMETRY_ENABLED_METRICS", metrics)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success() && String::from_utf8_lossy(&out.stdout).contains("@written"),
+            "NIXL run failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    nixl(&ndir, 13, "");
     let nfile = std::fs::read(ndir.join("A")).unwrap();
     assert_eq!(nfile.len(), gfile.len());
     assert_eq!(nfile[16..40], gfile[16..40], "header after the positions: version, expected version, capacity, mask");
@@ -396,5 +426,30 @@ fn file_sink_has_nixls_layout() {
     assert_eq!(ntypes, types);
     let sizes = |ev: &[(u32, u64)]| ev.iter().filter(|e| [0, 2, 4].contains(&e.0)).copied().collect::<Vec<_>>();
     assert_eq!(sizes(&nevents), sizes(&events), "bytes and counts agree (times differ)");
+
+    // NIXL_TELEMETRY_ENABLED_METRICS keeps the events its globs name, in both.
+    let metrics = "agent_tx_*,agent_memory_registered";
+    let (gsel, nsel) = (dir.join("gixl-selected"), dir.join("nixl-selected"));
+    std::fs::create_dir_all(&gsel).unwrap();
+    std::fs::create_dir_all(&nsel).unwrap();
+    gixl_run(&gsel, metrics);
+    nixl(&nsel, 7, metrics);
+    let (_, g) = gixl::telemetry::file::read_events(&gsel.join("A")).unwrap();
+    let (_, n) = gixl::telemetry::file::read_events(&nsel.join("A")).unwrap();
+    assert_eq!(g, [(4, 4096), (0, 4096), (2, 1), (0, 4096), (2, 1), (0, 4096), (2, 1)]);
+    assert_eq!(n, g);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `child_file_sink` with its telemetry file in `dir`.
+fn gixl_run(dir: &Path, metrics: &str) {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+        .env("GIXL_CHILD", "file-sink")
+        .env("NIXL_TELEMETRY_ENABLE", "y")
+        .env("NIXL_TELEMETRY_DIR", dir)
+        .env("NIXL_TELEMETRY_ENABLED_METRICS", metrics)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }

@@ -61,6 +61,9 @@ __all__ = [
     "nixlAgentConfig",
     "nixlXferTelemetry",
     "nixlAgent",
+    "_doctor",
+    "_set_log_sink",
+    "_log_detach",
 ]
 
 __version__: str

@@ -69,13 +69,13 @@ def render(r: dict) -> str:
                 out.append(f"    peer {p['name']} incarnation {p['incarnation']} route {p['route']} ({state})")
     p = r.get("peer")
     if p is not None:
+        if "listener" in p:
+            li = p["listener"]
+            reach = "reachable" if li["reachable"] else f"NOT reachable ({li['error']})"
+            out.append(f"peer listener {li['address']}: {reach} in {li['connect_ms']:.1f} ms")
         if not p.get("ok"):
             out.append(f"peer: FAILED at {p.get('stage', '?')}: {p.get('error', '')}")
         else:
-            if "listener" in p:
-                li = p["listener"]
-                reach = "reachable" if li["reachable"] else f"NOT reachable ({li['error']})"
-                out.append(f"peer listener {li['address']}: {reach} in {li['connect_ms']:.1f} ms")
             out.append(f"peer {p['name']} incarnation {p['incarnation']}")
             if p["route"] != p["route_at_load"]:
                 out.append(f"  route: {p['route']} (was {p['route_at_load']} when loaded)")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
@@ -73,8 +71,18 @@ def test_transfer_without_notification(pair):
     assert a.transfer(h) in ("DONE", "PROC")
     assert wait_done(a, h) == "DONE"
     assert (pair.dst[:512] == pair.src[:512]).all()
-    time.sleep(0.05)
-    assert pair.B.get_new_notifs() == {}
+    # Positive signal instead of a sleep: a second transfer on the same path carries a marker; once the
+    # marker has arrived, a notification from the first one would have arrived before it.
+    m = a.initialize_xfer(
+        "WRITE",
+        a.get_xfer_descs([(addr(pair.src), 512, 0)], "DRAM"),
+        a.get_xfer_descs([(addr(pair.dst), 512, 0)], "DRAM"),
+        pair.B.name,
+        b"marker",
+    )
+    a.transfer(m)
+    assert wait_done(a, m) == "DONE"
+    assert collect_notifs(pair.B, 1) == {a.name: [b"marker"]}
 
 
 def test_str_notification_arrives_as_bytes(pair):

@@ -797,12 +797,13 @@ fn check_reg_desc(mem: MemType, d: &Desc) -> Result<()> {
     Ok(())
 }
 
-/// Reads a yes/no environment variable the way NIXL does ("y", "yes", "1", "true", "on" and their opposites).
+/// Reads a yes/no environment variable the way NIXL does ("y", "yes", "1", "true", "on", "enable" and their
+/// opposites, any case; NIXL 1.5.1 takes `NIXL_TELEMETRY_ENABLE=enable`).
 pub(crate) fn env_flag(name: &str) -> Option<bool> {
     let v = std::env::var(name).ok()?;
     match v.trim().to_ascii_lowercase().as_str() {
-        "y" | "yes" | "1" | "true" | "on" => Some(true),
-        "n" | "no" | "0" | "false" | "off" => Some(false),
+        "y" | "yes" | "1" | "true" | "on" | "enable" => Some(true),
+        "n" | "no" | "0" | "false" | "off" | "disable" => Some(false),
         _ => None,
     }
 }

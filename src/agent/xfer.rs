@@ -406,7 +406,10 @@ impl Agent {
     pub fn post_xfer_req(&self, req: &XferReq, notif: NotifUpdate) -> Result<Status> {
         let x = &*req.0;
         self.own(x)?;
-        self.gate(x)?;
+        if let Err(e) = self.gate(x) {
+            self.inner.tele.error(e.status());
+            return Err(e);
+        }
         let mut st = x.st.lock();
         if st.released {
             return Err(Error::invalid_param("transfer request was released"));
@@ -477,6 +480,7 @@ impl Agent {
                     // The peer is gone or replaced: stop touching its memory and report why.
                     x.bx.abort();
                     st.last = Some(e.status());
+                    self.inner.tele.error(e.status());
                     return Err(e);
                 }
                 let res = x.bx.status();

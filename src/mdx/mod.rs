@@ -27,9 +27,10 @@ use crate::status::{Error, Result};
 use etcd::Etcd;
 use p2p::P2p;
 
-/// A warning from a background thread, where there is no caller to return an error to.
+/// A warning from a background thread, where there is no caller to return an error to (through
+/// `telemetry::log`: stderr for C users, Python's `logging` in the wheel).
 macro_rules! log {
-    ($($t:tt)*) => { eprintln!("gixl WARN metadata exchange: {}", format_args!($($t)*)) };
+    ($($t:tt)*) => { $crate::telemetry::log::warn(&format!("metadata exchange: {}", format_args!($($t)*))) };
 }
 pub(crate) use log;
 

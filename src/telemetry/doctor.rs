@@ -32,7 +32,8 @@ impl J {
                 if x.fract() == 0.0 && x.abs() < 1e15 {
                     let _ = write!(o, "{}", *x as i64);
                 } else {
-                    let _ = write!(o, "{x:.3}");
+                    let t = format!("{x:.6}");
+                    o.push_str(t.trim_end_matches('0'));
                 }
             }
             J::Num(_) => o.push_str("null"),
@@ -495,7 +496,7 @@ mod tests {
     fn json_escapes_and_nests() {
         let mut o = String::new();
         J::Obj(vec![("a", J::Arr(vec![J::Num(1.0), J::Num(0.5), J::Null])), ("b", J::s("q\"\\\n\u{1}"))]).write(&mut o);
-        assert_eq!(o, r#"{"a":[1,0.500,null],"b":"q\"\\\n\u0001"}"#);
+        assert_eq!(o, r#"{"a":[1,0.5,null],"b":"q\"\\\n\u0001"}"#);
     }
 
     #[test]

@@ -84,6 +84,31 @@ pub struct Probe {
 /// The local range of every segment must be valid, registered memory of this process for the duration
 /// of the call. (The remote side is checked by the kernel: a bad remote address fails with EFAULT.)
 pub unsafe fn cma_batch(pid: i32, op: XferOp, segs: &[Seg], probe: &Probe, gone: &mut bool) -> Result<()> {
+    IOVS.with(|v| {
+        let (local, remote) = &mut *v.borrow_mut();
+        // SAFETY: the caller's contract, passed on.
+        unsafe { cma_batch_with(pid, op, segs, probe, gone, local, remote) }
+    })
+}
+
+thread_local! {
+    /// iovec arrays reused across batches of this thread (no allocation per call).
+    static IOVS: std::cell::RefCell<(Vec<libc::iovec>, Vec<libc::iovec>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// `cma_batch` with the caller's iovec arrays.
+///
+/// # Safety
+/// As `cma_batch`.
+unsafe fn cma_batch_with(
+    pid: i32,
+    op: XferOp,
+    segs: &[Seg],
+    probe: &Probe,
+    gone: &mut bool,
+    local: &mut Vec<libc::iovec>,
+    remote: &mut Vec<libc::iovec>,
+) -> Result<()> {
     let want: usize = segs.iter().map(|s| s.len as usize).sum();
     let expect = probe.incarnation.to_le_bytes();
     let mut canary = [0u8; super::gate::PROBE_BYTES];
@@ -95,8 +120,6 @@ pub unsafe fn cma_batch(pid: i32, op: XferOp, segs: &[Seg], probe: &Probe, gone:
         canary = expect;
     }
     let iov = |a: u64, l: u64| libc::iovec { iov_base: a as usize as *mut libc::c_void, iov_len: l as usize };
-    let mut local: Vec<libc::iovec> = Vec::with_capacity(segs.len() + 1);
-    let mut remote: Vec<libc::iovec> = Vec::with_capacity(segs.len() + 1);
     let mut done = 0usize;
     while done < want {
         local.clear();

@@ -125,7 +125,9 @@ impl Gate {
         }
         // The size can never change, so a peer's mapping never faults (SIGBUS) on a truncated object.
         // SAFETY: as above.
-        unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) };
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) } != 0 {
+            return Err(os("sealing the transfer gate", io::Error::last_os_error()));
+        }
         let base = map_random(fd.as_raw_fd())?;
         let g = Gate { base, incarnation, fd, regions: Mutex::default() };
         g.word(OFF_INCARNATION).store(incarnation as u64, Ordering::Relaxed);
@@ -312,7 +314,7 @@ impl Gate {
             }
             let pid = self.word(o + 8).load(Ordering::Relaxed) as i32;
             let start = self.word(o + 16).load(Ordering::Relaxed);
-            if pid > 0 && crate::util::process_start_time(pid).ok() != Some(start) {
+            if !process_is(pid, start) {
                 self.word(o + 24).store(0, Ordering::SeqCst);
                 self.word(o).store(0, Ordering::SeqCst);
             }
@@ -321,20 +323,33 @@ impl Gate {
 
     // ----- initiator side -----
 
-    /// Claim an initiator slot for this process. None when all are taken.
-    fn claim(&self, pid: i32, start: u64) -> Option<u32> {
+    /// Claim an initiator slot for this process: a free one, else one whose owner process has exited (an
+    /// initiator killed without letting go). None when every slot belongs to a live process.
+    fn claim(&self, pid: i32, start: u64) -> Option<(u32, u64)> {
         let token = (crate::util::random_u128() as u64) | 1;
-        for i in 0..INIT_SLOTS {
+        let take = |i: usize, from: u64| {
             let o = init_off(i);
-            if self.word(o).compare_exchange(0, token, Ordering::SeqCst, Ordering::Relaxed).is_ok() {
-                self.word(o + 8).store(pid as u64, Ordering::Relaxed);
-                self.word(o + 16).store(start, Ordering::Relaxed);
-                self.word(o + 24).store(0, Ordering::SeqCst);
-                self.word(OFF_CLAIMED).fetch_max(i as u64 + 1, Ordering::SeqCst);
-                return Some(i as u32);
+            if self.word(o).compare_exchange(from, token, Ordering::SeqCst, Ordering::Relaxed).is_err() {
+                return false;
             }
+            self.word(o + 8).store(pid as u64, Ordering::Relaxed);
+            self.word(o + 16).store(start, Ordering::Relaxed);
+            self.word(o + 24).store(0, Ordering::SeqCst);
+            self.word(OFF_CLAIMED).fetch_max(i as u64 + 1, Ordering::SeqCst);
+            true
+        };
+        if let Some(i) = (0..INIT_SLOTS).find(|&i| take(i, 0)) {
+            return Some((i as u32, token));
         }
-        None
+        (0..INIT_SLOTS)
+            .find(|&i| {
+                let o = init_off(i);
+                let owner = self.word(o).load(Ordering::SeqCst);
+                let (p, st) =
+                    (self.word(o + 8).load(Ordering::Relaxed) as i32, self.word(o + 16).load(Ordering::Relaxed));
+                owner != 0 && !process_is(p, st) && take(i, owner)
+            })
+            .map(|i| (i as u32, token))
     }
 
     fn region_ok(&self, slot: u32, state: u64, addr: u64, len: u64) -> bool {
@@ -348,6 +363,22 @@ impl Gate {
         let (ra, rl) = (self.word(off + 8).load(Ordering::Relaxed), self.word(off + 16).load(Ordering::Relaxed));
         addr >= ra && addr.checked_add(len).is_some_and(|end| ra.checked_add(rl).is_some_and(|rend| end <= rend))
     }
+}
+
+/// Is `pid` still the process that started at `start`?
+fn process_is(pid: i32, start: u64) -> bool {
+    pid > 0 && crate::util::process_start_time(pid).ok() == Some(start)
+}
+
+/// This process's start time, read once.
+fn own_start() -> Result<u64> {
+    static START: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    if let Some(s) = START.get() {
+        return Ok(*s);
+    }
+    let s = crate::util::process_start_time(std::process::id() as i32)
+        .map_err(|e| os("reading own process start time", e))?;
+    Ok(*START.get_or_init(|| s))
 }
 
 fn init_off(i: usize) -> usize {
@@ -386,16 +417,16 @@ fn map_random(fd: RawFd) -> Result<*mut u8> {
 pub struct Attached {
     pub gate: std::sync::Arc<Gate>,
     slot: u32,
+    /// Our owner word in the slot: the slot is ours only while it holds this.
+    token: u64,
 }
 
 impl Attached {
     pub fn new(gate: std::sync::Arc<Gate>) -> Result<Attached> {
-        let pid = std::process::id() as i32;
-        let start = crate::util::process_start_time(pid).map_err(|e| os("reading own process start time", e))?;
-        let slot = gate.claim(pid, start).ok_or_else(|| {
+        let (slot, token) = gate.claim(std::process::id() as i32, own_start()?).ok_or_else(|| {
             Error::backend(format!("the peer's transfer gate has no free initiator slot ({INIT_SLOTS} in use)"))
         })?;
-        Ok(Attached { gate, slot })
+        Ok(Attached { gate, slot, token })
     }
 
     /// Enter the gate for one batch touching `regions` (slot, state, address, length as the metadata says):
@@ -424,11 +455,9 @@ impl Attached {
 
 impl Drop for Attached {
     fn drop(&mut self) {
+        // Only if it is still ours (slots are reclaimed only from exited processes, so this is a safeguard).
         let o = init_off(self.slot as usize);
-        // Only if it is still ours (a drain may have reclaimed it, which it does only for dead processes).
-        if self.gate.word(o + 24).load(Ordering::SeqCst) == 0 {
-            self.gate.word(o).store(0, Ordering::SeqCst);
-        }
+        let _ = self.gate.word(o).compare_exchange(self.token, 0, Ordering::SeqCst, Ordering::Relaxed);
     }
 }
 
@@ -498,6 +527,30 @@ mod tests {
         g.close(Duration::from_secs(1));
         let e = a.enter([]).err().unwrap();
         assert_eq!(e.status(), Status::RemoteDisconnect);
+    }
+
+    #[test]
+    fn slots_of_exited_initiators_are_reclaimed() {
+        let g = Arc::new(Gate::create(8).unwrap());
+        let held: Vec<Attached> = (0..INIT_SLOTS).map(|_| Attached::new(g.clone()).unwrap()).collect();
+        assert!(Attached::new(g.clone()).is_err(), "every slot is taken by a live process");
+        // Pretend slot 7's owner was a process that has exited (pid max is at most 2^22).
+        let o = init_off(7);
+        g.word(o + 8).store((1 << 23) as u64, Ordering::Relaxed);
+        g.word(o + 24).store(3, Ordering::SeqCst);
+        let t = g.register(0, 1).unwrap();
+        g.retire(t, Duration::from_secs(10)); // the drain reclaims the dead owner's count instead of waiting
+        let again = Attached::new(g.clone()).unwrap();
+        assert_eq!(again.slot, 7);
+        // Full again; an owner that exited without letting go (count zero) is taken over by the next claim.
+        assert!(Attached::new(g.clone()).is_err());
+        g.word(init_off(9) + 8).store((1 << 23) as u64, Ordering::Relaxed);
+        assert_eq!(Attached::new(g.clone()).unwrap().slot, 9);
+        // Dropping the stale holders of slots 7 and 9 does not free what others own now.
+        drop(held);
+        assert_ne!(g.word(init_off(7)).load(Ordering::SeqCst), 0);
+        drop(again);
+        assert_eq!(g.word(init_off(7)).load(Ordering::SeqCst), 0);
     }
 
     #[test]

@@ -1133,6 +1133,68 @@ mod tests {
         );
     }
 
+    /// A disconnect reported by `status` is terminal only once no copy thread works on the request any more,
+    /// and a request whose target is destroyed mid-copy leaves nothing running.
+    #[test]
+    fn terminal_status_only_after_workers_stop() {
+        const SIZE: usize = 256 << 20;
+        let init = |name: &str| BackendInit {
+            agent_name: name.into(),
+            incarnation: crate::util::random_u128(),
+            params: [("num_threads".to_owned(), "2".to_owned())].into_iter().collect(),
+            num_workers: 0,
+        };
+        let a = Engine::new(init("ct-A")).unwrap();
+        let bi = init("ct-B");
+        let binc = bi.incarnation;
+        let b = Engine::new(bi).unwrap();
+        let src = vec![1u8; SIZE];
+        let dst = vec![0u8; SIZE];
+        let rd = RegDesc { desc: Desc::new(dst.as_ptr() as u64, SIZE as u64, 0), meta: vec![] };
+        let lr = b.register(MemType::Dram, &rd).unwrap();
+        let peer = a.load_peer("ct-B", binc, &b.conn_info()).unwrap();
+        let key = a.load_remote_region(&peer, MemType::Dram, &rd.desc, &lr.public).unwrap();
+        let seg = Seg {
+            local: src.as_ptr() as u64,
+            remote: dst.as_ptr() as u64,
+            len: SIZE as u64,
+            ldev: 0,
+            rdev: 0,
+            lreg: 0,
+            rreg: 0,
+        };
+        let plan = XferPlan {
+            op: XferOp::Write,
+            local_mem: MemType::Dram,
+            remote_mem: MemType::Dram,
+            segs: vec![seg],
+            local_keys: vec![None],
+            remote_keys: vec![key],
+            target: Target::Remote(peer.clone()),
+            total_bytes: SIZE as u64,
+        };
+        let route = Route::Peer(peer.clone());
+        let x = EngineXfer { core: Arc::new(Core { shared: a.shared.clone(), plan, route }), run: Mutex::new(None) };
+        assert_eq!(x.post(None).unwrap(), Status::InProg);
+        let probe = (dst.as_ptr() as usize + SIZE / 2 + (8 << 20)) as *const u8;
+        // SAFETY: `dst` lives to the end of the test; volatile because a copy thread writes it.
+        while unsafe { std::ptr::read_volatile(probe) } == 0 {
+            std::hint::spin_loop();
+        }
+        drop(b);
+        let t = Instant::now();
+        let st = loop {
+            match x.status() {
+                Ok(Status::InProg) if t.elapsed() < Duration::from_secs(20) => std::thread::yield_now(),
+                other => break other,
+            }
+        };
+        let run = x.run.lock().clone().unwrap();
+        assert_eq!(st.as_ref().err().map(|e| e.status()), Some(Status::RemoteDisconnect), "{st:?}");
+        assert_eq!(run.pending.load(Ordering::Acquire), 0, "a copy thread still works on a terminal request");
+        assert_ne!(run.state.load(Ordering::Acquire), Status::InProg as i32);
+    }
+
     #[test]
     fn conn_info_round_trip_and_garbage() {
         assert!(parse_conn(b"").is_err());

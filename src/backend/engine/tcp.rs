@@ -4,20 +4,28 @@
 //! Per peer the initiator opens one control connection (heartbeats, notifications) and up to `conns` data
 //! connections (default 4). Each is authenticated: the target sends a fresh nonce, the initiator answers
 //! with the target's incarnation and a MAC of the nonce under the target's 128-bit secret, which only ever
-//! travels inside the target's metadata (never on the wire). The target answers a good HELLO with one byte
-//! and closes anything else without a word.
+//! travels inside the target's metadata (never on the wire). The target answers a good HELLO with ACK, a
+//! wrong incarnation or tag with NAK, and closes anything else without a word. Strangers cannot starve a
+//! real peer of handshakes: pending connections are capped per source address (the oldest of a source
+//! makes room for its newest) and in total (the source holding the most gives way), and each must finish
+//! its handshake within `TcpOpts::handshake`.
 //!
 //! Data connections move bytes straight between the socket and registered memory (`sendmsg`/`readv` on
 //! iovecs that point into it); there is no staging buffer on either side. The target checks every segment
-//! of every request against its own table of registrations before touching memory, and holds that table's
-//! read lock while it does, so a deregistration waits for requests already running and later ones are
-//! refused. Each accepted data connection is served by its own thread, asleep in `poll` while idle.
+//! of every request against its own table of registrations and leases the registrations it names while it
+//! touches their memory (`Regions`): no lock is held across socket I/O, a deregistration waits only for
+//! requests on that range and at most the disconnect timeout (then the slow peer is cut off), and agent
+//! teardown cuts every serving connection at once. Authenticated data connections are served by a few
+//! edge-triggered epoll loops (`ServeLoop`), each connection a small state machine, so a slow or idle
+//! peer holds no thread.
 //!
-//! Liveness: the progress thread (see `ctrl`) reads the control connections. While a peer has requests in
-//! flight it pings it every `timeout / 8` and declares it dead when nothing (a pong or data progress) has
-//! arrived for `3/4 × timeout`, so requests fail within `timeout` of a partition; a closed connection (the
-//! peer process died) is seen at once. Declaring a peer dead shuts down all its sockets, which wakes every
-//! thread blocked on them. An idle peer gets no timers at all.
+//! Liveness (see `liveness`): the progress thread (see `ctrl`) reads the control connections and feeds each
+//! peer's state machine the time. While a peer has requests in flight it is pinged every `timeout / 8` and
+//! goes down when nothing (a pong or data progress) has arrived for `3/4 × timeout`, so requests fail
+//! within `timeout` of a partition; a closed connection is seen at once. Going down shuts all the peer's
+//! sockets, which wakes every thread blocked on them. Down is not dead: a later request redials once the
+//! back-off has passed (dials retry inside the disconnect timeout), and the peer is up again if the same
+//! incarnation answers; a NAK or a refused connection proves it gone for good. An idle peer gets no timers.
 //!
 //! Not here: wire encoding (see `wire`), socket syscalls (see `net`), splitting a request into pieces
 //! (see the engine).
