@@ -1174,7 +1174,10 @@ mod tests {
             total_bytes: SIZE as u64,
         };
         let route = Route::Peer(peer.clone());
-        let x = EngineXfer { core: Arc::new(Core { shared: a.shared.clone(), plan, route }), run: Mutex::new(None) };
+        let x = EngineXfer {
+            core: Arc::new(Core { shared: a.shared.clone(), plan, route, vram: None }),
+            run: Mutex::new(None),
+        };
         assert_eq!(x.post(None).unwrap(), Status::InProg);
         let probe = (dst.as_ptr() as usize + SIZE / 2 + (8 << 20)) as *const u8;
         // SAFETY: `dst` lives to the end of the test; volatile because a copy thread writes it.
