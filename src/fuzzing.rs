@@ -15,6 +15,17 @@ pub fn md_decode(data: &[u8]) {
         let bytes = md.encode();
         let again = AgentMd::decode(&bytes).expect("an encoding of decoded metadata does not decode");
         assert_eq!(again, md, "metadata changed across encode/decode");
+        // Signed with a cluster key, it opens with that key only.
+        let key = crate::auth::ClusterKey::parse("gixl-fuzz-cluster-key").expect("test key");
+        let sealed = md.seal(Some(&key));
+        assert_eq!(AgentMd::open(&sealed, Some(&key)).expect("a sealed blob does not open"), md);
+        assert!(AgentMd::open(&sealed, None).is_err());
+    }
+    // Whatever opens under the key is also well-formed metadata.
+    if let Ok(key) = crate::auth::ClusterKey::parse("gixl-fuzz-cluster-key") {
+        if let Ok(md) = AgentMd::open(data, Some(&key)) {
+            assert_eq!(AgentMd::open(&md.seal(Some(&key)), Some(&key)).ok(), Some(md));
+        }
     }
 }
 
@@ -23,11 +34,17 @@ pub fn engine_conn_info(data: &[u8]) -> bool {
     crate::backend::engine::fuzz_parse_conn(data)
 }
 
-/// The engine's notification framing (what the control socket reads from a peer); the first byte picks
-/// where the stream is split into two reads.
+/// The engine's notification framing (what the local socket reads from a peer, after its challenge, which
+/// here is the zero nonce, with `FRAMES_INCARNATION` as the secret too); the first byte picks where the stream
+/// is split into two reads.
 pub fn engine_notif_frames(data: &[u8]) -> usize {
     let Some((&split, rest)) = data.split_first() else { return 0 };
     crate::backend::engine::fuzz_parse_frames(rest, split as usize * rest.len() / 256, FRAMES_INCARNATION)
+}
+
+/// An authenticated hello frame from `from` for `engine_notif_frames`' connection, for the seed corpus.
+pub fn engine_notif_hello(from: &str) -> Vec<u8> {
+    crate::backend::engine::fuzz_hello(FRAMES_INCARNATION, from)
 }
 
 // -- TCP transport (`backend::engine::wire`) --------------------------------------------------------------
@@ -196,16 +213,23 @@ pub fn mdx_wire(data: &[u8]) -> usize {
 }
 
 /// A metadata-listener frame from the real encoder (`mdx::wire::encode`), for the seed corpus: kind 1 LOAD,
-/// 2 SEND, 3 INVL, 4 ERR. `None` for another kind or a name that is not UTF-8.
+/// 2 SEND, 3 INVL, 4 ERR, 5 CHAL (16-byte body); kinds 1–3 with bit 0x80 are signed with a test cluster key
+/// over the zero nonce as request 0. `None` for another kind or a name that is not UTF-8.
 pub fn mdx_encode(kind: u8, body: &[u8]) -> Option<Vec<u8>> {
-    use crate::mdx::wire::{encode, Msg};
+    use crate::mdx::wire::{encode, sign, Msg};
     let text = || std::str::from_utf8(body).ok();
-    let m = match kind {
+    let m = match kind & 0x7f {
         1 => Msg::Load(body),
         2 => Msg::Send(text()?),
         3 => Msg::Invl(text()?),
-        4 => Msg::Err(text()?),
+        4 if kind == 4 => Msg::Err(text()?),
+        5 if kind == 5 => Msg::Chal(body.try_into().ok()?),
         _ => return None,
     };
-    Some(encode(&m))
+    let f = encode(&m);
+    if kind & 0x80 == 0 {
+        return Some(f);
+    }
+    let key = crate::auth::ClusterKey::parse("gixl-fuzz-cluster-key").ok()?;
+    Some(sign(&f, &key, &[0; 16], 0))
 }

@@ -16,6 +16,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod agent;
+pub(crate) mod auth;
 pub mod backend;
 #[cfg(feature = "capi")]
 pub mod capi;

@@ -1,20 +1,28 @@
 //! gixl's metadata codec: what `get_local_md` produces and `load_remote_md` consumes.
 //!
 //! Layout (all integers little-endian or LEB128 varints):
-//! `b"GIXLMD"`, version `u16`, flags `u8` (bit 0: partial), name, incarnation `u128`, secret `u128`,
-//! connection list (backend name, opaque bytes), then sections (backend name, memory type, regions).
-//! Regions are delta-coded: each address is stored as the signed distance from the previous region's end,
-//! so 1000 contiguous 16 KiB regions take about 6 KB.
+//! `b"GIXLMD"`, version `u16` (2), flags `u8` (bit 0: partial, bit 1: signed), name, incarnation `u128`,
+//! connection list (backend name, opaque bytes), then sections (backend name, memory type, regions), then,
+//! when signed, an HMAC-SHA256 tag (32 bytes) over everything before it, made with the cluster key
+//! (see `crate::auth`). Regions are delta-coded: each address is stored as the signed distance from the
+//! previous region's end, so 1000 contiguous 16 KiB regions take about 6 KB.
 //!
 //! The decoder trusts nothing: every length is bounded by what is left of the input and by the caps
-//! below, and every failure is `NIXL_ERR_MISMATCH`. It does not interpret connection info or region
-//! bytes; the backends do.
+//! below, and it reserves memory only in proportion to bytes it has read, so a small blob cannot make it
+//! allocate much more than its size. Every malformation is `NIXL_ERR_MISMATCH`; a missing or wrong
+//! signature is `NIXL_ERR_NOT_ALLOWED`. It does not interpret connection info or region bytes; the backends
+//! do. (Version 1 carried an unused agent secret; it is no longer read.)
 
 use crate::mem::{Desc, MemType};
 use crate::status::{Error, Result};
 
 pub const MAGIC: &[u8; 6] = b"GIXLMD";
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
+const FLAG_PARTIAL: u8 = 1;
+const FLAG_SIGNED: u8 = 2;
+const SIGN_DOMAIN: &[u8] = b"gixl-md-v2";
+/// Regions reserved ahead of decoding them; beyond this the vector grows as regions are read.
+const RESERVE: usize = 1024;
 
 const MAX_NAME: usize = 4096;
 const MAX_CONNS: usize = 64;
@@ -25,7 +33,6 @@ const MAX_BLOB: usize = 1 << 20;
 pub struct AgentMd {
     pub name: String,
     pub incarnation: u128,
-    pub secret: u128,
     pub partial: bool,
     /// (backend name, connection info); empty in partial metadata sent without connection info.
     pub conns: Vec<(String, Vec<u8>)>,
@@ -49,7 +56,6 @@ impl AgentMd {
         out.push(self.partial as u8);
         put_bytes(&mut out, self.name.as_bytes());
         out.extend_from_slice(&self.incarnation.to_le_bytes());
-        out.extend_from_slice(&self.secret.to_le_bytes());
         put_uvar(&mut out, self.conns.len() as u64);
         for (backend, info) in &self.conns {
             put_bytes(&mut out, backend.as_bytes());
@@ -72,6 +78,45 @@ impl AgentMd {
         out
     }
 
+    /// `encode`, signed with the cluster key when one is given.
+    pub fn seal(&self, key: Option<&crate::auth::ClusterKey>) -> Vec<u8> {
+        let mut out = self.encode();
+        if let Some(k) = key {
+            out[MAGIC.len() + 2] |= FLAG_SIGNED;
+            let tag = k.sign(SIGN_DOMAIN, &[&out]);
+            out.extend_from_slice(&tag);
+        }
+        out
+    }
+
+    /// `decode` a blob that must be signed with the cluster key when one is given, and may not be signed
+    /// when none is (the error then says which side lacks the key).
+    pub fn open(buf: &[u8], key: Option<&crate::auth::ClusterKey>) -> Result<AgentMd> {
+        let at = MAGIC.len() + 2;
+        let signed = buf.len() > at && buf[..MAGIC.len()] == MAGIC[..] && buf[at] & FLAG_SIGNED != 0;
+        match (key, signed) {
+            (None, false) => Self::decode(buf),
+            (None, true) => Err(Error::not_allowed(
+                "metadata is signed with a cluster key, and this agent has none (set GIXL_CLUSTER_KEY)",
+            )),
+            (Some(_), false) => Err(Error::not_allowed(
+                "metadata is not signed, and this agent requires the cluster key (GIXL_CLUSTER_KEY)",
+            )),
+            (Some(k), true) => {
+                if buf.len() < at + 1 + crate::auth::TAG {
+                    return Err(Error::mismatch("signed metadata is truncated"));
+                }
+                let (body, tag) = buf.split_at(buf.len() - crate::auth::TAG);
+                if !k.verify(SIGN_DOMAIN, &[body], tag) {
+                    return Err(Error::not_allowed("metadata signature does not match the cluster key"));
+                }
+                let mut plain = body.to_vec();
+                plain[at] &= !FLAG_SIGNED;
+                Self::decode(&plain)
+            }
+        }
+    }
+
     pub fn decode(buf: &[u8]) -> Result<AgentMd> {
         let mut r = Reader { buf, pos: 0 };
         if r.take(MAGIC.len())? != MAGIC {
@@ -82,7 +127,7 @@ impl AgentMd {
             return Err(Error::mismatch(format!("metadata version {version} is not supported (expected {VERSION})")));
         }
         let flags = r.byte()?;
-        if flags & !1 != 0 {
+        if flags & !FLAG_PARTIAL != 0 {
             return Err(Error::mismatch(format!("unknown metadata flags {flags:#x}")));
         }
         let name = r.string(MAX_NAME)?;
@@ -90,7 +135,6 @@ impl AgentMd {
             return Err(Error::mismatch("metadata has an empty agent name"));
         }
         let incarnation = u128::from_le_bytes(r.array()?);
-        let secret = u128::from_le_bytes(r.array()?);
         let nconns = r.count(MAX_CONNS)?;
         let mut conns = Vec::with_capacity(nconns);
         for _ in 0..nconns {
@@ -99,7 +143,7 @@ impl AgentMd {
             conns.push((backend, info));
         }
         let nsections = r.count(MAX_SECTIONS)?;
-        let mut sections = Vec::with_capacity(nsections);
+        let mut sections = Vec::with_capacity(nsections.min(r.left()).min(RESERVE));
         for _ in 0..nsections {
             let backend = r.string(MAX_NAME)?;
             let mem = u32::try_from(r.uvar()?)
@@ -108,7 +152,7 @@ impl AgentMd {
                 .ok_or_else(|| Error::mismatch("metadata names an unknown memory type"))?;
             // Each region takes at least 4 bytes, which bounds the count by the input left.
             let n = r.count((r.left() / 4).max(1))?;
-            let mut regions = Vec::with_capacity(n);
+            let mut regions = Vec::with_capacity(n.min(RESERVE));
             let mut prev_end = 0u64;
             for _ in 0..n {
                 let addr = prev_end.wrapping_add(unzigzag(r.uvar()?) as u64);
@@ -127,7 +171,7 @@ impl AgentMd {
         if r.left() != 0 {
             return Err(Error::mismatch(format!("{} trailing bytes after metadata", r.left())));
         }
-        Ok(AgentMd { name, incarnation, secret, partial: flags & 1 != 0, conns, sections })
+        Ok(AgentMd { name, incarnation, partial: flags & FLAG_PARTIAL != 0, conns, sections })
     }
 }
 
@@ -218,7 +262,6 @@ mod tests {
         AgentMd {
             name: "prefill-0".into(),
             incarnation: 0x1234_5678_9abc_def0_1122_3344_5566_7788,
-            secret: 42,
             partial: false,
             conns: vec![("UCX".into(), vec![1, 2, 3])],
             sections: vec![SectionMd {
@@ -269,5 +312,51 @@ mod tests {
             b[i] ^= (x >> 32) as u8 | 1;
             let _ = AgentMd::decode(&b);
         }
+    }
+
+    #[test]
+    fn signed_metadata_needs_the_key_and_keys_rotate() {
+        use crate::auth::ClusterKey;
+        let md = sample();
+        let (k1, k2) =
+            (ClusterKey::parse("cluster-key-one-0123").unwrap(), ClusterKey::parse("cluster-key-two-0123").unwrap());
+        let rotating = ClusterKey::parse("cluster-key-two-0123,cluster-key-one-0123").unwrap();
+        let signed = md.seal(Some(&k1));
+        assert_eq!(AgentMd::open(&signed, Some(&k1)).unwrap(), md);
+        assert_eq!(AgentMd::open(&signed, Some(&rotating)).unwrap(), md, "old key accepted while rotating");
+        assert_eq!(AgentMd::open(&signed, Some(&k2)).unwrap_err().status(), Status::NotAllowed);
+        assert_eq!(AgentMd::open(&signed, None).unwrap_err().status(), Status::NotAllowed);
+        assert_eq!(AgentMd::open(&md.encode(), Some(&k1)).unwrap_err().status(), Status::NotAllowed);
+        assert_eq!(AgentMd::open(&md.encode(), None).unwrap(), md);
+        // Any change to a signed blob is refused.
+        for i in (0..signed.len()).step_by(97) {
+            let mut b = signed.clone();
+            b[i] ^= 0x20;
+            assert!(AgentMd::open(&b, Some(&k1)).is_err(), "flip at {i}");
+        }
+        for n in 0..signed.len() {
+            assert!(AgentMd::open(&signed[..n], Some(&k1)).is_err(), "prefix {n}");
+        }
+    }
+
+    #[test]
+    fn reservations_follow_the_bytes_read() {
+        // A section that claims a million regions in a blob of a few bytes reserves little and fails.
+        let mut b = MAGIC.to_vec();
+        b.extend_from_slice(&VERSION.to_le_bytes());
+        b.push(0);
+        put_bytes(&mut b, b"x");
+        b.extend_from_slice(&[0; 16]);
+        put_uvar(&mut b, 0);
+        put_uvar(&mut b, 1);
+        put_bytes(&mut b, b"UCX");
+        put_uvar(&mut b, 0);
+        put_uvar(&mut b, 1_000_000);
+        let head = b.len();
+        // Exactly enough bytes for a million empty regions decodes; one byte less is a mismatch.
+        b.extend_from_slice(&vec![0u8; 4_000_000]);
+        assert_eq!(AgentMd::decode(&b).unwrap().sections[0].regions.len(), 1_000_000);
+        b.truncate(head + 3_999_999);
+        assert_eq!(AgentMd::decode(&b).unwrap_err().status(), Status::Mismatch);
     }
 }

@@ -215,20 +215,29 @@ fn write_seeds() {
             w("md_decode", "tcp_v4", &t.local_md().unwrap());
         }
     }
-    let mut hello = FRAMES_INC.to_le_bytes().to_vec();
-    hello.extend_from_slice(b"peer-a");
+    // Authenticated hellos (a tag over the zero nonce, keyed by the test secret) and notifications.
+    let hello = gixl::fuzzing::engine_notif_hello("peer-a");
     let mut s = vec![0x80u8];
-    s.extend(frame(1, &hello));
+    s.extend(&hello);
     s.extend(frame(2, b"req-1:1"));
     s.extend(frame(2, b"HB:req-2,req-3"));
+    assert_eq!(gixl::fuzzing::engine_notif_frames(&s), 2, "the seed hello must authenticate");
     w("notif_frames", "hello_two_notifs", &s);
     let mut s2 = vec![0x10u8];
-    s2.extend(frame(1, &hello));
+    s2.extend(&hello);
     s2.extend(frame(2, b""));
     w("notif_frames", "hello_empty_notif", &s2);
     let mut s3 = vec![0x40u8];
     s3.extend(frame(2, b"before-hello"));
     w("notif_frames", "notif_before_hello", &s3);
+    // The old, unauthenticated hello (incarnation + name): refused.
+    let mut old = FRAMES_INC.to_le_bytes().to_vec();
+    old.extend_from_slice(b"peer-a");
+    let mut s4 = vec![0x20u8];
+    s4.extend(frame(1, &old));
+    s4.extend(frame(2, b"forged"));
+    assert_eq!(gixl::fuzzing::engine_notif_frames(&s4), 0);
+    w("notif_frames", "unauthenticated_hello", &s4);
     write_tcp_seeds(&w);
     write_mdx_seeds(&w, &full);
 }
@@ -307,6 +316,14 @@ fn write_mdx_seeds(w: &dyn Fn(&str, &str, &[u8]), md: &[u8]) {
     all.extend(frame(4, b"bye"));
     all.extend(&frame(1, b"")[..6]); // a partial frame at the end
     w(t, "stream", &all);
+    // The cluster-key framing: the listener's challenge, then signed requests.
+    w(t, "chal", &frame(5, &[7; 16]));
+    w(t, "signed_send", &frame(0x82, b"prefill-0"));
+    w(t, "signed_invl", &frame(0x83, b"decode-3"));
+    let mut keyed = frame(5, &[7; 16]);
+    keyed.extend(frame(0x81, md));
+    keyed.extend(frame(0x82, b""));
+    w(t, "keyed_stream", &keyed);
 }
 
 const FRAMES_INC: u128 = gixl::fuzzing::FRAMES_INCARNATION;

@@ -45,8 +45,12 @@ class Peer:
         return self.next_id
 
     # -- setup -----------------------------------------------------------
-    def init(self, name, size=0, fill="zeros", mem="DRAM", telemetry=False, sync_mode=None, fixed_addr=0):
+    def init(
+        self, name, size=0, fill="zeros", mem="DRAM", telemetry=False, sync_mode=None, fixed_addr=0, listen_port=None, regions=1
+    ):
         cfg = {"capture_telemetry": telemetry}
+        if listen_port is not None:
+            cfg.update(enable_listen_thread=True, listen_port=listen_port)
         if sync_mode:
             cfg["sync_mode"] = getattr(api.nixl_thread_sync_t, sync_mode)
         self.agent = api.nixl_agent(name, api.nixl_agent_config(**cfg))
@@ -60,7 +64,9 @@ class Peer:
                 self.buf = (np.arange(size, dtype=np.uint64) % 251).astype(np.uint8)
             else:
                 self.buf = np.full(size, 0 if fill == "zeros" else int(fill), dtype=np.uint8)
-            self.reg = self.agent.register_memory([(self.buf.ctypes.data, size, 0, "")], mem)
+            step = size // regions
+            rows = [(self.buf.ctypes.data + i * step, step, 0, "") for i in range(regions)]
+            self.reg = self.agent.register_memory(rows, mem)
             out["addr"] = int(self.buf.ctypes.data)
         out["md"] = self.agent.get_agent_metadata()
         out["pid"] = os.getpid()
@@ -77,6 +83,15 @@ class Peer:
 
     def check_md(self, name):
         return self.agent.check_remote_metadata(name)
+
+    def fetch_md(self, name, ip, port):
+        self.agent.fetch_remote_metadata(name, ip, port)
+
+    def send_md(self, ip, port):
+        self.agent.send_local_metadata(ip, port)
+
+    def invalidate_md(self, ip, port):
+        self.agent.invalidate_local_metadata(ip, port)
 
     # -- descriptor lists and transfers ----------------------------------
     def prep(self, side, rows, mem="DRAM", width=None):

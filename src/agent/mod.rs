@@ -140,7 +140,6 @@ pub struct Agent {
 pub(crate) struct Inner {
     pub name: String,
     pub incarnation: u128,
-    pub secret: u128,
     pub cfg: AgentConfig,
     pub telemetry: bool,
     /// Telemetry sinks (NIXL's environment) and this agent's entry for `gixl doctor`.
@@ -156,6 +155,8 @@ impl Agent {
         if name.is_empty() {
             return Err(Error::invalid_param("agent name must not be empty"));
         }
+        // A cluster key that is configured but unusable must not leave the agent unauthenticated.
+        crate::auth::check_configured()?;
         let mut cfg = cfg;
         if env_flag("GIXL_INVALIDATE_ON_DISCONNECT") == Some(true) {
             cfg.invalidate_on_disconnect = true;
@@ -171,7 +172,6 @@ impl Agent {
             name: name.to_owned(),
             incarnation,
             tele,
-            secret: crate::util::random_u128(),
             cfg,
             telemetry,
             backends: RwLock::new(Vec::new()),
@@ -384,7 +384,7 @@ impl Agent {
                 }
             }
         }
-        Ok(self.md(false, true, &remote, sections).encode())
+        Ok(self.md(false, true, &remote, sections).seal(crate::auth::cluster()))
     }
 
     /// Metadata for some registered descriptors only (each must match a registration exactly),
@@ -412,7 +412,7 @@ impl Agent {
                 sections.push(SectionMd { backend: b.name.to_owned(), mem, regions });
             }
         }
-        Ok(self.md(true, include_conn, &remote, sections).encode())
+        Ok(self.md(true, include_conn, &remote, sections).seal(crate::auth::cluster()))
     }
 
     fn md(&self, partial: bool, include_conn: bool, remote: &[Arc<BackendSlot>], sections: Vec<SectionMd>) -> AgentMd {
@@ -421,21 +421,14 @@ impl Agent {
         } else {
             Vec::new()
         };
-        AgentMd {
-            name: self.inner.name.clone(),
-            incarnation: self.inner.incarnation,
-            secret: self.inner.secret,
-            partial,
-            conns,
-            sections,
-        }
+        AgentMd { name: self.inner.name.clone(), incarnation: self.inner.incarnation, partial, conns, sections }
     }
 
     /// Load a peer's metadata and return its name. Loading the same incarnation again merges new regions
     /// and keeps every handle valid; another incarnation under a loaded name is NOT_ALLOWED until the old
     /// one is invalidated.
     pub fn load_remote_md(&self, blob: &[u8]) -> Result<String> {
-        let md = AgentMd::decode(blob)?;
+        let md = AgentMd::open(blob, crate::auth::cluster())?;
         if md.name == self.inner.name {
             return Err(Error::invalid_param("cannot load this agent's own metadata"));
         }
@@ -522,9 +515,14 @@ impl Agent {
             }
         }
         if !adds.is_empty() {
-            let mut sections = ra.sections.write();
+            // Grouped per table and inserted with one sort each: O(n log n) under the lock, in any order.
+            let mut by_table: HashMap<(BackendId, MemType), Vec<(Desc, RemoteEntry)>> = HashMap::new();
             for (k, d, e) in adds {
-                sections.entry(k).or_insert_with(|| Section::new(k.1)).insert(d, e);
+                by_table.entry(k).or_default().push((d, e));
+            }
+            let mut sections = ra.sections.write();
+            for (k, v) in by_table {
+                sections.entry(k).or_insert_with(|| Section::new(k.1)).extend(v);
             }
         }
         remotes.entry(md.name.clone()).or_insert(ra);

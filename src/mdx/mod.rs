@@ -270,12 +270,19 @@ mod tests {
     fn a_wrong_name_loads_nothing_and_garbage_closes_only_its_connection() {
         let b = agent("p2p-named", true);
         let port = b.listen_port().unwrap();
-        // Garbage (NIXL's own protocol, say) is refused and the connection closed.
+        // Garbage (NIXL's own protocol, say) is refused with an ERR frame and the connection closed.
         let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         s.write_all(b"\x0d\0\0\0\0\0\0\0NIXLCOMM:SEND").unwrap();
         let mut r = Vec::new();
-        assert_eq!(s.read_to_end(&mut r).unwrap_or(0), 0);
+        s.read_to_end(&mut r).unwrap();
+        match super::wire::parse(&r) {
+            Ok(Some((super::wire::Msg::Err(why), n))) => {
+                assert!(why.contains("not a gixl metadata frame"), "{why}");
+                assert_eq!(n, r.len(), "nothing after the ERR");
+            }
+            other => panic!("expected one ERR frame, got {other:?}"),
+        }
         // A request for another agent's name gets an error frame, not metadata.
         let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();

@@ -22,6 +22,7 @@ use parking_lot::Mutex;
 
 use super::wire::{self, Msg};
 use super::{log, Host};
+use crate::auth::ClusterKey;
 use crate::backend::engine::net::{recv_now, send_now};
 use crate::status::{Error, Result, Status};
 use crate::util::monotonic_ns;
@@ -30,7 +31,19 @@ use crate::util::monotonic_ns;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long a closing agent keeps trying to deliver frames it has already accepted.
 const DRAIN: Duration = Duration::from_secs(1);
+/// Inbound connections in all, and from one IP address; when full, the least recently active one goes.
 const MAX_INBOUND: usize = 256;
+const MAX_PER_SOURCE: usize = 64;
+/// Unsent replies beyond which a connection's requests are not read (back-pressure).
+const WBUF_CAP: usize = 256 << 10;
+/// Every connection may buffer this much; more (a large LOAD) only while all inbound buffers together
+/// hold less than `READ_BUDGET`.
+const SMALL: usize = 64 << 10;
+const READ_BUDGET: usize = 64 << 20;
+/// An inbound connection is closed after this long without a byte, or when a frame takes longer than
+/// `FRAME_DEADLINE` to arrive.
+const IDLE: Duration = Duration::from_secs(60);
+const FRAME_DEADLINE: Duration = Duration::from_secs(10);
 
 const TOKEN_WAKE: u64 = 0;
 const TOKEN_LISTEN: u64 = 1;
@@ -92,7 +105,16 @@ impl P2p {
             ctl(epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, l.as_raw_fd(), libc::EPOLLIN as u32, TOKEN_LISTEN)?;
         }
         let q = Arc::new(Queue { cmds: Mutex::new(VecDeque::new()), wake, stop: AtomicBool::new(false) });
-        let mut lp = Loop { host, q: q.clone(), epfd, listener, conns: HashMap::new(), cache: HashMap::new(), next: 2 };
+        let mut lp = Loop {
+            host,
+            q: q.clone(),
+            epfd,
+            listener,
+            conns: HashMap::new(),
+            cache: HashMap::new(),
+            next: 2,
+            key: crate::auth::cluster(),
+        };
         let thread = std::thread::Builder::new()
             .name("gixl-md-p2p".into())
             .spawn(move || lp.run())
@@ -132,17 +154,33 @@ struct Conn {
     stream: TcpStream,
     peer: SocketAddr,
     outbound: bool,
-    /// Some(deadline) while the connect is in progress.
+    /// Some(deadline) while the connect (and, with a cluster key, the listener's challenge) is awaited.
     connecting: Option<u64>,
     rbuf: Vec<u8>,
     wbuf: Vec<u8>,
     wpos: usize,
-    watching_out: bool,
+    /// Outbound: frames not yet signed (with a key, they wait for the listener's challenge).
+    outq: VecDeque<Vec<u8>>,
+    /// Inbound: the nonce we challenged with. Outbound: the listener's nonce, once received.
+    nonce: Option<[u8; wire::NONCE]>,
+    /// Next request sequence number (sent, or expected).
+    seq: u64,
+    /// Last time bytes arrived or a request was accepted (monotonic ns).
+    last: u64,
+    /// When the partial frame at the front of `rbuf` started arriving.
+    frame_since: Option<u64>,
+    /// Refused: send what is queued (the ERR), then close; read nothing more.
+    closing: bool,
+    /// The epoll events registered now.
+    interest: u32,
 }
 
 impl Conn {
     fn pending(&self) -> bool {
         self.wpos < self.wbuf.len()
+    }
+    fn unsent(&self) -> usize {
+        self.wbuf.len() - self.wpos
     }
 }
 
@@ -154,6 +192,7 @@ struct Loop {
     conns: HashMap<u64, Conn>,
     cache: HashMap<SocketAddr, u64>,
     next: u64,
+    key: Option<&'static ClusterKey>,
 }
 
 impl Loop {
@@ -165,12 +204,12 @@ impl Loop {
             if self.q.stop.load(Ordering::Acquire) {
                 let until = *drain_until.get_or_insert(now + DRAIN.as_nanos() as u64);
                 self.take_cmds();
-                if now >= until || !self.conns.values().any(Conn::pending) {
+                if now >= until || !self.conns.values().any(|c| c.pending() || !c.outq.is_empty()) {
                     return;
                 }
             }
             self.expire(now);
-            let mut next = self.conns.values().filter_map(|c| c.connecting).min();
+            let mut next = self.conns.values().filter_map(deadline).min();
             if let Some(d) = drain_until {
                 next = Some(next.map_or(d, |n| n.min(d)));
             }
@@ -197,6 +236,11 @@ impl Loop {
                     t => self.on_conn(t, flags),
                 }
             }
+            // Buffer space freed by this round may let paused connections read again.
+            let tokens: Vec<u64> = self.conns.keys().copied().collect();
+            for t in tokens {
+                self.interest(t);
+            }
         }
     }
 
@@ -209,10 +253,18 @@ impl Loop {
 
     fn expire(&mut self, now: u64) {
         let late: Vec<u64> =
-            self.conns.iter().filter(|(_, c)| c.connecting.is_some_and(|d| d <= now)).map(|(t, _)| *t).collect();
+            self.conns.iter().filter(|(_, c)| deadline(c).is_some_and(|d| d <= now)).map(|(t, _)| *t).collect();
         for t in late {
             if let Some(c) = self.conns.get(&t) {
-                log!("could not connect to metadata peer {} within {CONNECT_TIMEOUT:?}", c.peer);
+                if c.outbound && c.connecting.is_some() && self.key.is_some() && c.nonce.is_none() {
+                    log!(
+                        "metadata peer {} sent no cluster-key challenge within {CONNECT_TIMEOUT:?}: it runs without \
+                         GIXL_CLUSTER_KEY (or is not a gixl listener); nothing sent",
+                        c.peer
+                    );
+                } else if c.connecting.is_some() {
+                    log!("could not connect to metadata peer {} within {CONNECT_TIMEOUT:?}", c.peer);
+                }
             }
             self.close(t);
         }
@@ -225,22 +277,15 @@ impl Loop {
                 Ok(stream) => {
                     let t = self.next;
                     self.next += 1;
-                    let deadline = monotonic_ns() + CONNECT_TIMEOUT.as_nanos() as u64;
-                    let c = Conn {
-                        stream,
-                        peer: to,
-                        outbound: true,
-                        connecting: Some(deadline),
-                        rbuf: Vec::new(),
-                        wbuf: Vec::new(),
-                        wpos: 0,
-                        watching_out: true,
-                    };
+                    let now = monotonic_ns();
+                    let mut c = conn(stream, to, true, now);
+                    c.connecting = Some(now + CONNECT_TIMEOUT.as_nanos() as u64);
                     let flags = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP) as u32;
                     if let Err(e) = ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, c.stream.as_raw_fd(), flags, t) {
                         log!("metadata peer {to}: {e}");
                         return;
                     }
+                    c.interest = flags;
                     self.conns.insert(t, c);
                     self.cache.insert(to, t);
                     t
@@ -252,54 +297,101 @@ impl Loop {
             },
         };
         if let Some(c) = self.conns.get_mut(&token) {
-            if c.wpos == c.wbuf.len() {
-                c.wbuf.clear();
-                c.wpos = 0;
-            }
-            c.wbuf.extend_from_slice(&frame);
+            c.outq.push_back(frame);
         }
+        self.pump(token);
         self.flush(token);
+    }
+
+    /// Move queued requests of an outbound connection into its write buffer, signed when there is a key
+    /// (only once the listener's challenge is in).
+    fn pump(&mut self, token: u64) {
+        let key = self.key;
+        let Some(c) = self.conns.get_mut(&token) else { return };
+        while let Some(f) = c.outq.front() {
+            let f = match (key, c.nonce) {
+                (None, _) => f.clone(),
+                (Some(k), Some(n)) => wire::sign(f, k, &n, c.seq),
+                (Some(_), None) => return,
+            };
+            c.outq.pop_front();
+            c.seq += 1;
+            c.wbuf.extend_from_slice(&f);
+        }
+        if key.is_some() && c.connecting.is_some() && c.stream.take_error().ok().flatten().is_none() {
+            // Connected and challenged: the connect deadline is over.
+            if c.nonce.is_some() {
+                c.connecting = None;
+            }
+        }
     }
 
     fn accept(&mut self) {
         let Some(l) = &self.listener else { return };
+        let mut fresh = Vec::new();
         loop {
-            let (stream, peer) = match l.accept() {
-                Ok(x) => x,
+            match l.accept() {
+                Ok(x) => fresh.push(x),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(_) => return,
-            };
-            let inbound = self.conns.values().filter(|c| !c.outbound).count();
-            if inbound >= MAX_INBOUND || self.q.stop.load(Ordering::Acquire) || stream.set_nonblocking(true).is_err() {
+                Err(_) => break,
+            }
+            if fresh.len() >= 64 {
+                break;
+            }
+        }
+        for (stream, peer) in fresh {
+            if self.q.stop.load(Ordering::Acquire) || stream.set_nonblocking(true).is_err() {
                 continue;
+            }
+            // Full (in all, or from this address): the least recently active connection with no reply
+            // pending makes room, so connections left idle cannot lock real peers out.
+            let inbound: Vec<(u64, u64, bool)> = self
+                .conns
+                .iter()
+                .filter(|(_, c)| !c.outbound)
+                .map(|(t, c)| (*t, c.last, c.peer.ip() == peer.ip()))
+                .collect();
+            let same = inbound.iter().filter(|x| x.2).count();
+            if inbound.len() >= MAX_INBOUND || same >= MAX_PER_SOURCE {
+                let only_same = same >= MAX_PER_SOURCE;
+                let victim = inbound
+                    .iter()
+                    .filter(|x| !only_same || x.2)
+                    .filter(|x| self.conns.get(&x.0).is_some_and(|c| !c.pending()))
+                    .min_by_key(|x| x.1)
+                    .map(|x| x.0);
+                match victim {
+                    Some(v) => self.close(v),
+                    None => continue,
+                }
             }
             let t = self.next;
             self.next += 1;
+            let mut c = conn(stream, peer, false, monotonic_ns());
+            if self.key.is_some() {
+                let n = crate::util::random_u128().to_le_bytes();
+                c.wbuf = wire::encode(&Msg::Chal(&n));
+                c.nonce = Some(n);
+            }
             let flags = (libc::EPOLLIN | libc::EPOLLRDHUP) as u32;
-            if ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, stream.as_raw_fd(), flags, t).is_ok() {
-                let c = Conn {
-                    stream,
-                    peer,
-                    outbound: false,
-                    connecting: None,
-                    rbuf: Vec::new(),
-                    wbuf: Vec::new(),
-                    wpos: 0,
-                    watching_out: false,
-                };
+            if ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, c.stream.as_raw_fd(), flags, t).is_ok() {
+                c.interest = flags;
                 self.conns.insert(t, c);
+                self.flush(t);
             }
         }
     }
 
     fn on_conn(&mut self, token: u64, flags: u32) {
         let Some(c) = self.conns.get_mut(&token) else { return };
-        if c.connecting.is_some() {
-            if flags & (libc::EPOLLOUT | libc::EPOLLERR | libc::EPOLLHUP) as u32 == 0 {
-                return;
-            }
+        if c.connecting.is_some()
+            && c.nonce.is_none()
+            && flags & (libc::EPOLLOUT | libc::EPOLLERR | libc::EPOLLHUP) as u32 != 0
+        {
             match c.stream.take_error() {
-                Ok(None) => c.connecting = None,
+                Ok(None) if self.key.is_none() => c.connecting = None,
+                // With a key, the deadline runs on until the challenge arrives.
+                Ok(None) => {}
                 Ok(Some(e)) | Err(e) => {
                     log!("could not connect to metadata peer {}: {e}", c.peer);
                     self.close(token);
@@ -307,99 +399,211 @@ impl Loop {
                 }
             }
         }
+        if flags & (libc::EPOLLERR | libc::EPOLLHUP) as u32 != 0 && c.closing {
+            self.close(token);
+            return;
+        }
         let mut closed = false;
-        if flags & (libc::EPOLLIN | libc::EPOLLRDHUP | libc::EPOLLHUP | libc::EPOLLERR) as u32 != 0 {
-            let mut chunk = vec![0u8; 64 * 1024];
+        if flags & (libc::EPOLLIN | libc::EPOLLRDHUP | libc::EPOLLHUP | libc::EPOLLERR) as u32 != 0 && !c.closing {
+            let mut chunk = [0u8; 64 * 1024];
             loop {
-                match recv_now(c.stream.as_raw_fd(), &mut chunk) {
+                let room = room(c, self.key.is_some());
+                if room == 0 {
+                    break;
+                }
+                let want = room.min(chunk.len());
+                match recv_now(c.stream.as_raw_fd(), &mut chunk[..want]) {
                     Ok(0) => {
                         closed = true;
                         break;
                     }
-                    Ok(n) => c.rbuf.extend_from_slice(&chunk[..n]),
+                    Ok(n) => {
+                        c.rbuf.extend_from_slice(&chunk[..n]);
+                        c.last = monotonic_ns();
+                        if n < want {
+                            break;
+                        }
+                    }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(_) => {
                         closed = true;
                         break;
                     }
                 }
-                if c.rbuf.len() > wire::MAX_PAYLOAD + wire::HEADER {
-                    break;
+            }
+        }
+        if !self.frames(token) || closed {
+            // Deliver nothing more on a connection the peer closed; one that broke the protocol gets its ERR.
+            match self.conns.get(&token) {
+                Some(c) if c.closing && !closed => {}
+                _ => {
+                    self.close(token);
+                    return;
                 }
             }
-            if !self.frames(token) {
-                closed = true;
-            }
         }
-        if closed {
-            // Deliver nothing more on a connection the peer closed or broke.
-            self.close(token);
-            return;
-        }
+        self.pump(token);
         self.flush(token);
     }
 
-    /// Act on every complete frame received on `token`. False when the peer broke the protocol.
+    /// Act on every complete frame received on `token` while its unsent replies stay under `WBUF_CAP`
+    /// (back-pressure: a peer that does not read its replies stops being read). False when the peer broke
+    /// the protocol (the connection then closes, after an ERR where one explains it).
     fn frames(&mut self, token: u64) -> bool {
-        let mut replies = Vec::new();
-        let ok = {
-            let Some(c) = self.conns.get_mut(&token) else { return false };
-            let mut at = 0;
-            let ok = loop {
-                match wire::parse(&c.rbuf[at..]) {
-                    Ok(Some((m, n))) => {
-                        at += n;
-                        if let Some(r) = handle(&*self.host, c.peer, m) {
-                            replies.push(r);
-                        }
-                    }
-                    Ok(None) => break true,
-                    Err(e) => {
-                        log!("metadata peer {} sent garbage ({e}); closing the connection", c.peer);
-                        break false;
-                    }
+        let key = self.key;
+        let Some(c) = self.conns.get_mut(&token) else { return false };
+        let mut at = 0;
+        let mut refuse: Option<String> = None;
+        let ok = loop {
+            if c.closing || c.unsent() > WBUF_CAP {
+                break true;
+            }
+            let m = match wire::parse(&c.rbuf[at..]) {
+                Ok(Some((m, n))) => {
+                    at += n;
+                    m
+                }
+                Ok(None) => break true,
+                Err(e) => {
+                    log!("metadata peer {} sent garbage ({e}); closing the connection", c.peer);
+                    refuse = Some(format!("refused: {e}"));
+                    break false;
                 }
             };
-            c.rbuf.drain(..at);
-            ok
-        };
-        if let Some(c) = self.conns.get_mut(&token) {
-            for r in replies {
+            // What each side may send: a listener takes requests, a requester takes replies.
+            let m = match (c.outbound, m, key, c.nonce) {
+                (true, Msg::Chal(n), Some(_), None) => {
+                    c.nonce = Some(*n);
+                    continue;
+                }
+                (true, Msg::Chal(_), None, _) => {
+                    log!(
+                        "metadata peer {} requires a cluster key, and this agent has none (set GIXL_CLUSTER_KEY)",
+                        c.peer
+                    );
+                    break false;
+                }
+                (true, m @ (Msg::Load(_) | Msg::Err(_)), _, _) => m,
+                (false, Msg::Signed(kind, body, t), Some(k), Some(n)) => {
+                    match wire::verify(kind, body, t, k, &n, c.seq) {
+                        Ok(m) => {
+                            c.seq += 1;
+                            m
+                        }
+                        Err(e) => {
+                            log!("metadata peer {}: {e}; closing the connection", c.peer);
+                            refuse = Some(format!("refused: {e}"));
+                            break false;
+                        }
+                    }
+                }
+                (false, Msg::Signed(..), None, _) => {
+                    refuse = Some("refused: this agent has no cluster key, the request is signed with one".into());
+                    break false;
+                }
+                (false, Msg::Load(_) | Msg::Send(_) | Msg::Invl(_), Some(_), _) => {
+                    refuse = Some(
+                        "refused: this agent requires the cluster key (GIXL_CLUSTER_KEY); the request is not signed"
+                            .into(),
+                    );
+                    break false;
+                }
+                (false, m @ (Msg::Load(_) | Msg::Send(_) | Msg::Invl(_) | Msg::Err(_)), _, _) => m,
+                (_, m, _, _) => {
+                    log!("metadata peer {} sent an unexpected {m:?}; closing the connection", short(&m));
+                    break false;
+                }
+            };
+            c.last = monotonic_ns();
+            if let Some(r) = handle(&*self.host, c.peer, m) {
                 c.wbuf.extend_from_slice(&r);
+            }
+        };
+        c.rbuf.drain(..at);
+        if !c.rbuf.is_empty() {
+            c.frame_since.get_or_insert(monotonic_ns());
+        } else {
+            c.frame_since = None;
+        }
+        if c.rbuf.capacity() > 2 * c.rbuf.len() + 64 * 1024 {
+            c.rbuf.shrink_to(c.rbuf.len() + 64 * 1024);
+        }
+        if let Some(why) = refuse {
+            if !c.outbound {
+                c.wbuf.extend_from_slice(&wire::encode(&Msg::Err(&why)));
+                c.closing = true;
+                c.rbuf.clear();
             }
         }
         ok
     }
 
     fn flush(&mut self, token: u64) {
-        let Some(c) = self.conns.get_mut(&token) else { return };
-        if c.connecting.is_some() {
-            return;
-        }
-        while c.pending() {
-            match send_now(c.stream.as_raw_fd(), &c.wbuf[c.wpos..]) {
-                Ok(n) => c.wpos += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) => {
-                    log!("sending to metadata peer {}: {e}", c.peer);
-                    self.close(token);
-                    return;
+        loop {
+            let Some(c) = self.conns.get_mut(&token) else { return };
+            if c.connecting.is_some() && c.nonce.is_none() {
+                return;
+            }
+            while c.pending() {
+                match send_now(c.stream.as_raw_fd(), &c.wbuf[c.wpos..]) {
+                    Ok(n) => c.wpos += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) => {
+                        if !c.closing {
+                            log!("sending to metadata peer {}: {e}", c.peer);
+                        }
+                        self.close(token);
+                        return;
+                    }
                 }
             }
-        }
-        if !c.pending() {
+            if c.pending() {
+                break;
+            }
             c.wbuf.clear();
             c.wpos = 0;
+            if c.closing {
+                self.close(token);
+                return;
+            }
+            if c.rbuf.is_empty() {
+                break;
+            }
+            // Requests held back while replies were unread: act on them now, and send what they produce.
+            let ok = self.frames(token);
+            let Some(c) = self.conns.get(&token) else { return };
+            if !ok && !c.closing {
+                self.close(token);
+                return;
+            }
+            if !c.pending() {
+                break;
+            }
         }
-        let want = c.pending();
-        if want != c.watching_out {
-            let mut flags = (libc::EPOLLIN | libc::EPOLLRDHUP) as u32;
-            if want {
-                flags |= libc::EPOLLOUT as u32;
-            }
-            if ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_MOD, c.stream.as_raw_fd(), flags, token).is_ok() {
-                c.watching_out = want;
-            }
+        self.interest(token);
+    }
+
+    /// Register the events `token` should wake for now: input only while it may read, output only while
+    /// replies wait.
+    fn interest(&mut self, token: u64) {
+        let budget_used: usize = self.conns.values().filter(|c| !c.outbound).map(|c| c.rbuf.len()).sum();
+        let key = self.key.is_some();
+        let Some(c) = self.conns.get_mut(&token) else { return };
+        let mut want = 0u32;
+        let reading = !c.closing
+            && c.unsent() <= WBUF_CAP
+            && (c.outbound || c.rbuf.len() < SMALL || budget_used < READ_BUDGET)
+            && room(c, key) > 0;
+        if reading {
+            want |= (libc::EPOLLIN | libc::EPOLLRDHUP) as u32;
+        }
+        if c.pending() || (c.connecting.is_some() && c.nonce.is_none() && c.outbound && !key) {
+            want |= libc::EPOLLOUT as u32;
+        }
+        if want != c.interest
+            && ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_MOD, c.stream.as_raw_fd(), want, token).is_ok()
+        {
+            c.interest = want;
         }
     }
 
@@ -412,7 +616,66 @@ impl Loop {
             if c.outbound && self.cache.get(&c.peer) == Some(&token) {
                 self.cache.remove(&c.peer);
             }
+            if c.outbound && !c.outq.is_empty() {
+                log!("{} request(s) to metadata peer {} not sent (connection closed)", c.outq.len(), c.peer);
+            }
         }
+    }
+}
+
+fn conn(stream: TcpStream, peer: SocketAddr, outbound: bool, now: u64) -> Conn {
+    Conn {
+        stream,
+        peer,
+        outbound,
+        connecting: None,
+        rbuf: Vec::new(),
+        wbuf: Vec::new(),
+        wpos: 0,
+        outq: VecDeque::new(),
+        nonce: None,
+        seq: 0,
+        last: now,
+        frame_since: None,
+        closing: false,
+        interest: 0,
+    }
+}
+
+/// When `c` must be closed unless something happens first.
+fn deadline(c: &Conn) -> Option<u64> {
+    if let Some(d) = c.connecting {
+        return Some(d);
+    }
+    if c.outbound {
+        return None;
+    }
+    let frame = c.frame_since.map(|t| t + FRAME_DEADLINE.as_nanos() as u64);
+    let idle = c.last + IDLE.as_nanos() as u64;
+    Some(frame.map_or(idle, |f| f.min(idle)))
+}
+
+/// How many more bytes `c` may read now: up to the end of the frame being received (its size checked from
+/// the header), never more than one frame ahead.
+fn room(c: &Conn, _keyed: bool) -> usize {
+    if c.closing {
+        return 0;
+    }
+    let need = match wire::announced(&c.rbuf) {
+        Some(len) => wire::HEADER + len,
+        None => wire::HEADER,
+    };
+    need.saturating_sub(c.rbuf.len()).max(if c.rbuf.len() < SMALL { SMALL - c.rbuf.len() } else { 0 })
+}
+
+fn short(m: &Msg<'_>) -> &'static str {
+    match m {
+        Msg::Load(_) => "LOAD",
+        Msg::Send(_) => "SEND",
+        Msg::Invl(_) => "INVL",
+        Msg::Err(_) => "ERR",
+        Msg::Chal(_) => "CHAL",
+        Msg::Signed(..) => "signed request",
     }
 }
 
@@ -447,6 +710,7 @@ fn handle(host: &dyn Host, peer: SocketAddr, m: Msg<'_>) -> Option<Vec<u8>> {
             log!("metadata peer {peer}: {text}");
             None
         }
+        Msg::Chal(_) | Msg::Signed(..) => None,
     }
 }
 

@@ -24,8 +24,37 @@ use crate::status::{Error, Result, Status};
 /// Largest notification accepted (a frame's body); NIXL users send msgpack'd block lists of a few MiB.
 pub const MAX_NOTIF: usize = 64 << 20;
 
+// Frames on the local socket: `length u32 | kind u8 | body` (length counts kind + body).
+/// Client → server, first: `target incarnation u128 | sender incarnation u128 | nonce [16] | tag u64 | name`,
+/// the tag keyed by the target's engine secret over a nonce the sender draws fresh for the connection.
+/// (Not a server challenge as on TCP: a stopped or busy target must still take notifications into its
+/// socket, as NIXL's do, and only a process that can already read the target's memory could observe
+/// a Unix socket's traffic to replay it.)
 const KIND_HELLO: u8 = 1;
+/// Client → server: one notification.
 const KIND_NOTIF: u8 = 2;
+/// Server → client: the hello was accepted.
+const KIND_ACK: u8 = 4;
+/// Server → client, then the connection is closed: why it was refused (UTF-8).
+const KIND_REFUSE: u8 = 5;
+/// The tag's `kind` for local hellos (the TCP handshake uses 1 and 2).
+pub const TAG_KIND_LOCAL: u8 = 0x10;
+const HELLO_FIXED: usize = 1 + 16 + 16 + 16 + 8;
+/// How long a sender waits for the acceptance before it goes on without it (the target is stopped or busy;
+/// its verdict then shows as a closed socket at a later send).
+const ACK_WAIT: Duration = Duration::from_millis(500);
+/// Longest hello accepted from a connection that has not authenticated (an agent name is at most 4 KiB).
+const MAX_HELLO: usize = HELLO_FIXED + 4096;
+/// Connections that have not authenticated yet; beyond this the oldest is dropped.
+const MAX_PENDING: usize = 64;
+/// Authenticated connections (each is a peer agent that knows our secret).
+const MAX_CONNS: usize = 4096;
+/// Default bounds of the notification queue: when reached, the local sockets are not read until the
+/// application takes notifications, so senders block and then fail (never a silent drop).
+pub const QUEUE_MSGS: usize = 1 << 16;
+pub const QUEUE_BYTES: usize = 256 << 20;
+/// How long a sender waits for the handshake and for room in the peer's socket.
+const SEND_TIMEOUT: Duration = Duration::from_secs(5);
 
 const TOKEN_WAKE: u64 = 0;
 /// In the progress thread's epoll set: the local epoll set (`Local::epfd`); inside that set: the listener.
@@ -46,6 +75,9 @@ pub struct Ctrl {
     next_watch: AtomicU64,
     thread: Mutex<Option<JoinHandle<()>>>,
     local: Arc<Mutex<Local>>,
+    local_fd: RawFd,
+    /// The queue was full: the local sockets are not read until the application takes notifications.
+    paused: Arc<AtomicBool>,
     /// When the application last called `drain` (monotonic ns): while it polls, the progress thread leaves
     /// the local sockets to it.
     last_poll: Arc<AtomicU64>,
@@ -90,11 +122,16 @@ impl Ctrl {
         let local_raw = local_fd.as_raw_fd();
         local_arm(epfd.as_raw_fd(), local_raw, libc::EPOLL_CTL_ADD)?;
         let last_poll = Arc::new(AtomicU64::new(0));
+        let paused = Arc::new(AtomicBool::new(false));
         let local = Arc::new(Mutex::new(Local {
             epfd: local_fd,
             listener,
             incarnation,
+            secret: setup.secret,
+            allowed: allowed_uids(),
             queue: queue.clone(),
+            limits: (QUEUE_MSGS, QUEUE_BYTES),
+            queued: (0, 0),
             conns: HashMap::new(),
             next_conn: 0,
         }));
@@ -109,6 +146,7 @@ impl Ctrl {
             stop: stop.clone(),
             local: local.clone(),
             local_fd: local_raw,
+            paused: paused.clone(),
             last_poll: last_poll.clone(),
             rearm_at: None,
             watches: watches.clone(),
@@ -128,8 +166,16 @@ impl Ctrl {
             next_watch: AtomicU64::new(0),
             thread: Mutex::new(Some(thread)),
             local,
+            local_fd: local_raw,
+            paused,
             last_poll,
         })
+    }
+
+    /// Bound the notification queue (messages, bytes); for tests.
+    #[cfg(test)]
+    fn set_queue_limits(&self, msgs: usize, bytes: usize) {
+        self.local.lock().limits = (msgs, bytes);
     }
 
     /// Read whatever the local notification connections hold now (non-blocking) into the queue. Called by
@@ -138,6 +184,11 @@ impl Ctrl {
         self.last_poll.store(crate::util::monotonic_ns(), Ordering::Relaxed);
         if let Some(mut l) = self.local.try_lock() {
             l.drain();
+        }
+        // The application is about to take the queue: let the progress thread read again (it pauses
+        // again at once if the queue is still full).
+        if self.paused.swap(false, Ordering::AcqRel) {
+            let _ = local_arm(self.epfd.as_raw_fd(), self.local_fd, libc::EPOLL_CTL_MOD);
         }
     }
 
@@ -180,26 +231,78 @@ impl Drop for Ctrl {
     }
 }
 
-/// A sending connection to a peer's notification socket.
+/// A sending connection to a peer's notification socket, authenticated as one incarnation of one agent.
 pub struct Sender {
     stream: UnixStream,
 }
 
 impl Sender {
-    /// Connect and introduce ourselves; the peer drops us unless `target_incarnation` is its own.
-    pub fn connect(sock_name: &[u8], target_incarnation: u128, from: &str) -> Result<Sender> {
+    /// Connect, answer the peer's challenge with a tag keyed by its `secret` (from its metadata), and wait
+    /// for its acceptance. The connection then speaks only for `from` / `from_incarnation`.
+    pub fn connect(
+        sock_name: &[u8],
+        target_incarnation: u128,
+        secret: u128,
+        from: &str,
+        from_incarnation: u128,
+    ) -> Result<Sender> {
         let addr =
             SocketAddr::from_abstract_name(sock_name).map_err(|e| Error::os(Status::Backend, "peer socket name", e))?;
         let stream = UnixStream::connect_addr(&addr)
             .map_err(|e| Error::os(Status::RemoteDisconnect, "connecting to the peer's notification socket", e))?;
-        stream
-            .set_write_timeout(Some(Duration::from_secs(5)))
-            .map_err(|e| Error::os(Status::Backend, "socket option", e))?;
+        let opt = |e| Error::os(Status::Backend, "socket option", e);
+        stream.set_write_timeout(Some(SEND_TIMEOUT)).map_err(opt)?;
         let mut s = Sender { stream };
-        let mut hello = target_incarnation.to_le_bytes().to_vec();
+        let nonce = crate::util::random_u128().to_le_bytes();
+        let tag = crate::auth::hello_tag(
+            secret,
+            TAG_KIND_LOCAL,
+            target_incarnation,
+            &nonce,
+            &tagged_name(from, from_incarnation),
+        );
+        let mut hello = Vec::with_capacity(HELLO_FIXED + from.len());
+        hello.extend_from_slice(&target_incarnation.to_le_bytes());
+        hello.extend_from_slice(&from_incarnation.to_le_bytes());
+        hello.extend_from_slice(&nonce);
+        hello.extend_from_slice(&tag.to_le_bytes());
         hello.extend_from_slice(from.as_bytes());
-        s.send(KIND_HELLO, &hello)?;
-        Ok(s)
+        s.stream.set_read_timeout(Some(ACK_WAIT)).map_err(opt)?;
+        if let Err(e) = s.send(KIND_HELLO, &hello) {
+            // Refused at once (another uid): the reason is waiting to be read.
+            return Err(match s.reply() {
+                Ok((KIND_REFUSE, why)) => refused(&why),
+                _ => e,
+            });
+        }
+        match s.reply() {
+            Ok((KIND_ACK, _)) => Ok(s),
+            Ok((KIND_REFUSE, why)) => Err(refused(&why)),
+            Ok(_) => Err(Error::backend("the peer's notification socket answered the hello with garbage")),
+            // No verdict yet: the target is stopped or busy; the hello waits in its socket.
+            Err(e) if e.status() == Status::Backend => Ok(s),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// One frame from the peer (handshake only).
+    fn reply(&mut self) -> Result<(u8, Vec<u8>)> {
+        let fail = |e: io::Error| {
+            let st = match e.kind() {
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Status::Backend,
+                _ => Status::RemoteDisconnect,
+            };
+            Error::os(st, "notification handshake", e)
+        };
+        let mut head = [0u8; 5];
+        self.stream.read_exact(&mut head).map_err(fail)?;
+        let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
+        if len == 0 || len > 4096 {
+            return Err(Error::backend("the peer's notification socket sent a malformed frame"));
+        }
+        let mut body = vec![0u8; len - 1];
+        self.stream.read_exact(&mut body).map_err(fail)?;
+        Ok((head[4], body))
     }
 
     pub fn notif(&mut self, msg: &[u8]) -> Result<()> {
@@ -210,6 +313,11 @@ impl Sender {
             )));
         }
         self.send(KIND_NOTIF, msg)
+    }
+
+    #[cfg(test)]
+    fn set_timeout(&self, t: Duration) {
+        self.stream.set_write_timeout(Some(t)).unwrap();
     }
 
     fn send(&mut self, kind: u8, body: &[u8]) -> Result<()> {
@@ -225,19 +333,59 @@ impl Sender {
         } else {
             self.stream.write_all(&head).and_then(|_| self.stream.write_all(body))
         };
-        r.map_err(|e| {
-            let st = match e.kind() {
-                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Status::Backend,
-                _ => Status::RemoteDisconnect,
-            };
-            Error::os(st, "sending a notification", e)
+        r.map_err(|e| match e.kind() {
+            // The receiver stopped reading: its queue is full (the application does not take notifications)
+            // or it is stopped. The caller drops this connection, so a partly written frame is discarded.
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Error::os(
+                Status::Backend,
+                format!("the peer did not take the notification within {SEND_TIMEOUT:?} (its notification queue is full or it is not reading)"),
+                e,
+            ),
+            _ => Error::os(Status::RemoteDisconnect, "sending a notification", e),
         })
     }
+}
+
+fn refused(why: &[u8]) -> Error {
+    Error::not_allowed(format!("the peer refused the notification connection: {}", String::from_utf8_lossy(why)))
+}
+
+/// What a local hello's tag covers besides the nonce and the target: the sender's name and incarnation.
+fn tagged_name(name: &str, incarnation: u128) -> String {
+    format!("{name}\0{incarnation:032x}")
+}
+
+/// The uids allowed besides our own and root: `GIXL_ALLOW_UIDS` (comma-separated numbers).
+fn allowed_uids() -> Vec<u32> {
+    std::env::var("GIXL_ALLOW_UIDS")
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|u| u.trim().parse::<u32>().ok())
+        .collect()
+}
+
+/// The pid of the process listening on the abstract socket `sock_name`, if one does: how a peer that
+/// claims to run on this host proves it (only then does the engine open a pidfd for it).
+pub fn listener_pid(sock_name: &[u8]) -> Option<i32> {
+    let addr = SocketAddr::from_abstract_name(sock_name).ok()?;
+    let s = UnixStream::connect_addr(&addr).ok()?;
+    peer_cred(s.as_raw_fd()).map(|c| c.pid)
+}
+
+fn peer_cred(fd: RawFd) -> Option<libc::ucred> {
+    let mut c = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `c` is a ucred of `len` bytes; `fd` is an open socket.
+    let r = unsafe {
+        libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut c as *mut libc::ucred).cast(), &mut len)
+    };
+    (r == 0).then_some(c)
 }
 
 struct Conn {
     stream: UnixStream,
     buf: Vec<u8>,
+    /// Set by an accepted hello; every notification on the connection is this sender's.
     sender: Option<String>,
 }
 
@@ -246,7 +394,13 @@ struct Local {
     epfd: OwnedFd,
     listener: UnixListener,
     incarnation: u128,
+    secret: u128,
+    allowed: Vec<u32>,
     queue: Arc<NotifQueue>,
+    /// (messages, bytes) the queue may hold before the sockets stop being read.
+    limits: (usize, usize),
+    /// (messages, bytes) in the queue, as of the current `drain`.
+    queued: (usize, usize),
     conns: HashMap<u64, Conn>,
     next_conn: u64,
 }
@@ -257,6 +411,7 @@ struct Progress {
     stop: Arc<AtomicBool>,
     local: Arc<Mutex<Local>>,
     local_fd: RawFd,
+    paused: Arc<AtomicBool>,
     last_poll: Arc<AtomicU64>,
     /// The local set is disarmed (one-shot) while the application polls; re-arm it at this time (ns).
     rearm_at: Option<u64>,
@@ -304,9 +459,11 @@ impl Progress {
                         let now = crate::util::monotonic_ns();
                         if now.saturating_sub(self.last_poll.load(Ordering::Relaxed)) < POLL_GRACE_NS {
                             self.rearm_at = Some(now + POLL_GRACE_NS);
-                        } else {
-                            self.local.lock().drain();
+                        } else if self.local.lock().drain() {
                             let _ = local_arm(self.epfd.as_raw_fd(), self.local_fd, libc::EPOLL_CTL_MOD);
+                        } else {
+                            // Queue full: stay disarmed until the application takes notifications.
+                            self.paused.store(true, Ordering::Release);
                         }
                     }
                     tcp::TOKEN_LISTEN => self.tcp.on_event(token),
@@ -324,8 +481,28 @@ impl Progress {
 }
 
 impl Local {
-    /// Accept and read whatever is ready, without blocking.
-    fn drain(&mut self) {
+    /// Accept and read whatever is ready, without blocking. False when it stopped because the queue is full.
+    fn drain(&mut self) -> bool {
+        {
+            let q = self.queue.lock();
+            self.queued = (q.len(), q.iter().map(|(n, m)| n.len() + m.len()).sum());
+        }
+        if self.full() {
+            return false;
+        }
+        // Frames left unparsed when the queue filled up.
+        let waiting: Vec<u64> = self.conns.iter().filter(|(_, c)| c.buf.len() >= 4).map(|(t, _)| *t).collect();
+        for t in waiting {
+            let Some(c) = self.conns.get_mut(&t) else { continue };
+            if let Err(why) = parse_frames(c, self.incarnation, self.secret, &self.queue, &mut self.queued, self.limits)
+            {
+                let _ = send_frame_now(&c.stream, KIND_REFUSE, why.as_bytes());
+                self.close(t);
+            }
+            if self.full() {
+                return false;
+            }
+        }
         let mut events = [libc::epoll_event { events: 0, u64: 0 }; 16];
         loop {
             // SAFETY: `events` has room for 16 entries; zero timeout.
@@ -334,23 +511,55 @@ impl Local {
                 if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
-                return;
+                return true;
             }
             for ev in &events[..n as usize] {
                 match ev.u64 {
                     TOKEN_LISTEN => self.accept(),
                     t => self.read(t),
                 }
+                if self.full() {
+                    return false;
+                }
             }
             if (n as usize) < events.len() {
-                return;
+                return true;
             }
         }
     }
 
+    fn full(&self) -> bool {
+        self.queued.0 >= self.limits.0 || self.queued.1 >= self.limits.1
+    }
+
     fn accept(&mut self) {
         while let Ok((stream, _)) = self.listener.accept() {
+            // Another user's process is refused before it can say anything (root and GIXL_ALLOW_UIDS aside).
+            // SAFETY: plain syscall.
+            let me = unsafe { libc::geteuid() };
+            let uid = peer_cred(stream.as_raw_fd()).map(|c| c.uid);
+            if !uid.is_some_and(|u| u == me || u == 0 || self.allowed.contains(&u)) {
+                let why = format!(
+                    "uid {} may not send notifications to an agent of uid {me} (same uid or root only; see GIXL_ALLOW_UIDS)",
+                    uid.map_or("?".to_string(), |u| u.to_string())
+                );
+                let _ = send_frame_now(&stream, KIND_REFUSE, why.as_bytes());
+                continue;
+            }
             if stream.set_nonblocking(true).is_err() {
+                continue;
+            }
+            let pending: Vec<u64> = {
+                let mut p: Vec<u64> = self.conns.iter().filter(|(_, c)| c.sender.is_none()).map(|(t, _)| *t).collect();
+                p.sort_unstable();
+                p
+            };
+            if pending.len() >= MAX_PENDING {
+                // The oldest connection that has not authenticated makes room.
+                self.close(pending[0]);
+            }
+            if self.conns.len() >= MAX_CONNS {
+                let _ = send_frame_now(&stream, KIND_REFUSE, b"too many notification connections");
                 continue;
             }
             let token = TOKEN_CONN + self.next_conn;
@@ -365,6 +574,7 @@ impl Local {
         let Some(c) = self.conns.get_mut(&token) else { return };
         let mut chunk = [0u8; 64 * 1024];
         let mut closed = false;
+        let mut verdict = Ok(());
         loop {
             match c.stream.read(&mut chunk) {
                 Ok(0) => {
@@ -373,8 +583,11 @@ impl Local {
                 }
                 Ok(n) => {
                     c.buf.extend_from_slice(&chunk[..n]);
+                    verdict =
+                        parse_frames(c, self.incarnation, self.secret, &self.queue, &mut self.queued, self.limits);
+                    let full = self.queued.0 >= self.limits.0 || self.queued.1 >= self.limits.1;
                     // A short read emptied the socket; epoll (level-triggered) reports anything later.
-                    if n < chunk.len() {
+                    if verdict.is_err() || full || n < chunk.len() {
                         break;
                     }
                 }
@@ -386,31 +599,51 @@ impl Local {
                 }
             }
         }
-        let ok = parse_frames(c, self.incarnation, &self.queue);
-        if closed || !ok {
-            if let Some(c) = self.conns.remove(&token) {
-                // SAFETY: removing the connection from our epoll set before it is closed.
-                unsafe {
-                    libc::epoll_ctl(
-                        self.epfd.as_raw_fd(),
-                        libc::EPOLL_CTL_DEL,
-                        c.stream.as_raw_fd(),
-                        std::ptr::null_mut(),
-                    )
-                };
-            }
+        if let Err(why) = verdict {
+            let _ = send_frame_now(&c.stream, KIND_REFUSE, why.as_bytes());
+            closed = true;
+        }
+        if closed {
+            self.close(token);
+        }
+    }
+
+    fn close(&mut self, token: u64) {
+        if let Some(c) = self.conns.remove(&token) {
+            // SAFETY: removing the connection from our epoll set before it is closed.
+            unsafe {
+                libc::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_DEL, c.stream.as_raw_fd(), std::ptr::null_mut())
+            };
         }
     }
 }
 
-/// Consume every complete frame in `c.buf`. Returns false when the peer broke the protocol.
-fn parse_frames(c: &mut Conn, incarnation: u128, queue: &NotifQueue) -> bool {
+/// One small frame, without blocking (handshake frames into a socket with room for them).
+fn send_frame_now(s: &UnixStream, kind: u8, body: &[u8]) -> io::Result<usize> {
+    let mut f = Vec::with_capacity(5 + body.len());
+    f.extend_from_slice(&((body.len() + 1) as u32).to_le_bytes());
+    f.push(kind);
+    f.extend_from_slice(body);
+    super::net::send_now(s.as_raw_fd(), &f)
+}
+
+/// Consume every complete frame in `c.buf` while the queue has room (`queued` counts what is in it).
+/// `Err(reason)` when the peer broke the protocol or failed to authenticate: the connection is closed.
+fn parse_frames(
+    c: &mut Conn,
+    incarnation: u128,
+    secret: u128,
+    queue: &NotifQueue,
+    queued: &mut (usize, usize),
+    limits: (usize, usize),
+) -> std::result::Result<(), String> {
     let mut at = 0;
-    let mut ok = true;
+    let mut verdict = Ok(());
     while c.buf.len() - at >= 4 {
         let len = u32::from_le_bytes([c.buf[at], c.buf[at + 1], c.buf[at + 2], c.buf[at + 3]]) as usize;
-        if len == 0 || len > MAX_NOTIF + 1 {
-            ok = false;
+        let max = if c.sender.is_some() { MAX_NOTIF + 1 } else { MAX_HELLO };
+        if len == 0 || len > max {
+            verdict = Err(format!("frame of {len} bytes refused"));
             break;
         }
         if c.buf.len() - at - 4 < len {
@@ -419,47 +652,101 @@ fn parse_frames(c: &mut Conn, incarnation: u128, queue: &NotifQueue) -> bool {
         let body = &c.buf[at + 4..at + 4 + len];
         at += 4 + len;
         match (body[0], &c.sender) {
-            (KIND_HELLO, None) if body.len() >= 17 => {
-                let mut inc = [0u8; 16];
-                inc.copy_from_slice(&body[1..17]);
-                match std::str::from_utf8(&body[17..]) {
-                    Ok(name) if u128::from_le_bytes(inc) == incarnation && !name.is_empty() => {
-                        c.sender = Some(name.to_owned())
-                    }
-                    _ => {
-                        ok = false;
-                        break;
-                    }
+            (KIND_HELLO, None) if body.len() >= HELLO_FIXED => {
+                let u = |r: std::ops::Range<usize>| {
+                    let mut b = [0u8; 16];
+                    b.copy_from_slice(&body[r]);
+                    u128::from_le_bytes(b)
+                };
+                let (target, from_inc) = (u(1..17), u(17..33));
+                let mut nonce = [0u8; 16];
+                nonce.copy_from_slice(&body[33..49]);
+                let mut t = [0u8; 8];
+                t.copy_from_slice(&body[49..57]);
+                let tag = u64::from_le_bytes(t);
+                let Ok(name) = std::str::from_utf8(&body[HELLO_FIXED..]) else {
+                    verdict = Err("sender name is not UTF-8".into());
+                    break;
+                };
+                if target != incarnation {
+                    verdict = Err(format!("this is incarnation {incarnation:032x}, not {target:032x}"));
+                    break;
+                }
+                if name.is_empty()
+                    || !crate::auth::hello_ok(
+                        secret,
+                        TAG_KIND_LOCAL,
+                        incarnation,
+                        &nonce,
+                        &tagged_name(name, from_inc),
+                        tag,
+                    )
+                {
+                    verdict = Err("authentication failed (wrong secret or cluster key)".into());
+                    break;
+                }
+                c.sender = Some(name.to_owned());
+                if send_frame_now(&c.stream, KIND_ACK, &[]).is_err() {
+                    verdict = Err("acknowledgement not sent".into());
+                    break;
                 }
             }
-            (KIND_NOTIF, Some(name)) => queue.lock().push((name.clone(), body[1..].to_vec())),
+            (KIND_NOTIF, Some(name)) => {
+                queue.lock().push((name.clone(), body[1..].to_vec()));
+                queued.0 += 1;
+                queued.1 += name.len() + body.len() - 1;
+            }
+            (_, None) => {
+                verdict = Err("expected an authenticated hello".into());
+                break;
+            }
             _ => {
-                ok = false;
+                verdict = Err("unexpected frame (a connection speaks for one agent only)".into());
                 break;
             }
         }
+        if queued.0 >= limits.0 || queued.1 >= limits.1 {
+            break;
+        }
     }
     c.buf.drain(..at);
-    ok
+    verdict
 }
 
 /// For `crate::fuzzing` only: run `parse_frames` over `data` as one read and, again, split in two reads at
-/// `split`; returns the notifications queued by the first run.
+/// `split`, on a connection whose secret is `incarnation`; returns the
+/// notifications queued by the first run.
 pub(crate) fn fuzz_parse_frames(data: &[u8], split: usize, incarnation: u128) -> usize {
     let queue = NotifQueue::default();
+    let mut queued = (0, 0);
     let (stream, _other) = UnixStream::pair().expect("socketpair");
+    let _ = stream.set_nonblocking(true);
     let mut c = Conn { stream, buf: data.to_vec(), sender: None };
-    parse_frames(&mut c, incarnation, &queue);
+    let _ = parse_frames(&mut c, incarnation, incarnation, &queue, &mut queued, (usize::MAX, usize::MAX));
     let n = queue.lock().len();
     let (stream, _other) = UnixStream::pair().expect("socketpair");
+    let _ = stream.set_nonblocking(true);
     let mut c = Conn { stream, buf: data[..split.min(data.len())].to_vec(), sender: None };
-    if parse_frames(&mut c, incarnation, &queue) {
+    if parse_frames(&mut c, incarnation, incarnation, &queue, &mut queued, (usize::MAX, usize::MAX)).is_ok() {
         c.buf.extend_from_slice(&data[split.min(data.len())..]);
-        parse_frames(&mut c, incarnation, &queue);
+        let _ = parse_frames(&mut c, incarnation, incarnation, &queue, &mut queued, (usize::MAX, usize::MAX));
     }
     n
 }
 
+/// For `crate::fuzzing` only: a valid hello for `fuzz_parse_frames`'s connection.
+pub(crate) fn fuzz_hello(incarnation: u128, from: &str) -> Vec<u8> {
+    let tag = crate::auth::hello_tag(incarnation, TAG_KIND_LOCAL, incarnation, &[0; 16], &tagged_name(from, 1));
+    let mut body = vec![KIND_HELLO];
+    body.extend_from_slice(&incarnation.to_le_bytes());
+    body.extend_from_slice(&1u128.to_le_bytes());
+    body.extend_from_slice(&[0; 16]);
+    body.extend_from_slice(&tag.to_le_bytes());
+    body.extend_from_slice(from.as_bytes());
+    let mut f = (body.len() as u32).to_le_bytes().to_vec();
+    f.extend_from_slice(&body);
+    f
+}
 /// How long after the application's last `notifs` poll the progress thread leaves the local sockets to it.
 const POLL_GRACE_NS: u64 = 2_000_000;
 
@@ -497,13 +784,16 @@ mod tests {
             regions: Arc::default(),
         };
         let ctrl = Ctrl::start(inc, q.clone(), setup).unwrap();
-        let mut s = Sender::connect(&ctrl.sock_name, inc, "peer-a").unwrap();
+        let mut s = Sender::connect(&ctrl.sock_name, inc, 1, "peer-a", 5).unwrap();
         s.notif(b"one").unwrap();
         s.notif(b"").unwrap();
         s.notif(&vec![7u8; 2 << 20]).unwrap();
-        // A sender that names the wrong incarnation is disconnected and delivers nothing.
-        let mut bad = Sender::connect(&ctrl.sock_name, inc + 1, "intruder").unwrap();
-        let _ = bad.notif(b"evil");
+        // A sender that names the wrong incarnation or does not know the secret is refused, and says why.
+        for (target, secret, what) in [(inc + 1, 1, "incarnation"), (inc, 2, "authentication failed")] {
+            let e = Sender::connect(&ctrl.sock_name, target, secret, "intruder", 6).err().expect("refused");
+            assert_eq!(e.status(), Status::NotAllowed, "{e}");
+            assert!(e.to_string().contains(what), "{e}");
+        }
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
         while q.lock().len() < 3 && std::time::Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
@@ -533,7 +823,7 @@ mod tests {
             .map(|k| {
                 let name = name.clone();
                 std::thread::spawn(move || {
-                    let mut s = Sender::connect(&name, inc, &format!("p{k}")).unwrap();
+                    let mut s = Sender::connect(&name, inc, 1, &format!("p{k}"), k).unwrap();
                     for i in 0..2000u32 {
                         s.notif(&i.to_le_bytes()).unwrap();
                     }
@@ -560,7 +850,7 @@ mod tests {
             assert_eq!(seq, (0..2000).collect::<Vec<_>>());
         }
         // Polling stops: the progress thread queues what comes later on its own.
-        let mut s = Sender::connect(&name, inc, "late").unwrap();
+        let mut s = Sender::connect(&name, inc, 1, "late", 9).unwrap();
         s.notif(b"after").unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
         while q.lock().is_empty() && std::time::Instant::now() < deadline {
@@ -568,5 +858,123 @@ mod tests {
         }
         assert_eq!(q.lock().clone(), vec![("late".to_string(), b"after".to_vec())]);
         ctrl.shutdown();
+    }
+
+    fn raw_frames(s: &mut UnixStream, frames: &[(u8, &[u8])]) {
+        for (kind, body) in frames {
+            let mut f = ((body.len() + 1) as u32).to_le_bytes().to_vec();
+            f.push(*kind);
+            f.extend_from_slice(body);
+            s.write_all(&f).unwrap();
+        }
+    }
+
+    fn read_frame(s: &mut UnixStream) -> Option<(u8, Vec<u8>)> {
+        let mut head = [0u8; 5];
+        s.read_exact(&mut head).ok()?;
+        let mut body = vec![0u8; u32::from_le_bytes(head[..4].try_into().unwrap()) as usize - 1];
+        s.read_exact(&mut body).ok()?;
+        Some((head[4], body))
+    }
+
+    #[test]
+    fn a_connection_speaks_for_one_authenticated_sender_only() {
+        let q: Arc<NotifQueue> = Arc::default();
+        let inc = 79u128;
+        let setup = TcpSetup {
+            bind: "127.0.0.1:0".parse().unwrap(),
+            opts: tcp::TcpOpts { conns: 1, timeout: Duration::from_secs(1) },
+            secret: 3,
+            regions: Arc::default(),
+        };
+        let ctrl = Ctrl::start(inc, q.clone(), setup).unwrap();
+        let addr = SocketAddr::from_abstract_name(&ctrl.sock_name).unwrap();
+        // The old, unauthenticated hello (incarnation + name) and a notification: refused, nothing queued.
+        let mut s = UnixStream::connect_addr(&addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut old = inc.to_le_bytes().to_vec();
+        old.extend_from_slice(b"prefill-0");
+        raw_frames(&mut s, &[(KIND_HELLO, &old), (KIND_NOTIF, b"forged")]);
+        assert_eq!(read_frame(&mut s).map(|f| f.0), Some(KIND_REFUSE));
+        assert_eq!(read_frame(&mut s), None, "closed");
+        // A notification before any hello: refused.
+        let mut s = UnixStream::connect_addr(&addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        raw_frames(&mut s, &[(KIND_NOTIF, b"forged")]);
+        assert_eq!(read_frame(&mut s).map(|f| f.0), Some(KIND_REFUSE));
+        // An authenticated sender cannot switch names with a second hello.
+        let mut good = Sender::connect(&ctrl.sock_name, inc, 3, "decode-1", 11).unwrap();
+        good.notif(b"mine").unwrap();
+        let _ = good.send(KIND_HELLO, &old);
+        let _ = good.notif(b"as prefill-0");
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while q.lock().is_empty() && std::time::Instant::now() < deadline {
+            ctrl.drain();
+        }
+        // The refusal closes the connection: a later send fails instead of being attributed to anyone.
+        let mut later = Err(Error::backend(""));
+        for _ in 0..100 {
+            later = good.notif(b"after");
+            if later.is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(later.is_err());
+        ctrl.drain();
+        assert_eq!(q.lock().clone(), vec![("decode-1".to_string(), b"mine".to_vec())]);
+        ctrl.shutdown();
+    }
+
+    #[test]
+    fn a_full_queue_blocks_the_sender_which_then_fails_and_nothing_is_lost() {
+        let q: Arc<NotifQueue> = Arc::default();
+        let inc = 80u128;
+        let setup = TcpSetup {
+            bind: "127.0.0.1:0".parse().unwrap(),
+            opts: tcp::TcpOpts { conns: 1, timeout: Duration::from_secs(1) },
+            secret: 4,
+            regions: Arc::default(),
+        };
+        let ctrl = Ctrl::start(inc, q.clone(), setup).unwrap();
+        ctrl.set_queue_limits(100, 1 << 20);
+        let mut s = Sender::connect(&ctrl.sock_name, inc, 4, "flood", 1).unwrap();
+        s.set_timeout(Duration::from_millis(300));
+        let msg = vec![7u8; 4096];
+        let mut sent = 0u32;
+        let err = loop {
+            let mut m = msg.clone();
+            m[..4].copy_from_slice(&sent.to_le_bytes());
+            match s.notif(&m) {
+                Ok(()) => sent += 1,
+                Err(e) => break e,
+            }
+            assert!(sent < 100_000, "the sender was never stopped");
+        };
+        assert_eq!(err.status(), Status::Backend);
+        assert!(err.to_string().contains("queue is full"), "{err}");
+        assert!(q.lock().len() <= 100, "queue bounded: {}", q.lock().len());
+        drop(s);
+        // Every notification the sender was told went through arrives, in order, once the application polls.
+        let mut got = Vec::new();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while got.len() < sent as usize && std::time::Instant::now() < deadline {
+            ctrl.drain();
+            got.append(&mut q.lock());
+        }
+        let seq: Vec<u32> = got.iter().map(|(_, m)| u32::from_le_bytes(m[..4].try_into().unwrap())).collect();
+        assert_eq!(seq, (0..sent).collect::<Vec<_>>());
+        ctrl.shutdown();
+    }
+
+    #[test]
+    fn a_stopped_target_still_takes_the_hello_and_notifications() {
+        // A listener nobody accepts on: what a SIGSTOPped agent's socket looks like.
+        let name = format!("gixl-test-stopped.{}", std::process::id()).into_bytes();
+        let _l = UnixListener::bind_addr(&SocketAddr::from_abstract_name(&name).unwrap()).unwrap();
+        let t = std::time::Instant::now();
+        let mut s = Sender::connect(&name, 1, 2, "me", 3).unwrap();
+        assert!(t.elapsed() < ACK_WAIT + Duration::from_secs(2), "{:?}", t.elapsed());
+        s.notif(b"queued in the socket").unwrap();
     }
 }

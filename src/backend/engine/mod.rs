@@ -243,12 +243,19 @@ enum PeerKind {
     /// cross-memory attach (`denied`).
     Cma {
         pid: i32,
-        pidfd: OwnedFd,
+        /// None when the peer did not prove it runs here (nothing listens on its socket as its pid).
+        pidfd: Option<OwnedFd>,
         watch: Option<u64>,
         /// The peer's gate (None when the kernel denied taking it: then `denied` is set and TCP carries data).
         gate: Option<Attached>,
         probe: copy::Probe,
         sock: Vec<u8>,
+        /// The peer's engine secret and our incarnation: the notification handshake's inputs.
+        secret: u128,
+        from_inc: u128,
+        /// The peer's notification socket refused our uid: notifications go over TCP (which proves the
+        /// same secret).
+        local_refused: AtomicBool,
         sender: Mutex<Option<Sender>>,
         tcp: Arc<TcpLink>,
         denied: AtomicBool,
@@ -296,7 +303,7 @@ impl Peer for EnginePeer {
 
 impl Drop for EnginePeer {
     fn drop(&mut self) {
-        if let PeerKind::Cma { pidfd, watch: Some(token), .. } = &self.kind {
+        if let PeerKind::Cma { pidfd: Some(pidfd), watch: Some(token), .. } = &self.kind {
             if let Some(owner) = self.owner.upgrade() {
                 owner.ctrl.unwatch(*token, pidfd.as_raw_fd());
             }
@@ -313,13 +320,24 @@ impl EnginePeer {
                 t.queue.lock().push((from.to_owned(), msg.to_vec()));
                 Ok(())
             }
-            PeerKind::Cma { sock, sender, .. } => {
+            PeerKind::Cma { sock, sender, secret, from_inc, local_refused, tcp, .. } => {
                 if self.dead.load(Ordering::Acquire) {
                     return Err(Error::disconnected(format!("agent '{}' has exited", self.name)));
                 }
+                if local_refused.load(Ordering::Acquire) {
+                    return tcp.notif(msg);
+                }
                 let mut s = sender.lock();
                 if s.is_none() {
-                    *s = Some(Sender::connect(sock, self.incarnation, from)?);
+                    match Sender::connect(sock, self.incarnation, *secret, from, *from_inc) {
+                        Ok(c) => *s = Some(c),
+                        Err(e) if e.status() == Status::NotAllowed => {
+                            local_refused.store(true, Ordering::Release);
+                            drop(s);
+                            return tcp.notif(msg);
+                        }
+                        Err(e) => return Err(e),
+                    }
                 }
                 let r = s.as_mut().map(|s| s.notif(msg)).unwrap_or(Ok(()));
                 if r.is_err() {
@@ -411,7 +429,7 @@ pub(crate) fn fuzz_parse_conn(b: &[u8]) -> bool {
     parse_conn(b).is_ok()
 }
 
-pub(crate) use ctrl::fuzz_parse_frames;
+pub(crate) use ctrl::{fuzz_hello, fuzz_parse_frames};
 
 /// The TCP endpoint a peer's connection info advertises: its addresses and the secret a connection must
 /// present. For tools and tests that speak the wire protocol themselves (see `wire`).
@@ -569,38 +587,47 @@ impl Backend for Engine {
         // In process only to an engine that lives here under that incarnation, whatever the connection info
         // says; an incarnation of this process that is not in the registry was destroyed (or never existed).
         let local = registry().lock().get(&incarnation).and_then(Weak::upgrade);
+        // Why the kernel refused the peer's gate (so cross-memory attach): its data goes over TCP.
+        let mut fallback = None;
         let kind = if let Some(t) = local {
             let gate = Some(Attached::new(t.gate.clone())?);
             PeerKind::InProcess { target: Arc::downgrade(&t), gate }
         } else if ci.pid == s.pid && ci.start_time == s.start_time {
             PeerKind::InProcess { target: Weak::new(), gate: None }
         } else {
-            let pidfd = pidfd_open(ci.pid);
-            // Opened first, checked second: if the start time still matches, the pidfd is that process.
-            let alive = pidfd.is_ok() && crate::util::process_start_time(ci.pid).ok() == Some(ci.start_time);
-            let pidfd = match pidfd {
-                Ok(fd) => fd,
-                // The process is gone; keep a placeholder descriptor so the peer reports disconnected.
-                Err(_) => pidfd_open(s.pid).map_err(|e| Error::os(Status::Backend, "pidfd_open", e))?,
-            };
+            // A pidfd only for a peer that proves it runs here: its pid listens on its socket, named for
+            // this incarnation (forged metadata costs no descriptor). Opened first, checked second: if the
+            // start time still matches, the pidfd is that process.
+            let named = ci.sock == format!("gixl.{}.{incarnation:032x}", ci.pid).into_bytes();
+            let pidfd =
+                (named && ctrl::listener_pid(&ci.sock) == Some(ci.pid)).then(|| pidfd_open(ci.pid).ok()).flatten();
+            let alive = pidfd.is_some() && crate::util::process_start_time(ci.pid).ok() == Some(ci.start_time);
             // The peer's gate, taken from that very process through the pidfd: if the kernel refuses, it would
             // refuse cross-memory attach too, and TCP carries the data.
-            let mut denied = false;
-            let gate = match alive.then(|| Gate::attach(pidfd.as_raw_fd(), ci.gate_fd, incarnation)) {
+            let mut denied = None;
+            let gate = match pidfd
+                .as_ref()
+                .filter(|_| alive)
+                .map(|fd| Gate::attach(fd.as_raw_fd(), ci.gate_fd, incarnation))
+            {
                 Some(Ok(g)) => Some(Attached::new(Arc::new(g))?),
                 Some(Err(e)) if cma_denied(&e) => {
-                    denied = true;
+                    denied = Some(e.to_string());
                     None
                 }
                 _ => None,
             };
-            let watch = if alive && (gate.is_some() || denied) {
-                Some(s.ctrl.watch(pidfd.as_raw_fd(), dead.clone())?)
-            } else {
-                dead.store(true, Ordering::Release);
-                None
+            let watch = match &pidfd {
+                Some(fd) if alive && (gate.is_some() || denied.is_some()) => {
+                    Some(s.ctrl.watch(fd.as_raw_fd(), dead.clone())?)
+                }
+                _ => {
+                    dead.store(true, Ordering::Release);
+                    None
+                }
             };
             let tcp = link(&dead);
+            fallback.clone_from(&denied);
             PeerKind::Cma {
                 pid: ci.pid,
                 pidfd,
@@ -608,16 +635,28 @@ impl Backend for Engine {
                 gate,
                 probe: copy::Probe { addr: ci.gate_addr, incarnation },
                 sock: ci.sock.clone(),
+                secret: ci.secret,
+                from_inc: s.incarnation,
+                local_refused: AtomicBool::new(false),
                 sender: Mutex::new(None),
                 tcp,
-                denied: AtomicBool::new(denied),
+                denied: AtomicBool::new(denied.is_some()),
             }
         };
-        let route = if matches!(kind, PeerKind::InProcess { .. }) { "in-process" } else { "cma" };
-        crate::telemetry::log::info(&format!(
-            "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route {route} (same host)",
-            s.agent
-        ));
+        match (&kind, &fallback) {
+            (PeerKind::Cma { .. }, Some(why)) => crate::telemetry::log::warn(&format!(
+                "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route tcp (fall-back: the kernel \
+                 denied cross-memory attach: {why}; `python -m gixl doctor` says why)",
+                s.agent
+            )),
+            _ => {
+                let route = if matches!(kind, PeerKind::InProcess { .. }) { "in-process" } else { "cma" };
+                crate::telemetry::log::info(&format!(
+                    "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route {route} (same host)",
+                    s.agent
+                ));
+            }
+        }
         Ok(Arc::new(EnginePeer { name: agent.to_owned(), incarnation, kind, dead, owner: Arc::downgrade(s) }))
     }
 
@@ -627,10 +666,15 @@ impl Backend for Engine {
             return Err(Error::disconnected(format!("agent '{}' has disconnected", p.name)));
         }
         match &p.kind {
-            PeerKind::Cma { sock, sender, .. } => {
+            PeerKind::Cma { sock, sender, secret, from_inc, local_refused, .. } => {
                 let mut s = sender.lock();
-                if s.is_none() {
-                    *s = Some(Sender::connect(sock, p.incarnation, &self.shared.agent)?);
+                if s.is_none() && !local_refused.load(Ordering::Acquire) {
+                    match Sender::connect(sock, p.incarnation, *secret, &self.shared.agent, *from_inc) {
+                        Ok(c) => *s = Some(c),
+                        // Another uid: notifications will go over TCP.
+                        Err(e) if e.status() == Status::NotAllowed => local_refused.store(true, Ordering::Release),
+                        Err(e) => return Err(e),
+                    }
                 }
             }
             PeerKind::Tcp { link } => {

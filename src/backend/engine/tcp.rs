@@ -613,8 +613,9 @@ impl TcpProgress {
         if used != c.buf.len() {
             return false;
         }
-        let want = wire::hello_tag(self.shared.secret, h.kind, self.shared.incarnation, &c.nonce, &h.name);
-        let ok = h.incarnation == self.shared.incarnation && wire::tags_match(h.tag, want);
+        // Keyed by the cluster key too when one is set (see `crate::auth`).
+        let ok = h.incarnation == self.shared.incarnation
+            && crate::auth::hello_ok(self.shared.secret, h.kind, self.shared.incarnation, &c.nonce, &h.name, h.tag);
         if !ok {
             // Say so, so that a peer holding stale metadata knows at once that the incarnation it was
             // built for is not here (a stranger learns nothing it did not know).
@@ -709,12 +710,14 @@ impl TcpProgress {
     }
 }
 
-/// Authenticated data connections are served by a few event loops (one per core, at most
-/// `MAX_LOOPS`), not a thread each: every socket is non-blocking and edge-triggered in the loop's epoll
+/// Authenticated data connections are served by a few event loops (one per core, at least
+/// `MIN_LOOPS` so a peer's default four connections move in parallel, at most `MAX_LOOPS`), not a thread
+/// each: every socket is non-blocking and edge-triggered in the loop's epoll
 /// set, and each connection is a small state machine (header → segment table → payload → reply) that runs
 /// until the socket would block. An idle connection costs nothing; a slow one holds no thread, only its
 /// state and, while its payload moves, a lease on the registrations it names.
-const MAX_LOOPS: usize = 4;
+const MIN_LOOPS: usize = 4;
+const MAX_LOOPS: usize = 8;
 
 struct ServeLoop {
     epfd: OwnedFd,
@@ -1005,9 +1008,9 @@ impl DataConn {
     }
 }
 
-/// Start the serving loops: one per core, at most `MAX_LOOPS`. Empty if none could start.
+/// Start the serving loops (see `MIN_LOOPS`). Empty if none could start.
 fn start_loops(sh: &Arc<TcpShared>) -> Vec<Arc<ServeLoop>> {
-    let n = std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(1, MAX_LOOPS);
+    let n = std::thread::available_parallelism().map_or(MIN_LOOPS, |n| n.get()).clamp(MIN_LOOPS, MAX_LOOPS);
     let mut loops = Vec::new();
     for _ in 0..n {
         let Ok(l) = ServeLoop::new().map(Arc::new) else { break };
@@ -1313,7 +1316,7 @@ impl TcpLink {
         }
         let nonce =
             wire::parse_challenge(&c).map_err(|e| (format!("{a} is not the agent we were given: {e}"), true))?;
-        let tag = wire::hello_tag(self.secret, kind, self.incarnation, &nonce, &self.me);
+        let tag = crate::auth::hello_tag(self.secret, kind, self.incarnation, &nonce, &self.me);
         let hello = wire::encode_hello(&Hello { kind, incarnation: self.incarnation, tag, name: self.me.clone() });
         let mut ans = [0u8; 1];
         let r = net::send_all(&s, &hello, &|| {}).and_then(|_| net::recv_exact(&s, &mut ans, &|| {}));
@@ -1323,7 +1326,7 @@ impl TcpLink {
                 Ok(s)
             }
             (Ok(()), wire::NAK) => {
-                Err((format!("{a} refused our credentials (the peer restarted, or the metadata is stale)"), true))
+                Err((format!("{a} refused our credentials (the peer restarted, the metadata is stale, or the cluster keys differ)"), true))
             }
             (Ok(()), _) => Err((format!("{a} answered the handshake with garbage"), false)),
             (Err(e), _) => Err((format!("handshake with {a}: {e}"), false)),

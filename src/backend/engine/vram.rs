@@ -398,7 +398,7 @@ struct RegionUse {
 
 fn peer_pidfd(p: &super::EnginePeer) -> Option<BorrowedFd<'_>> {
     match &p.kind {
-        PeerKind::Cma { pidfd, .. } => Some(pidfd.as_fd()),
+        PeerKind::Cma { pidfd, .. } => pidfd.as_ref().map(|f| f.as_fd()),
         _ => None,
     }
 }
@@ -473,6 +473,10 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
                     (Far::Here { gate: t.vram.gate.get().cloned() }, Some(ep))
                 }
                 PeerKind::Cma { pid, pidfd, .. } => {
+                    // No pidfd: the peer did not prove it runs here (see `load_peer`); nothing to open.
+                    let pidfd = pidfd.as_ref().ok_or_else(|| {
+                        Error::disconnected(format!("agent '{}' is not reachable as a local process", ep.name))
+                    })?;
                     if !alive(pidfd.as_fd()) {
                         return Err(Error::disconnected(format!("agent '{}' has exited", ep.name)));
                     }
