@@ -38,7 +38,7 @@ inc_dir="$(cd "$2" && pwd)" || usage
 libname="${FFI_LIBNAME:-nixl_capi}"
 build="${FFI_BUILD_DIR:-$here/build}"
 timeout_s="${FFI_TIMEOUT:-180}"
-tests="${FFI_TESTS:-t_basic t_dlist t_metadata t_xfer t_telemetry t_nullargs t_two_process t_hostile}"
+tests="${FFI_TESTS:-t_basic t_dlist t_metadata t_xfer t_telemetry t_nullargs t_two_process t_hostile t_exact}"
 
 if [ ! -e "$lib_dir/lib$libname.so" ]; then
     echo "error: $lib_dir/lib$libname.so not found" >&2

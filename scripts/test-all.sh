@@ -59,7 +59,7 @@ count_cargo() {
     f=$(grep -o '[0-9]* failed;' "$logs/cargo.log" | awk '{n += $1} END {print n + 0}')
     i=$(grep -o '[0-9]* ignored;' "$logs/cargo.log" | awk '{n += $1} END {print n + 0}')
     s=$(grep -c '^SKIPPED: ' "$GIXL_SKIP_LOG")
-    echo "cargo test|$p|$f|$s|$i ignored (benchmarks, run on demand); a skipped test also counts as passed in libtest" >>"$counts"
+    echo "cargo test|$p|$f|$s|$i ignored (throughput runs, on demand); libtest also counts a skipped test as passed" >>"$counts"
 }
 # ffi-tests/run.sh ends with "N passed, M failed (K skipped)".
 count_c() {

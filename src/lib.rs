@@ -32,7 +32,9 @@ pub mod status;
 pub mod telemetry;
 pub(crate) mod util;
 
-pub use agent::{Agent, AgentConfig, BackendId, NotifUpdate, PreppedDList, SyncMode, XferOpts, XferReq, XferTelemetry};
+pub use agent::{
+    Agent, AgentConfig, BackendId, NotifUpdate, PlanIndex, PreppedDList, SyncMode, XferOpts, XferReq, XferTelemetry,
+};
 pub use backend::{Params, XferOp};
 pub use mem::{Desc, MemType, RegDList, RegDesc, RemoteDList, RemoteDesc, XferDList};
 pub use status::{Error, Result, Status};

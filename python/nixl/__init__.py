@@ -19,8 +19,11 @@ from ._api import (  # noqa: F401
     nixl_xfer_handle,
 )
 
-logging.install_native_sink(__import__("gixl._gixl", fromlist=["_gixl"]))
-_check_conflicts()
+if _bindings.__name__ == "nixl._bindings":  # gixl's native layer (not the development shim over NIXL's)
+    from gixl import _gixl as _native
+
+    logging.install_native_sink(_native)
+    _check_conflicts()
 
 try:
     from gixl import __version__  # noqa: F401

@@ -62,10 +62,19 @@ fn _doctor(
 }
 
 /// Route gixl's log lines to `sink(level, message)` (level: 1 debug, 2 info, 3 warning, 4 error), called
-/// with the interpreter attached. Once per process.
+/// with the interpreter attached. Once per process. Only lines logged on Python threads (inside a call from
+/// Python, which never holds a gixl lock that a thread holding the interpreter could wait for) go there;
+/// lines of gixl's own threads go to stderr as for C users, so they never wait for the interpreter (which
+/// may be held by a thread that is joining them, e.g. while an agent is garbage-collected).
 #[pyfunction]
 fn _set_log_sink(sink: Py<PyAny>) -> bool {
     gixl::telemetry::log::set_sink(Box::new(move |level, msg| {
+        // SAFETY: PyGILState_GetThisThreadState only reads this thread's state; it needs no interpreter lock.
+        let python_thread = !unsafe { pyo3::ffi::PyGILState_GetThisThreadState() }.is_null();
+        if !python_thread {
+            gixl::telemetry::log::stderr(level, msg);
+            return;
+        }
         Python::attach(|py| {
             if let Err(e) = sink.call1(py, (level as u8, msg)) {
                 e.print(py);

@@ -94,6 +94,95 @@ fn parse_format(f: &[u8], itemsize: usize) -> Option<Kind> {
     ok.then_some(kind)
 }
 
+/// A one-dimensional, C-contiguous, aligned int32 or int64 buffer, held (exported) until dropped, so that
+/// its values can be read in place with the interpreter released: while a buffer is exported numpy refuses to
+/// resize or free the array's memory. Another thread may still write values meanwhile; readers must treat
+/// every value as untrusted (the planner bounds-checks each index it reads).
+pub(crate) struct HeldIndices {
+    raw: Box<RawBuffer>,
+    ints: Ints,
+}
+
+/// Index values by width.
+#[derive(Clone, Copy)]
+pub(crate) enum Idx<'a> {
+    I32(&'a [i32]),
+    I64(&'a [i64]),
+}
+
+enum Ints {
+    I32(*const i32, usize),
+    I64(*const i64, usize),
+}
+
+impl Idx<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Idx::I32(x) => x.len(),
+            Idx::I64(x) => x.len(),
+        }
+    }
+}
+
+impl HeldIndices {
+    /// `None` unless `obj` exports a 1-D, C-contiguous, aligned buffer of native int32 or int64.
+    pub fn new(obj: &Bound<'_, PyAny>) -> Option<HeldIndices> {
+        // PyBUF_C_CONTIGUOUS (0x20 | PyBUF_STRIDES) | PyBUF_FORMAT, read-only: the exporter refuses strided data.
+        const FLAGS: std::ffi::c_int = 0x0020 | 0x0010 | 0x0008 | 0x0004;
+        let mut raw = Box::new(std::mem::MaybeUninit::<RawBuffer>::zeroed());
+        // SAFETY: `obj` is live and we are attached; a buffer obtained here is released exactly once, in
+        // `Drop` (or right below when it does not qualify).
+        unsafe {
+            if PyObject_GetBuffer(obj.as_ptr(), raw.as_mut_ptr(), FLAGS) != 0 {
+                pyo3::ffi::PyErr_Clear();
+                return None;
+            }
+            let mut raw: Box<RawBuffer> = Box::from_raw(Box::into_raw(raw).cast());
+            let itemsize = raw.itemsize.max(0) as usize;
+            let kind = if raw.format.is_null() {
+                None
+            } else {
+                parse_format(std::ffi::CStr::from_ptr(raw.format).to_bytes(), itemsize)
+            };
+            let n = raw.len.max(0) as usize / itemsize.max(1);
+            let p = raw.buf as usize;
+            let ints = match (raw.ndim, kind, itemsize) {
+                (1, Some(Kind::Int), 4) if p % 4 == 0 && (p != 0 || n == 0) => Some(Ints::I32(p as *const i32, n)),
+                (1, Some(Kind::Int), 8) if p % 8 == 0 && (p != 0 || n == 0) => Some(Ints::I64(p as *const i64, n)),
+                _ => None,
+            };
+            match ints {
+                Some(ints) => Some(HeldIndices { raw, ints }),
+                None => {
+                    PyBuffer_Release(&mut *raw);
+                    None
+                }
+            }
+        }
+    }
+
+    /// The values, valid while `self` is held.
+    pub fn idx(&self) -> Idx<'_> {
+        // SAFETY: `n` aligned values at `p`, exported by the buffer `self` holds until dropped.
+        unsafe {
+            match self.ints {
+                Ints::I32(_, 0) => Idx::I32(&[]),
+                Ints::I64(_, 0) => Idx::I64(&[]),
+                Ints::I32(p, n) => Idx::I32(std::slice::from_raw_parts(p, n)),
+                Ints::I64(p, n) => Idx::I64(std::slice::from_raw_parts(p, n)),
+            }
+        }
+    }
+}
+
+impl Drop for HeldIndices {
+    fn drop(&mut self) {
+        // SAFETY: obtained by `PyObject_GetBuffer` in `new` and not released yet. Dropped by the thread
+        // that made it, attached to the interpreter (the type is not `Send`).
+        unsafe { PyBuffer_Release(&mut *self.raw) }
+    }
+}
+
 impl<'py> ArrayView<'py> {
     /// Through the buffer protocol (no dict per call); `None` when the object does not offer a plain buffer
     /// of a supported element type (then `__array_interface__` decides, with its error messages).

@@ -125,18 +125,38 @@ def parse_md(blob: bytes) -> dict:
 
 
 def parse_conn(info: bytes) -> dict:
-    assert info[0] == 2
+    """The UCX engine's connection info, version 3 (src/backend/engine/mod.rs `conn_info`)."""
+    assert info[0] == 3, info[0]
     host, at = get_bytes(info, 1)
     pid, at = get_uvar(info, at)
     start, at = get_uvar(info, at)
-    sock, at = get_bytes(info, at)
+    gate_fd, at = get_uvar(info, at)
+    gate_addr = info[at : at + 8]
+    sock, at = get_bytes(info, at + 8)
     secret = info[at : at + 16]
-    return {"host": host, "pid": pid, "start": start, "sock": sock, "secret": secret, "rest": info[at + 16 :]}
+    return {
+        "host": host,
+        "pid": pid,
+        "start": start,
+        "gate_fd": gate_fd,
+        "gate_addr": gate_addr,
+        "sock": sock,
+        "secret": secret,
+        "rest": info[at + 16 :],
+    }
 
 
 def make_conn(c: dict) -> bytes:
     return (
-        bytes([2]) + put_bytes(c["host"]) + uvar(c["pid"]) + uvar(c["start"]) + put_bytes(c["sock"]) + c["secret"] + c["rest"]
+        bytes([3])
+        + put_bytes(c["host"])
+        + uvar(c["pid"])
+        + uvar(c["start"])
+        + uvar(c["gate_fd"])
+        + c["gate_addr"]
+        + put_bytes(c["sock"])
+        + c["secret"]
+        + c["rest"]
     )
 
 

@@ -23,7 +23,7 @@ use crate::mem::{Desc, MemType, RegDList, XferDList};
 use crate::status::{Error, Result, Status};
 use section::Section;
 
-pub use xfer::{NotifUpdate, PreppedDList, XferOpts, XferReq, XferTelemetry};
+pub use xfer::{NotifUpdate, PlanIndex, PreppedDList, XferOpts, XferReq, XferTelemetry};
 
 /// `nixl_thread_sync_t`. gixl is thread-safe in every mode; the value is kept for callers that read it back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

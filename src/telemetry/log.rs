@@ -2,8 +2,10 @@
 //!
 //! C users: lines at or above the threshold go to stderr as `gixl WARN  <message>`. The threshold is
 //! `GIXL_LOG`, else `NIXL_LOG_LEVEL` (TRACE, DEBUG, INFO, WARN/WARNING, ERROR, FATAL, case-insensitive;
-//! also `off`), else WARN. Python users: the wheel installs a sink that hands every line to Python's
-//! `logging` (logger `nixl.gixl`, under NIXL's `nixl` logger and its level), instead of stderr.
+//! also `off`), else WARN. Python users: the wheel installs a sink that hands the lines of Python threads
+//! (the calls made from Python) to Python's `logging` (logger `nixl.gixl`, under NIXL's `nixl` logger and
+//! its level); lines of gixl's own threads (copy threads, the metadata listener) stay on the stderr path, so
+//! that no gixl thread ever waits for the interpreter.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
@@ -71,6 +73,11 @@ pub fn log(level: Level, msg: &str) {
             return;
         }
     }
+    stderr(level, msg);
+}
+
+/// The C users' path: stderr, above the threshold. Also what a sink falls back to for lines it cannot take.
+pub fn stderr(level: Level, msg: &str) {
     if threshold().is_some_and(|t| level >= t) {
         eprintln!("gixl {:<5} {msg}", level.name());
     }
