@@ -2,9 +2,11 @@
 # scripts/test-all.sh — every test gixl has, from a fresh clone: installs what it needs (scripts/setup.sh),
 # then runs each suite and prints a summary. Exits non-zero if any step fails.
 #
-# Steps: Rust unit + multi-process tests (cargo test, incl. the header-drift check); the header alone as C11
-# and C++17; the C library's exports; the C test suite under ASan/UBSan against gixl and against NVIDIA's
-# NIXL 1.5.1 (the oracle); the nixl-sys (stub-api) Rust consumer against gixl; the C++ drop-in (nixl.h) tests under ASan/UBSan against gixl and against NIXL's libnixl.so; the Python conformance suite
+# Steps: Rust unit + multi-process tests (cargo test, incl. the header-drift check); the VRAM tests again
+# with the `cuda` feature (fake device layer); the header alone as C11 and C++17; the C library's exports;
+# the C test suite under ASan/UBSan against gixl and against NVIDIA's NIXL 1.5.1 (the oracle); the nixl-sys
+# (stub-api) Rust consumer against gixl; the C++ drop-in (nixl.h) tests under ASan/UBSan against gixl and
+# against NIXL's libnixl.so; the Python conformance suite
 # against gixl and against NIXL (including the fault matrix and hostile-input tests); the typed stubs
 # (mypy.stubtest); the two-process demo; the C tests under valgrind; a short soak; the Python extension's
 # exports; replacing NVIDIA's nixl-cu12 with gixl in a fresh virtualenv and back (scripts/swap-test.sh);
@@ -88,6 +90,14 @@ rust_tests() {
     local rc=$?
     count_cargo
     return $rc
+}
+rust_cuda() {
+    # The `cuda` feature (cudarc; the driver is loaded at run time, so this builds and runs without CUDA) over
+    # the fake device layer: lint, the VRAM route's unit and multi-process tests (incl. the no-driver
+    # NOT_SUPPORTED path), and the GPU check program as a dry run.
+    cargo clippy --release --features cuda --lib --example gpu_check -- -D warnings &&
+        cargo test --release --features cuda --lib --test vram -- vram &&
+        GIXL_FAKE_DEVICE=1 GIXL_ITERS=2 timeout 120 cargo run -q --release --features cuda --example gpu_check
 }
 rust_lint() {
     # A machine without the tools must not pass this step by accident.
@@ -199,6 +209,7 @@ soak_quick() { GIXL_TEST_INSTALLED=1 timeout 300 .venv/gixl/bin/python python/te
 
 step "rustfmt + clippy -D warnings" rust_lint
 step "cargo test" rust_tests
+step "cargo test --features cuda (fake device layer)" rust_cuda
 step "header compiles alone (C11, C++17)" header
 step "C library exports" capi_exports
 step "C tests + nixl-sys consumer vs gixl" ffi_gixl

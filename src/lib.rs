@@ -20,6 +20,9 @@ pub(crate) mod auth;
 pub mod backend;
 #[cfg(feature = "capi")]
 pub mod capi;
+/// The GPU driver behind a trait: the real one (`cuda` feature) and a fake for tests.
+#[doc(hidden)]
+pub mod device;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod md;

@@ -20,7 +20,7 @@ use crate::backend::{self, Backend, BackendInit, Caps, Params, Peer, RegionKey, 
 use crate::md::{AgentMd, SectionMd};
 use crate::mdx::{Host, Mdx};
 use crate::mem::{Desc, MemType, RegDList, XferDList};
-use crate::status::{Error, Result};
+use crate::status::{Error, Result, Status};
 use section::Section;
 
 pub use xfer::{NotifUpdate, PlanIndex, PreppedDList, XferOpts, XferReq, XferTelemetry};
@@ -313,8 +313,14 @@ impl Agent {
                         slot.be.deregister(mem, &desc, e.key.as_ref());
                     }
                 }
+                // NOT_SUPPORTED (e.g. VRAM in a build or on a machine without GPU support) is passed on as
+                // such; any other refusal is BACKEND.
+                let status = match &last_err {
+                    Some(e) if e.status() == Status::NotSupported => Status::NotSupported,
+                    _ => Status::Backend,
+                };
                 let why = last_err.map(|e| e.to_string()).unwrap_or_default();
-                return Err(Error::backend(format!("no backend accepted {:?}: {why}", d.desc)));
+                return Err(Error::new(status, format!("no backend accepted {:?}: {why}", d.desc)));
             }
         }
         let mut regs = self.inner.regs.write();

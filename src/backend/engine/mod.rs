@@ -15,6 +15,10 @@
 //! Same-host routes copy batch by batch, each batch inside the target incarnation's gate (see `gate`): the
 //! target's live flag and registrations decide, and deregistration and destruction wait for batches inside.
 //!
+//! VRAM (requests with either side in GPU memory) goes through `vram`, over the device layer
+//! (`crate::device`): device copies in this process, CUDA IPC handles carried in metadata to another
+//! process, every copy behind the target's VRAM gate page.
+//!
 //! Small requests complete inline in `post`; large ones are split across a few copy threads (or, over TCP,
 //! across the peer's data connections).
 //!
@@ -39,6 +43,7 @@ mod liveness;
 pub(crate) mod net;
 mod pool;
 mod tcp;
+mod vram;
 pub mod wire;
 
 use std::any::Any;
@@ -112,6 +117,8 @@ struct Shared {
     pool: Pool,
     /// Workers for TCP pieces: they block on sockets, so they are not the copy threads.
     tcp_pool: Pool,
+    /// Registered VRAM, its exports and gate page (see `vram`).
+    vram: vram::Vram,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -187,6 +194,7 @@ impl Engine {
             ctrl,
             pool: Pool::new(threads),
             tcp_pool: Pool::new((2 * conns).clamp(4, 64)),
+            vram: Default::default(),
         });
         registry().lock().insert(init.incarnation, Arc::downgrade(&shared));
         Ok(Engine { shared })
@@ -207,6 +215,8 @@ impl Shared {
             return;
         }
         registry().lock().remove(&self.incarnation);
+        // Peers' VRAM copies: refused from here, those inside waited for (see `vram`).
+        self.vram.shutdown(self.tcp_opts.timeout);
         // From here no peer's batch passes the gate; those inside finish before this returns.
         self.gate.close(self.tcp_opts.timeout);
         self.ctrl.shutdown();
@@ -480,7 +490,7 @@ impl Backend for Engine {
     }
 
     fn caps(&self) -> Caps {
-        // VRAM is advertised as NIXL's UCX plugin does; registering it fails until the `cuda` feature lands.
+        // VRAM is advertised as NIXL's UCX plugin does; registering it needs a device layer (`crate::device`).
         Caps { local: true, remote: true, notif: true, mems: vec![MemType::Dram, MemType::Vram] }
     }
 
@@ -490,7 +500,7 @@ impl Backend for Engine {
 
     fn register(&self, mem: MemType, desc: &RegDesc) -> Result<LocalRegion> {
         if mem == MemType::Vram {
-            return Err(Error::not_supported("VRAM needs GPU support (the `cuda` feature), which this build lacks"));
+            return self.shared.vram.register(&self.shared, desc);
         }
         if mem != MemType::Dram {
             return Err(Error::not_supported(format!("{} is not supported by this engine", mem.seg_name())));
@@ -501,6 +511,11 @@ impl Backend for Engine {
     }
 
     fn deregister(&self, mem: MemType, desc: &Desc, key: Option<&RegionKey>) {
+        if mem == MemType::Vram {
+            // Waits for peers' copies inside the region (see `vram`).
+            self.shared.vram.deregister(&self.shared, key);
+            return;
+        }
         if mem != MemType::Dram {
             return;
         }
@@ -514,11 +529,14 @@ impl Backend for Engine {
 
     fn load_remote_region(
         &self,
-        _peer: &Arc<dyn Peer>,
-        _mem: MemType,
+        peer: &Arc<dyn Peer>,
+        mem: MemType,
         desc: &Desc,
         public: &[u8],
     ) -> Result<Option<RegionKey>> {
+        if mem == MemType::Vram {
+            return vram::load_remote(downcast(peer)?.incarnation, desc.addr, public).map(Some);
+        }
         let ticket = decode_ticket(public)?;
         Ok(Some(Arc::new(RemoteRegion { addr: desc.addr, len: desc.len, ticket })))
     }
@@ -681,8 +699,9 @@ impl Backend for Engine {
     }
 
     fn prep_xfer(&self, plan: XferPlan) -> Result<Box<dyn BackendXfer>> {
-        if plan.local_mem != MemType::Dram || plan.remote_mem != MemType::Dram {
-            return Err(Error::not_supported("this engine moves DRAM only"));
+        let vram = if vram::wants(&plan) { Some(vram::prep(&self.shared, &plan)?) } else { None };
+        if vram.is_none() && (plan.local_mem != MemType::Dram || plan.remote_mem != MemType::Dram) {
+            return Err(Error::not_supported("this engine moves DRAM and VRAM only"));
         }
         let route = match &plan.target {
             Target::Local => Route::Loopback,
@@ -691,7 +710,7 @@ impl Backend for Engine {
                 Route::Peer(p.clone())
             }
         };
-        let core = Arc::new(Core { shared: self.shared.clone(), plan, route });
+        let core = Arc::new(Core { shared: self.shared.clone(), plan, route, vram });
         Ok(Box::new(EngineXfer { core, run: Mutex::new(None) }))
     }
 
@@ -738,6 +757,8 @@ struct Core {
     shared: Arc<Shared>,
     plan: XferPlan,
     route: Route,
+    /// Set when the request touches VRAM: its copies go through `vram` (its own gate page).
+    vram: Option<vram::VramPlan>,
 }
 
 struct EngineXfer {
@@ -790,6 +811,9 @@ impl Core {
     fn copy(&self, segs: &[Seg], run: &Run) -> Result<()> {
         if self.shared.panic_copies {
             panic!("injected copy-worker panic (GIXL_TEST_FAULT=copy_panic)");
+        }
+        if let Some(v) = &self.vram {
+            return v.copy(self, segs, run);
         }
         let op = self.plan.op;
         let stopped = || Error::new(Status::Canceled, "transfer stopped");
@@ -1194,7 +1218,10 @@ mod tests {
             total_bytes: SIZE as u64,
         };
         let route = Route::Peer(peer.clone());
-        let x = EngineXfer { core: Arc::new(Core { shared: a.shared.clone(), plan, route }), run: Mutex::new(None) };
+        let x = EngineXfer {
+            core: Arc::new(Core { shared: a.shared.clone(), plan, route, vram: None }),
+            run: Mutex::new(None),
+        };
         assert_eq!(x.post(None).unwrap(), Status::InProg);
         let probe = (dst.as_ptr() as usize + SIZE / 2 + (8 << 20)) as *const u8;
         // SAFETY: `dst` lives to the end of the test; volatile because a copy thread writes it.

@@ -1,0 +1,461 @@
+//! The GPU check behind `scripts/gpu-check.sh`: VRAM through gixl between two processes on one host, with
+//! bandwidth beside the device's own device-to-device copy rate, data checked after every case, and a peer
+//! restart with the old IPC handle.
+//!
+//! `cargo run --release --features cuda --example gpu_check` on a machine with a GPU. With
+//! `GIXL_FAKE_DEVICE=1` it runs the same cases over the fake device layer (a dry run of the protocol and of
+//! this program; the figures then mean nothing).
+//!
+//! Cases (decode = this process, prefill = a child, both on device `GIXL_GPU` (default 0)):
+//! VRAM→VRAM READ and WRITE, 1 × 64 MiB and 1024 × 16 KiB (remote blocks in random order); remote VRAM ↔
+//! local DRAM both ways (through the opened IPC handle); local VRAM ↔ remote DRAM both ways (staged through
+//! pinned memory and cross-memory attach); a VMM allocation (POSIX-fd handle) READ; the prefill killed with
+//! the handle open and restarted: old requests refused (REMOTE_DISCONNECT, then NOT_FOUND after reload), the
+//! new incarnation's memory unchanged, a new request works.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use gixl::device::{self, fake, Copy};
+use gixl::*;
+
+const MIB: usize = 1 << 20;
+const BULK: usize = 64 * MIB;
+const BLOCKS: usize = 1024;
+const BLOCK: usize = 16 << 10;
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap_or(0)).collect()
+}
+
+fn gpu() -> u32 {
+    std::env::var("GIXL_GPU").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
+}
+
+/// Device memory for the check itself: allocation, fill, checksum. Over the fake device or the real driver.
+mod mem {
+    use super::*;
+
+    pub fn fake() -> bool {
+        device::is_fake()
+    }
+
+    #[cfg(feature = "cuda")]
+    mod real {
+        use cudarc::driver::sys;
+        use std::ffi::c_void;
+
+        pub fn ok(r: sys::CUresult, what: &str) {
+            assert!(r == sys::CUresult::CUDA_SUCCESS, "{what}: {r:?}");
+        }
+
+        /// Make the device's primary context current on this thread.
+        pub fn current(dev: u32) {
+            let mut d = 0;
+            let mut c: sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: valid out-pointers; the driver was initialised by gixl's device layer.
+            unsafe {
+                ok(sys::cuDeviceGet(&mut d, dev as i32), "cuDeviceGet");
+                ok(sys::cuDevicePrimaryCtxRetain(&mut c, d), "cuDevicePrimaryCtxRetain");
+                ok(sys::cuCtxSetCurrent(c), "cuCtxSetCurrent");
+            }
+        }
+
+        pub fn alloc(dev: u32, size: usize, vmm: bool) -> Option<u64> {
+            current(dev);
+            let mut p = 0u64;
+            if !vmm {
+                // SAFETY: valid out-pointer.
+                ok(unsafe { sys::cuMemAlloc_v2(&mut p, size) }, "cuMemAlloc");
+                return Some(p);
+            }
+            // SAFETY: zeroed is valid for this plain struct; fields set below.
+            let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+            prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+            prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+            prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+            prop.location.id = dev as i32;
+            let mut g = 0usize;
+            let gflag = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+            // SAFETY: valid pointers.
+            if unsafe { sys::cuMemGetAllocationGranularity(&mut g, &prop, gflag) } != sys::CUresult::CUDA_SUCCESS {
+                return None;
+            }
+            let size = size.div_ceil(g) * g;
+            let mut h = 0;
+            // SAFETY: valid pointers; each step checked.
+            unsafe {
+                if sys::cuMemCreate(&mut h, size, &prop, 0) != sys::CUresult::CUDA_SUCCESS {
+                    return None;
+                }
+                ok(sys::cuMemAddressReserve(&mut p, size, 0, 0, 0), "cuMemAddressReserve");
+                ok(sys::cuMemMap(p, size, 0, h, 0), "cuMemMap");
+                let mut a: sys::CUmemAccessDesc = std::mem::zeroed();
+                a.location = prop.location;
+                a.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+                ok(sys::cuMemSetAccess(p, size, &a, 1), "cuMemSetAccess");
+            }
+            Some(p)
+        }
+
+        pub fn fill(p: u64, size: usize, b: u8) {
+            // SAFETY: a device range of ours.
+            ok(unsafe { sys::cuMemsetD8_v2(p, b, size) }, "cuMemsetD8");
+        }
+
+        pub fn read(p: u64, out: &mut [u8]) {
+            // SAFETY: a device range of ours, a host buffer of the same length.
+            ok(unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr() as *mut c_void, p, out.len()) }, "cuMemcpyDtoH");
+        }
+
+        pub fn write(p: u64, data: &[u8]) {
+            // SAFETY: as above.
+            ok(unsafe { sys::cuMemcpyHtoD_v2(p, data.as_ptr() as *const c_void, data.len()) }, "cuMemcpyHtoD");
+        }
+    }
+
+    pub fn alloc(dev: u32, size: usize, vmm: bool, at: Option<u64>) -> Option<u64> {
+        if fake() {
+            return fake::alloc(dev, size, vmm, at).ok();
+        }
+        #[cfg(feature = "cuda")]
+        return real::alloc(dev, size, vmm);
+        #[cfg(not(feature = "cuda"))]
+        None
+    }
+
+    pub fn current(_dev: u32) {
+        #[cfg(feature = "cuda")]
+        if !fake() {
+            real::current(_dev);
+        }
+    }
+
+    fn slice(p: u64, len: usize) -> &'static mut [u8] {
+        // SAFETY: fake device memory is host memory of this process, `len` bytes allocated by `alloc`.
+        unsafe { std::slice::from_raw_parts_mut(p as usize as *mut u8, len) }
+    }
+
+    pub fn fill(p: u64, size: usize, b: u8) {
+        if fake() {
+            slice(p, size).fill(b);
+            return;
+        }
+        #[cfg(feature = "cuda")]
+        real::fill(p, size, b);
+    }
+
+    pub fn read(p: u64, out: &mut [u8]) {
+        if fake() {
+            out.copy_from_slice(slice(p, out.len()));
+            return;
+        }
+        #[cfg(feature = "cuda")]
+        real::read(p, out);
+    }
+
+    pub fn write(p: u64, data: &[u8]) {
+        if fake() {
+            slice(p, data.len()).copy_from_slice(data);
+            return;
+        }
+        #[cfg(feature = "cuda")]
+        real::write(p, data);
+    }
+
+    pub fn sum(p: u64, size: usize) -> u64 {
+        let mut v = vec![0u8; size];
+        read(p, &mut v);
+        v.iter().map(|&b| b as u64).sum()
+    }
+}
+
+fn agent(name: &str) -> Agent {
+    let a = Agent::new(name, AgentConfig::default()).expect("agent");
+    a.create_backend("UCX", &Params::new()).expect("UCX backend");
+    a
+}
+
+fn reg(a: &Agent, mem: MemType, addr: u64, len: usize, dev: u64) -> Result<RegDList> {
+    let l = RegDList::with_descs(mem, vec![RegDesc { desc: Desc::new(addr, len as u64, dev), meta: vec![] }]);
+    a.register_mem(&l, &[]).map(|_| l)
+}
+
+/// The prefill child: legacy VRAM, VMM VRAM (if the device supports it) and DRAM, `BULK` bytes each.
+fn child() {
+    let dev = gpu();
+    device::get().expect("device layer");
+    mem::current(dev);
+    let fill: u8 = std::env::var("GIXL_FILL").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
+    let at = std::env::var("GIXL_AT").ok().and_then(|v| v.parse().ok());
+    let v = mem::alloc(dev, BULK, false, at).expect("VRAM allocation");
+    mem::fill(v, BULK, fill);
+    let vmm = mem::alloc(dev, BULK, true, None);
+    if let Some(p) = vmm {
+        mem::fill(p, BULK, fill ^ 0x0f);
+    }
+    let dram = vec![!fill; BULK];
+    let a = agent("gpu-prefill");
+    reg(&a, MemType::Vram, v, BULK, dev as u64).expect("register VRAM");
+    let vmm = vmm.filter(|&p| match reg(&a, MemType::Vram, p, BULK, dev as u64) {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("prefill: VMM allocation not registered: {e}");
+            false
+        }
+    });
+    reg(&a, MemType::Dram, dram.as_ptr() as u64, BULK, 0).expect("register DRAM");
+    let out = std::io::stdout();
+    let mut out = out.lock();
+    let md = a.local_md().expect("metadata");
+    writeln!(out, "\n@md {} {v} {} {}", hex(&md), vmm.unwrap_or(0), dram.as_ptr() as u64).ok();
+    out.flush().ok();
+    for line in std::io::stdin().lock().lines() {
+        match line.as_deref().unwrap_or("") {
+            "sum" => {
+                let d: u64 = dram.iter().map(|&b| b as u64).sum();
+                writeln!(out, "sum {} {d}", mem::sum(v, BULK)).ok();
+            }
+            _ => break,
+        }
+        out.flush().ok();
+    }
+}
+
+struct Prefill {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    md: Vec<u8>,
+    vram: u64,
+    vmm: u64,
+    dram: u64,
+}
+
+impl Prefill {
+    #[allow(clippy::zombie_processes)]
+    fn start(fill: u8, at: Option<u64>) -> Prefill {
+        let mut c = Command::new(std::env::current_exe().expect("own path"));
+        c.env("GIXL_GPU_CHILD", "1").env("GIXL_FILL", fill.to_string()).stdin(Stdio::piped()).stdout(Stdio::piped());
+        if let Some(at) = at {
+            c.env("GIXL_AT", at.to_string());
+        }
+        let mut child = c.spawn().expect("spawn prefill");
+        let stdin = child.stdin.take().expect("stdin");
+        let mut stdout = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(stdout.read_line(&mut line).unwrap_or(0) > 0, "prefill exited before printing metadata");
+            if let Some(rest) = line.trim().strip_prefix("@md ") {
+                let f: Vec<&str> = rest.split(' ').collect();
+                let n = |i: usize| f[i].parse::<u64>().unwrap_or(0);
+                return Prefill { md: unhex(f[0]), vram: n(1), vmm: n(2), dram: n(3), child, stdin, stdout };
+            }
+        }
+    }
+
+    fn sums(&mut self) -> (u64, u64) {
+        writeln!(self.stdin, "sum").ok();
+        let mut l = String::new();
+        self.stdout.read_line(&mut l).ok();
+        let f: Vec<u64> = l.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+        (f[0], f[1])
+    }
+
+    fn kill(mut self) {
+        self.child.kill().ok();
+        self.child.wait().ok();
+    }
+}
+
+fn run(a: &Agent, r: &XferReq) -> Result<Duration> {
+    let t = Instant::now();
+    let mut s = a.post_xfer_req(r, NotifUpdate::Keep)?;
+    while s == Status::InProg {
+        std::hint::spin_loop();
+        s = a.xfer_status(r)?;
+        if t.elapsed() > Duration::from_secs(60) {
+            return Err(Error::new(Status::Backend, "timed out"));
+        }
+    }
+    Ok(t.elapsed())
+}
+
+/// Median GB/s over `iters` posts of `r` moving `bytes`.
+fn rate(a: &Agent, r: &XferReq, bytes: usize, iters: usize) -> Result<f64> {
+    run(a, r)?; // warm-up (opens the handle)
+    let mut v: Vec<f64> =
+        (0..iters).map(|_| run(a, r).map(|d| bytes as f64 / d.as_secs_f64() / 1e9)).collect::<Result<_>>()?;
+    v.sort_by(|x, y| x.total_cmp(y));
+    Ok(v[v.len() / 2])
+}
+
+fn dl(mem: MemType, descs: Vec<(u64, usize)>, dev: u32) -> XferDList {
+    XferDList::with_descs(mem, descs.into_iter().map(|(a, l)| Desc::new(a, l as u64, dev as u64)).collect())
+}
+
+/// A permutation of 0..n from a fixed seed (no rand crate).
+fn shuffled(n: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..n).collect();
+    let mut x = 0x9e3779b97f4a7c15u64;
+    for i in (1..n).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    v
+}
+
+fn main() {
+    if std::env::var("GIXL_GPU_CHILD").is_ok() {
+        child();
+        return;
+    }
+    let iters: usize = std::env::var("GIXL_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(10);
+    let dev = gpu();
+    let d = match device::get() {
+        Ok(d) => d,
+        Err(e) => {
+            println!("gpu_check: no device layer: {e}");
+            std::process::exit(2);
+        }
+    };
+    println!("gpu_check: device layer '{}', GPU {dev}, {iters} iterations per figure (median)", d.kind());
+    mem::current(dev);
+    let mut failures = 0;
+    let mut check = |ok: bool, what: &str| {
+        println!("  {} {what}", if ok { "ok  " } else { "FAIL" });
+        if !ok {
+            failures += 1;
+        }
+    };
+
+    // The device's own device-to-device rate, through the same device layer.
+    let (x, y) =
+        (mem::alloc(dev, BULK, false, None).expect("alloc"), mem::alloc(dev, BULK, false, None).expect("alloc"));
+    let mut d2d = Vec::new();
+    for _ in 0..=iters {
+        let t = Instant::now();
+        d.copy(dev, &[Copy { dst: y, src: x, len: BULK as u64 }]).expect("D2D copy");
+        d2d.push(BULK as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    d2d.sort_by(|a, b| a.total_cmp(b));
+    let d2d = d2d[d2d.len() / 2];
+    println!("device D2D copy, 64 MiB, in one process: {d2d:.1} GB/s");
+
+    let mut p = Prefill::start(3, None);
+    let a = agent("gpu-decode");
+    let lv = mem::alloc(dev, BULK, false, None).expect("alloc");
+    reg(&a, MemType::Vram, lv, BULK, dev as u64).expect("register local VRAM");
+    let host = vec![0u8; BULK];
+    reg(&a, MemType::Dram, host.as_ptr() as u64, BULK, 0).expect("register local DRAM");
+    a.load_remote_md(&p.md).expect("load prefill metadata");
+    let o = XferOpts::default();
+    let (v, dr) = (MemType::Vram, MemType::Dram);
+    let mk = |op, l: XferDList, r: XferDList| a.create_xfer_req(op, &l, &r, "gpu-prefill", &o);
+    let mut rows: Vec<(String, f64)> = Vec::new();
+
+    let bulk_l = || dl(v, vec![(lv, BULK)], dev);
+    let bulk_r = |p: &Prefill| dl(v, vec![(p.vram, BULK)], dev);
+    // READ 64 MiB.
+    let r = mk(XferOp::Read, bulk_l(), bulk_r(&p)).expect("request");
+    rows.push(("VRAM→VRAM READ 1 × 64 MiB".into(), rate(&a, &r, BULK, iters).unwrap_or(f64::NAN)));
+    check(mem::sum(lv, BULK) == 3 * BULK as u64, "READ 64 MiB: data");
+    // WRITE 64 MiB.
+    mem::fill(lv, BULK, 7);
+    let w = mk(XferOp::Write, bulk_l(), bulk_r(&p)).expect("request");
+    rows.push(("VRAM→VRAM WRITE 1 × 64 MiB".into(), rate(&a, &w, BULK, iters).unwrap_or(f64::NAN)));
+    check(p.sums().0 == 7 * BULK as u64, "WRITE 64 MiB: data");
+    // 1024 × 16 KiB, remote blocks shuffled.
+    let perm = shuffled(BLOCKS);
+    let pattern: Vec<u8> = (0..BLOCKS * BLOCK).map(|i| (i / BLOCK) as u8 ^ 0x5a).collect();
+    mem::write(lv, &pattern);
+    let bl = dl(v, (0..BLOCKS).map(|i| (lv + (i * BLOCK) as u64, BLOCK)).collect(), dev);
+    let br = |p: &Prefill| dl(v, perm.iter().map(|&j| (p.vram + (j * BLOCK) as u64, BLOCK)).collect(), dev);
+    let w = mk(XferOp::Write, bl.clone(), br(&p)).expect("request");
+    rows.push(("VRAM→VRAM WRITE 1024 × 16 KiB".into(), rate(&a, &w, BLOCKS * BLOCK, iters).unwrap_or(f64::NAN)));
+    mem::fill(lv, BULK, 0);
+    let r = mk(XferOp::Read, bl.clone(), br(&p)).expect("request");
+    rows.push(("VRAM→VRAM READ 1024 × 16 KiB".into(), rate(&a, &r, BLOCKS * BLOCK, iters).unwrap_or(f64::NAN)));
+    let mut back = vec![0u8; BLOCKS * BLOCK];
+    mem::read(lv, &mut back);
+    check(back == pattern, "1024 × 16 KiB WRITE then READ: data");
+    // Remote VRAM ↔ local DRAM.
+    let hl = dl(dr, vec![(host.as_ptr() as u64, BULK)], 0);
+    let r = mk(XferOp::Read, hl.clone(), bulk_r(&p)).expect("request");
+    rows.push(("remote VRAM → local DRAM (READ) 64 MiB".into(), rate(&a, &r, BULK, iters).unwrap_or(f64::NAN)));
+    // The prefill's VRAM: 7 everywhere (the 64 MiB WRITE), block `perm[i]` holding pattern block `i`.
+    let mut want = vec![7u8; BULK];
+    for (i, &j) in perm.iter().enumerate() {
+        want[j * BLOCK..(j + 1) * BLOCK].copy_from_slice(&pattern[i * BLOCK..(i + 1) * BLOCK]);
+    }
+    check(host == want, "remote VRAM → DRAM: data");
+    let w = mk(XferOp::Write, hl.clone(), bulk_r(&p)).expect("request");
+    rows.push(("local DRAM → remote VRAM (WRITE) 64 MiB".into(), rate(&a, &w, BULK, iters).unwrap_or(f64::NAN)));
+    // Local VRAM ↔ remote DRAM (staged).
+    mem::fill(lv, BULK, 0x21);
+    let rd = dl(dr, vec![(p.dram, BULK)], 0);
+    let w = mk(XferOp::Write, bulk_l(), rd.clone()).expect("request");
+    rows.push((
+        "local VRAM → remote DRAM (WRITE, staged) 64 MiB".into(),
+        rate(&a, &w, BULK, iters).unwrap_or(f64::NAN),
+    ));
+    check(p.sums().1 == 0x21 * BULK as u64, "VRAM → remote DRAM: data");
+    mem::fill(lv, BULK, 0);
+    let r = mk(XferOp::Read, bulk_l(), rd).expect("request");
+    rows.push(("remote DRAM → local VRAM (READ, staged) 64 MiB".into(), rate(&a, &r, BULK, iters).unwrap_or(f64::NAN)));
+    check(mem::sum(lv, BULK) == 0x21 * BULK as u64, "remote DRAM → VRAM: data");
+    // VMM allocation (POSIX-fd handle).
+    if p.vmm != 0 {
+        let r = mk(XferOp::Read, bulk_l(), dl(v, vec![(p.vmm, BULK)], dev)).expect("request");
+        rows.push(("VMM VRAM→VRAM READ 1 × 64 MiB".into(), rate(&a, &r, BULK, iters).unwrap_or(f64::NAN)));
+        check(mem::sum(lv, BULK) == (3 ^ 0x0f) * BULK as u64, "VMM READ: data");
+    } else {
+        println!("  skip VMM case: the prefill could not create or register a VMM allocation (see its stderr)");
+    }
+
+    println!("\n| case | gixl GB/s | of device D2D |");
+    println!("|---|---:|---:|");
+    for (name, gbs) in &rows {
+        println!("| {name} | {gbs:.2} | {:.0}% |", 100.0 * gbs / d2d);
+    }
+    println!("| device D2D (one process) | {d2d:.2} | 100% |\n");
+
+    // Restart with the old IPC handle.
+    let old = p.vram;
+    let r = mk(XferOp::Read, bulk_l(), bulk_r(&p)).expect("request");
+    let w = mk(XferOp::Write, dl(v, vec![(lv, 4096)], dev), dl(v, vec![(p.vram, 4096)], dev)).expect("request");
+    run(&a, &r).expect("READ before the kill");
+    p.kill();
+    let t = Instant::now();
+    let e = run(&a, &w).err();
+    check(
+        e.as_ref().map(|e| e.status()) == Some(Status::RemoteDisconnect),
+        &format!("killed peer, old handle: {:?} after {:?}", e.map(|e| e.status()), t.elapsed()),
+    );
+    let mut p2 = Prefill::start(9, Some(old));
+    println!(
+        "  restarted prefill: VRAM at {:#x} ({} address)",
+        p2.vram,
+        if p2.vram == old { "same" } else { "another" }
+    );
+    let e = run(&a, &w).err().map(|e| e.status());
+    check(e == Some(Status::RemoteDisconnect), &format!("restarted peer, not reloaded, old handle: {e:?}"));
+    a.invalidate_remote_md("gpu-prefill").expect("invalidate");
+    a.load_remote_md(&p2.md).expect("load new metadata");
+    let e = run(&a, &w).err().map(|e| e.status());
+    check(e == Some(Status::NotFound), &format!("reloaded, old handle: {e:?}"));
+    check(p2.sums().0 == 9 * BULK as u64, "the new incarnation's VRAM is unchanged");
+    let r2 = mk(XferOp::Read, bulk_l(), bulk_r(&p2)).expect("request");
+    let ok = run(&a, &r2).is_ok() && mem::sum(lv, BULK) == 9 * BULK as u64;
+    check(ok, "new handle READ: data");
+    p2.kill();
+    println!("\ngpu_check: {} failure(s)", failures);
+    std::process::exit(if failures == 0 { 0 } else { 1 });
+}

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# scripts/gpu-check.sh — VRAM on a machine with a GPU, in one call of a few minutes.
+#
+#   scripts/gpu-check.sh --prepare [--with-nixl]   on the build machine (needs cargo and the crates):
+#       builds examples/gpu_check with --features cuda into target/gpu-check/ (stripped), and with
+#       --with-nixl packs NIXL 1.5.1 (nixl_cu12 + numpy from .venv/nixl) into target/gpu-check/nixl.tar.zst;
+#       prints the sizes (the device tool carries at most 64 MiB).
+#   scripts/gpu-check.sh                           on the GPU machine (carry target/gpu-check):
+#       1. nvidia-smi, driver version;
+#       2. gixl: target/gpu-check/gpu_check (built here with cargo if missing and cargo works offline):
+#          cross-process VRAM->VRAM READ and WRITE (1 x 64 MiB, 1024 x 16 KiB), remote VRAM <-> local DRAM,
+#          local VRAM <-> remote DRAM (staged), a VMM (POSIX-fd) allocation, the peer killed with the IPC
+#          handle open and restarted (old handle refused, new memory unchanged), bandwidth beside the device's
+#          own D2D copy rate;
+#       3. NIXL 1.5.1 on the same cases (scripts/gpu_check_nixl.py --impl nixl_cu12) if it can be imported
+#          (installed, or unpacked from target/gpu-check/nixl.tar.zst; needs python3.11); otherwise says so.
+# Exit status: non-zero if any gixl case failed.
+set -uo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+out="$root/target/gpu-check"
+
+if [ "${1:-}" = "--prepare" ]; then
+    set -e
+    mkdir -p "$out"
+    cargo build --release --features cuda --example gpu_check
+    cp target/release/examples/gpu_check "$out/gpu_check"
+    strip "$out/gpu_check" 2>/dev/null || true
+    if [ "${2:-}" = "--with-nixl" ]; then
+        site=$(ls -d .venv/nixl/lib/python3*/site-packages | head -n 1)
+        tar -C "$site" -cf - nixl_cu12 nixl_cu12.libs numpy numpy.libs | zstd -q -12 -T0 -o "$out/nixl.tar.zst" -f
+    fi
+    du -ah "$out"
+    du -sh "$out"
+    exit 0
+fi
+
+echo "=== gpu-check on $(hostname) at $(date -u +%FT%TZ)"
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+else
+    echo "nvidia-smi not found"
+fi
+
+bin="$out/gpu_check"
+if [ ! -x "$bin" ]; then
+    echo "=== building gpu_check (cargo build --release --features cuda --example gpu_check)"
+    cargo build --release --offline --features cuda --example gpu_check && bin=target/release/examples/gpu_check
+fi
+status=0
+if [ -x "$bin" ]; then
+    echo "=== gixl (engine 'UCX' over the CUDA driver)"
+    timeout 300 "$bin"
+    status=$?
+    echo "=== gixl: exit $status"
+else
+    echo "=== gixl: no gpu_check binary and no offline build possible: NOT RUN"
+    status=1
+fi
+
+py=""
+if [ -f "$out/nixl.tar.zst" ]; then
+    mkdir -p /tmp/gpu-check-site
+    zstd -dc "$out/nixl.tar.zst" | tar -C /tmp/gpu-check-site -xf -
+    for p in python3.11 python3; do
+        if command -v $p >/dev/null && PYTHONPATH=/tmp/gpu-check-site $p -c "import nixl_cu12._api" 2>/dev/null; then
+            py="env PYTHONPATH=/tmp/gpu-check-site $p"
+            break
+        fi
+    done
+fi
+if [ -z "$py" ] && [ -x .venv/nixl/bin/python ] && .venv/nixl/bin/python -c "import nixl_cu12._api" 2>/dev/null; then
+    py=.venv/nixl/bin/python
+fi
+if [ -z "$py" ] && command -v python3 >/dev/null && python3 -c "import nixl_cu12._api" 2>/dev/null; then
+    py=python3
+fi
+if [ -n "$py" ]; then
+    echo "=== NIXL 1.5.1 (nixl-cu12, UCX) on the same cases"
+    timeout 240 $py scripts/gpu_check_nixl.py --impl nixl_cu12
+    echo "=== NIXL: exit $?"
+else
+    echo "=== NIXL 1.5.1: cannot import nixl_cu12 here (not installed, no network, no carried archive): NOT RUN"
+fi
+exit $status

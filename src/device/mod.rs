@@ -1,0 +1,216 @@
+//! The GPU driver as the engine sees it: a handful of operations behind a trait, so the VRAM route
+//! (`backend::engine::vram`) runs the same code over the real driver (`cuda`, behind the `cuda` feature,
+//! loaded at run time through cudarc) and over a fake that emulates device memory in shared host memory
+//! (`fake`, always compiled, chosen with `GIXL_FAKE_DEVICE=1` or [`select_fake`]). The fake lets the
+//! multi-process protocol, handle lifetime, the gate and the failure paths run in CI without a GPU.
+//!
+//! Operations:
+//! - pointer attributes: which device and which allocation (base, size) an address belongs to;
+//! - export / open / close of an allocation for another process: a legacy IPC handle (64 opaque bytes,
+//!   regions addressed by their offset inside the allocation) or, for VMM allocations (PyTorch's expandable
+//!   segments), a shareable POSIX fd that the exporter keeps open and the importer takes with `pidfd_getfd`;
+//! - copies (device↔device, host↔device) on streams the engine owns, completion by an event that the
+//!   calling thread waits on (a blocking-sync event: the thread sleeps, no busy polling);
+//! - page-locked host buffers for staged copies.
+//!
+//! The real implementation makes the device's primary context current on the calling thread before every
+//! driver call, so any internal thread may call it.
+
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::sync::OnceLock;
+
+use crate::status::{Error, Result};
+
+#[cfg(feature = "cuda")]
+mod cuda;
+#[doc(hidden)]
+pub mod fake;
+
+/// Where an address lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PtrInfo {
+    /// Device ordinal.
+    pub dev: u32,
+    /// The allocation containing the address.
+    pub base: u64,
+    pub size: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum HandleKind {
+    /// `cuIpcGetMemHandle`: 64 opaque bytes.
+    Legacy = 1,
+    /// A VMM allocation exported as a POSIX fd: the bytes are the exporter's fd number and the identity the
+    /// importer checks after taking it.
+    PosixFd = 2,
+}
+
+impl HandleKind {
+    pub fn from_u8(v: u8) -> Option<HandleKind> {
+        match v {
+            1 => Some(HandleKind::Legacy),
+            2 => Some(HandleKind::PosixFd),
+            _ => None,
+        }
+    }
+}
+
+/// How another process opens an allocation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IpcHandle {
+    pub kind: HandleKind,
+    /// Allocation size.
+    pub size: u64,
+    pub bytes: Vec<u8>,
+}
+
+/// An exported allocation. Dropping it releases what the export holds (the fd of a VMM export).
+pub struct Export {
+    pub handle: IpcHandle,
+    pub keep: Option<OwnedFd>,
+}
+
+/// A peer's allocation opened in this process; dropping it closes it.
+pub trait Mapping: Send + Sync {
+    /// The allocation's address in this process.
+    fn base(&self) -> u64;
+}
+
+/// One copy: `len` bytes from `src` to `dst`, either of which may be device or host memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Copy {
+    pub dst: u64,
+    pub src: u64,
+    pub len: u64,
+}
+
+/// A page-locked host buffer; dropping it frees it.
+pub trait HostBuf: Send {
+    fn ptr(&self) -> u64;
+    fn size(&self) -> usize;
+}
+
+pub trait Device: Send + Sync + 'static {
+    /// "cuda" or "fake".
+    fn kind(&self) -> &'static str;
+    /// The device and allocation of `addr`; an error if it is not device memory.
+    fn pointer_info(&self, addr: u64) -> Result<PtrInfo>;
+    /// Make the allocation openable by other processes.
+    fn export(&self, info: &PtrInfo) -> Result<Export>;
+    /// Open a peer's allocation on device `dev`. `exporter` is a pidfd of the exporting process (fd-based
+    /// handles are taken from it with `pidfd_getfd`).
+    fn open(&self, dev: u32, handle: &IpcHandle, exporter: BorrowedFd<'_>) -> Result<Box<dyn Mapping>>;
+    /// Run `copies` on an engine-owned stream of device `dev` and return once they are complete.
+    fn copy(&self, dev: u32, copies: &[Copy]) -> Result<()>;
+    /// A page-locked host buffer of `len` bytes, for staging.
+    fn host_buf(&self, dev: u32, len: usize) -> Result<Box<dyn HostBuf>>;
+}
+
+enum Choice {
+    Fake,
+    #[cfg(feature = "cuda")]
+    Cuda,
+    #[cfg(not(feature = "cuda"))]
+    Off,
+}
+
+static CHOICE: OnceLock<Choice> = OnceLock::new();
+
+fn choice() -> &'static Choice {
+    CHOICE.get_or_init(|| {
+        if std::env::var("GIXL_FAKE_DEVICE").is_ok_and(|v| v.trim() == "1") {
+            return Choice::Fake;
+        }
+        #[cfg(feature = "cuda")]
+        return Choice::Cuda;
+        #[cfg(not(feature = "cuda"))]
+        Choice::Off
+    })
+}
+
+/// Use the fake device in this process (tests). Returns false if the real one was already chosen.
+#[doc(hidden)]
+pub fn select_fake() -> bool {
+    matches!(CHOICE.get_or_init(|| Choice::Fake), Choice::Fake)
+}
+
+/// Whether this process uses the fake device.
+#[doc(hidden)]
+pub fn is_fake() -> bool {
+    matches!(choice(), Choice::Fake)
+}
+
+/// The device layer of this process, or NOT_SUPPORTED saying why there is none.
+pub fn get() -> Result<&'static dyn Device> {
+    match choice() {
+        Choice::Fake => Ok(fake::device()),
+        #[cfg(feature = "cuda")]
+        Choice::Cuda => cuda::device(),
+        #[cfg(not(feature = "cuda"))]
+        Choice::Off => {
+            Err(Error::not_supported("VRAM needs GPU support (the `cuda` feature), which this build of gixl lacks"))
+        }
+    }
+}
+
+/// `pidfd_getfd`: a duplicate of descriptor `fd` of the process behind `pidfd`.
+pub(crate) fn pidfd_getfd(pidfd: BorrowedFd<'_>, fd: i32) -> std::io::Result<OwnedFd> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    // SAFETY: plain syscall; the result is checked.
+    let r = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(r as i32) })
+}
+
+/// (st_dev, st_ino) of a descriptor: the identity an importer checks after `pidfd_getfd`.
+pub(crate) fn fd_identity(fd: BorrowedFd<'_>) -> std::io::Result<(u64, u64)> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: `st` is a valid out-pointer; the fd is borrowed for the call.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok((st.st_dev, st.st_ino))
+}
+
+/// The fd part of a `PosixFd` handle: `fd i32 | st_dev u64 | st_ino u64`.
+pub(crate) fn fd_handle_bytes(fd: i32, id: (u64, u64)) -> Vec<u8> {
+    let mut b = Vec::with_capacity(20);
+    b.extend_from_slice(&fd.to_le_bytes());
+    b.extend_from_slice(&id.0.to_le_bytes());
+    b.extend_from_slice(&id.1.to_le_bytes());
+    b
+}
+
+/// Take the fd a `PosixFd` handle names from the exporter and check it is the object that was exported.
+pub(crate) fn take_fd(handle: &IpcHandle, exporter: BorrowedFd<'_>) -> Result<OwnedFd> {
+    let b = &handle.bytes;
+    if b.len() != 20 {
+        return Err(Error::mismatch("malformed fd handle"));
+    }
+    let num = |r: std::ops::Range<usize>| {
+        let mut a = [0u8; 8];
+        a[..r.len()].copy_from_slice(&b[r]);
+        u64::from_le_bytes(a)
+    };
+    let fd = num(0..4) as u32 as i32;
+    let want = (num(4..12), num(12..20));
+    let got = pidfd_getfd(exporter, fd).map_err(|e| {
+        let status = if e.raw_os_error() == Some(libc::ESRCH) {
+            crate::Status::RemoteDisconnect
+        } else {
+            crate::Status::Backend
+        };
+        Error::os(status, "taking the peer's allocation handle (pidfd_getfd)", e)
+    })?;
+    let id = fd_identity(std::os::fd::AsFd::as_fd(&got))
+        .map_err(|e| Error::os(crate::Status::Backend, "fstat of the peer's allocation handle", e))?;
+    if id != want {
+        return Err(Error::not_found("the peer no longer exports this allocation (its handle names another object)"));
+    }
+    Ok(got)
+}

@@ -1,0 +1,398 @@
+//! VRAM between real processes, over the fake device layer (`gixl::device::fake`: device memory emulated in
+//! memfd-backed shared memory, IPC handles as descriptors taken with `pidfd_getfd`): the same engine code
+//! that runs over CUDA, minus the driver. The prefill child is this test binary re-run with
+//! `GIXL_CHILD=vram-prefill`; it speaks a line protocol on stdin/stdout.
+//!
+//! What the fake cannot show (copy engines, real IPC handles, contexts, bandwidth) is left to
+//! `scripts/gpu-check.sh` on a machine with a GPU.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use gixl::device::fake;
+use gixl::*;
+
+const MIB: usize = 1 << 20;
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+}
+
+fn env<T: std::str::FromStr>(k: &str) -> Option<T> {
+    std::env::var(k).ok().and_then(|v| v.parse().ok())
+}
+
+fn slice(p: u64, len: usize) -> &'static mut [u8] {
+    // SAFETY: test allocations of `len` bytes that live until the process exits.
+    unsafe { std::slice::from_raw_parts_mut(p as usize as *mut u8, len) }
+}
+
+fn sum(p: u64, len: usize) -> u64 {
+    slice(p, len).iter().map(|&b| b as u64).sum()
+}
+
+/// The prefill child: `size` bytes of fake VRAM on device 1 (at `GIXL_AT` if set) filled with `fill`, and
+/// `size` bytes of DRAM filled with `!fill`, both registered. Prints `@md <md> <vram> <dram> <identity>`,
+/// then answers `sum` (both buffers), `dereg` (deregisters the VRAM), anything else: exit.
+fn prefill_child() {
+    let size: usize = env("GIXL_SIZE").unwrap();
+    let fill: u8 = env("GIXL_FILL").unwrap();
+    let vmm = env::<u8>("GIXL_VMM") == Some(1);
+    assert!(gixl::device::select_fake());
+    let vram = fake::alloc(1, size, vmm, env("GIXL_AT")).unwrap();
+    slice(vram, size).fill(fill);
+    let dram = vec![!fill; size];
+    let a = Agent::new("prefill", AgentConfig::default()).unwrap();
+    a.create_backend("UCX", &Params::new()).unwrap();
+    let vl = RegDList::with_descs(MemType::Vram, vec![RegDesc { desc: Desc::new(vram, size as u64, 1), meta: vec![] }]);
+    a.register_mem(&vl, &[]).unwrap();
+    let dl = RegDList::with_descs(
+        MemType::Dram,
+        vec![RegDesc { desc: Desc::new(dram.as_ptr() as u64, size as u64, 0), meta: vec![] }],
+    );
+    a.register_mem(&dl, &[]).unwrap();
+    let out = std::io::stdout();
+    let mut out = out.lock();
+    let ino = fake::identity(vram).unwrap();
+    writeln!(out, "\n@md {} {vram} {} {ino}", hex(&a.local_md().unwrap()), dram.as_ptr() as u64).unwrap();
+    out.flush().unwrap();
+    let mut snap = Vec::new();
+    for line in std::io::stdin().lock().lines() {
+        match line.unwrap().as_str() {
+            "sum" => {
+                let d: u64 = dram.iter().map(|&b| b as u64).sum();
+                writeln!(out, "sum {} {d}", sum(vram, size)).unwrap()
+            }
+            "dereg" => {
+                a.deregister_mem(&vl, &[]).unwrap();
+                writeln!(out, "ok").unwrap()
+            }
+            // Deregister, then keep a copy of the buffer as it was when `deregister_mem` returned.
+            "dereg-snap" => {
+                a.deregister_mem(&vl, &[]).unwrap();
+                snap = slice(vram, size).to_vec();
+                writeln!(out, "ok").unwrap()
+            }
+            "same" => writeln!(out, "same {}", snap[..] == slice(vram, size)[..]).unwrap(),
+            _ => break,
+        }
+        out.flush().unwrap();
+    }
+}
+
+/// Without a device layer (no fake, and no `cuda` feature or no driver): VRAM registration is refused
+/// with NOT_SUPPORTED and a message saying why. Prints `@status <status> <message>`.
+fn nodevice_child() {
+    let a = Agent::new("nodevice", AgentConfig::default()).unwrap();
+    a.create_backend("UCX", &Params::new()).unwrap();
+    let buf = vec![0u8; 4096];
+    let l = RegDList::with_descs(
+        MemType::Vram,
+        vec![RegDesc { desc: Desc::new(buf.as_ptr() as u64, 4096, 0), meta: vec![] }],
+    );
+    let r = a.register_mem(&l, &[]);
+    match r {
+        Ok(()) => println!("\n@status ok"),
+        Err(e) => println!("\n@status {:?} {}", e.status(), e.message()),
+    }
+}
+
+#[test]
+fn child_entry() {
+    match std::env::var("GIXL_CHILD").as_deref() {
+        Ok("vram-prefill") => prefill_child(),
+        Ok("vram-nodevice") => nodevice_child(),
+        _ => {}
+    }
+}
+
+struct Prefill {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    md: Vec<u8>,
+    vram: u64,
+    dram: u64,
+    ino: u64,
+}
+
+impl Prefill {
+    #[allow(clippy::zombie_processes)]
+    fn start(size: usize, fill: u8, vmm: bool, at: Option<u64>) -> Prefill {
+        let mut c = Command::new(std::env::current_exe().unwrap());
+        c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+            .env("GIXL_CHILD", "vram-prefill")
+            .env("GIXL_SIZE", size.to_string())
+            .env("GIXL_FILL", fill.to_string())
+            .env("GIXL_VMM", if vmm { "1" } else { "0" })
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped());
+        if let Some(at) = at {
+            c.env("GIXL_AT", at.to_string());
+        }
+        let mut child = c.spawn().unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(stdout.read_line(&mut line).unwrap() > 0, "child exited before printing metadata");
+            if let Some(rest) = line.trim().strip_prefix("@md ") {
+                let f: Vec<&str> = rest.split(' ').collect();
+                let (vram, dram, ino) = (f[1].parse().unwrap(), f[2].parse().unwrap(), f[3].parse().unwrap());
+                return Prefill { child, stdin, stdout, md: unhex(f[0]), vram, dram, ino };
+            }
+        }
+    }
+
+    fn ask(&mut self, cmd: &str) -> String {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        let mut l = String::new();
+        assert!(self.stdout.read_line(&mut l).unwrap() > 0);
+        l.trim().to_owned()
+    }
+
+    /// (sum of the VRAM buffer, sum of the DRAM buffer)
+    fn sums(&mut self) -> (u64, u64) {
+        let l = self.ask("sum");
+        let f: Vec<&str> = l.split(' ').collect();
+        (f[1].parse().unwrap(), f[2].parse().unwrap())
+    }
+
+    fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+fn decode(name: &str) -> Agent {
+    assert!(gixl::device::select_fake());
+    let d = Agent::new(name, AgentConfig::default()).unwrap();
+    d.create_backend("UCX", &Params::new()).unwrap();
+    d
+}
+
+fn reg(a: &Agent, mem: MemType, addr: u64, len: usize, dev: u64) {
+    let l = RegDList::with_descs(mem, vec![RegDesc { desc: Desc::new(addr, len as u64, dev), meta: vec![] }]);
+    a.register_mem(&l, &[]).unwrap();
+}
+
+fn one(mem: MemType, addr: u64, len: usize, dev: u64) -> XferDList {
+    XferDList::with_descs(mem, vec![Desc::new(addr, len as u64, dev)])
+}
+
+fn run(a: &Agent, r: &XferReq) -> Result<Status> {
+    let mut s = a.post_xfer_req(r, NotifUpdate::Keep)?;
+    let t = Instant::now();
+    while s == Status::InProg && t.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_micros(100));
+        s = a.xfer_status(r)?;
+    }
+    Ok(s)
+}
+
+#[test]
+fn vram_cross_process_read_write_blocks_and_dram_both_ways() {
+    let size = 8 * MIB;
+    let mut p = Prefill::start(size, 3, true, None);
+    let d = decode("vram-decode");
+    let lv = fake::alloc(0, size, false, None).unwrap();
+    reg(&d, MemType::Vram, lv, size, 0);
+    let host = vec![0u8; size];
+    reg(&d, MemType::Dram, host.as_ptr() as u64, size, 0);
+    d.load_remote_md(&p.md).unwrap();
+    let o = XferOpts::default();
+    let (v, dr) = (MemType::Vram, MemType::Dram);
+
+    // VRAM → VRAM READ, whole buffer (split across copy threads).
+    let r = d.create_xfer_req(XferOp::Read, &one(v, lv, size, 0), &one(v, p.vram, size, 1), "prefill", &o).unwrap();
+    assert_eq!(run(&d, &r).unwrap(), Status::Success);
+    assert!(slice(lv, size).iter().all(|&b| b == 3));
+
+    // 1024 × 4 KiB blocks, remote side reversed (nothing merges), WRITE then READ back.
+    let bs = 4096;
+    let n = 1024;
+    for (i, b) in slice(lv, n * bs).chunks_mut(bs).enumerate() {
+        b.fill(i as u8 ^ 0x5a);
+    }
+    let local = XferDList::with_descs(v, (0..n).map(|i| Desc::new(lv + (i * bs) as u64, bs as u64, 0)).collect());
+    let remote =
+        XferDList::with_descs(v, (0..n).rev().map(|i| Desc::new(p.vram + (i * bs) as u64, bs as u64, 1)).collect());
+    let wblk = d.create_xfer_req(XferOp::Write, &local, &remote, "prefill", &o).unwrap();
+    assert_eq!(run(&d, &wblk).unwrap(), Status::Success);
+    let want: u64 = (0..n).map(|i| (i as u8 ^ 0x5a) as u64 * bs as u64).sum::<u64>() + 3 * (size - n * bs) as u64;
+    assert_eq!(p.sums().0, want);
+    slice(lv, n * bs).fill(0);
+    let rb = d.create_xfer_req(XferOp::Read, &local, &remote, "prefill", &o).unwrap();
+    assert_eq!(run(&d, &rb).unwrap(), Status::Success);
+    for (i, b) in slice(lv, n * bs).chunks(bs).enumerate() {
+        assert!(b.iter().all(|&x| x == i as u8 ^ 0x5a), "block {i}");
+    }
+
+    // Local DRAM ↔ remote VRAM: through the opened handle.
+    let r = d
+        .create_xfer_req(XferOp::Read, &one(dr, host.as_ptr() as u64, size, 0), &one(v, p.vram, size, 1), "prefill", &o)
+        .unwrap();
+    assert_eq!(run(&d, &r).unwrap(), Status::Success);
+    for (j, b) in host[..n * bs].chunks(bs).enumerate() {
+        assert!(b.iter().all(|&x| x == (n - 1 - j) as u8 ^ 0x5a), "block {j}");
+    }
+    assert!(host[n * bs..].iter().all(|&b| b == 3));
+    // Local VRAM ↔ remote DRAM: staged through a page-locked buffer and cross-memory attach.
+    slice(lv, size).fill(0x11);
+    let w = d.create_xfer_req(XferOp::Write, &one(v, lv, size, 0), &one(dr, p.dram, size, 0), "prefill", &o).unwrap();
+    assert_eq!(run(&d, &w).unwrap(), Status::Success);
+    assert_eq!(p.sums().1, 0x11 * size as u64);
+    slice(lv, size).fill(0);
+    let r = d.create_xfer_req(XferOp::Read, &one(v, lv, size, 0), &one(dr, p.dram, size, 0), "prefill", &o).unwrap();
+    assert_eq!(run(&d, &r).unwrap(), Status::Success);
+    assert!(slice(lv, size).iter().all(|&b| b == 0x11));
+
+    // The peer's allocation was opened once for all those requests.
+    assert_eq!(fake::counts(p.ino).opens, 1);
+
+    // The target deregisters: the gate refuses the old requests before any copy reaches the "driver".
+    assert_eq!(p.ask("dereg"), "ok");
+    let before = fake::counts(p.ino);
+    let r = d.create_xfer_req(XferOp::Read, &one(v, lv, 4096, 0), &one(v, p.vram, 4096, 1), "prefill", &o);
+    let e = r.and_then(|r| run(&d, &r)).unwrap_err();
+    assert_eq!(e.status(), Status::NotFound, "{e}");
+    assert_eq!(run(&d, &wblk).unwrap_err().status(), Status::NotFound);
+    assert_eq!(fake::counts(p.ino).copies, before.copies);
+    // Its DRAM is still registered: the staged route still works.
+    assert_eq!(run(&d, &w).unwrap(), Status::Success);
+    p.kill();
+}
+
+#[test]
+fn vram_peer_killed_with_a_handle_open_then_restarted_at_the_same_address() {
+    let size = 4 * MIB;
+    let p = Prefill::start(size, 5, false, None);
+    let d = decode("vram-restart-decode");
+    let lv = fake::alloc(0, size, false, None).unwrap();
+    reg(&d, MemType::Vram, lv, size, 0);
+    d.load_remote_md(&p.md).unwrap();
+    let o = XferOpts::default();
+    let v = MemType::Vram;
+    let r = d.create_xfer_req(XferOp::Read, &one(v, lv, size, 0), &one(v, p.vram, size, 1), "prefill", &o).unwrap();
+    let w = d.create_xfer_req(XferOp::Write, &one(v, lv, 4096, 0), &one(v, p.vram, 4096, 1), "prefill", &o).unwrap();
+    assert_eq!(run(&d, &r).unwrap(), Status::Success);
+    assert!(slice(lv, size).iter().all(|&b| b == 5));
+    let (old_vram, old_ino) = (p.vram, p.ino);
+    assert_eq!(fake::counts(old_ino).opens, 1);
+
+    // Killed while the handle is open: as with CUDA IPC, the mapping would still accept copies; the gate
+    // must refuse them first.
+    p.kill();
+    let at_kill = fake::counts(old_ino);
+    for req in [&r, &w] {
+        let e = run(&d, req).unwrap_err();
+        assert_eq!(e.status(), Status::RemoteDisconnect, "{e}");
+    }
+
+    // Restarted under the same name, its VRAM at the same device address.
+    let mut p2 = Prefill::start(size, 9, false, Some(old_vram));
+    assert_eq!(p2.vram, old_vram);
+    assert_ne!(p2.ino, old_ino);
+    // Old requests: refused (not reloaded: REMOTE_DISCONNECT; after reload: NOT_FOUND); never a driver call.
+    assert_eq!(run(&d, &w).unwrap_err().status(), Status::RemoteDisconnect);
+    d.invalidate_remote_md("prefill").unwrap();
+    d.load_remote_md(&p2.md).unwrap();
+    for req in [&r, &w] {
+        assert_eq!(run(&d, req).unwrap_err().status(), Status::NotFound);
+    }
+    let after = fake::counts(old_ino);
+    assert_eq!((after.opens, after.copies), (at_kill.opens, at_kill.copies), "a stale handle reached the driver");
+    assert_eq!(p2.sums().0, 9 * size as u64, "the new incarnation's memory changed");
+    // The old mapping is closed once nothing holds it (the metadata was invalidated, the requests go).
+    drop((r, w));
+    assert_eq!(fake::counts(old_ino).closes, 1);
+
+    // Fresh requests reach the new incarnation.
+    let r = d.create_xfer_req(XferOp::Read, &one(v, lv, size, 0), &one(v, p2.vram, size, 1), "prefill", &o).unwrap();
+    assert_eq!(run(&d, &r).unwrap(), Status::Success);
+    assert!(slice(lv, size).iter().all(|&b| b == 9));
+    p2.kill();
+}
+
+#[test]
+fn vram_without_a_device_layer_is_not_supported() {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+        .env("GIXL_CHILD", "vram-nodevice")
+        .env_remove("GIXL_FAKE_DEVICE")
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&out.stdout);
+    let line = out.lines().find_map(|l| l.strip_prefix("@status ")).expect("child printed no status");
+    let driver = std::path::Path::new("/dev/nvidiactl").exists();
+    if cfg!(feature = "cuda") && driver {
+        // A host pointer on a machine with a driver: refused as not device memory.
+        assert!(line.contains("not device memory"), "{line}");
+    } else if cfg!(feature = "cuda") {
+        assert!(line.starts_with("NotSupported") && line.contains("VRAM is not available"), "{line}");
+    } else {
+        assert!(line.starts_with("NotSupported") && line.contains("`cuda` feature"), "{line}");
+    }
+}
+
+/// `deregister_memory` racing a large WRITE from another process: whenever it returns (before, during or
+/// after the copy), not one byte lands afterwards. The child snapshots its buffer when `deregister_mem`
+/// returns; the parent waits for its request to end (DONE or NOT_FOUND), then the child compares.
+#[test]
+fn vram_deregistration_waits_for_copies_in_flight() {
+    let size = 64 * MIB;
+    let mut p = Prefill::start(size, 1, false, None);
+    let d = decode("vram-inflight-decode");
+    let lv = fake::alloc(0, size, false, None).unwrap();
+    reg(&d, MemType::Vram, lv, size, 0);
+    let o = XferOpts::default();
+    let mut outcomes = Vec::new();
+    for round in 0..4u8 {
+        if round > 0 {
+            // Registered again for the next round, fresh metadata.
+            p.kill();
+            p = Prefill::start(size, 1, false, None);
+            d.invalidate_remote_md("prefill").unwrap();
+        }
+        d.load_remote_md(&p.md).unwrap();
+        slice(lv, size).fill(0xA0 + round);
+        let w = d
+            .create_xfer_req(
+                XferOp::Write,
+                &one(MemType::Vram, lv, size, 0),
+                &one(MemType::Vram, p.vram, size, 1),
+                "prefill",
+                &o,
+            )
+            .unwrap();
+        let posted = d.post_xfer_req(&w, NotifUpdate::Keep);
+        assert_eq!(p.ask("dereg-snap"), "ok");
+        let end = match posted {
+            Ok(Status::InProg) => {
+                let t = Instant::now();
+                loop {
+                    match d.xfer_status(&w) {
+                        Ok(Status::InProg) if t.elapsed() < Duration::from_secs(20) => std::thread::yield_now(),
+                        other => break other,
+                    }
+                }
+            }
+            other => other,
+        };
+        match &end {
+            Ok(s) => assert_eq!(*s, Status::Success),
+            Err(e) => assert_eq!(e.status(), Status::NotFound, "{e}"),
+        }
+        outcomes.push(end.map_err(|e| e.status()));
+        assert_eq!(p.ask("same"), "same true", "round {round}: bytes landed after deregister_mem returned");
+        // Whatever happened before, the request is refused now.
+        assert_eq!(run(&d, &w).unwrap_err().status(), Status::NotFound);
+    }
+    eprintln!("outcomes of the racing WRITE: {outcomes:?}");
+    p.kill();
+}
