@@ -172,10 +172,11 @@ impl Ctrl {
         })
     }
 
-    /// Bound the notification queue (messages, bytes); for tests.
-    #[cfg(test)]
-    fn set_queue_limits(&self, msgs: usize, bytes: usize) {
+    /// Bound the notification queue (messages, bytes): beyond, no notification socket or control
+    /// connection is read until the application takes notifications.
+    pub fn set_queue_limits(&self, msgs: usize, bytes: usize) {
         self.local.lock().limits = (msgs, bytes);
+        *self.tcp.queue_limits.lock() = (msgs, bytes);
     }
 
     /// Read whatever the local notification connections hold now (non-blocking) into the queue. Called by
