@@ -968,6 +968,67 @@ mod tests {
         ctrl.shutdown();
     }
 
+    /// Over TCP: a control connection whose notifications do not fit is paused (not read: the queue
+    /// stays at its bound), still shows the sender it is alive (a PONG arrives while its PING sits
+    /// unread), and resumes, in order, once the application takes notifications.
+    #[test]
+    fn a_paused_tcp_control_connection_answers_heartbeats_and_resumes() {
+        use super::super::wire;
+        use std::net::TcpStream;
+        let q: Arc<NotifQueue> = Arc::default();
+        let (inc, secret) = (81u128, 5u128);
+        let setup = TcpSetup {
+            bind: "127.0.0.1:0".parse().unwrap(),
+            opts: tcp::TcpOpts { conns: 1, timeout: Duration::from_secs(1) },
+            secret,
+            regions: Arc::default(),
+        };
+        let ctrl = Ctrl::start(inc, q.clone(), setup).unwrap();
+        ctrl.set_queue_limits(2, 1 << 20);
+        let mut s = TcpStream::connect(("127.0.0.1", ctrl.tcp.port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut c = [0u8; wire::CHALLENGE_BYTES];
+        s.read_exact(&mut c).unwrap();
+        let nonce = wire::parse_challenge(&c).unwrap();
+        let tag = crate::auth::hello_tag(secret, wire::KIND_CTRL, inc, &nonce, "pinger");
+        let hello = wire::Hello { kind: wire::KIND_CTRL, incarnation: inc, tag, name: "pinger".into() };
+        s.write_all(&wire::encode_hello(&hello)).unwrap();
+        let mut ack = [0u8; 1];
+        s.read_exact(&mut ack).unwrap();
+        assert_eq!(ack[0], wire::ACK);
+        let mut frames = Vec::new();
+        for i in 0..3u8 {
+            frames.extend_from_slice(&wire::encode_ctrl_head(wire::CTRL_NOTIF, 1));
+            frames.push(i);
+        }
+        frames.extend_from_slice(&wire::encode_ctrl_head(wire::CTRL_PING, 0));
+        s.write_all(&frames).unwrap();
+        let mut pong = [0u8; 5];
+        s.read_exact(&mut pong).unwrap();
+        assert_eq!(pong, wire::encode_ctrl_head(wire::CTRL_PONG, 0));
+        // The PONG came while the third notification (and the PING behind it) waits unread.
+        assert_eq!(q.lock().len(), 2);
+        assert!(ctrl.tcp.paused.load(Ordering::SeqCst));
+        let mut got = std::mem::take(&mut *q.lock());
+        ctrl.tcp.notifs_taken();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while got.len() < 3 && std::time::Instant::now() < deadline {
+            got.append(&mut q.lock());
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let seq: Vec<u8> = got.iter().map(|(_, m)| m[0]).collect();
+        assert_eq!(seq, [0, 1, 2]);
+        // Resumed: the connection is read as before.
+        let mut more = wire::encode_ctrl_head(wire::CTRL_NOTIF, 1).to_vec();
+        more.push(3);
+        s.write_all(&more).unwrap();
+        while q.lock().is_empty() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(q.lock().first().map(|(n, m)| (n.as_str(), m[0])), Some(("pinger", 3)));
+        ctrl.shutdown();
+    }
+
     #[test]
     fn a_stopped_target_still_takes_the_hello_and_notifications() {
         // A listener nobody accepts on: what a SIGSTOPped agent's socket looks like.

@@ -262,7 +262,7 @@ pub struct TcpShared {
     /// (messages, bytes) the notification queue may hold before control connections stop being read.
     pub queue_limits: Mutex<(usize, usize)>,
     /// Some inbound control connection is paused (queue full or budget spent).
-    paused: AtomicBool,
+    pub(super) paused: AtomicBool,
     /// The application took notifications: the progress thread should resume paused connections.
     resume: AtomicBool,
 }
