@@ -473,6 +473,9 @@ struct In {
     admitted: usize,
     /// While paused: when to send the next unsolicited PONG, so the sender's heartbeats see us alive.
     keep_at: u64,
+    /// When bytes last arrived: a connection holding a reservation (`admitted`) that sends nothing for
+    /// `TcpOpts::stall` is closed, so a stalled sender cannot keep the budget from everyone else.
+    last_rx: u64,
 }
 
 impl In {
@@ -545,22 +548,33 @@ impl TcpProgress {
 
     /// Heartbeats, and closing connections that did not authenticate in time. Returns the epoll timeout.
     pub fn tick(&mut self) -> i32 {
-        let now = monotonic_ns();
-        let mut next = self.shared.tick(now);
-        let expired: Vec<u64> =
-            self.inbound.iter().filter(|(_, c)| c.name.is_none() && c.deadline <= now).map(|(t, _)| *t).collect();
-        for t in expired {
-            self.drop_in(t);
-        }
-        for c in self.inbound.values().filter(|c| c.name.is_none()) {
-            let d = c.deadline.saturating_sub(now);
-            next = Some(next.map_or(d, |n| n.min(d)));
-        }
+        // First, so the timers below cover what it resumes.
         if !self.paused.is_empty() {
             let app = self.shared.resume.swap(false, Ordering::AcqRel);
             if app || std::mem::take(&mut self.freed) {
                 self.resume();
             }
+        }
+        let now = monotonic_ns();
+        let mut next = self.shared.tick(now);
+        let expired: Vec<u64> =
+            self.inbound.iter().filter(|(_, c)| c.name.is_none() && c.deadline <= now).map(|(t, _)| *t).collect();
+        // Connections that reserved budget for a frame and then went silent (paused ones wait for us).
+        let stall = self.shared.opts.stall().as_nanos() as u64;
+        let reserving = |(t, c): (&u64, &In)| (c.admitted > 0 && !self.paused.contains(t)).then_some((*t, c.last_rx));
+        let stalled: Vec<u64> =
+            self.inbound.iter().filter_map(reserving).filter(|(_, rx)| rx + stall <= now).map(|(t, _)| t).collect();
+        for t in expired.into_iter().chain(stalled) {
+            self.drop_in(t);
+        }
+        let reserving = |(t, c): (&u64, &In)| (c.admitted > 0 && !self.paused.contains(t)).then_some((*t, c.last_rx));
+        for (_, rx) in self.inbound.iter().filter_map(reserving) {
+            let d = (rx + stall).saturating_sub(now);
+            next = Some(next.map_or(d, |n| n.min(d)));
+        }
+        for c in self.inbound.values().filter(|c| c.name.is_none()) {
+            let d = c.deadline.saturating_sub(now);
+            next = Some(next.map_or(d, |n| n.min(d)));
         }
         // A paused connection's PINGs go unread: answer them ahead, so its sender's heartbeats see us
         // alive (one small write per heartbeat interval while paused; nothing while the queue has room).
@@ -613,7 +627,18 @@ impl TcpProgress {
             if epoll_add(self.shared.epfd.as_raw_fd(), stream.as_raw_fd(), token).is_ok() {
                 let deadline = monotonic_ns() + self.shared.opts.handshake().as_nanos() as u64;
                 let (src, seq) = (from.ip(), self.next_in);
-                let c = In { stream, src, seq, nonce, buf: Vec::new(), name: None, deadline, admitted: 0, keep_at: 0 };
+                let c = In {
+                    stream,
+                    src,
+                    seq,
+                    nonce,
+                    buf: Vec::new(),
+                    name: None,
+                    deadline,
+                    admitted: 0,
+                    keep_at: 0,
+                    last_rx: 0,
+                };
                 self.inbound.insert(token, c);
             }
         }
@@ -804,6 +829,7 @@ impl TcpProgress {
                 }
                 if c.buf.len() >= 4 {
                     c.admitted = need;
+                    c.last_rx = monotonic_ns();
                 }
             }
             match net::recv_now(c.stream.as_raw_fd(), &mut chunk) {
@@ -811,7 +837,10 @@ impl TcpProgress {
                     closed = true;
                     break;
                 }
-                Ok(n) => c.buf.extend_from_slice(&chunk[..n]),
+                Ok(n) => {
+                    c.buf.extend_from_slice(&chunk[..n]);
+                    c.last_rx = monotonic_ns();
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(_) => {
                     closed = true;
@@ -859,8 +888,10 @@ impl TcpProgress {
     fn resume(&mut self) {
         while let Some(&t) = self.paused.first() {
             self.paused.remove(&t);
-            let Some(c) = self.inbound.get(&t) else { continue };
+            let Some(c) = self.inbound.get_mut(&t) else { continue };
             let Some(name) = c.name.clone() else { continue };
+            // Its sender was held back by us, not silent.
+            c.last_rx = monotonic_ns();
             if epoll_add(self.shared.epfd.as_raw_fd(), c.stream.as_raw_fd(), t).is_err() {
                 self.drop_in(t);
                 continue;
