@@ -27,6 +27,15 @@
 //! back-off has passed (dials retry inside the disconnect timeout), and the peer is up again if the same
 //! incarnation answers; a NAK or a refused connection proves it gone for good. An idle peer gets no timers.
 //!
+//! Notifications are back-pressured, never dropped: while the notification queue is over its limits (or
+//! the control connections' shared buffer budget is spent), the progress thread stops reading a control
+//! connection (out of the epoll set, so nothing spins) and sends its peer an unsolicited PONG every
+//! heartbeat interval instead of answering the PINGs it no longer reads; the application taking
+//! notifications resumes the paused connections, oldest first. The sender writes each frame without
+//! blocking, within a bound: when the target does not take it, the sender gets BACKEND and the link stays
+//! up (a frame left half written retires that control connection: it is half-closed, and the target
+//! queues everything before the partial frame).
+//!
 //! Not here: wire encoding (see `wire`), socket syscalls (see `net`), splitting a request into pieces
 //! (see the engine).
 
