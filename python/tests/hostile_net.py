@@ -125,18 +125,41 @@ def parse_md(blob: bytes) -> dict:
 
 
 def parse_conn(info: bytes) -> dict:
-    assert info[0] == 2
+    """UCX engine connection info, version 2, or 3 (which adds the gate fd and address after the start time)."""
+    assert info[0] in (2, 3), info[0]
     host, at = get_bytes(info, 1)
     pid, at = get_uvar(info, at)
     start, at = get_uvar(info, at)
+    gate = b""
+    if info[0] == 3:
+        g0 = at
+        _, at = get_uvar(info, at)
+        at += 8
+        gate = info[g0:at]
     sock, at = get_bytes(info, at)
     secret = info[at : at + 16]
-    return {"host": host, "pid": pid, "start": start, "sock": sock, "secret": secret, "rest": info[at + 16 :]}
+    return {
+        "version": info[0],
+        "host": host,
+        "pid": pid,
+        "start": start,
+        "gate": gate,
+        "sock": sock,
+        "secret": secret,
+        "rest": info[at + 16 :],
+    }
 
 
 def make_conn(c: dict) -> bytes:
     return (
-        bytes([2]) + put_bytes(c["host"]) + uvar(c["pid"]) + uvar(c["start"]) + put_bytes(c["sock"]) + c["secret"] + c["rest"]
+        bytes([c.get("version", 2)])
+        + put_bytes(c["host"])
+        + uvar(c["pid"])
+        + uvar(c["start"])
+        + c.get("gate", b"")
+        + put_bytes(c["sock"])
+        + c["secret"]
+        + c["rest"]
     )
 
 
