@@ -10,11 +10,11 @@ mod harness;
 mod section;
 mod xfer;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 
 use crate::backend::{self, Backend, BackendInit, Caps, Params, Peer, RegionKey, Target};
 use crate::md::{AgentMd, SectionMd};
@@ -185,7 +185,8 @@ impl Agent {
             let remotes: Vec<Arc<RemoteAgent>> = inner.remotes.read().values().cloned().collect();
             remotes.iter().map(|ra| ra.telemetry_row()).collect()
         }));
-        let host = Arc::new(AgentHost { inner: Arc::downgrade(&inner), name: name.to_owned() });
+        let host =
+            Arc::new(AgentHost { inner: Arc::downgrade(&inner), name: name.to_owned(), pushed: Mutex::default() });
         let mdx = Mdx::new(host, listen)?;
         Ok(Agent { inner, mdx: Some(Arc::new(mdx)) })
     }
@@ -751,6 +752,18 @@ impl Drop for Agent {
 struct AgentHost {
     inner: Weak<Inner>,
     name: String,
+    /// Names loaded from LOADs pushed to the listener (see `MAX_PUSHED_PEERS`).
+    pushed: Mutex<HashSet<String>>,
+}
+
+/// Agents that LOADs pushed to the metadata listener may add (`GIXL_MAX_PUSHED_PEERS`, default 1024).
+/// Without a cluster key anyone who reaches the listener can push metadata; this bounds the memory that
+/// costs. Peers the application loads itself (`load_remote_md`, `fetch_remote_md`) do not count, nor do
+/// pushes that refresh an agent already loaded.
+const MAX_PUSHED_PEERS: usize = 1024;
+
+fn max_pushed_peers() -> usize {
+    std::env::var("GIXL_MAX_PUSHED_PEERS").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(MAX_PUSHED_PEERS)
 }
 
 impl AgentHost {
@@ -767,6 +780,26 @@ impl Host for AgentHost {
     }
     fn load(&self, blob: &[u8]) -> Result<String> {
         self.with(|a| a.load_remote_md(blob))
+    }
+    fn load_pushed(&self, blob: &[u8]) -> Result<String> {
+        self.with(|a| {
+            let mut pushed = self.pushed.lock();
+            // Only a new name counts (decoding twice costs little next to a LOAD's network round trip).
+            let name = AgentMd::open(blob, crate::auth::cluster())?.name;
+            if a.remote_incarnation(&name).is_err() {
+                pushed.retain(|n| a.remote_incarnation(n).is_ok());
+                let max = max_pushed_peers();
+                if pushed.len() >= max {
+                    return Err(Error::not_allowed(format!(
+                        "{max} agents loaded from metadata pushed to the listener already (GIXL_MAX_PUSHED_PEERS); \
+                         invalidate some, or load this one with load_remote_md / fetch_remote_md"
+                    )));
+                }
+            }
+            let loaded = a.load_remote_md(blob)?;
+            pushed.insert(loaded.clone());
+            Ok(loaded)
+        })
     }
     fn invalidate(&self, name: &str) -> Result<()> {
         self.with(|a| a.invalidate_remote_md(name))

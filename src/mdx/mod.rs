@@ -38,6 +38,11 @@ pub(crate) use log;
 pub(crate) trait Host: Send + Sync + 'static {
     fn name(&self) -> String;
     fn load(&self, blob: &[u8]) -> Result<String>;
+    /// A LOAD a peer pushed to the listener unasked (`send_local_md`): like `load`, within the host's cap
+    /// on agents loaded that way.
+    fn load_pushed(&self, blob: &[u8]) -> Result<String> {
+        self.load(blob)
+    }
     fn invalidate(&self, name: &str) -> Result<()>;
     fn full_md(&self) -> Result<Vec<u8>>;
     fn loaded_incarnation(&self, name: &str) -> Option<u128>;

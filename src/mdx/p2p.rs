@@ -515,7 +515,7 @@ impl Loop {
                 }
             };
             c.last = monotonic_ns();
-            if let Some(r) = handle(&*self.host, c.peer, m) {
+            if let Some(r) = handle(&*self.host, c.peer, m, !c.outbound) {
                 c.wbuf.extend_from_slice(&r);
             }
         };
@@ -680,10 +680,13 @@ fn short(m: &Msg<'_>) -> &'static str {
 }
 
 /// Act on one frame; returns the reply to send back, if any.
-fn handle(host: &dyn Host, peer: SocketAddr, m: Msg<'_>) -> Option<Vec<u8>> {
+/// `pushed`: the frame came to the listener unasked (a LOAD there is a peer's `send_local_md`), not as
+/// the reply to our own request.
+fn handle(host: &dyn Host, peer: SocketAddr, m: Msg<'_>, pushed: bool) -> Option<Vec<u8>> {
     match m {
         Msg::Load(blob) => {
-            if let Err(e) = host.load(blob) {
+            let r = if pushed { host.load_pushed(blob) } else { host.load(blob) };
+            if let Err(e) = r {
                 log!("loading metadata received from {peer}: {e}");
             }
             None

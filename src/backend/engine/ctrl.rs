@@ -172,10 +172,11 @@ impl Ctrl {
         })
     }
 
-    /// Bound the notification queue (messages, bytes); for tests.
-    #[cfg(test)]
-    fn set_queue_limits(&self, msgs: usize, bytes: usize) {
+    /// Bound the notification queue (messages, bytes): beyond, no notification socket or control
+    /// connection is read until the application takes notifications.
+    pub fn set_queue_limits(&self, msgs: usize, bytes: usize) {
         self.local.lock().limits = (msgs, bytes);
+        *self.tcp.queue_limits.lock() = (msgs, bytes);
     }
 
     /// Read whatever the local notification connections hold now (non-blocking) into the queue. Called by
@@ -964,6 +965,138 @@ mod tests {
         }
         let seq: Vec<u32> = got.iter().map(|(_, m)| u32::from_le_bytes(m[..4].try_into().unwrap())).collect();
         assert_eq!(seq, (0..sent).collect::<Vec<_>>());
+        ctrl.shutdown();
+    }
+
+    /// An authenticated TCP control connection, as a raw client.
+    fn tcp_ctrl_client(ctrl: &Ctrl, inc: u128, secret: u128, name: &str) -> std::net::TcpStream {
+        use super::super::wire;
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", ctrl.tcp.port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut c = [0u8; wire::CHALLENGE_BYTES];
+        s.read_exact(&mut c).unwrap();
+        let nonce = wire::parse_challenge(&c).unwrap();
+        let tag = crate::auth::hello_tag(secret, wire::KIND_CTRL, inc, &nonce, name);
+        let hello = wire::Hello { kind: wire::KIND_CTRL, incarnation: inc, tag, name: name.into() };
+        s.write_all(&wire::encode_hello(&hello)).unwrap();
+        let mut ack = [0u8; 1];
+        s.read_exact(&mut ack).unwrap();
+        assert_eq!(ack[0], wire::ACK);
+        s
+    }
+
+    /// The control connections' shared budget: two peers announce maximum-size notifications (a header
+    /// each, no data). The first reserves its length; the second does not fit beside it and is not read,
+    /// nor is a third connection behind it. Once the first goes away both are read; the second, silent
+    /// with its reservation, is closed after the stall bound.
+    #[test]
+    fn tcp_control_connections_share_a_budget() {
+        use super::super::wire;
+        let q: Arc<NotifQueue> = Arc::default();
+        let (inc, secret) = (82u128, 6u128);
+        let setup = TcpSetup {
+            bind: "127.0.0.1:0".parse().unwrap(),
+            opts: tcp::TcpOpts { conns: 1, timeout: Duration::from_secs(1) },
+            secret,
+            regions: Arc::default(),
+        };
+        let ctrl = Ctrl::start(inc, q.clone(), setup).unwrap();
+        let ping = wire::encode_ctrl_head(wire::CTRL_PING, 0);
+        let pong = wire::encode_ctrl_head(wire::CTRL_PONG, 0);
+        let mut big = Vec::new();
+        for name in ["big-1", "big-2"] {
+            let mut s = tcp_ctrl_client(&ctrl, inc, secret, name);
+            // PING, then the header of a 64 MiB notification: the PONG shows both were read.
+            let mut f = ping.to_vec();
+            f.extend_from_slice(&wire::encode_ctrl_head(wire::CTRL_NOTIF, MAX_NOTIF));
+            s.write_all(&f).unwrap();
+            let mut p = [0u8; 5];
+            s.read_exact(&mut p).unwrap();
+            assert_eq!(p, pong);
+            big.push(s);
+        }
+        let mut small = tcp_ctrl_client(&ctrl, inc, secret, "small");
+        let mut f = wire::encode_ctrl_head(wire::CTRL_NOTIF, 1).to_vec();
+        f.push(9);
+        f.extend_from_slice(&ping);
+        small.write_all(&f).unwrap();
+        let mut p = [0u8; 5];
+        small.read_exact(&mut p).unwrap();
+        assert_eq!(p, pong);
+        // Had the connection been read, its notification would be queued before its PING was answered:
+        // this PONG is the paused connection's keep-alive.
+        assert!(q.lock().is_empty());
+        drop(big.remove(0));
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while q.lock().is_empty() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(q.lock().first().map(|(n, m)| (n.as_str(), m.clone())), Some(("small", vec![9])));
+        // A reservation whose sender then says nothing is closed after the stall bound (5 s here).
+        let t = std::time::Instant::now();
+        let mut rest = [0u8; 5];
+        // Keep-alive PONGs from while it was paused come first.
+        let end = loop {
+            match big[0].read(&mut rest) {
+                Ok(5) if rest == pong => continue,
+                r => break r,
+            }
+        };
+        assert!(
+            matches!(end, Ok(0)) || end.as_ref().is_err_and(|e| e.kind() == io::ErrorKind::ConnectionReset),
+            "{end:?}"
+        );
+        assert!(t.elapsed() < Duration::from_secs(9), "{:?}", t.elapsed());
+        ctrl.shutdown();
+    }
+
+    /// Over TCP: a control connection whose notifications do not fit is paused (not read: the queue
+    /// stays at its bound), still shows the sender it is alive (a PONG arrives while its PING sits
+    /// unread), and resumes, in order, once the application takes notifications.
+    #[test]
+    fn a_paused_tcp_control_connection_answers_heartbeats_and_resumes() {
+        use super::super::wire;
+        let q: Arc<NotifQueue> = Arc::default();
+        let (inc, secret) = (81u128, 5u128);
+        let setup = TcpSetup {
+            bind: "127.0.0.1:0".parse().unwrap(),
+            opts: tcp::TcpOpts { conns: 1, timeout: Duration::from_secs(1) },
+            secret,
+            regions: Arc::default(),
+        };
+        let ctrl = Ctrl::start(inc, q.clone(), setup).unwrap();
+        ctrl.set_queue_limits(2, 1 << 20);
+        let mut s = tcp_ctrl_client(&ctrl, inc, secret, "pinger");
+        let mut frames = Vec::new();
+        for i in 0..3u8 {
+            frames.extend_from_slice(&wire::encode_ctrl_head(wire::CTRL_NOTIF, 1));
+            frames.push(i);
+        }
+        frames.extend_from_slice(&wire::encode_ctrl_head(wire::CTRL_PING, 0));
+        s.write_all(&frames).unwrap();
+        let mut pong = [0u8; 5];
+        s.read_exact(&mut pong).unwrap();
+        assert_eq!(pong, wire::encode_ctrl_head(wire::CTRL_PONG, 0));
+        // The PONG came while the third notification (and the PING behind it) waits unread.
+        assert_eq!(q.lock().len(), 2);
+        assert!(ctrl.tcp.paused.load(Ordering::SeqCst));
+        let mut got = std::mem::take(&mut *q.lock());
+        ctrl.tcp.notifs_taken();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while got.len() < 3 && std::time::Instant::now() < deadline {
+            got.append(&mut q.lock());
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let seq: Vec<u8> = got.iter().map(|(_, m)| m[0]).collect();
+        assert_eq!(seq, [0, 1, 2]);
+        // Resumed: the connection is read as before.
+        let mut more = wire::encode_ctrl_head(wire::CTRL_NOTIF, 1).to_vec();
+        more.push(3);
+        s.write_all(&more).unwrap();
+        while q.lock().is_empty() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(q.lock().first().map(|(n, m)| (n.as_str(), m[0])), Some(("pinger", 3)));
         ctrl.shutdown();
     }
 

@@ -30,6 +30,9 @@
 //! - `tcp_conns` / `GIXL_TCP_CONNS`: data connections per TCP peer (default 4).
 //! - `disconnect_timeout_ms` / `GIXL_DISCONNECT_TIMEOUT_MS`: how long a TCP peer with requests in flight may
 //!   stay silent before they fail with REMOTE_DISCONNECT (default 1000).
+//! - `notif_queue_msgs` / `GIXL_NOTIF_QUEUE_MSGS`, `notif_queue_bytes` / `GIXL_NOTIF_QUEUE_BYTES`: how many
+//!   notifications (and bytes) may wait for the application (default 65536, 256 MiB). Beyond, the local
+//!   sockets and TCP control connections are not read, so senders wait and then fail with BACKEND.
 //!
 //! The engine keeps its own table of registered regions: a TCP peer can reach only those, whatever its
 //! metadata claims, and only over connections that proved they know the per-engine secret from its metadata
@@ -60,7 +63,7 @@ use super::{Backend, BackendInit, BackendXfer, Caps, LocalRegion, Params, Peer, 
 use crate::md::{put_bytes, put_uvar, Reader};
 use crate::mem::{Desc, MemType, RegDesc};
 use crate::status::{Error, Result, Status};
-use ctrl::{Ctrl, NotifQueue, Sender};
+use ctrl::{Ctrl, NotifQueue, Sender, QUEUE_BYTES, QUEUE_MSGS};
 use gate::{Attached, Gate, RegionTicket};
 use pool::Pool;
 use tcp::{LinkTarget, Regions, TcpLink, TcpOpts, TcpSetup};
@@ -175,6 +178,10 @@ impl Engine {
             queue.clone(),
             TcpSetup { bind, opts: tcp_opts, secret, regions: regions.clone() },
         )?;
+        let msgs = number(setting(&init, "notif_queue_msgs", "GIXL_NOTIF_QUEUE_MSGS"), "notif_queue_msgs", QUEUE_MSGS)?;
+        let bytes =
+            number(setting(&init, "notif_queue_bytes", "GIXL_NOTIF_QUEUE_BYTES"), "notif_queue_bytes", QUEUE_BYTES)?;
+        ctrl.set_queue_limits(msgs.max(1), bytes.max(1));
         let gate = Arc::new(Gate::create(init.incarnation)?);
         let shared = Arc::new(Shared {
             agent: init.agent_name,
@@ -718,6 +725,8 @@ impl Backend for Engine {
         // Read ready local sockets in this thread rather than wait for the progress thread to run.
         self.shared.ctrl.drain();
         out.append(&mut self.shared.queue.lock());
+        // Control connections paused for a full queue may be read again.
+        self.shared.ctrl.tcp.notifs_taken();
         Ok(())
     }
 
@@ -1369,6 +1378,90 @@ mod tests {
         assert_eq!(&wdst[5..105], &wsrc[..100]);
         a.gen_notif("tcp-B", b"", &[]).unwrap();
         assert_eq!(notifs_until(&b, 2), vec![("tcp-A".to_string(), b"blocks".to_vec()), ("tcp-A".to_string(), vec![])]);
+    }
+
+    fn rss_mib() -> u64 {
+        let s = std::fs::read_to_string("/proc/self/status").unwrap();
+        let l = s.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+        l.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() / 1024
+    }
+
+    /// A peer floods notifications over TCP at an agent that does not poll: the target's queue stops
+    /// at its bound (the control connection is not read), the sender gets BACKEND after a bound, every
+    /// notification that returned Ok is delivered, in order, once the target polls, and the peer stays
+    /// usable throughout (a transfer while the queue is full, notifications after).
+    #[test]
+    fn tcp_notification_flood_is_bounded_and_lossless() {
+        let a = tcp_agent("tcp-flood-A", &[("disconnect_timeout_ms", "1000")]);
+        let b = tcp_agent(
+            "tcp-flood-B",
+            &[("disconnect_timeout_ms", "1000"), ("notif_queue_msgs", "64"), ("notif_queue_bytes", "4194304")],
+        );
+        let buf = vec![7u8; 1 << 20];
+        let dst = vec![0u8; 1 << 20];
+        reg(&a, &buf);
+        reg(&b, &dst);
+        a.load_remote_md(&b.local_md().unwrap()).unwrap();
+        let size = 128 << 10;
+        let (max, rss0) = (4000usize, rss_mib());
+        let mut ok = 0;
+        let mut refused = None;
+        while ok < max {
+            let mut m = vec![0u8; size];
+            m[..8].copy_from_slice(&(ok as u64).to_le_bytes());
+            match a.gen_notif("tcp-flood-B", &m, &[]) {
+                Ok(()) => ok += 1,
+                Err(e) => {
+                    refused = Some(e);
+                    break;
+                }
+            }
+        }
+        let grew = rss_mib().saturating_sub(rss0);
+        eprintln!("flood: {ok} notifications of {size} B taken before the sender was refused; RSS +{grew} MiB");
+        let e = refused.expect("the sender must be refused once the target's queue is full");
+        assert_eq!(e.status(), Status::Backend, "{e}");
+        assert!(e.to_string().contains("queue is full"), "{e}");
+        assert!(grew < 128, "RSS grew by {grew} MiB");
+        // Still usable while the queue is full: a transfer, and another refused notification (not a death).
+        let w = a
+            .create_xfer_req(
+                XferOp::Write,
+                &xl(&buf, 0, 1 << 20),
+                &xl(&dst, 0, 1 << 20),
+                "tcp-flood-B",
+                &XferOpts::default(),
+            )
+            .unwrap();
+        a.post_xfer_req(&w, NotifUpdate::Keep).unwrap();
+        assert_eq!(wait(&a, &w, Duration::from_secs(10)).unwrap(), Status::Success);
+        assert!(dst == buf);
+        // A later notification goes on a new control connection (the old one was left with a partial
+        // frame) or waits on the old one: it is taken into a socket (and queued after the others) or
+        // refused the same way; never a disconnect.
+        let x = match a.gen_notif("tcp-flood-B", &[0xff; 8], &[]) {
+            Ok(()) => 1,
+            Err(e) => {
+                assert_eq!(e.status(), Status::Backend, "{e}");
+                0
+            }
+        };
+        // The target polls: everything that was accepted arrives, once, in order; nothing else.
+        let t = Instant::now();
+        let mut got = Vec::new();
+        while got.len() < ok + x && t.elapsed() < Duration::from_secs(30) {
+            let n = b.notifs(&[]).unwrap();
+            if n.is_empty() {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            got.extend(n);
+        }
+        let ids: Vec<u64> = got.iter().map(|(_, m)| u64::from_le_bytes(m[..8].try_into().unwrap())).collect();
+        let want: Vec<u64> = (0..ok as u64).chain((x == 1).then_some(u64::MAX)).collect();
+        assert_eq!(ids, want);
+        assert!(got.iter().all(|(n, m)| n == "tcp-flood-A" && (m.len() == size || m.len() == 8)));
+        a.gen_notif("tcp-flood-B", b"after", &[]).unwrap();
+        assert_eq!(notifs_until(&b, 1), vec![("tcp-flood-A".to_string(), b"after".to_vec())]);
     }
 
     #[test]

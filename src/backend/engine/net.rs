@@ -204,6 +204,42 @@ pub fn tune(s: &TcpStream, user_timeout: Duration) {
     set(libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, user_timeout.as_millis().clamp(1, i32::MAX as u128) as i32);
 }
 
+/// Set TCP_USER_TIMEOUT (zero: the kernel's default, no limit beyond retransmissions).
+pub fn set_user_timeout(s: &TcpStream, t: Duration) {
+    let v = t.as_millis().min(i32::MAX as u128) as i32;
+    // SAFETY: setting an int option on a socket we own; failure is harmless (best effort).
+    unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_USER_TIMEOUT,
+            (&v as *const i32).cast(),
+            std::mem::size_of::<i32>() as u32,
+        )
+    };
+}
+
+/// Wait up to `ns` for room in `fd`'s send buffer (or an error on it). False on timeout.
+pub fn wait_writable(fd: RawFd, ns: u64) -> bool {
+    let deadline = crate::util::monotonic_ns() + ns;
+    loop {
+        let left = deadline.saturating_sub(crate::util::monotonic_ns());
+        if left == 0 {
+            return false;
+        }
+        let mut p = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
+        let ms = left.div_ceil(1_000_000).min(i32::MAX as u64) as i32;
+        // SAFETY: one valid pollfd.
+        let r = unsafe { libc::poll(&mut p, 1, ms) };
+        if r > 0 {
+            return true;
+        }
+        if r < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+            return true;
+        }
+    }
+}
+
 /// Addresses of this host's interfaces that are up (IPv4, and IPv6 other than link-local).
 pub fn interface_addrs() -> Vec<IpAddr> {
     let mut ifap: *mut libc::ifaddrs = std::ptr::null_mut();

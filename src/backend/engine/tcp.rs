@@ -27,6 +27,15 @@
 //! back-off has passed (dials retry inside the disconnect timeout), and the peer is up again if the same
 //! incarnation answers; a NAK or a refused connection proves it gone for good. An idle peer gets no timers.
 //!
+//! Notifications are back-pressured, never dropped: while the notification queue is over its limits (or
+//! the control connections' shared buffer budget is spent), the progress thread stops reading a control
+//! connection (out of the epoll set, so nothing spins) and sends its peer an unsolicited PONG every
+//! heartbeat interval instead of answering the PINGs it no longer reads; the application taking
+//! notifications resumes the paused connections, oldest first. The sender writes each frame without
+//! blocking, within a bound: when the target does not take it, the sender gets BACKEND and the link stays
+//! up (a frame left half written retires that control connection: it is half-closed, and the target
+//! queues everything before the partial frame).
+//!
 //! Not here: wire encoding (see `wire`), socket syscalls (see `net`), splitting a request into pieces
 //! (see the engine).
 
@@ -174,6 +183,13 @@ const PER_SOURCE: usize = 16;
 const MAX_CTRL_IN: usize = 1024;
 /// Data connections served at once.
 const MAX_SERVING: usize = 1024;
+/// Bytes the authenticated inbound control connections may hold at once, together (a frame being received
+/// reserves its whole length when its header arrives; frames waiting for room in the notification queue
+/// count too), plus at most one read chunk each. A connection that would exceed it is not read until
+/// others have made room; one frame in progress always may finish, so the budget cannot deadlock.
+const CTRL_BUDGET: usize = 128 << 20;
+/// One read from a control connection.
+const CTRL_CHUNK: usize = 64 * 1024;
 
 /// Options of the TCP route (engine parameters `tcp_conns`, `disconnect_timeout_ms`, or the environment).
 #[derive(Debug, Clone, Copy)]
@@ -252,6 +268,12 @@ pub struct TcpShared {
     loops: OnceLock<Vec<Arc<ServeLoop>>>,
     next_serve: AtomicU64,
     closed: AtomicBool,
+    /// (messages, bytes) the notification queue may hold before control connections stop being read.
+    pub queue_limits: Mutex<(usize, usize)>,
+    /// Some inbound control connection is paused (queue full or budget spent).
+    pub(super) paused: AtomicBool,
+    /// The application took notifications: the progress thread should resume paused connections.
+    resume: AtomicBool,
 }
 
 /// An outbound control connection as the progress thread sees it.
@@ -268,9 +290,20 @@ pub struct CtrlConn {
     token: u64,
     /// The link's epoch when it was made.
     epoch: u64,
+    /// A notification was left half written (the target did not take it in time): the connection was
+    /// half-closed and replaced, and its end is not a death.
+    retired: AtomicBool,
 }
 
 impl TcpShared {
+    /// The application took notifications: if a control connection waits for room, look again.
+    pub fn notifs_taken(&self) {
+        if self.paused.load(Ordering::SeqCst) {
+            self.resume.store(true, Ordering::SeqCst);
+            self.wake();
+        }
+    }
+
     fn wake(&self) {
         let one: u64 = 1;
         // SAFETY: writing 8 bytes to our eventfd.
@@ -327,7 +360,7 @@ impl TcpShared {
         let mut seen = Vec::new();
         {
             let out = self.out.lock();
-            for o in out.values() {
+            for o in out.values().filter(|o| !o.conn.retired.load(Ordering::Acquire)) {
                 let Some(link) = o.link.upgrade() else { continue };
                 let inflight = link.inflight.load(Ordering::Acquire);
                 let last_rx = link.last_rx.load(Ordering::Acquire);
@@ -392,9 +425,13 @@ impl TcpShared {
             o.buf.drain(..at.min(o.buf.len()));
         }
         if let Some(why) = closed {
+            let retired = self.out.lock().get(&token).is_some_and(|o| o.conn.retired.load(Ordering::Acquire));
             self.remove_out(token);
-            if let Some(l) = link {
-                l.kill(why);
+            match link {
+                // The target read what we left and closed: nothing is wrong with the peer.
+                Some(_) if retired => {}
+                Some(l) => l.kill(why),
+                None => {}
             }
         }
     }
@@ -421,6 +458,12 @@ pub struct TcpProgress {
     queue: Arc<NotifQueue>,
     inbound: HashMap<u64, In>,
     next_in: u64,
+    /// Authenticated control connections not being read (queue full or budget spent), oldest first: they
+    /// resume in this order, and a newer one waits while an older one does, so a sender's notifications
+    /// stay in order across its connections.
+    paused: std::collections::BTreeSet<u64>,
+    /// A connection closed or a frame completed while some were paused for the budget: try them again.
+    freed: bool,
 }
 
 struct In {
@@ -435,6 +478,20 @@ struct In {
     /// None until authenticated: then the sender's agent name.
     name: Option<String>,
     deadline: u64,
+    /// Bytes reserved against `CTRL_BUDGET` for the frame being received (0: none reserved).
+    admitted: usize,
+    /// While paused: when to send the next unsolicited PONG, so the sender's heartbeats see us alive.
+    keep_at: u64,
+    /// When bytes last arrived: a connection holding a reservation (`admitted`) that sends nothing for
+    /// `TcpOpts::stall` is closed, so a stalled sender cannot keep the budget from everyone else.
+    last_rx: u64,
+}
+
+impl In {
+    /// What this connection holds against `CTRL_BUDGET`.
+    fn held(&self) -> usize {
+        self.buf.len().max(self.admitted)
+    }
 }
 
 pub const TOKEN_LISTEN: u64 = 2;
@@ -473,8 +530,19 @@ impl TcpProgress {
             loops: OnceLock::new(),
             next_serve: AtomicU64::new(0),
             closed: AtomicBool::new(false),
+            queue_limits: Mutex::new((super::ctrl::QUEUE_MSGS, super::ctrl::QUEUE_BYTES)),
+            paused: AtomicBool::new(false),
+            resume: AtomicBool::new(false),
         });
-        Ok(TcpProgress { shared, listener, queue, inbound: HashMap::new(), next_in: 0 })
+        Ok(TcpProgress {
+            shared,
+            listener,
+            queue,
+            inbound: HashMap::new(),
+            next_in: 0,
+            paused: Default::default(),
+            freed: false,
+        })
     }
 
     pub fn on_event(&mut self, token: u64) {
@@ -489,17 +557,57 @@ impl TcpProgress {
 
     /// Heartbeats, and closing connections that did not authenticate in time. Returns the epoll timeout.
     pub fn tick(&mut self) -> i32 {
+        // First, so the timers below cover what it resumes.
+        if !self.paused.is_empty() {
+            let app = self.shared.resume.swap(false, Ordering::AcqRel);
+            if app || std::mem::take(&mut self.freed) {
+                self.resume();
+            }
+        }
         let now = monotonic_ns();
         let mut next = self.shared.tick(now);
         let expired: Vec<u64> =
             self.inbound.iter().filter(|(_, c)| c.name.is_none() && c.deadline <= now).map(|(t, _)| *t).collect();
-        for t in expired {
+        // Connections that reserved budget for a frame and then went silent (paused ones wait for us).
+        let stall = self.shared.opts.stall().as_nanos() as u64;
+        let reserving = |(t, c): (&u64, &In)| (c.admitted > 0 && !self.paused.contains(t)).then_some((*t, c.last_rx));
+        let stalled: Vec<u64> =
+            self.inbound.iter().filter_map(reserving).filter(|(_, rx)| rx + stall <= now).map(|(t, _)| t).collect();
+        for t in expired.into_iter().chain(stalled) {
             self.drop_in(t);
+        }
+        let reserving = |(t, c): (&u64, &In)| (c.admitted > 0 && !self.paused.contains(t)).then_some((*t, c.last_rx));
+        for (_, rx) in self.inbound.iter().filter_map(reserving) {
+            let d = (rx + stall).saturating_sub(now);
+            next = Some(next.map_or(d, |n| n.min(d)));
         }
         for c in self.inbound.values().filter(|c| c.name.is_none()) {
             let d = c.deadline.saturating_sub(now);
             next = Some(next.map_or(d, |n| n.min(d)));
         }
+        // A paused connection's PINGs go unread: answer them ahead, so its sender's heartbeats see us
+        // alive (one small write per heartbeat interval while paused; nothing while the queue has room).
+        // At least every 100 ms: the sender's disconnect timeout may be shorter than ours.
+        let every = LiveCfg::for_timeout(self.shared.opts.timeout.as_nanos() as u64).ping_every.min(100_000_000);
+        let mut broken = Vec::new();
+        for &t in &self.paused {
+            let Some(c) = self.inbound.get_mut(&t) else { continue };
+            if c.keep_at <= now {
+                let pong = wire::encode_ctrl_head(wire::CTRL_PONG, 0);
+                // As for answered PINGs: the initiator always reads its control connection.
+                if net::send_now(c.stream.as_raw_fd(), &pong).ok() != Some(pong.len()) {
+                    broken.push(t);
+                }
+                c.keep_at = now + every;
+            }
+            let d = c.keep_at.saturating_sub(now);
+            next = Some(next.map_or(d, |n| n.min(d)));
+        }
+        for t in broken {
+            self.paused.remove(&t);
+            self.drop_in(t);
+        }
+        self.shared.paused.store(!self.paused.is_empty(), Ordering::Release);
         match next {
             None => -1,
             Some(ns) => ns.div_ceil(1_000_000).min(i32::MAX as u64) as i32,
@@ -528,7 +636,19 @@ impl TcpProgress {
             if epoll_add(self.shared.epfd.as_raw_fd(), stream.as_raw_fd(), token).is_ok() {
                 let deadline = monotonic_ns() + self.shared.opts.handshake().as_nanos() as u64;
                 let (src, seq) = (from.ip(), self.next_in);
-                self.inbound.insert(token, In { stream, src, seq, nonce, buf: Vec::new(), name: None, deadline });
+                let c = In {
+                    stream,
+                    src,
+                    seq,
+                    nonce,
+                    buf: Vec::new(),
+                    name: None,
+                    deadline,
+                    admitted: 0,
+                    keep_at: 0,
+                    last_rx: 0,
+                };
+                self.inbound.insert(token, c);
             }
         }
     }
@@ -558,6 +678,8 @@ impl TcpProgress {
 
     fn drop_in(&mut self, token: u64) -> Option<In> {
         let c = self.inbound.remove(&token)?;
+        self.paused.remove(&token);
+        self.freed |= c.held() > 0;
         // SAFETY: removing a descriptor we added; `c` still owns it.
         unsafe {
             libc::epoll_ctl(
@@ -572,8 +694,11 @@ impl TcpProgress {
 
     fn on_in(&mut self, token: u64) {
         let Some(c) = self.inbound.get_mut(&token) else { return };
+        if let Some(name) = c.name.clone() {
+            return self.on_ctrl(token, &name);
+        }
         let mut chunk = [0u8; 64 * 1024];
-        let limit = if c.name.is_some() { super::ctrl::MAX_NOTIF + 16 } else { 64 + wire::MAX_NAME };
+        let limit = 64 + wire::MAX_NAME;
         let mut closed = false;
         loop {
             match net::recv_now(c.stream.as_raw_fd(), &mut chunk) {
@@ -592,10 +717,7 @@ impl TcpProgress {
                 break;
             }
         }
-        let keep = match c.name.clone() {
-            None => self.authenticate(token),
-            Some(name) => self.ctrl_frames(token, &name),
-        };
+        let keep = self.authenticate(token);
         if closed || !keep {
             self.drop_in(token);
         }
@@ -673,41 +795,173 @@ impl TcpProgress {
         l.wake();
     }
 
-    /// Frames on an authenticated inbound control connection.
-    fn ctrl_frames(&mut self, token: u64, name: &str) -> bool {
-        let Some(c) = self.inbound.get_mut(&token) else { return false };
-        let mut at = 0;
-        let mut ok = true;
+    /// An authenticated inbound control connection is readable (or is being resumed): queue its
+    /// notifications while the queue has room, read while the budget allows, else pause it (take it out of
+    /// the epoll set: its sender's writes then block, and fail after a bound with a defined error).
+    fn on_ctrl(&mut self, token: u64, name: &str) {
+        // An older connection waits for room: this one waits behind it (see `paused`).
+        if self.paused.first().is_some_and(|&t| t < token) {
+            return self.pause(token, false);
+        }
+        let limits = *self.shared.queue_limits.lock();
+        let mut queued = {
+            let q = self.queue.lock();
+            (q.len(), q.iter().map(|(n, m)| n.len() + m.len()).sum::<usize>())
+        };
+        let others: usize = self.inbound.iter().filter(|(t, _)| **t != token).map(|(_, c)| c.held()).sum();
+        let Some(c) = self.inbound.get_mut(&token) else { return };
+        let mut chunk = [0u8; CTRL_CHUNK];
+        let mut closed = false;
+        // Paused: for room in the queue (true) or in the budget (false).
+        let mut pause = None;
         loop {
-            match wire::parse_ctrl(&c.buf[at..], super::ctrl::MAX_NOTIF) {
-                Ok(Some((msg, n))) => {
-                    match msg {
-                        CtrlMsg::Ping => {
-                            let pong = wire::encode_ctrl_head(wire::CTRL_PONG, 0);
-                            // The initiator reads its control connection all the time, so this fits;
-                            // if it does not, the initiator is not reading and will time out anyway.
-                            if net::send_now(c.stream.as_raw_fd(), &pong).ok() != Some(pong.len()) {
-                                ok = false;
-                            }
-                        }
-                        CtrlMsg::Notif(m) => self.queue.lock().push((name.to_owned(), m.to_vec())),
-                        CtrlMsg::Pong => ok = false,
-                    }
-                    at += n;
-                    if !ok {
-                        break;
-                    }
+            let had = c.admitted;
+            if !ctrl_frames(c, name, &self.queue, &mut queued, limits) {
+                closed = true;
+                break;
+            }
+            self.freed |= had > 0 && c.admitted == 0;
+            if queued.0 >= limits.0 || queued.1 >= limits.1 {
+                pause = Some(true);
+                break;
+            }
+            // What reading on needs: the rest of an admitted frame, else a new frame's length (known once
+            // its header is in) or one chunk.
+            if c.admitted == 0 {
+                let need = match c.buf.get(..4) {
+                    Some(h) => 4 + u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize,
+                    None => CTRL_CHUNK,
+                };
+                if others + need.max(c.buf.len()) > CTRL_BUDGET {
+                    pause = Some(false);
+                    break;
                 }
-                Ok(None) => break,
+                if c.buf.len() >= 4 {
+                    c.admitted = need;
+                    c.last_rx = monotonic_ns();
+                }
+            }
+            match net::recv_now(c.stream.as_raw_fd(), &mut chunk) {
+                Ok(0) => {
+                    closed = true;
+                    break;
+                }
+                Ok(n) => {
+                    c.buf.extend_from_slice(&chunk[..n]);
+                    c.last_rx = monotonic_ns();
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(_) => {
-                    ok = false;
+                    closed = true;
                     break;
                 }
             }
         }
-        c.buf.drain(..at);
-        ok
+        if closed {
+            // Complete frames were queued above; a partial one (a sender that gave up) is dropped.
+            self.drop_in(token);
+        } else if let Some(queue_full) = pause {
+            self.pause(token, queue_full);
+        }
     }
+
+    /// Stop reading an authenticated control connection until `resume`. `queue_full`: it waits for the
+    /// application to take notifications.
+    fn pause(&mut self, token: u64, queue_full: bool) {
+        let Some(c) = self.inbound.get_mut(&token) else { return };
+        if self.paused.insert(token) {
+            // SAFETY: removing a descriptor we added; `c` still owns it.
+            unsafe {
+                libc::epoll_ctl(
+                    self.shared.epfd.as_raw_fd(),
+                    libc::EPOLL_CTL_DEL,
+                    c.stream.as_raw_fd(),
+                    std::ptr::null_mut(),
+                )
+            };
+            c.keep_at = 0;
+        }
+        self.shared.paused.store(true, Ordering::SeqCst);
+        // The application may have taken the queue between our look at it and the flag (it then saw no
+        // pause to end): look again now that the flag is up.
+        if queue_full {
+            let limits = *self.shared.queue_limits.lock();
+            let q = self.queue.lock();
+            if q.len() < limits.0 && q.iter().map(|(n, m)| n.len() + m.len()).sum::<usize>() < limits.1 {
+                self.freed = true;
+            }
+        }
+    }
+
+    /// Read paused connections again, oldest first, until one still finds no room.
+    fn resume(&mut self) {
+        while let Some(&t) = self.paused.first() {
+            self.paused.remove(&t);
+            let Some(c) = self.inbound.get_mut(&t) else { continue };
+            let Some(name) = c.name.clone() else { continue };
+            // Its sender was held back by us, not silent.
+            c.last_rx = monotonic_ns();
+            if epoll_add(self.shared.epfd.as_raw_fd(), c.stream.as_raw_fd(), t).is_err() {
+                self.drop_in(t);
+                continue;
+            }
+            self.on_ctrl(t, &name);
+            if self.paused.contains(&t) {
+                break;
+            }
+        }
+        self.shared.paused.store(!self.paused.is_empty(), Ordering::Release);
+    }
+}
+
+/// Consume the complete frames at the front of `c.buf`: answer PINGs, queue notifications while the
+/// queue has room (`queued` counts what is in it). False when the peer broke the protocol.
+fn ctrl_frames(
+    c: &mut In,
+    name: &str,
+    queue: &NotifQueue,
+    queued: &mut (usize, usize),
+    limits: (usize, usize),
+) -> bool {
+    let mut at = 0;
+    let mut ok = true;
+    loop {
+        match wire::parse_ctrl(&c.buf[at..], super::ctrl::MAX_NOTIF) {
+            Ok(Some((msg, n))) => {
+                match msg {
+                    CtrlMsg::Ping => {
+                        let pong = wire::encode_ctrl_head(wire::CTRL_PONG, 0);
+                        // The initiator reads its control connection all the time, so this fits;
+                        // if it does not, the initiator is not reading and will time out anyway.
+                        if net::send_now(c.stream.as_raw_fd(), &pong).ok() != Some(pong.len()) {
+                            ok = false;
+                        }
+                    }
+                    CtrlMsg::Notif(m) => {
+                        if queued.0 >= limits.0 || queued.1 >= limits.1 {
+                            break;
+                        }
+                        queue.lock().push((name.to_owned(), m.to_vec()));
+                        queued.0 += 1;
+                        queued.1 += name.len() + m.len();
+                    }
+                    CtrlMsg::Pong => ok = false,
+                }
+                at += n;
+                c.admitted = 0;
+                if !ok {
+                    break;
+                }
+            }
+            Ok(None) => break,
+            Err(_) => {
+                ok = false;
+                break;
+            }
+        }
+    }
+    c.buf.drain(..at);
+    ok
 }
 
 /// Authenticated data connections are served by a few event loops (one per core, at least
@@ -1149,6 +1403,20 @@ impl TcpLink {
                 sh.remove_out(c.token);
             }
         }
+        // Control connections retired by a notification that timed out (see `notif`).
+        if let Some(sh) = self.shared.upgrade() {
+            let retired: Vec<u64> = {
+                let out = sh.out.lock();
+                let me = self as *const TcpLink;
+                out.iter().filter(|(_, o)| std::ptr::eq(o.link.as_ptr(), me)).map(|(t, _)| *t).collect()
+            };
+            for t in retired {
+                if let Some(o) = sh.out.lock().get(&t) {
+                    let _ = o.conn.stream.shutdown(Shutdown::Both);
+                }
+                sh.remove_out(t);
+            }
+        }
         let mut d = self.data.lock();
         for s in d.all.iter().filter_map(|w| w.upgrade()) {
             let _ = s.shutdown(Shutdown::Both);
@@ -1237,7 +1505,17 @@ impl TcpLink {
             return Err(self.gone());
         }
         let token = TOKEN_OUT + (shared.next_out.fetch_add(1, Ordering::Relaxed) % (1 << 32));
-        let conn = Arc::new(CtrlConn { stream, w: Mutex::new(()), token, epoch: self.epoch.load(Ordering::Acquire) });
+        // No TCP_USER_TIMEOUT here: a target whose queue is full keeps its window shut for as long as its
+        // application does not take notifications, and notifications already handed to this socket must
+        // not be thrown away for that (heartbeats catch a partition; a live peer acks window probes).
+        net::set_user_timeout(&stream, Duration::ZERO);
+        let conn = Arc::new(CtrlConn {
+            stream,
+            w: Mutex::new(()),
+            token,
+            epoch: self.epoch.load(Ordering::Acquire),
+            retired: AtomicBool::new(false),
+        });
         *self.ctrl.lock() = Some(conn.clone());
         shared.add_out(conn.clone(), Arc::downgrade(self))?;
         // Death or close may have raced with the dial; they shut down whatever `ctrl` held before.
@@ -1333,7 +1611,11 @@ impl TcpLink {
         }
     }
 
-    /// Send a notification on the control connection.
+    /// Send a notification on the control connection. Ok once the whole frame is in the socket: it then
+    /// reaches the target's queue unless one of the two goes away. A target whose queue is full stops
+    /// reading; after `notif_wait` this fails with BACKEND and the link stays up. If the frame was left
+    /// half written, the connection is half-closed (the target drops the partial frame after queueing
+    /// everything before it) and the next notification dials a new one.
     pub fn notif(self: &Arc<Self>, msg: &[u8]) -> Result<()> {
         if msg.len() > super::ctrl::MAX_NOTIF {
             return Err(Error::invalid_param(format!(
@@ -1345,13 +1627,48 @@ impl TcpLink {
         let c = self.connect()?;
         let _g = c.w.lock();
         let head = wire::encode_ctrl_head(wire::CTRL_NOTIF, msg.len());
-        let progress = || self.touch();
-        let r = net::send_all(&c.stream, &head, &progress).and_then(|_| net::send_all(&c.stream, msg, &progress));
-        if let Err(e) = r {
-            self.kill_from(c.epoch, format!("sending a notification: {e}"));
-            return Err(self.gone());
+        let wait = self.notif_wait();
+        let deadline = monotonic_ns() + wait.as_nanos() as u64;
+        let total = head.len() + msg.len();
+        let mut sent = 0;
+        while sent < total {
+            let part = if sent < head.len() { &head[sent..] } else { &msg[sent - head.len()..] };
+            match net::send_now(c.stream.as_raw_fd(), part) {
+                Ok(n) => {
+                    sent += n;
+                    self.touch();
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    let left = deadline.saturating_sub(monotonic_ns());
+                    if left == 0 || !net::wait_writable(c.stream.as_raw_fd(), left) {
+                        if sent > 0 {
+                            c.retired.store(true, Ordering::Release);
+                            let _ = c.stream.shutdown(Shutdown::Write);
+                            let mut cur = self.ctrl.lock();
+                            if cur.as_ref().is_some_and(|x| Arc::ptr_eq(x, &c)) {
+                                *cur = None;
+                            }
+                        }
+                        return Err(Error::backend(format!(
+                            "agent '{}' did not take the notification within {wait:?}: its notification queue is \
+                             full (its application is not taking notifications) or it is not reading; nothing \
+                             of this notification was delivered",
+                            self.peer
+                        )));
+                    }
+                }
+                Err(e) => {
+                    self.kill_from(c.epoch, format!("sending a notification: {e}"));
+                    return Err(self.gone());
+                }
+            }
         }
         Ok(())
+    }
+
+    /// How long a notification may wait for room at the target.
+    fn notif_wait(&self) -> Duration {
+        (self.opts.timeout / 2).clamp(Duration::from_millis(100), Duration::from_secs(5))
     }
 
     /// A data connection and the epoch it belongs to.

@@ -1,0 +1,67 @@
+//! The metadata listener's cap on agents added by LOADs pushed to it (`GIXL_MAX_PUSHED_PEERS`, set here for
+//! this test binary alone). Without a cluster key anyone who reaches the listener can push metadata; the
+//! pushes, as a raw-socket client sends them, add at most the cap, and the refusal changes nothing else.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use gixl::*;
+
+const LOAD: u8 = 1;
+const SEND: u8 = 2;
+
+/// A listener frame: "GXMD" | kind | length u32 LE | payload.
+fn frame(kind: u8, payload: &[u8]) -> Vec<u8> {
+    let mut f = b"GXMD".to_vec();
+    f.push(kind);
+    f.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// Push `blobs` as LOADs on one connection, then a SEND: the listener handles one connection's frames in
+/// order, so its reply is the positive signal that every LOAD before it was acted on.
+fn push(port: u16, blobs: &[Vec<u8>]) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    for b in blobs {
+        s.write_all(&frame(LOAD, b)).unwrap();
+    }
+    s.write_all(&frame(SEND, b"")).unwrap();
+    let mut head = [0u8; 9];
+    s.read_exact(&mut head).unwrap();
+    assert_eq!(&head[..5], b"GXMD\x01", "the listener answers SEND with LOAD");
+}
+
+fn agent(name: &str, cfg: AgentConfig) -> Agent {
+    let a = Agent::new(name, cfg).unwrap();
+    a.create_backend("UCX", &Params::new()).unwrap();
+    a
+}
+
+#[test]
+fn pushed_loads_add_at_most_the_cap() {
+    std::env::set_var("GIXL_MAX_PUSHED_PEERS", "3");
+    let cfg = AgentConfig { listen_thread: true, listen_port: 0, ..Default::default() };
+    let victim = agent("cap-victim", cfg);
+    let port = victim.listen_port().unwrap();
+    let peers: Vec<Agent> = (0..6).map(|i| agent(&format!("cap-peer-{i}"), AgentConfig::default())).collect();
+    let md: Vec<Vec<u8>> = peers.iter().map(|p| p.local_md().unwrap()).collect();
+    let loaded = |i: usize| victim.remote_incarnation(&format!("cap-peer-{i}")).is_ok();
+
+    push(port, &md[..5]);
+    assert_eq!((0..5).map(loaded).collect::<Vec<_>>(), [true, true, true, false, false]);
+    // Pushing an agent already loaded again (a refresh) is not a new one; the application's own loads
+    // do not count and are not capped.
+    push(port, &md[..1]);
+    assert!(loaded(0));
+    victim.load_remote_md(&md[3]).unwrap();
+    assert!(loaded(3));
+    push(port, &md[4..5]);
+    assert!(!loaded(4));
+    // Invalidating a pushed agent frees its place.
+    victim.invalidate_remote_md("cap-peer-0").unwrap();
+    push(port, &md[4..6]);
+    assert_eq!((0..6).map(loaded).collect::<Vec<_>>(), [false, true, true, true, true, false]);
+}
