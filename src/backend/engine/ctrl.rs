@@ -774,17 +774,23 @@ fn epoll_add(epfd: RawFd, fd: RawFd, token: u64) -> Result<()> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn notifications_arrive_in_order_and_strangers_are_dropped() {
+    /// A control listener on loopback TCP (one data connection, 1 s timeout) and the queue it delivers into.
+    fn start_ctrl(inc: u128, secret: u128) -> (Arc<NotifQueue>, Ctrl) {
         let q: Arc<NotifQueue> = Arc::default();
-        let inc = 77u128;
         let setup = TcpSetup {
             bind: "127.0.0.1:0".parse().unwrap(),
             opts: tcp::TcpOpts { conns: 1, timeout: Duration::from_secs(1) },
-            secret: 1,
+            secret,
             regions: Arc::default(),
         };
         let ctrl = Ctrl::start(inc, q.clone(), setup).unwrap();
+        (q, ctrl)
+    }
+
+    #[test]
+    fn notifications_arrive_in_order_and_strangers_are_dropped() {
+        let inc = 77u128;
+        let (q, ctrl) = start_ctrl(inc, 1);
         let mut s = Sender::connect(&ctrl.sock_name, inc, 1, "peer-a", 5).unwrap();
         s.notif(b"one").unwrap();
         s.notif(b"").unwrap();
@@ -810,15 +816,8 @@ mod tests {
 
     #[test]
     fn polling_reads_in_order_and_the_progress_thread_takes_over_when_polling_stops() {
-        let q: Arc<NotifQueue> = Arc::default();
         let inc = 78u128;
-        let setup = TcpSetup {
-            bind: "127.0.0.1:0".parse().unwrap(),
-            opts: tcp::TcpOpts { conns: 1, timeout: Duration::from_secs(1) },
-            secret: 1,
-            regions: Arc::default(),
-        };
-        let ctrl = Ctrl::start(inc, q.clone(), setup).unwrap();
+        let (q, ctrl) = start_ctrl(inc, 1);
         let name = ctrl.sock_name.clone();
         let senders: Vec<_> = (0..2)
             .map(|k| {
@@ -880,15 +879,8 @@ mod tests {
 
     #[test]
     fn a_connection_speaks_for_one_authenticated_sender_only() {
-        let q: Arc<NotifQueue> = Arc::default();
         let inc = 79u128;
-        let setup = TcpSetup {
-            bind: "127.0.0.1:0".parse().unwrap(),
-            opts: tcp::TcpOpts { conns: 1, timeout: Duration::from_secs(1) },
-            secret: 3,
-            regions: Arc::default(),
-        };
-        let ctrl = Ctrl::start(inc, q.clone(), setup).unwrap();
+        let (q, ctrl) = start_ctrl(inc, 3);
         let addr = SocketAddr::from_abstract_name(&ctrl.sock_name).unwrap();
         // The old, unauthenticated hello (incarnation + name) and a notification: refused, nothing queued.
         let mut s = UnixStream::connect_addr(&addr).unwrap();
@@ -929,15 +921,8 @@ mod tests {
 
     #[test]
     fn a_full_queue_blocks_the_sender_which_then_fails_and_nothing_is_lost() {
-        let q: Arc<NotifQueue> = Arc::default();
         let inc = 80u128;
-        let setup = TcpSetup {
-            bind: "127.0.0.1:0".parse().unwrap(),
-            opts: tcp::TcpOpts { conns: 1, timeout: Duration::from_secs(1) },
-            secret: 4,
-            regions: Arc::default(),
-        };
-        let ctrl = Ctrl::start(inc, q.clone(), setup).unwrap();
+        let (q, ctrl) = start_ctrl(inc, 4);
         ctrl.set_queue_limits(100, 1 << 20);
         let mut s = Sender::connect(&ctrl.sock_name, inc, 4, "flood", 1).unwrap();
         s.set_timeout(Duration::from_millis(300));
@@ -992,15 +977,8 @@ mod tests {
     #[test]
     fn tcp_control_connections_share_a_budget() {
         use super::super::wire;
-        let q: Arc<NotifQueue> = Arc::default();
         let (inc, secret) = (82u128, 6u128);
-        let setup = TcpSetup {
-            bind: "127.0.0.1:0".parse().unwrap(),
-            opts: tcp::TcpOpts { conns: 1, timeout: Duration::from_secs(1) },
-            secret,
-            regions: Arc::default(),
-        };
-        let ctrl = Ctrl::start(inc, q.clone(), setup).unwrap();
+        let (q, ctrl) = start_ctrl(inc, secret);
         let ping = wire::encode_ctrl_head(wire::CTRL_PING, 0);
         let pong = wire::encode_ctrl_head(wire::CTRL_PONG, 0);
         let mut big = Vec::new();
@@ -1056,15 +1034,8 @@ mod tests {
     #[test]
     fn a_paused_tcp_control_connection_answers_heartbeats_and_resumes() {
         use super::super::wire;
-        let q: Arc<NotifQueue> = Arc::default();
         let (inc, secret) = (81u128, 5u128);
-        let setup = TcpSetup {
-            bind: "127.0.0.1:0".parse().unwrap(),
-            opts: tcp::TcpOpts { conns: 1, timeout: Duration::from_secs(1) },
-            secret,
-            regions: Arc::default(),
-        };
-        let ctrl = Ctrl::start(inc, q.clone(), setup).unwrap();
+        let (q, ctrl) = start_ctrl(inc, secret);
         ctrl.set_queue_limits(2, 1 << 20);
         let mut s = tcp_ctrl_client(&ctrl, inc, secret, "pinger");
         let mut frames = Vec::new();
