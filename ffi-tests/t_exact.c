@@ -43,8 +43,6 @@
 #include <unistd.h>
 
 #define DRIVER_NAME "cx-driver"
-#define PEER_R 200
-#define PEER_W 201
 #define PIPE_TIMEOUT_MS 60000
 /* Application range on x86-64 Linux, clear of ASan's heap at 0x600000000000. */
 #define FIXED_VA 0x510000000000ull
@@ -75,40 +73,7 @@ static const char *impl(void)
 
 static bool read_full(int fd, void *p, size_t n)
 {
-    unsigned char *c = p;
-    while (n) {
-        struct pollfd pfd = {fd, POLLIN, 0};
-        int pr = poll(&pfd, 1, PIPE_TIMEOUT_MS);
-        if (pr < 0 && errno == EINTR)
-            continue;
-        if (pr <= 0)
-            return false;
-        ssize_t r = read(fd, c, n);
-        if (r <= 0) {
-            if (r < 0 && errno == EINTR)
-                continue;
-            return false;
-        }
-        c += r;
-        n -= (size_t)r;
-    }
-    return true;
-}
-
-static bool write_full(int fd, const void *p, size_t n)
-{
-    const unsigned char *c = p;
-    while (n) {
-        ssize_t r = write(fd, c, n);
-        if (r <= 0) {
-            if (r < 0 && errno == EINTR)
-                continue;
-            return false;
-        }
-        c += r;
-        n -= (size_t)r;
-    }
-    return true;
+    return ft_read_full(fd, p, n, PIPE_TIMEOUT_MS);
 }
 
 /* Bytes of [p, p+len) that differ from v (len a multiple of 8). */
@@ -140,7 +105,7 @@ struct peer_state {
 static bool peer_reply(uint64_t ok, uint64_t v0, uint64_t v1, const void *md, size_t md_len)
 {
     struct reply r = {ok, v0, v1, md_len};
-    return write_full(PEER_W, &r, sizeof r) && (!md_len || write_full(PEER_W, md, md_len));
+    return ft_write_full(FT_PEER_W, &r, sizeof r) && (!md_len || ft_write_full(FT_PEER_W, md, md_len));
 }
 
 /* Agent + UCX backend under `name`, buffer registered; replies with the metadata. */
@@ -214,7 +179,7 @@ static int peer_main(void)
     struct peer_state st = {0};
     for (;;) {
         struct cmd c;
-        if (!read_full(PEER_R, &c, sizeof c))
+        if (!read_full(FT_PEER_R, &c, sizeof c))
             return 14;
         c.name[sizeof c.name - 1] = 0;
         bool ok = true;
@@ -288,30 +253,11 @@ struct peer {
 
 static bool spawn_peer(struct peer *p, const char *name, bool aslr_off)
 {
-    int d2p[2], p2d[2];
-    if (pipe2(d2p, O_CLOEXEC) || pipe2(p2d, O_CLOEXEC))
-        return false;
-    pid_t pid = fork();
+    char *argv[] = {"/proc/self/exe", "--peer", NULL};
+    pid_t pid = ft_spawn_self(argv, aslr_off, &p->to, &p->from);
     if (pid < 0)
         return false;
-    if (pid == 0) {
-        /* Only async-signal-safe calls until exec: this process has threads. */
-        if (dup2(d2p[0], PEER_R) < 0 || dup2(p2d[1], PEER_W) < 0)
-            _exit(120);
-        close_range(3, PEER_R - 1, 0);
-        close_range(PEER_W + 1, ~0u, 0);
-        /* setarch -R: ASLR off, kept across this exec and the peer's own. */
-        if (aslr_off && personality(ADDR_NO_RANDOMIZE) == -1)
-            _exit(122);
-        char *argv[] = {"/proc/self/exe", "--peer", NULL};
-        execv("/proc/self/exe", argv);
-        _exit(121);
-    }
-    close(d2p[0]);
-    close(p2d[1]);
     p->pid = pid;
-    p->to = d2p[1];
-    p->from = p2d[0];
     p->name = name;
     p->md = NULL;
     p->md_len = 0;
@@ -326,7 +272,7 @@ static bool send_cmd(struct peer *p, char op, uint64_t a, uint64_t b)
     snprintf(c.name, sizeof c.name, "%s", p->name);
     c.a = a;
     c.b = b;
-    return write_full(p->to, &c, sizeof c);
+    return ft_write_full(p->to, &c, sizeof c);
 }
 
 /* Reads one reply; metadata (if any) replaces p->md.  Returns ok. */

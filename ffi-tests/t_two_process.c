@@ -34,8 +34,6 @@
 #define PEER_NAME "tp-peer"
 #define DRIVER_NAME "tp-driver"
 #define PIPE_TIMEOUT_MS 30000
-#define PEER_R 200
-#define PEER_W 201
 /* Application range on x86-64 Linux, clear of ASan's heap at 0x600000000000. */
 #define PEER_BUF_ADDR ((void *)0x500000000000ull)
 
@@ -49,45 +47,14 @@ struct md_hdr {
 
 static bool read_full(int fd, void *p, size_t n)
 {
-    unsigned char *c = p;
-    while (n) {
-        struct pollfd pfd = {fd, POLLIN, 0};
-        int pr = poll(&pfd, 1, PIPE_TIMEOUT_MS);
-        if (pr <= 0)
-            return false;
-        ssize_t r = read(fd, c, n);
-        if (r <= 0) {
-            if (r < 0 && errno == EINTR)
-                continue;
-            return false;
-        }
-        c += r;
-        n -= (size_t)r;
-    }
-    return true;
-}
-
-static bool write_full(int fd, const void *p, size_t n)
-{
-    const unsigned char *c = p;
-    while (n) {
-        ssize_t r = write(fd, c, n);
-        if (r <= 0) {
-            if (r < 0 && errno == EINTR)
-                continue;
-            return false;
-        }
-        c += r;
-        n -= (size_t)r;
-    }
-    return true;
+    return ft_read_full(fd, p, n, PIPE_TIMEOUT_MS);
 }
 
 /* ---------- peer role ---------- */
 
 static int peer_main(unsigned seed)
 {
-    int rfd = PEER_R, wfd = PEER_W;
+    int rfd = FT_PEER_R, wfd = FT_PEER_W;
     alarm(180);
     setvbuf(stdout, NULL, _IONBF, 0);
 
@@ -111,7 +78,7 @@ static int peer_main(unsigned seed)
     if (nixl_capi_get_local_md(ag, &md, &md_len) != 0)
         return 12;
     struct md_hdr h = {(uint64_t)(uintptr_t)buf, LEN, md_len};
-    if (!write_full(wfd, &h, sizeof h) || !write_full(wfd, md, md_len))
+    if (!ft_write_full(wfd, &h, sizeof h) || !ft_write_full(wfd, md, md_len))
         return 13;
     free(md);
 
@@ -144,11 +111,11 @@ static int peer_main(unsigned seed)
             int as = nixl_capi_destroy_agent(ag);
             munmap(buf, LEN);
             reply = (ds == 0 && as == 0) ? 'Y' : 'N';
-            write_full(wfd, &reply, 1);
+            ft_write_full(wfd, &reply, 1);
             return reply == 'Y' ? 0 : 16;
         }
         free(arg);
-        if (!write_full(wfd, &reply, 1))
+        if (!ft_write_full(wfd, &reply, 1))
             return 17;
     }
 }
@@ -165,29 +132,13 @@ struct peer {
 
 static bool spawn_peer(struct peer *p, unsigned seed)
 {
-    int d2p[2], p2d[2];
-    if (pipe2(d2p, O_CLOEXEC) || pipe2(p2d, O_CLOEXEC))
-        return false;
     char seed_s[16];
     snprintf(seed_s, sizeof seed_s, "%u", seed);
-    pid_t pid = fork();
+    char *argv[] = {"/proc/self/exe", "--peer", seed_s, NULL};
+    pid_t pid = ft_spawn_self(argv, false, &p->to, &p->from);
     if (pid < 0)
         return false;
-    if (pid == 0) {
-        /* Only async-signal-safe calls until exec: this process has threads. */
-        if (dup2(d2p[0], PEER_R) < 0 || dup2(p2d[1], PEER_W) < 0)
-            _exit(120);
-        close_range(3, PEER_R - 1, 0);
-        close_range(PEER_W + 1, ~0u, 0);
-        char *argv[] = {"/proc/self/exe", "--peer", seed_s, NULL};
-        execv("/proc/self/exe", argv);
-        _exit(121);
-    }
-    close(d2p[0]);
-    close(p2d[1]);
     p->pid = pid;
-    p->to = d2p[1];
-    p->from = p2d[0];
     p->md = NULL;
     if (!read_full(p->from, &p->hdr, sizeof p->hdr))
         return false;
@@ -198,8 +149,8 @@ static bool spawn_peer(struct peer *p, unsigned seed)
 static bool cmd(struct peer *p, char op, const void *arg, uint32_t n)
 {
     char r = 0;
-    if (!write_full(p->to, &op, 1) || !write_full(p->to, &n, sizeof n) ||
-        (n && !write_full(p->to, arg, n)))
+    if (!ft_write_full(p->to, &op, 1) || !ft_write_full(p->to, &n, sizeof n) ||
+        (n && !ft_write_full(p->to, arg, n)))
         return false;
     return read_full(p->from, &r, 1) && r == 'Y';
 }

@@ -6,12 +6,17 @@
 #define GIXL_FFI_UTIL_H
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <poll.h>
+#include <sys/personality.h>
+#include <sys/types.h>
+#include <unistd.h>
 
 #include "check.h"
 
@@ -183,6 +188,81 @@ static inline bool ft_notif_equals(nixl_capi_notif_map_t map, const char *from, 
     if (got_len != len)
         return false;
     return len == 0 || memcmp(got, data, len) == 0;
+}
+
+/* ---------- a peer process driven over a pipe (t_two_process, t_exact) ---------- */
+
+/* The fds a re-executed peer reads commands from and writes replies to. */
+#define FT_PEER_R 200
+#define FT_PEER_W 201
+
+/* Move all n bytes through fd, retrying on EINTR; a read first waits up to
+ * timeout_ms for data.  False on error, end of file or timeout. */
+static inline bool ft_pipe_io(int fd, unsigned char *c, size_t n, bool reading, int timeout_ms)
+{
+    while (n) {
+        if (reading) {
+            struct pollfd pfd = {fd, POLLIN, 0};
+            int pr = poll(&pfd, 1, timeout_ms);
+            if (pr < 0 && errno == EINTR)
+                continue;
+            if (pr <= 0)
+                return false;
+        }
+        ssize_t r = reading ? read(fd, c, n) : write(fd, c, n);
+        if (r <= 0) {
+            if (r < 0 && errno == EINTR)
+                continue;
+            return false;
+        }
+        c += r;
+        n -= (size_t)r;
+    }
+    return true;
+}
+
+static inline bool ft_read_full(int fd, void *p, size_t n, int timeout_ms)
+{
+    return ft_pipe_io(fd, p, n, true, timeout_ms);
+}
+
+static inline bool ft_write_full(int fd, const void *p, size_t n)
+{
+    return ft_pipe_io(fd, (unsigned char *)p, n, false, 0);
+}
+
+/*
+ * Fork and re-execute this binary as /proc/self/exe with argv, its stdin-side
+ * pipe on FT_PEER_R and its reply pipe on FT_PEER_W, every other fd above 2
+ * closed; with aslr_off, address randomisation is off in the child (kept
+ * across its exec).  Sets *to (commands to the peer) and *from (its replies);
+ * returns the pid, or -1.
+ */
+static inline pid_t ft_spawn_self(char *const argv[], bool aslr_off, int *to, int *from)
+{
+    int d2p[2], p2d[2];
+    if (pipe2(d2p, O_CLOEXEC) || pipe2(p2d, O_CLOEXEC))
+        return -1;
+    pid_t pid = fork();
+    if (pid < 0)
+        return -1;
+    if (pid == 0) {
+        /* Only async-signal-safe calls until exec: this process has threads. */
+        if (dup2(d2p[0], FT_PEER_R) < 0 || dup2(p2d[1], FT_PEER_W) < 0)
+            _exit(120);
+        close_range(3, FT_PEER_R - 1, 0);
+        close_range(FT_PEER_W + 1, ~0u, 0);
+        /* setarch -R: ASLR off, kept across this exec and the peer's own. */
+        if (aslr_off && personality(ADDR_NO_RANDOMIZE) == -1)
+            _exit(122);
+        execv("/proc/self/exe", argv);
+        _exit(121);
+    }
+    close(d2p[0]);
+    close(p2d[1]);
+    *to = d2p[1];
+    *from = p2d[0];
+    return pid;
 }
 
 #endif /* GIXL_FFI_UTIL_H */
