@@ -5,6 +5,7 @@ use libc::size_t;
 use std::ffi::{c_char, c_void};
 
 use super::boundary::{bytes_arg, ffi, malloc_copy, put, str_arg, Fail, OK};
+use super::cpp_support;
 use super::mem_list::{nixl_capi_mem_list_t, MemListObj, MEM_LISTS};
 use super::notif_map::{nixl_capi_notif_map_t, NOTIF_MAPS};
 use super::opt_args::{self, nixl_capi_opt_args_t};
@@ -126,13 +127,7 @@ pub extern "C" fn nixl_capi_get_local_partial_md(
 ) -> CapiStatus {
     ffi! {
         nonnull(data, len);
-        let a = AGENTS.get(agent, "agent")?;
-        let d = REG_DLISTS.get(descs, "descs")?;
-        let hints = opt_args::hints(opt_args, &a)?;
-        let md = a.agent.local_partial_md(reg_dlist::for_agent(&d.read())?, false, &hints)?;
-        put(data, malloc_copy(&md)?);
-        put(len, md.len());
-        OK
+        cpp_support::local_partial_md(agent, descs, false, data, len, opt_args)
     }
 }
 
@@ -229,14 +224,7 @@ pub extern "C" fn nixl_capi_send_local_partial_md(
     descs: nixl_capi_reg_dlist_t,
     opt_args: nixl_capi_opt_args_t,
 ) -> CapiStatus {
-    ffi! {
-        let a = AGENTS.get(agent, "agent")?;
-        let d = REG_DLISTS.get(descs, "descs")?;
-        let hints = opt_args::hints(opt_args, &a)?;
-        let (ip, port) = opt_args::md_peer(opt_args)?;
-        a.agent.send_local_partial_md(reg_dlist::for_agent(&d.read())?, false, &hints, &ip, port, "")?;
-        OK
-    }
+    ffi! { cpp_support::send_local_partial_md(agent, descs, false, std::ptr::null(), opt_args) }
 }
 
 /// Asks the listener at `ip_addr:port` for its agent's metadata, or reads `remote_name`'s from etcd, and
@@ -247,13 +235,7 @@ pub extern "C" fn nixl_capi_fetch_remote_md(
     remote_name: *const c_char,
     opt_args: nixl_capi_opt_args_t,
 ) -> CapiStatus {
-    ffi! {
-        let a = AGENTS.get(agent, "agent")?;
-        let name = str_arg(remote_name, "remote_name")?;
-        let (ip, port) = opt_args::md_peer(opt_args)?;
-        a.agent.fetch_remote_md(name, &ip, port, "")?;
-        OK
-    }
+    ffi! { cpp_support::fetch_remote_md(agent, remote_name, std::ptr::null(), opt_args) }
 }
 
 /// The backend plugins built into this library. ERROR_BACKEND for any failure, as NIXL.

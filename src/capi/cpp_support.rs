@@ -21,6 +21,58 @@ fn label_arg<'a>(label: *const c_char) -> Result<&'a str, Fail> {
     }
 }
 
+/// The body of `nixl_capi_get_local_partial_md` (`include_conn_info` false) and `gixl_get_local_partial_md`;
+/// the caller has checked `data` and `len`.
+pub(super) fn local_partial_md(
+    agent: nixl_capi_agent_t,
+    descs: nixl_capi_reg_dlist_t,
+    include_conn_info: bool,
+    data: *mut *mut c_void,
+    len: *mut size_t,
+    opt_args: nixl_capi_opt_args_t,
+) -> Result<CapiStatus, Fail> {
+    let a = AGENTS.get(agent, "agent")?;
+    let d = REG_DLISTS.get(descs, "descs")?;
+    let hints = opt_args::hints(opt_args, &a)?;
+    let md = a.agent.local_partial_md(reg_dlist::for_agent(&d.read())?, include_conn_info, &hints)?;
+    put(data, malloc_copy(&md)?);
+    put(len, md.len());
+    OK
+}
+
+/// The body of `nixl_capi_send_local_partial_md` (no connection info, NULL label) and
+/// `gixl_send_local_partial_md`.
+pub(super) fn send_local_partial_md(
+    agent: nixl_capi_agent_t,
+    descs: nixl_capi_reg_dlist_t,
+    include_conn_info: bool,
+    label: *const c_char,
+    opt_args: nixl_capi_opt_args_t,
+) -> Result<CapiStatus, Fail> {
+    let a = AGENTS.get(agent, "agent")?;
+    let d = REG_DLISTS.get(descs, "descs")?;
+    let label = label_arg(label)?;
+    let hints = opt_args::hints(opt_args, &a)?;
+    let (ip, port) = opt_args::md_peer(opt_args)?;
+    a.agent.send_local_partial_md(reg_dlist::for_agent(&d.read())?, include_conn_info, &hints, &ip, port, label)?;
+    OK
+}
+
+/// The body of `nixl_capi_fetch_remote_md` (NULL label) and `gixl_fetch_remote_md`.
+pub(super) fn fetch_remote_md(
+    agent: nixl_capi_agent_t,
+    remote_name: *const c_char,
+    label: *const c_char,
+    opt_args: nixl_capi_opt_args_t,
+) -> Result<CapiStatus, Fail> {
+    let a = AGENTS.get(agent, "agent")?;
+    let name = str_arg(remote_name, "remote_name")?;
+    let label = label_arg(label)?;
+    let (ip, port) = opt_args::md_peer(opt_args)?;
+    a.agent.fetch_remote_md(name, &ip, port, label)?;
+    OK
+}
+
 /// gixl: `nixl_capi_get_local_partial_md` with `include_conn_info` (NIXL's `includeConnInfo`): with a
 /// non-empty `descs`, also put the connection info of the backends that serve them in the blob.
 #[no_mangle]
@@ -34,13 +86,7 @@ pub extern "C" fn gixl_get_local_partial_md(
 ) -> CapiStatus {
     ffi! {
         nonnull(data, len);
-        let a = AGENTS.get(agent, "agent")?;
-        let d = REG_DLISTS.get(descs, "descs")?;
-        let hints = opt_args::hints(opt_args, &a)?;
-        let md = a.agent.local_partial_md(reg_dlist::for_agent(&d.read())?, include_conn_info, &hints)?;
-        put(data, malloc_copy(&md)?);
-        put(len, md.len());
-        OK
+        local_partial_md(agent, descs, include_conn_info, data, len, opt_args)
     }
 }
 
@@ -54,15 +100,7 @@ pub extern "C" fn gixl_send_local_partial_md(
     label: *const c_char,
     opt_args: nixl_capi_opt_args_t,
 ) -> CapiStatus {
-    ffi! {
-        let a = AGENTS.get(agent, "agent")?;
-        let d = REG_DLISTS.get(descs, "descs")?;
-        let label = label_arg(label)?;
-        let hints = opt_args::hints(opt_args, &a)?;
-        let (ip, port) = opt_args::md_peer(opt_args)?;
-        a.agent.send_local_partial_md(reg_dlist::for_agent(&d.read())?, include_conn_info, &hints, &ip, port, label)?;
-        OK
-    }
+    ffi! { send_local_partial_md(agent, descs, include_conn_info, label, opt_args) }
 }
 
 /// gixl: `nixl_capi_fetch_remote_md` with `label` (NIXL's `metadataLabel`: which etcd key to read; NULL or
@@ -74,14 +112,7 @@ pub extern "C" fn gixl_fetch_remote_md(
     label: *const c_char,
     opt_args: nixl_capi_opt_args_t,
 ) -> CapiStatus {
-    ffi! {
-        let a = AGENTS.get(agent, "agent")?;
-        let name = str_arg(remote_name, "remote_name")?;
-        let label = label_arg(label)?;
-        let (ip, port) = opt_args::md_peer(opt_args)?;
-        a.agent.fetch_remote_md(name, &ip, port, label)?;
-        OK
-    }
+    ffi! { fetch_remote_md(agent, remote_name, label, opt_args) }
 }
 
 /// gixl: whether two backend handles name the same backend of the same agent (NIXL's C++ API hands out one
