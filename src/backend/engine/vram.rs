@@ -816,6 +816,11 @@ mod tests {
         XferDList::with_descs(mem, vec![Desc::new(addr, len as u64, dev)])
     }
 
+    /// A request with default options from `local` to `remote` of `peer`.
+    fn req(a: &Agent, op: XferOp, local: XferDList, remote: XferDList, peer: &str) -> crate::agent::XferReq {
+        a.create_xfer_req(op, &local, &remote, peer, &XferOpts::default()).unwrap()
+    }
+
     fn run(a: &Agent, r: &crate::agent::XferReq) -> Result<Status> {
         let mut s = a.post_xfer_req(r, NotifUpdate::Keep)?;
         let t = Instant::now();
@@ -838,51 +843,36 @@ mod tests {
         let host = vec![0u8; n];
         reg(&a, MemType::Dram, host.as_ptr() as u64, n, 0);
         a.load_remote_md(&b.local_md().unwrap()).unwrap();
-        let o = XferOpts::default();
-        let r = a
-            .create_xfer_req(
-                XferOp::Read,
-                &xl(MemType::Vram, dst, n, 0),
-                &xl(MemType::Vram, src, n, 1),
-                "vram-ip-B",
-                &o,
-            )
-            .unwrap();
+        let r = req(&a, XferOp::Read, xl(MemType::Vram, dst, n, 0), xl(MemType::Vram, src, n, 1), "vram-ip-B");
         assert_eq!(run(&a, &r).unwrap(), Status::Success);
         assert!(bytes(dst, n) == bytes(src, n));
         // Remote VRAM → local DRAM, then local DRAM → remote VRAM at an offset.
-        let r = a
-            .create_xfer_req(
-                XferOp::Read,
-                &xl(MemType::Dram, host.as_ptr() as u64, n, 0),
-                &xl(MemType::Vram, src, n, 1),
-                "vram-ip-B",
-                &o,
-            )
-            .unwrap();
+        let r = req(
+            &a,
+            XferOp::Read,
+            xl(MemType::Dram, host.as_ptr() as u64, n, 0),
+            xl(MemType::Vram, src, n, 1),
+            "vram-ip-B",
+        );
         assert_eq!(run(&a, &r).unwrap(), Status::Success);
         assert!(host == bytes(src, n));
-        let w = a
-            .create_xfer_req(
-                XferOp::Write,
-                &xl(MemType::Dram, host.as_ptr() as u64 + 7, 1000, 0),
-                &xl(MemType::Vram, src + 4096, 1000, 1),
-                "vram-ip-B",
-                &o,
-            )
-            .unwrap();
+        let w = req(
+            &a,
+            XferOp::Write,
+            xl(MemType::Dram, host.as_ptr() as u64 + 7, 1000, 0),
+            xl(MemType::Vram, src + 4096, 1000, 1),
+            "vram-ip-B",
+        );
         assert_eq!(run(&a, &w).unwrap(), Status::Success);
         assert_eq!(bytes(src + 4096, 1000), host[7..1007]);
         // Loopback VRAM → VRAM within one agent.
-        let l = a
-            .create_xfer_req(
-                XferOp::Write,
-                &xl(MemType::Vram, dst, 4096, 0),
-                &xl(MemType::Vram, dst + 8192, 4096, 0),
-                "vram-ip-A",
-                &o,
-            )
-            .unwrap();
+        let l = req(
+            &a,
+            XferOp::Write,
+            xl(MemType::Vram, dst, 4096, 0),
+            xl(MemType::Vram, dst + 8192, 4096, 0),
+            "vram-ip-A",
+        );
         assert_eq!(run(&a, &l).unwrap(), Status::Success);
         assert_eq!(bytes(dst + 8192, 4096), bytes(dst, 4096));
     }
@@ -897,16 +887,7 @@ mod tests {
         let bl = reg(&b, MemType::Vram, src, n, 2);
         reg(&a, MemType::Vram, dst, n, 3);
         a.load_remote_md(&b.local_md().unwrap()).unwrap();
-        let o = XferOpts::default();
-        let r = a
-            .create_xfer_req(
-                XferOp::Write,
-                &xl(MemType::Vram, dst, n, 3),
-                &xl(MemType::Vram, src, n, 2),
-                "vram-dereg-B",
-                &o,
-            )
-            .unwrap();
+        let r = req(&a, XferOp::Write, xl(MemType::Vram, dst, n, 3), xl(MemType::Vram, src, n, 2), "vram-dereg-B");
         assert_eq!(run(&a, &r).unwrap(), Status::Success);
         assert!(bytes(src, n).iter().all(|&x| x == 0));
         // The target deregisters; the initiator's metadata still lists the region, the target's gate does not.
@@ -923,15 +904,7 @@ mod tests {
         assert_eq!(run(&a, &r).unwrap_err().status(), Status::NotFound);
         a.invalidate_remote_md("vram-dereg-B").unwrap();
         a.load_remote_md(&b.local_md().unwrap()).unwrap();
-        let r2 = a
-            .create_xfer_req(
-                XferOp::Write,
-                &xl(MemType::Vram, dst, n, 3),
-                &xl(MemType::Vram, src, n, 2),
-                "vram-dereg-B",
-                &o,
-            )
-            .unwrap();
+        let r2 = req(&a, XferOp::Write, xl(MemType::Vram, dst, n, 3), xl(MemType::Vram, src, n, 2), "vram-dereg-B");
         assert_eq!(run(&a, &r2).unwrap(), Status::Success);
         assert!(bytes(src, n).iter().all(|&x| x == 0x55));
     }
