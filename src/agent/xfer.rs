@@ -674,25 +674,21 @@ pub trait PlanIndex: Copy + Send + Sync + 'static {
     fn to_i128(self) -> i128;
 }
 
-impl PlanIndex for i32 {
-    #[inline(always)]
-    fn to_u64(self) -> u64 {
-        u64::try_from(self).unwrap_or(u64::MAX)
-    }
-    fn to_i128(self) -> i128 {
-        self as i128
-    }
+/// The signed index types: a negative index is out of range.
+macro_rules! signed_plan_index {
+    ($($t:ty),+) => {$(
+        impl PlanIndex for $t {
+            #[inline(always)]
+            fn to_u64(self) -> u64 {
+                u64::try_from(self).unwrap_or(u64::MAX)
+            }
+            fn to_i128(self) -> i128 {
+                self as i128
+            }
+        }
+    )+};
 }
-
-impl PlanIndex for i64 {
-    #[inline(always)]
-    fn to_u64(self) -> u64 {
-        u64::try_from(self).unwrap_or(u64::MAX)
-    }
-    fn to_i128(self) -> i128 {
-        self as i128
-    }
-}
+signed_plan_index!(i32, i64);
 
 impl PlanIndex for u32 {
     #[inline(always)]
