@@ -5,19 +5,15 @@
 //! stdin/stdout so the parent can drive it.
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Command};
 use std::time::{Duration, Instant};
 
 use gixl::*;
 
-const MIB: usize = 1 << 20;
+mod common;
+use common::{hex, unhex};
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
-}
+const MIB: usize = 1 << 20;
 
 /// The prefill child: registers `size` bytes filled with `fill`, prints its metadata and buffer address,
 /// then answers commands: `notifs` (prints them), `sum` (prints a checksum of its buffer), `exit`.
@@ -60,28 +56,16 @@ impl Prefill {
     // The child is kept in the returned `Prefill`; the test ends it through `kill` (or the harness reaps it).
     #[allow(clippy::zombie_processes)]
     fn start(size: usize, fill: u8) -> Prefill {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+        let mut c = Command::new(std::env::current_exe().unwrap());
+        c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
             .env("GIXL_CHILD", "prefill")
             .env("GIXL_SIZE", size.to_string())
-            .env("GIXL_FILL", fill.to_string())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stdin = child.stdin.take().unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        loop {
-            line.clear();
-            assert!(stdout.read_line(&mut line).unwrap() > 0, "child exited before printing metadata");
-            if let Some(rest) = line.trim().strip_prefix("@md ") {
-                let mut it = rest.split(' ');
-                let md = unhex(it.next().unwrap());
-                let addr = it.next().unwrap().parse().unwrap();
-                return Prefill { child, stdin, stdout, md, addr };
-            }
-        }
+            .env("GIXL_FILL", fill.to_string());
+        let (child, stdin, stdout, rest) = common::spawn_until_md(c);
+        let mut it = rest.split(' ');
+        let md = unhex(it.next().unwrap());
+        let addr = it.next().unwrap().parse().unwrap();
+        Prefill { child, stdin, stdout, md, addr }
     }
 
     fn ask(&mut self, cmd: &str, until: &str) -> Vec<String> {

@@ -7,20 +7,16 @@
 //! `scripts/gpu-check.sh` on a machine with a GPU.
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Command};
 use std::time::{Duration, Instant};
 
 use gixl::device::fake;
 use gixl::*;
 
-const MIB: usize = 1 << 20;
+mod common;
+use common::{hex, unhex};
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
-}
+const MIB: usize = 1 << 20;
 
 fn env<T: std::str::FromStr>(k: &str) -> Option<T> {
     std::env::var(k).ok().and_then(|v| v.parse().ok())
@@ -128,25 +124,14 @@ impl Prefill {
             .env("GIXL_CHILD", "vram-prefill")
             .env("GIXL_SIZE", size.to_string())
             .env("GIXL_FILL", fill.to_string())
-            .env("GIXL_VMM", if vmm { "1" } else { "0" })
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped());
+            .env("GIXL_VMM", if vmm { "1" } else { "0" });
         if let Some(at) = at {
             c.env("GIXL_AT", at.to_string());
         }
-        let mut child = c.spawn().unwrap();
-        let stdin = child.stdin.take().unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        loop {
-            line.clear();
-            assert!(stdout.read_line(&mut line).unwrap() > 0, "child exited before printing metadata");
-            if let Some(rest) = line.trim().strip_prefix("@md ") {
-                let f: Vec<&str> = rest.split(' ').collect();
-                let (vram, dram, ino) = (f[1].parse().unwrap(), f[2].parse().unwrap(), f[3].parse().unwrap());
-                return Prefill { child, stdin, stdout, md: unhex(f[0]), vram, dram, ino };
-            }
-        }
+        let (child, stdin, stdout, rest) = common::spawn_until_md(c);
+        let f: Vec<&str> = rest.split(' ').collect();
+        let (vram, dram, ino) = (f[1].parse().unwrap(), f[2].parse().unwrap(), f[3].parse().unwrap());
+        Prefill { child, stdin, stdout, md: unhex(f[0]), vram, dram, ino }
     }
 
     fn ask(&mut self, cmd: &str) -> String {

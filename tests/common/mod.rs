@@ -2,9 +2,9 @@
 //! joined by a bridge, a throw-away etcd, and the one way a test says it could not run (`skip`).
 #![allow(dead_code)]
 
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::process::{Command, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// A test (or part of one) that cannot run on this machine says so here, never by returning quietly:
@@ -36,6 +36,24 @@ pub fn hex(b: &[u8]) -> String {
 
 pub fn unhex(s: &str) -> Vec<u8> {
     (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+}
+
+/// Starts `c` (this test binary re-run as a child) with its stdin and stdout piped and reads its output up to
+/// the line `@md <rest>`; returns the child, its stdin, its stdout and `<rest>`. The caller ends the child.
+#[allow(clippy::zombie_processes)]
+pub fn spawn_until_md(mut c: Command) -> (Child, ChildStdin, BufReader<ChildStdout>, String) {
+    let mut child = c.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let stdin = child.stdin.take().unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(stdout.read_line(&mut line).unwrap() > 0, "child exited before printing metadata");
+        if let Some(rest) = line.trim().strip_prefix("@md ") {
+            let rest = rest.to_string();
+            return (child, stdin, stdout, rest);
+        }
+    }
 }
 
 /// CLOCK_MONOTONIC in ns: the same clock in every process (and namespace) of this machine.
