@@ -795,6 +795,17 @@ fn reg_list(buf: &[u8]) -> RegDList {
     RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: d, meta: vec![] }])
 }
 
+/// A TCP target `tname` with `tbuf` registered and an initiator `iname` with `ibuf` registered that has
+/// loaded the target's metadata (disconnect timeout 1 s): `(target, initiator)`.
+fn tcp_pair(tname: &str, tbuf: &[u8], iname: &str, ibuf: &[u8]) -> (Agent, Agent) {
+    let b = tcp_agent(tname, 1000);
+    let a = tcp_agent(iname, 1000);
+    b.register_mem(&reg_list(tbuf), &[]).unwrap();
+    a.register_mem(&reg_list(ibuf), &[]).unwrap();
+    a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    (b, a)
+}
+
 fn xl(buf: &[u8], off: usize, len: usize) -> XferDList {
     XferDList::with_descs(MemType::Dram, vec![Desc::new(buf.as_ptr() as u64 + off as u64, len as u64, 0)])
 }
@@ -897,13 +908,9 @@ fn read_once(
 #[test]
 fn idle_connection_flood_does_not_starve_a_real_peer() {
     let _g = SERIAL.lock();
-    let b = tcp_agent("flood-target", 1000);
-    let a = tcp_agent("flood-initiator", 1000);
     let src = vec![0x5Au8; 1 << 16];
-    b.register_mem(&reg_list(&src), &[]).unwrap();
     let dst = vec![0u8; 1 << 16];
-    a.register_mem(&reg_list(&dst), &[]).unwrap();
-    a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    let (b, a) = tcp_pair("flood-target", &src, "flood-initiator", &dst);
     let (to, _, _) = endpoint_of(&b);
     for (what, ip) in
         [("other source", std::net::Ipv4Addr::new(127, 0, 0, 2)), ("same source", std::net::Ipv4Addr::LOCALHOST)]
@@ -1027,14 +1034,10 @@ fn trickling_peer_cannot_hold_deregistration_or_teardown() {
 #[test]
 fn deregister_during_a_tcp_write_stops_it_exactly() {
     let _g = SERIAL.lock();
-    let b = tcp_agent("dw-target", 1000);
-    let a = tcp_agent("dw-initiator", 1000);
     let len = 256 << 20;
     let dst = vec![0u8; len];
-    b.register_mem(&reg_list(&dst), &[]).unwrap();
     let src = vec![0xABu8; len];
-    a.register_mem(&reg_list(&src), &[]).unwrap();
-    a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    let (b, a) = tcp_pair("dw-target", &dst, "dw-initiator", &src);
     // 16 KiB blocks, remote side reversed: many separate requests on every connection.
     let n = len / (16 << 10);
     let l = XferDList::with_descs(
@@ -1083,13 +1086,9 @@ fn threads() -> usize {
 #[test]
 fn data_connections_hold_no_threads_and_a_stalled_reader_is_cut_off() {
     let _g = SERIAL.lock();
-    let b = tcp_agent("loops-target", 1000);
-    let a = tcp_agent("loops-initiator", 1000);
     let big = vec![0x33u8; 64 << 20];
-    b.register_mem(&reg_list(&big), &[]).unwrap();
     let dst = vec![0u8; 1 << 16];
-    a.register_mem(&reg_list(&dst), &[]).unwrap();
-    a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    let (b, a) = tcp_pair("loops-target", &big, "loops-initiator", &dst);
     let (to, inc, secret) = endpoint_of(&b);
     // The first READ starts the serving loops.
     let (r, _) = read_once(&a, "loops-target", &dst, big.as_ptr() as u64, 4096);
@@ -1191,13 +1190,9 @@ fn a_new_incarnation_on_the_same_port_is_proven_gone() {
 #[test]
 fn hostile_peers_on_loopback_are_refused_and_bounded() {
     let _g = SERIAL.lock();
-    let b = tcp_agent("lo-victim", 1000);
-    let a = tcp_agent("lo-decode", 1000);
     let buf = vec![0x42u8; 1 << 20];
-    b.register_mem(&reg_list(&buf), &[]).unwrap();
     let dst = vec![0u8; 1 << 16];
-    a.register_mem(&reg_list(&dst), &[]).unwrap();
-    a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    let (b, a) = tcp_pair("lo-victim", &buf, "lo-decode", &dst);
     let (r, _) = read_once(&a, "lo-victim", &dst, buf.as_ptr() as u64, 4096);
     assert_eq!(r.map_err(|e| e.status()), Ok(Status::Success));
     let base = fds_and_rss();
