@@ -82,6 +82,29 @@ waitNotif(nixlAgent &a, const std::string &from, const std::string &msg) {
     }
     return false;
 }
+
+// Poll `f` until it returns `want`, for at most `secs` seconds; returns the last status.
+template<class F>
+inline nixl_status_t
+until(nixl_status_t want, F f, int secs) {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(secs);
+    nixl_status_t st = f();
+    while (st != want && std::chrono::steady_clock::now() < end) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        st = f();
+    }
+    return st;
+}
+
+// The UCX backend with its plugin's default parameters, or nullptr when it cannot be created.
+inline nixlBackendH *
+ucx(nixlAgent &a) {
+    nixl_mem_list_t m;
+    nixl_b_params_t p;
+    nixlBackendH *b = nullptr;
+    if (a.getPluginParams("UCX", m, p) != NIXL_SUCCESS || a.createBackend("UCX", p, b) != NIXL_SUCCESS) return nullptr;
+    return b;
+}
 } // namespace t
 
 #define CHECK(cond, text) t::check((cond), (text), "false", "true", __FILE__, __LINE__)

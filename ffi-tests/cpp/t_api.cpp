@@ -103,19 +103,6 @@ dlists() {
     CHECK(nixlEnumStrings::statusStr(NIXL_ERR_REMOTE_DISCONNECT) == "NIXL_ERR_REMOTE_DISCONNECT", "statusStr");
 }
 
-// Poll `f` until it returns `want` (bounded: 15 s).
-template<class F>
-static nixl_status_t
-until(nixl_status_t want, F f) {
-    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(15);
-    nixl_status_t st = f();
-    while (st != want && std::chrono::steady_clock::now() < end) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(5));
-        st = f();
-    }
-    return st;
-}
-
 static void
 telemetryAndListener(const nixlAgentConfig &cfg,
                      unsigned char *abuf,
@@ -170,15 +157,15 @@ telemetryAndListener(const nixlAgentConfig &cfg,
     at.port = port;
     CHECK_ST(NIXL_SUCCESS, F.fetchRemoteMD("cpp-api-L", &at));
     const nixl_xfer_dlist_t none(DRAM_SEG);
-    CHECK_ST(NIXL_SUCCESS, until(NIXL_SUCCESS, [&] { return F.checkRemoteMD("cpp-api-L", none); }));
+    CHECK_ST(NIXL_SUCCESS, t::until(NIXL_SUCCESS, [&] { return F.checkRemoteMD("cpp-api-L", none); }, 15));
     nixl_opt_args_t conn = at;
     conn.includeConnInfo = true;
     CHECK_ST(NIXL_SUCCESS, F.sendLocalPartialMD(fr, &conn));
-    CHECK_ST(NIXL_SUCCESS, until(NIXL_SUCCESS, [&] { return L.checkRemoteMD("cpp-api-F", ax); }));
+    CHECK_ST(NIXL_SUCCESS, t::until(NIXL_SUCCESS, [&] { return L.checkRemoteMD("cpp-api-F", ax); }, 15));
     CHECK_ST(NIXL_SUCCESS, F.invalidateLocalMD(&at));
-    CHECK_ST(NIXL_ERR_NOT_FOUND, until(NIXL_ERR_NOT_FOUND, [&] { return L.checkRemoteMD("cpp-api-F", none); }));
+    CHECK_ST(NIXL_ERR_NOT_FOUND, t::until(NIXL_ERR_NOT_FOUND, [&] { return L.checkRemoteMD("cpp-api-F", none); }, 15));
     CHECK_ST(NIXL_SUCCESS, F.sendLocalMD(&at));
-    CHECK_ST(NIXL_SUCCESS, until(NIXL_SUCCESS, [&] { return L.checkRemoteMD("cpp-api-F", ax); }));
+    CHECK_ST(NIXL_SUCCESS, t::until(NIXL_SUCCESS, [&] { return L.checkRemoteMD("cpp-api-F", ax); }, 15));
     CHECK_ST(NIXL_SUCCESS, F.invalidateRemoteMD("cpp-api-L"));
     CHECK_ST(NIXL_SUCCESS, L.invalidateRemoteMD("cpp-api-F"));
     CHECK_ST(NIXL_SUCCESS, F.deregisterMem(fr));

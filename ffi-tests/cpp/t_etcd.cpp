@@ -43,27 +43,6 @@ accepting(int port) {
     return ok;
 }
 
-template<class F>
-static nixl_status_t
-until(nixl_status_t want, F f) {
-    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    nixl_status_t st = f();
-    while (st != want && std::chrono::steady_clock::now() < end) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-        st = f();
-    }
-    return st;
-}
-
-static nixlBackendH *
-ucx(nixlAgent &a) {
-    nixl_mem_list_t m;
-    nixl_b_params_t p;
-    nixlBackendH *b = nullptr;
-    if (a.getPluginParams("UCX", m, p) != NIXL_SUCCESS || a.createBackend("UCX", p, b) != NIXL_SUCCESS) return nullptr;
-    return b;
-}
-
 static nixl_xfer_dlist_t
 xl(const std::vector<unsigned char> &b) {
     nixl_xfer_dlist_t l(DRAM_SEG);
@@ -122,7 +101,7 @@ main() {
     {
         nixlAgentConfig cfg(true);
         nixlAgent P("cpp-etcd-prefill", cfg), D("cpp-etcd-decode", cfg), C("cpp-etcd-other", cfg);
-        CHECK(ucx(P) && ucx(D) && ucx(C), "three agents with UCX");
+        CHECK(t::ucx(P) && t::ucx(D) && t::ucx(C), "three agents with UCX");
         std::vector<unsigned char> b1(4096, 0x11), b2(4096, 0x22), local(4096, 0);
         nixl_reg_dlist_t r1(DRAM_SEG), both(DRAM_SEG), lr(DRAM_SEG);
         r1.addDesc(nixlBlobDesc((uintptr_t)b1.data(), b1.size(), 0, ""));
@@ -134,7 +113,7 @@ main() {
 
         CHECK_ST(NIXL_SUCCESS, P.sendLocalMD());
         CHECK_ST(NIXL_SUCCESS, D.fetchRemoteMD("cpp-etcd-prefill"));
-        CHECK_ST(NIXL_SUCCESS, until(NIXL_SUCCESS, [&] { return D.checkRemoteMD("cpp-etcd-prefill", xl(b2)); }));
+        CHECK_ST(NIXL_SUCCESS, t::until(NIXL_SUCCESS, [&] { return D.checkRemoteMD("cpp-etcd-prefill", xl(b2)); }, 20));
 
         nixl_opt_args_t nolabel;
         CHECK_ST(NIXL_ERR_INVALID_PARAM, P.sendLocalPartialMD(r1, &nolabel));
@@ -143,7 +122,7 @@ main() {
         lab.includeConnInfo = true;
         CHECK_ST(NIXL_SUCCESS, P.sendLocalPartialMD(r1, &lab));
         CHECK_ST(NIXL_SUCCESS, C.fetchRemoteMD("cpp-etcd-prefill", &lab));
-        CHECK_ST(NIXL_SUCCESS, until(NIXL_SUCCESS, [&] { return C.checkRemoteMD("cpp-etcd-prefill", xl(b1)); }));
+        CHECK_ST(NIXL_SUCCESS, t::until(NIXL_SUCCESS, [&] { return C.checkRemoteMD("cpp-etcd-prefill", xl(b1)); }, 20));
         CHECK_ST(NIXL_ERR_NOT_FOUND, C.checkRemoteMD("cpp-etcd-prefill", xl(b2)));
 
         // The fetched metadata carries a READ with a notification.
@@ -161,8 +140,8 @@ main() {
         // invalidateLocalMD deletes P's keys; the watchers of D and C drop P.
         CHECK_ST(NIXL_SUCCESS, P.invalidateLocalMD());
         const nixl_xfer_dlist_t none(DRAM_SEG);
-        CHECK_ST(NIXL_ERR_NOT_FOUND, until(NIXL_ERR_NOT_FOUND, [&] { return D.checkRemoteMD("cpp-etcd-prefill", none); }));
-        CHECK_ST(NIXL_ERR_NOT_FOUND, until(NIXL_ERR_NOT_FOUND, [&] { return C.checkRemoteMD("cpp-etcd-prefill", none); }));
+        CHECK_ST(NIXL_ERR_NOT_FOUND, t::until(NIXL_ERR_NOT_FOUND, [&] { return D.checkRemoteMD("cpp-etcd-prefill", none); }, 20));
+        CHECK_ST(NIXL_ERR_NOT_FOUND, t::until(NIXL_ERR_NOT_FOUND, [&] { return C.checkRemoteMD("cpp-etcd-prefill", none); }, 20));
         CHECK_ST(NIXL_SUCCESS, D.deregisterMem(lr));
         CHECK_ST(NIXL_SUCCESS, P.deregisterMem(both));
     }

@@ -65,19 +65,10 @@ writeFull(int fd, const void *p, size_t n) {
     return true;
 }
 
-static nixlBackendH *
-ucx(nixlAgent &a) {
-    nixl_mem_list_t m;
-    nixl_b_params_t p;
-    nixlBackendH *b = nullptr;
-    if (a.getPluginParams("UCX", m, p) != NIXL_SUCCESS || a.createBackend("UCX", p, b) != NIXL_SUCCESS) return nullptr;
-    return b;
-}
-
 static int
 peerMain(uint32_t seed) {
     nixlAgent P(kPeer, nixlAgentConfig(true));
-    if (ucx(P) == nullptr) return 10;
+    if (t::ucx(P) == nullptr) return 10;
     std::vector<unsigned char> buf(kLen);
     fill(buf.data(), kLen, seed);
     nixl_reg_dlist_t reg(DRAM_SEG);
@@ -178,7 +169,7 @@ driverMain() {
     Peer p1, p2;
     CHECK(spawn(p1, 11), "peer P started and sent its metadata");
     nixlAgent D(kDriver, nixlAgentConfig(true));
-    CHECK(ucx(D) != nullptr, "driver's UCX backend");
+    CHECK(t::ucx(D) != nullptr, "driver's UCX backend");
     std::vector<unsigned char> local(kLen, 0);
     nixl_reg_dlist_t reg(DRAM_SEG);
     reg.addDesc(nixlBlobDesc((uintptr_t)local.data(), kLen, 0, ""));
