@@ -17,6 +17,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import sys
+import types
 import uuid
 
 import pytest
@@ -162,3 +163,56 @@ def peers(nixl_impl, tmp_path):
     yield _spawn
     for p in procs:
         p.close()
+
+
+# --------------------------------------------------------------------------- torch-like tensors
+
+
+class _FakeDevice:
+    def __init__(self, kind, index):
+        self.type, self.index = kind, index
+
+    def __eq__(self, other):
+        return (self.type, self.index) == (other.type, other.index)
+
+    def __ne__(self, other):
+        return not self == other
+
+
+@pytest.fixture
+def fake_torch(monkeypatch):
+    """Install a tiny stand-in for torch in sys.modules (NIXL only consults sys.modules)."""
+    mod = types.ModuleType("torch")
+
+    class Tensor:
+        def __init__(self, array, device=-1, contiguous=True):
+            self.array = array
+            self._dev = device
+            self._contig = contiguous
+            self.device = _FakeDevice("cpu" if device < 0 else "cuda", None if device < 0 else device)
+
+        def data_ptr(self):
+            return int(self.array.ctypes.data)
+
+        def numel(self):
+            return int(self.array.size)
+
+        def element_size(self):
+            return int(self.array.itemsize)
+
+        def get_device(self):
+            return self._dev
+
+        def is_contiguous(self):
+            return self._contig
+
+        # NIXL looks at ``descs[0]`` before checking for a tensor.
+        def __getitem__(self, i):
+            return Tensor(self.array[i], self._dev, self._contig)
+
+        def __len__(self):
+            return len(self.array)
+
+    mod.Tensor = Tensor
+    monkeypatch.setitem(sys.modules, "torch", mod)
+    return mod

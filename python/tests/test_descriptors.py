@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import pickle
-import sys
 import time
-import types
 
 import numpy as np
 import pytest
@@ -174,55 +172,6 @@ def test_remote_descs_bad_inputs(agent):
 
 
 # --------------------------------------------------------------------------- torch-like tensors
-
-
-class _FakeDevice:
-    def __init__(self, kind, index):
-        self.type, self.index = kind, index
-
-    def __eq__(self, other):
-        return (self.type, self.index) == (other.type, other.index)
-
-    def __ne__(self, other):
-        return not self == other
-
-
-@pytest.fixture
-def fake_torch(monkeypatch):
-    """Install a tiny stand-in for torch in sys.modules (NIXL only consults sys.modules)."""
-    mod = types.ModuleType("torch")
-
-    class Tensor:
-        def __init__(self, array, device=-1, contiguous=True):
-            self.array = array
-            self._dev = device
-            self._contig = contiguous
-            self.device = _FakeDevice("cpu" if device < 0 else "cuda", None if device < 0 else device)
-
-        def data_ptr(self):
-            return int(self.array.ctypes.data)
-
-        def numel(self):
-            return int(self.array.size)
-
-        def element_size(self):
-            return int(self.array.itemsize)
-
-        def get_device(self):
-            return self._dev
-
-        def is_contiguous(self):
-            return self._contig
-
-        def __getitem__(self, i):
-            return Tensor(self.array[i], self._dev, self._contig)
-
-        def __len__(self):
-            return len(self.array)
-
-    mod.Tensor = Tensor
-    monkeypatch.setitem(sys.modules, "torch", mod)
-    return mod
 
 
 def test_tensor_to_descs(agent, bind, fake_torch):

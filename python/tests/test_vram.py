@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -19,62 +18,14 @@ import pytest
 from helpers import addr
 
 
-class _Device:
-    def __init__(self, kind, index):
-        self.type, self.index = kind, index
-
-    def __eq__(self, other):
-        return (self.type, self.index) == (other.type, other.index)
-
-    def __ne__(self, other):
-        return not self == other
-
-
-@pytest.fixture
-def torch_stub(monkeypatch):
-    mod = types.ModuleType("torch")
-
-    class Tensor:
-        def __init__(self, array, device=-1):
-            self.array = array
-            self._dev = device
-            self.device = _Device("cpu" if device < 0 else "cuda", None if device < 0 else device)
-
-        def data_ptr(self):
-            return int(self.array.ctypes.data)
-
-        def numel(self):
-            return int(self.array.size)
-
-        def element_size(self):
-            return int(self.array.itemsize)
-
-        def get_device(self):
-            return self._dev
-
-        def is_contiguous(self):
-            return True
-
-        # NIXL looks at ``descs[0]`` before checking for a tensor.
-        def __getitem__(self, i):
-            return Tensor(self.array[i], self._dev)
-
-        def __len__(self):
-            return len(self.array)
-
-    mod.Tensor = Tensor
-    monkeypatch.setitem(sys.modules, "torch", mod)
-    return mod
-
-
 @pytest.fixture
 def agent(make_agent):
     return make_agent("vram")
 
 
-def test_cuda_tensor_list_is_vram_with_its_device(agent, bind, torch_stub):
+def test_cuda_tensor_list_is_vram_with_its_device(agent, bind, fake_torch):
     arrs = [np.zeros(1024, dtype=np.float16) for _ in range(3)]
-    ts = [torch_stub.Tensor(a, device=2) for a in arrs]
+    ts = [fake_torch.Tensor(a, device=2) for a in arrs]
     rl = agent.get_reg_descs(ts)
     assert rl.getType() == bind.VRAM_SEG
     assert [rl[i] for i in range(3)] == [(addr(a), 2048, 2, b"") for a in arrs]
@@ -92,8 +43,8 @@ def test_vram_registration_without_gpu_raises(agent, bind, alias):
     agent.deregister_memory(reg)
 
 
-def test_cuda_tensor_registration_without_gpu_raises(agent, bind, torch_stub):
-    t = torch_stub.Tensor(np.zeros(256, dtype=np.float32), device=0)
+def test_cuda_tensor_registration_without_gpu_raises(agent, bind, fake_torch):
+    t = fake_torch.Tensor(np.zeros(256, dtype=np.float32), device=0)
     with pytest.raises((bind.nixlBackendError, bind.nixlNotSupportedError)):
         agent.register_memory([t])
 
