@@ -10,6 +10,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 use parking_lot::Mutex;
@@ -145,7 +146,28 @@ impl Drop for FakeMapping {
     }
 }
 
+/// Bytes moved by `copy` in this process, and page-locked bytes held now (see [`copied_bytes`]).
+static COPIED: AtomicU64 = AtomicU64::new(0);
+static PINNED: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes this process's fake driver has copied (every `Device::copy`, any direction): shows that a
+/// route staged through device copies rather than touching device memory another way.
+pub fn copied_bytes() -> u64 {
+    COPIED.load(Ordering::Relaxed)
+}
+
+/// Page-locked host memory this process holds now (`Device::host_buf` buffers not yet freed).
+pub fn pinned_bytes() -> u64 {
+    PINNED.load(Ordering::Relaxed)
+}
+
 struct Pinned(Vec<u8>);
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        PINNED.fetch_sub(self.0.len() as u64, Ordering::Relaxed);
+    }
+}
 
 impl HostBuf for Pinned {
     fn ptr(&self) -> u64 {
@@ -212,6 +234,7 @@ impl Device for Fake {
                 }
             }
         }
+        COPIED.fetch_add(copies.iter().map(|c| c.len).sum(), Ordering::Relaxed);
         for c in copies {
             // SAFETY: the engine resolved both ranges against registrations or opened mappings of this
             // process, which stay mapped for the duration of the call.
@@ -221,6 +244,7 @@ impl Device for Fake {
     }
 
     fn host_buf(&self, _dev: u32, len: usize) -> Result<Box<dyn HostBuf>> {
+        PINNED.fetch_add(len as u64, Ordering::Relaxed);
         Ok(Box::new(Pinned(vec![0u8; len])))
     }
 }

@@ -17,7 +17,8 @@
 //!
 //! VRAM (requests with either side in GPU memory) goes through `vram`, over the device layer
 //! (`crate::device`): device copies in this process, CUDA IPC handles carried in metadata to another
-//! process, every copy behind the target's VRAM gate page.
+//! process, every copy behind the target's VRAM gate page; to a peer reached over TCP, through `vram_tcp`
+//! (page-locked staging on both sides, the target serving its VRAM registrations like DRAM ones).
 //!
 //! Small requests complete inline in `post`; large ones are split across a few copy threads (or, over TCP,
 //! across the peer's data connections).
@@ -47,6 +48,7 @@ pub(crate) mod net;
 mod pool;
 mod tcp;
 mod vram;
+mod vram_tcp;
 pub mod wire;
 
 use std::any::Any;
@@ -507,7 +509,11 @@ impl Backend for Engine {
 
     fn register(&self, mem: MemType, desc: &RegDesc) -> Result<LocalRegion> {
         if mem == MemType::Vram {
-            return self.shared.vram.register(&self.shared, desc);
+            let r = self.shared.vram.register(&self.shared, desc)?;
+            // TCP peers reach it through the serving loops, staged (see `vram_tcp`); `register` checked
+            // that the descriptor's device is the allocation's.
+            self.shared.regions.add_vram(desc.desc.addr, desc.desc.len, desc.desc.dev as u32);
+            return Ok(r);
         }
         if mem != MemType::Dram {
             return Err(Error::not_supported(format!("{} is not supported by this engine", mem.seg_name())));
@@ -519,8 +525,10 @@ impl Backend for Engine {
 
     fn deregister(&self, mem: MemType, desc: &Desc, key: Option<&RegionKey>) {
         if mem == MemType::Vram {
-            // Waits for peers' copies inside the region (see `vram`).
+            // Waits for peers' copies inside the region (see `vram`), then for TCP requests being served
+            // from it (see `vram_tcp`).
             self.shared.vram.deregister(&self.shared, key);
+            self.shared.regions.remove_vram(desc.addr, desc.len);
             return;
         }
         if mem != MemType::Dram {
@@ -542,7 +550,7 @@ impl Backend for Engine {
         public: &[u8],
     ) -> Result<Option<RegionKey>> {
         if mem == MemType::Vram {
-            return vram::load_remote(downcast(peer)?.incarnation, desc.addr, public).map(Some);
+            return vram::load_remote(downcast(peer)?.incarnation, desc.addr, desc.len, public).map(Some);
         }
         let ticket = decode_ticket(public)?;
         Ok(Some(Arc::new(RemoteRegion { addr: desc.addr, len: desc.len, ticket })))
@@ -706,8 +714,15 @@ impl Backend for Engine {
     }
 
     fn prep_xfer(&self, plan: XferPlan) -> Result<Box<dyn BackendXfer>> {
-        let vram = if vram::wants(&plan) { Some(vram::prep(&self.shared, &plan)?) } else { None };
-        if vram.is_none() && (plan.local_mem != MemType::Dram || plan.remote_mem != MemType::Dram) {
+        let wants = vram::wants(&plan);
+        // VRAM to a peer reached over TCP is staged (see `vram_tcp`); other VRAM routes are `vram`'s.
+        let link = if wants { vram_tcp::tcp_link(&plan)? } else { None };
+        let vram_tcp = match link {
+            Some(link) => Some(vram_tcp::prep(&plan, link)?),
+            None => None,
+        };
+        let vram = if wants && vram_tcp.is_none() { Some(vram::prep(&self.shared, &plan)?) } else { None };
+        if !wants && (plan.local_mem != MemType::Dram || plan.remote_mem != MemType::Dram) {
             return Err(Error::not_supported("this engine moves DRAM and VRAM only"));
         }
         let route = match &plan.target {
@@ -717,7 +732,7 @@ impl Backend for Engine {
                 Route::Peer(p.clone())
             }
         };
-        let core = Arc::new(Core { shared: self.shared.clone(), plan, route, vram });
+        let core = Arc::new(Core { shared: self.shared.clone(), plan, route, vram, vram_tcp });
         Ok(Box::new(EngineXfer { core, run: Mutex::new(None) }))
     }
 
@@ -768,6 +783,8 @@ struct Core {
     route: Route,
     /// Set when the request touches VRAM: its copies go through `vram` (its own gate page).
     vram: Option<vram::VramPlan>,
+    /// Set instead when it touches VRAM and its peer is reached over TCP.
+    vram_tcp: Option<vram_tcp::TcpVramPlan>,
 }
 
 struct EngineXfer {
@@ -822,6 +839,9 @@ impl Core {
             panic!("injected copy-worker panic (GIXL_TEST_FAULT=copy_panic)");
         }
         if let Some(v) = &self.vram {
+            return v.copy(self, segs, run);
+        }
+        if let Some(v) = &self.vram_tcp {
             return v.copy(self, segs, run);
         }
         let op = self.plan.op;
@@ -1228,7 +1248,7 @@ mod tests {
         };
         let route = Route::Peer(peer.clone());
         let x = EngineXfer {
-            core: Arc::new(Core { shared: a.shared.clone(), plan, route, vram: None }),
+            core: Arc::new(Core { shared: a.shared.clone(), plan, route, vram: None, vram_tcp: None }),
             run: Mutex::new(None),
         };
         assert_eq!(x.post(None).unwrap(), Status::InProg);

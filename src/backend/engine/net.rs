@@ -172,6 +172,14 @@ pub fn recv_now(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
     }
 }
 
+/// Has the connection been shut down (by either side) or failed? Only looks, never waits.
+pub fn hung_up(fd: RawFd) -> bool {
+    let mut p = libc::pollfd { fd, events: libc::POLLRDHUP, revents: 0 };
+    // SAFETY: one valid pollfd, no wait.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n > 0 && p.revents & (libc::POLLHUP | libc::POLLERR | libc::POLLRDHUP | libc::POLLNVAL) != 0
+}
+
 /// One non-blocking `send`: how many bytes went out (WouldBlock when none could).
 pub fn send_now(fd: RawFd, buf: &[u8]) -> io::Result<usize> {
     loop {

@@ -52,6 +52,7 @@ use parking_lot::{Condvar, Mutex};
 use super::ctrl::NotifQueue;
 use super::liveness::{DialPlan, LiveCfg, Liveness};
 use super::net::{self, iovec};
+use super::vram_tcp::{StagePool, Staged};
 use super::wire::{self, CtrlMsg, Hello, RegionTable, WireSeg};
 use crate::backend::{Seg, XferOp};
 use crate::status::{Error, Result, Status};
@@ -78,6 +79,9 @@ pub struct Regions {
 #[derive(Default)]
 struct RegionState {
     table: RegionTable,
+    /// The ranges of `table` registered as device memory (VRAM): range → (device, registrations). Served
+    /// staged through page-locked buffers (see `vram_tcp`), never by socket I/O on their addresses.
+    vram: HashMap<(u64, u64), (u32, u32)>,
     /// Serving connection id → the ranges its current request holds, and its socket (to cut it off).
     leases: HashMap<u64, Held>,
     closed: bool,
@@ -96,11 +100,33 @@ impl Regions {
         *self.st.lock().table.entry((addr, len)).or_insert(0) += 1;
     }
 
+    /// One more registration of exactly `addr..addr+len`, in the memory of device `dev`.
+    pub fn add_vram(&self, addr: u64, len: u64, dev: u32) {
+        let mut st = self.st.lock();
+        *st.table.entry((addr, len)).or_insert(0) += 1;
+        st.vram.entry((addr, len)).or_insert((dev, 0)).1 += 1;
+    }
+
+    /// `remove` for a registration made with `add_vram`.
+    pub fn remove_vram(&self, addr: u64, len: u64) {
+        let k = (addr, len);
+        let mut st = self.st.lock();
+        if let Some(v) = st.vram.get_mut(&k) {
+            v.1 -= 1;
+            if v.1 == 0 {
+                st.vram.remove(&k);
+            }
+        }
+        self.remove_locked(st, k);
+    }
+
     /// One registration fewer. When it was the last of that range, wait for requests holding a lease on it
     /// (bounded, see the type's comment).
     pub fn remove(&self, addr: u64, len: u64) {
-        let k = (addr, len);
-        let mut st = self.st.lock();
+        self.remove_locked(self.st.lock(), (addr, len));
+    }
+
+    fn remove_locked(&self, mut st: parking_lot::MutexGuard<'_, RegionState>, k: (u64, u64)) {
         let Some(n) = st.table.get_mut(&k) else { return };
         *n -= 1;
         if *n > 0 {
@@ -120,6 +146,7 @@ impl Regions {
         let mut st = self.st.lock();
         st.closed = true;
         st.table.clear();
+        st.vram.clear();
         self.wait_leases(st, Duration::ZERO, |_| true);
     }
 
@@ -152,18 +179,27 @@ impl Regions {
         }
     }
 
-    /// Check `segs` and lease the ranges they name for connection `conn` until `release(conn)`. False:
-    /// refused (some segment lies outside every registration, or the engine is closing).
-    pub fn lease(&self, conn: u64, stream: &Arc<TcpStream>, segs: &[WireSeg]) -> bool {
+    /// Check `segs` and lease the ranges they name for connection `conn` until `release(conn)`. Refused
+    /// when some segment lies outside every registration, when the request mixes host and device
+    /// registrations, or when the engine is closing.
+    pub fn lease(&self, conn: u64, stream: &Arc<TcpStream>, segs: &[WireSeg]) -> Leased {
         let mut st = self.st.lock();
         if st.closed || !wire::segs_allowed(&st.table, segs) {
-            return false;
+            return Leased::Refused;
         }
+        let devs: Vec<Option<u32>> = segs.iter().map(|s| st.vram.get(&(s.region, s.region_len)).map(|v| v.0)).collect();
+        let leased = if devs.iter().all(Option::is_none) {
+            Leased::Host
+        } else if let Some(devs) = devs.into_iter().collect::<Option<Vec<u32>>>() {
+            Leased::Device(devs)
+        } else {
+            return Leased::Refused;
+        };
         let mut ranges: Vec<(u64, u64)> = segs.iter().map(|s| (s.region, s.region_len)).collect();
         ranges.sort_unstable();
         ranges.dedup();
         st.leases.insert(conn, (ranges, Arc::downgrade(stream)));
-        true
+        leased
     }
 
     /// Connection `conn` no longer touches the memory it leased.
@@ -171,6 +207,16 @@ impl Regions {
         self.st.lock().leases.remove(&conn);
         self.released.notify_all();
     }
+}
+
+/// What `Regions::lease` decided.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Leased {
+    Refused,
+    /// Every segment lies in host memory: served by socket I/O straight on it.
+    Host,
+    /// Every segment lies in device memory (the device of each): staged (see `vram_tcp`).
+    Device(Vec<u32>),
 }
 
 /// Pending (not yet authenticated) inbound connections kept at once. When full, a newcomer takes the slot
@@ -1015,11 +1061,14 @@ impl ServeLoop {
         let mut conns: HashMap<u64, Box<DataConn>> = HashMap::new();
         let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
         let mut scratch = vec![0u8; 64 * 1024];
+        // Staging buffers for requests on device memory, and the connections waiting for one, in order.
+        let mut pool = StagePool::default();
+        let mut waiting: std::collections::VecDeque<u64> = Default::default();
         loop {
             let Some(shared) = sh.upgrade() else { return };
             if shared.closed.load(Ordering::Acquire) {
-                for (_, c) in conns.drain() {
-                    c.close(&shared, &self.epfd);
+                for (_, mut c) in conns.drain() {
+                    c.close(&shared, &self.epfd, &mut pool);
                 }
                 return;
             }
@@ -1063,10 +1112,13 @@ impl ServeLoop {
             }
             for id in ready {
                 let Some(c) = conns.get_mut(&id) else { continue };
-                if !c.drive(&shared.regions, &mut scratch) {
-                    if let Some(c) = conns.remove(&id) {
-                        c.close(&shared, &self.epfd);
+                if !c.drive(&shared.regions, &mut scratch, &mut pool) {
+                    if let Some(mut c) = conns.remove(&id) {
+                        c.close(&shared, &self.epfd, &mut pool);
                     }
+                } else if c.phase == Phase::StageWait && !c.queued {
+                    c.queued = true;
+                    waiting.push_back(id);
                 }
             }
             // Connections stuck mid-request for longer than the stall bound are given up.
@@ -1075,8 +1127,23 @@ impl ServeLoop {
             let late: Vec<u64> =
                 conns.values().filter(|c| c.deadline(stall).is_some_and(|d| d <= now)).map(|c| c.id).collect();
             for id in late {
-                if let Some(c) = conns.remove(&id) {
-                    c.close(&shared, &self.epfd);
+                if let Some(mut c) = conns.remove(&id) {
+                    c.close(&shared, &self.epfd, &mut pool);
+                }
+            }
+            // Buffers given back: the connections waiting for one go on, oldest first.
+            while pool.can_take() {
+                let Some(id) = waiting.pop_front() else { break };
+                let Some(c) = conns.get_mut(&id) else { continue };
+                c.queued = false;
+                if !c.drive(&shared.regions, &mut scratch, &mut pool) {
+                    if let Some(mut c) = conns.remove(&id) {
+                        c.close(&shared, &self.epfd, &mut pool);
+                    }
+                } else if c.phase == Phase::StageWait {
+                    c.queued = true;
+                    waiting.push_front(id);
+                    break;
                 }
             }
         }
@@ -1095,6 +1162,12 @@ enum Phase {
     Send,
     /// The 8-byte reply of a WRITE or a refusal.
     Reply,
+    /// A request on device memory waits for a staging buffer of the loop (see `vram_tcp::StagePool`).
+    StageWait,
+    /// READ from device memory: the staged chunk (the OK reply first) goes out.
+    StageSend,
+    /// WRITE into device memory: the next chunk comes into the staging buffer.
+    StageRecv,
 }
 
 /// One data connection's state in a serving loop.
@@ -1113,6 +1186,10 @@ struct DataConn {
     left: u64,
     /// Last progress (ns): a connection mid-request that makes none for the stall bound is closed.
     last: u64,
+    /// The request in progress on device memory (phases `Stage*`).
+    staged: Option<Box<Staged>>,
+    /// In its loop's queue of connections waiting for a staging buffer.
+    queued: bool,
 }
 
 // SAFETY: the iovecs point into registered memory leased by this connection, or at `reply` (re-pointed
@@ -1135,6 +1212,8 @@ impl DataConn {
             reply: [0; wire::REPLY_BYTES],
             left: 0,
             last: monotonic_ns(),
+            staged: None,
+            queued: false,
         }
     }
 
@@ -1143,7 +1222,10 @@ impl DataConn {
         (self.phase != Phase::Header || self.got > 0).then(|| self.last.saturating_add(stall))
     }
 
-    fn close(&self, sh: &TcpShared, epfd: &OwnedFd) {
+    fn close(&mut self, sh: &TcpShared, epfd: &OwnedFd, pool: &mut StagePool) {
+        if let Some(b) = self.staged.take().and_then(|mut s| s.detach()) {
+            pool.put(b);
+        }
         if self.leased {
             sh.regions.release(self.id);
         }
@@ -1157,10 +1239,20 @@ impl DataConn {
 
     /// Move the state machine as far as the socket allows. False: close the connection (end of stream, an
     /// error, or a malformed request).
-    fn drive(&mut self, regions: &Regions, scratch: &mut [u8]) -> bool {
+    fn drive(&mut self, regions: &Regions, scratch: &mut [u8], pool: &mut StagePool) -> bool {
         let fd = self.stream.as_raw_fd();
         loop {
+            if self.phase == Phase::StageWait && !self.stage_begin(regions, pool) {
+                // No buffer free: wait for one (the loop drives this connection again), unless the peer
+                // has gone or we cut it off (then the lease goes now, not when a buffer frees up).
+                return !net::hung_up(fd);
+            }
             let r = match self.phase {
+                Phase::StageWait => continue,
+                // SAFETY: the staged chunk lies inside the staging buffer `self.staged` owns.
+                Phase::StageSend => unsafe { self.staged.as_ref().map_or(Ok(0), |st| st.send(fd)) },
+                // SAFETY: as above.
+                Phase::StageRecv => unsafe { self.staged.as_mut().map_or(Ok(0), |st| st.recv(fd)) },
                 Phase::Header => net::recv_now(fd, &mut self.hdr[self.got..]),
                 Phase::Table => net::recv_now(fd, &mut self.table[self.got..]),
                 Phase::Drain => {
@@ -1210,6 +1302,48 @@ impl DataConn {
                         (self.phase, self.got) = (Phase::Header, 0);
                     }
                 }
+                Phase::StageWait => {}
+                Phase::StageSend => {
+                    let Some(st) = self.staged.as_mut() else { return false };
+                    if st.sent(n) {
+                        if !st.finished() {
+                            // The next chunk out of device memory (a bounded device copy on this thread).
+                            if st.load(None).is_err() {
+                                // The reply went out as OK: the connection cannot say so any more.
+                                return false;
+                            }
+                        } else {
+                            self.stage_end(regions, pool);
+                            (self.phase, self.got) = (Phase::Header, 0);
+                        }
+                    }
+                }
+                Phase::StageRecv => {
+                    let Some(st) = self.staged.as_mut() else { return false };
+                    if st.received(n) {
+                        // Into device memory (a bounded device copy on this thread).
+                        match st.store() {
+                            Ok(()) if st.finished() => {
+                                self.stage_end(regions, pool);
+                                self.reply_with(wire::REPLY_OK);
+                            }
+                            Ok(()) => st.expect(),
+                            Err(e) => {
+                                crate::telemetry::log::warn(&format!(
+                                    "serving a WRITE into VRAM over TCP failed: {e}; the request is refused"
+                                ));
+                                let rest = st.unstaged();
+                                self.stage_end(regions, pool);
+                                self.left = rest;
+                                if rest > 0 {
+                                    self.phase = Phase::Drain;
+                                } else {
+                                    self.reply_with(wire::REPLY_DENIED);
+                                }
+                            }
+                        }
+                    }
+                }
                 Phase::Recv | Phase::Send => {
                     self.at = net::advance(&mut self.iov, self.at, n);
                     if self.at == self.iov.len() {
@@ -1230,9 +1364,19 @@ impl DataConn {
     fn start(&mut self, regions: &Regions) -> bool {
         let Some(h) = self.req else { return false };
         let Ok(segs) = wire::parse_segs(&self.table, &h) else { return false };
-        let allowed = regions.lease(self.id, &self.stream, &segs);
+        let leased = regions.lease(self.id, &self.stream, &segs);
         self.iov.clear();
         self.at = 0;
+        let allowed = match leased {
+            Leased::Refused => false,
+            Leased::Host => true,
+            Leased::Device(devs) => {
+                self.leased = true;
+                self.staged = Some(Box::new(Staged::new(h.op, &segs, &devs)));
+                self.phase = Phase::StageWait;
+                return true;
+            }
+        };
         match (h.op, allowed) {
             (XferOp::Read, true) => {
                 self.leased = true;
@@ -1259,6 +1403,62 @@ impl DataConn {
     fn reply_with(&mut self, status: u8) {
         self.reply = wire::encode_reply(status);
         (self.phase, self.got) = (Phase::Reply, 0);
+    }
+
+    /// A request on device memory takes a staging buffer and starts moving (true), or waits for one
+    /// (false). A READ's first chunk is staged before the reply goes out, so a failing device copy can
+    /// still be answered with DENIED.
+    fn stage_begin(&mut self, regions: &Regions, pool: &mut StagePool) -> bool {
+        let Some(st) = self.staged.as_mut() else { return false };
+        let buf = match pool.take(st.dev()) {
+            Ok(Some(b)) => b,
+            Ok(None) => return false,
+            Err(e) => {
+                crate::telemetry::log::warn(&format!("no staging buffer for VRAM over TCP: {e}"));
+                return self.stage_refuse(regions, pool);
+            }
+        };
+        st.attach(buf);
+        match st.op() {
+            XferOp::Read => {
+                if let Err(e) = st.load(Some(&wire::encode_reply(wire::REPLY_OK))) {
+                    crate::telemetry::log::warn(&format!(
+                        "serving a READ from VRAM over TCP failed: {e}; the request is refused"
+                    ));
+                    return self.stage_refuse(regions, pool);
+                }
+                self.phase = Phase::StageSend;
+            }
+            XferOp::Write => {
+                st.expect();
+                self.phase = Phase::StageRecv;
+            }
+        }
+        true
+    }
+
+    /// Refuse the request on device memory in progress, keeping the connection in step.
+    fn stage_refuse(&mut self, regions: &Regions, pool: &mut StagePool) -> bool {
+        let (op, total) = (self.staged.as_ref().map(|s| s.op()), self.req.map_or(0, |h| h.total));
+        self.stage_end(regions, pool);
+        if op == Some(XferOp::Write) && total > 0 {
+            self.left = total;
+            self.phase = Phase::Drain;
+        } else {
+            self.reply_with(wire::REPLY_DENIED);
+        }
+        true
+    }
+
+    /// The request on device memory is over: its lease and staging buffer go back.
+    fn stage_end(&mut self, regions: &Regions, pool: &mut StagePool) {
+        if self.leased {
+            regions.release(self.id);
+            self.leased = false;
+        }
+        if let Some(b) = self.staged.take().and_then(|mut s| s.detach()) {
+            pool.put(b);
+        }
     }
 }
 

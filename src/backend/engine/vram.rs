@@ -10,7 +10,9 @@
 //!   local memory type (DRAM↔VRAM directly, the driver staging pageable memory itself);
 //! - another process, its region in DRAM and ours in VRAM: cross-memory attach into a page-locked staging
 //!   buffer, and a device copy between the buffer and VRAM (both directions);
-//! - another host (TCP): not supported yet (NOT_SUPPORTED at request creation).
+//! - a peer reached over TCP (another host, cross-memory attach denied, or `GIXL_TRANSPORT=tcp`): both
+//!   sides stage through page-locked buffers, the TCP target serving its VRAM registrations chunk by chunk
+//!   under the same leases as DRAM (see `vram_tcp`; the gate page below is not used on that route).
 //!
 //! The gate. A target engine that registers VRAM owns a gate page: a memfd holding its incarnation, a
 //! "closed" word and one slot per registered VRAM region (a generation, odd while registered, and an
@@ -44,8 +46,8 @@ const PUBLIC_VERSION: u8 = 1;
 const SLOTS: usize = 1 << 16;
 const HEADER: usize = 64;
 const GATE_BYTES: usize = HEADER + 16 * SLOTS;
-/// Staging buffer for DRAM (remote, over CMA) ↔ VRAM (local) copies.
-const STAGE: u64 = 8 << 20;
+/// Staging buffer for DRAM (remote, over CMA or TCP) ↔ VRAM (local) copies.
+pub(super) const STAGE: u64 = 8 << 20;
 
 /// The gate page, mapped in the target (which owns it) or in an initiator (which took it).
 struct GatePage {
@@ -312,6 +314,8 @@ impl Vram {
 /// A peer's VRAM region, from its metadata.
 pub(super) struct RemoteVram {
     addr: u64,
+    /// Registered length: with `addr`, how a TCP request names the registration.
+    len: u64,
     dev: u32,
     offset: u64,
     handle: IpcHandle,
@@ -336,7 +340,7 @@ fn opened() -> &'static Mutex<(HashMap<(u128, Vec<u8>), Weak<Opened>>, HashMap<u
     O.get_or_init(Default::default)
 }
 
-pub(super) fn load_remote(incarnation: u128, addr: u64, public: &[u8]) -> Result<RegionKey> {
+pub(super) fn load_remote(incarnation: u128, addr: u64, len: u64, public: &[u8]) -> Result<RegionKey> {
     let bad = || Error::mismatch("malformed VRAM region in metadata");
     let mut r = Reader { buf: public, pos: 0 };
     if r.byte()? != PUBLIC_VERSION {
@@ -355,6 +359,7 @@ pub(super) fn load_remote(incarnation: u128, addr: u64, public: &[u8]) -> Result
     }
     Ok(Arc::new(RemoteVram {
         addr,
+        len,
         dev,
         offset,
         handle: IpcHandle { kind, size, bytes },
@@ -364,6 +369,13 @@ pub(super) fn load_remote(incarnation: u128, addr: u64, public: &[u8]) -> Result
         incarnation,
         opened: Mutex::new(None),
     }))
+}
+
+impl RemoteVram {
+    /// The registration as the peer's TCP target knows it: (address, length).
+    pub(super) fn tcp_region(&self) -> (u64, u64) {
+        (self.addr, self.len)
+    }
 }
 
 /// How a request reaches the remote side.
@@ -482,11 +494,9 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
                     }
                     (Far::Process { pid: *pid, gate: None }, Some(ep))
                 }
+                // Routed to `vram_tcp` by the engine before this.
                 PeerKind::Tcp { .. } => {
-                    return Err(Error::not_supported(format!(
-                        "VRAM transfers to agent '{}' on another host (TCP) are not implemented",
-                        ep.name
-                    )))
+                    return Err(Error::backend(format!("VRAM to agent '{}' over TCP goes through vram_tcp", ep.name)))
                 }
             }
         }
@@ -727,7 +737,7 @@ impl VramPlan {
 }
 
 /// Page-locked staging buffers, kept for reuse (allocating pinned memory costs milliseconds).
-struct Staging {
+pub(super) struct Staging {
     dev: u32,
     buf: Option<Box<dyn HostBuf>>,
 }
@@ -743,7 +753,7 @@ fn staging_pool() -> &'static Mutex<Kept> {
 const STAGING_KEPT: usize = 8;
 
 impl Staging {
-    fn take(device: &dyn Device, dev: u32) -> Result<Staging> {
+    pub(super) fn take(device: &dyn Device, dev: u32) -> Result<Staging> {
         let kept = {
             let mut p = staging_pool().lock();
             p.iter().position(|(d, _)| *d == dev).map(|i| p.swap_remove(i).1)
@@ -755,7 +765,7 @@ impl Staging {
         Ok(Staging { dev, buf: Some(buf) })
     }
 
-    fn ptr(&self) -> u64 {
+    pub(super) fn ptr(&self) -> u64 {
         self.buf.as_ref().map_or(0, |b| b.ptr())
     }
 }

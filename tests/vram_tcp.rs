@@ -1,0 +1,461 @@
+//! VRAM between two real processes over the TCP route, over the fake device layer (device memory emulated
+//! in memfd-backed shared memory). Both agents run with `transport=tcp` on loopback, so every byte crosses a
+//! socket: the initiator stages its VRAM through page-locked buffers, the target's serving loops stage
+//! theirs. Neither side ever opens the other's allocation (the fake driver's counters prove it).
+//!
+//! The target child is this test binary re-run with `GIXL_CHILD=vram-tcp-target`; it speaks a line protocol
+//! on stdin/stdout. Byte-for-byte checks: the child reports a digest of its buffers, the parent computes the
+//! digest of what they must hold.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command};
+use std::time::{Duration, Instant};
+
+use gixl::device::fake;
+use gixl::*;
+
+mod common;
+use common::{hex, unhex};
+
+const MIB: usize = 1 << 20;
+
+/// One test at a time: the fake driver's counters are per process.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+/// Block size and count of the block tests: 1024 × 16 KiB.
+const BS: usize = 16 << 10;
+const NB: usize = 1024;
+
+fn slice(p: u64, len: usize) -> &'static mut [u8] {
+    // SAFETY: test allocations of at least `len` bytes that live until the process exits.
+    unsafe { std::slice::from_raw_parts_mut(p as usize as *mut u8, len) }
+}
+
+/// Byte `i` of pattern `seed`: position-dependent, so a misplaced block shows.
+fn pat(seed: u8, i: usize) -> u8 {
+    ((i as u64 ^ (seed as u64) << 40).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8
+}
+
+fn fill(buf: &mut [u8], seed: u8) {
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = pat(seed, i);
+    }
+}
+
+/// FNV-1a over 8-byte words (then the tail).
+fn digest(b: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let words = b.chunks_exact(8);
+    let tail = words.remainder();
+    for w in words {
+        h = (h ^ u64::from_le_bytes(w.try_into().unwrap())).wrapping_mul(0x100_0000_01b3);
+    }
+    for &x in tail {
+        h = (h ^ x as u64).wrapping_mul(0x100_0000_01b3);
+    }
+    h
+}
+
+fn tcp_params() -> Params {
+    [("transport", "tcp"), ("tcp_addr", "127.0.0.1"), ("disconnect_timeout_ms", "1000")]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
+/// The target child: `size` bytes of fake VRAM on device 1 and `size` bytes of DRAM, both registered.
+/// Prints `@md <md> <vram> <dram> <identity of the VRAM allocation>`, then answers:
+/// `fill v|d <seed>`, `digest v|d <len>`, `stats` (bytes its fake driver copied, page-locked bytes it
+/// holds), `dereg-landing` (says `armed`, waits until a byte of its VRAM changes, deregisters it and makes
+/// it read-only, so a later write kills the child), `alive`; anything else: exit.
+fn target_child() {
+    let size: usize = std::env::var("GIXL_SIZE").unwrap().parse().unwrap();
+    assert!(gixl::device::select_fake());
+    let vram = fake::alloc(1, size, false, None).unwrap();
+    let mut dram = vec![0u8; size];
+    let a = Agent::new("vt-target", AgentConfig::default()).unwrap();
+    a.create_backend("UCX", &tcp_params()).unwrap();
+    let vl = RegDList::with_descs(MemType::Vram, vec![RegDesc { desc: Desc::new(vram, size as u64, 1), meta: vec![] }]);
+    a.register_mem(&vl, &[]).unwrap();
+    let dl = RegDList::with_descs(
+        MemType::Dram,
+        vec![RegDesc { desc: Desc::new(dram.as_ptr() as u64, size as u64, 0), meta: vec![] }],
+    );
+    a.register_mem(&dl, &[]).unwrap();
+    let out = std::io::stdout();
+    let mut out = out.lock();
+    let ino = fake::identity(vram).unwrap();
+    writeln!(out, "\n@md {} {vram} {} {ino}", hex(&a.local_md().unwrap()), dram.as_ptr() as u64).unwrap();
+    out.flush().unwrap();
+    for line in std::io::stdin().lock().lines() {
+        let line = line.unwrap();
+        let f: Vec<&str> = line.split(' ').collect();
+        let buf = |which: &str| -> &'static mut [u8] {
+            match which {
+                "v" => slice(vram, size),
+                _ => slice(dram.as_ptr() as u64, size),
+            }
+        };
+        match f[0] {
+            "fill" => {
+                fill(buf(f[1]), f[2].parse().unwrap());
+                writeln!(out, "ok").unwrap()
+            }
+            "digest" => {
+                let len: usize = f[2].parse().unwrap();
+                writeln!(out, "digest {}", digest(&buf(f[1])[..len])).unwrap()
+            }
+            "stats" => writeln!(out, "stats {} {}", fake::copied_bytes(), fake::pinned_bytes()).unwrap(),
+            "dereg-landing" => {
+                let v = slice(vram, size);
+                let before = v.to_vec();
+                writeln!(out, "armed").unwrap();
+                out.flush().unwrap();
+                let t = Instant::now();
+                // Wait until some byte has landed (a strided look; the writer is another process).
+                while (0..size).step_by(4096).all(|i| {
+                    // SAFETY: inside the buffer; volatile because another process writes it.
+                    unsafe { std::ptr::read_volatile(&v[i]) == before[i] }
+                }) {
+                    assert!(t.elapsed() < Duration::from_secs(30), "nothing landed");
+                    std::hint::spin_loop();
+                }
+                let t = Instant::now();
+                a.deregister_mem(&vl, &[]).unwrap();
+                let took = t.elapsed();
+                // From here any write into the region kills this process (SIGSEGV): exact, not sampled.
+                // SAFETY: our own mapping of `size` bytes; it is only read from now on.
+                assert_eq!(unsafe { libc::mprotect(vram as usize as *mut libc::c_void, size, libc::PROT_READ) }, 0);
+                let landed = v.iter().zip(&before).filter(|(a, b)| a != b).count();
+                writeln!(out, "ok {landed} {}", took.as_millis()).unwrap()
+            }
+            // Still alive: nothing wrote into the region since `deregister_mem` returned.
+            "alive" => writeln!(out, "alive").unwrap(),
+            _ => break,
+        }
+        out.flush().unwrap();
+    }
+    dram.clear();
+}
+
+#[test]
+fn child_entry() {
+    if std::env::var("GIXL_CHILD").as_deref() == Ok("vram-tcp-target") {
+        target_child();
+    }
+}
+
+struct Target {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    md: Vec<u8>,
+    vram: u64,
+    dram: u64,
+    ino: u64,
+}
+
+impl Target {
+    fn start(size: usize) -> Target {
+        let mut c = Command::new(std::env::current_exe().unwrap());
+        c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+            .env("GIXL_CHILD", "vram-tcp-target")
+            .env("GIXL_SIZE", size.to_string());
+        let (child, stdin, stdout, rest) = common::spawn_until_md(c);
+        let f: Vec<&str> = rest.split(' ').collect();
+        let (vram, dram, ino) = (f[1].parse().unwrap(), f[2].parse().unwrap(), f[3].parse().unwrap());
+        Target { child, stdin, stdout, md: unhex(f[0]), vram, dram, ino }
+    }
+
+    fn ask(&mut self, cmd: &str) -> String {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        let mut l = String::new();
+        assert!(self.stdout.read_line(&mut l).unwrap() > 0, "the target exited");
+        l.trim().to_owned()
+    }
+
+    fn digest(&mut self, which: &str, len: usize) -> u64 {
+        self.ask(&format!("digest {which} {len}")).strip_prefix("digest ").unwrap().parse().unwrap()
+    }
+
+    /// (bytes the target's fake driver copied, page-locked bytes it holds)
+    fn stats(&mut self) -> (u64, u64) {
+        let l = self.ask("stats");
+        let f: Vec<&str> = l.split(' ').collect();
+        (f[1].parse().unwrap(), f[2].parse().unwrap())
+    }
+
+    fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+fn initiator(name: &str) -> Agent {
+    assert!(gixl::device::select_fake());
+    let a = Agent::new(name, AgentConfig::default()).unwrap();
+    a.create_backend("UCX", &tcp_params()).unwrap();
+    a
+}
+
+fn reg(a: &Agent, mem: MemType, addr: u64, len: usize, dev: u64) {
+    let l = RegDList::with_descs(mem, vec![RegDesc { desc: Desc::new(addr, len as u64, dev), meta: vec![] }]);
+    a.register_mem(&l, &[]).unwrap();
+}
+
+fn one(mem: MemType, addr: u64, len: usize, dev: u64) -> XferDList {
+    XferDList::with_descs(mem, vec![Desc::new(addr, len as u64, dev)])
+}
+
+/// `NB` blocks of `BS` bytes from `base`; reversed: block `i` of the list is block `NB - 1 - i` there.
+fn blocks(mem: MemType, base: u64, dev: u64, reversed: bool) -> XferDList {
+    let idx: Vec<usize> = if reversed { (0..NB).rev().collect() } else { (0..NB).collect() };
+    XferDList::with_descs(mem, idx.into_iter().map(|i| Desc::new(base + (i * BS) as u64, BS as u64, dev)).collect())
+}
+
+fn wait(a: &Agent, r: &XferReq, limit: Duration) -> Result<Status> {
+    let t = Instant::now();
+    loop {
+        match a.xfer_status(r) {
+            Ok(Status::InProg) if t.elapsed() < limit => std::thread::sleep(Duration::from_micros(100)),
+            other => return other,
+        }
+    }
+}
+
+/// Run `r` to completion (DONE expected), checking where device copies happened: `bytes` must have been
+/// staged through the device on each side whose memory is VRAM, and nothing on a side whose memory is DRAM.
+fn run_staged(a: &Agent, t: &mut Target, r: &XferReq, what: &str, local_vram: bool, remote_vram: bool, bytes: usize) {
+    let (here, there) = (fake::copied_bytes(), t.stats().0);
+    assert_eq!(run(a, r).unwrap(), Status::Success, "{what}");
+    let (here, there) = (fake::copied_bytes() - here, t.stats().0 - there);
+    let want = |vram: bool| if vram { bytes as u64 } else { 0 };
+    assert_eq!((here, there), (want(local_vram), want(remote_vram)), "{what}: bytes through the device (here, target)");
+}
+
+fn run(a: &Agent, r: &XferReq) -> Result<Status> {
+    match a.post_xfer_req(r, NotifUpdate::Keep)? {
+        Status::InProg => wait(a, r, Duration::from_secs(60)),
+        s => Ok(s),
+    }
+}
+
+/// `NB` blocks of `src` with the block order reversed (what a reversed block transfer makes of it).
+fn reversed_blocks(src: &[u8]) -> Vec<u8> {
+    src[..NB * BS].chunks(BS).rev().flatten().copied().collect()
+}
+
+/// READ and WRITE of 64 MiB and of 1024 × 16 KiB blocks (remote side reversed, nothing merges) for local
+/// VRAM ↔ remote DRAM, local DRAM ↔ remote VRAM and VRAM ↔ VRAM, checked byte for byte.
+#[test]
+fn vram_over_tcp_every_pairing_read_write_whole_and_blocks() {
+    let _g = serial();
+    let size = 64 * MIB;
+    let mut t = Target::start(size);
+    let d = initiator("vt-init");
+    let lv = fake::alloc(0, size, false, None).unwrap();
+    reg(&d, MemType::Vram, lv, size, 0);
+    let host = vec![0u8; size];
+    reg(&d, MemType::Dram, host.as_ptr() as u64, size, 0);
+    d.load_remote_md(&t.md).unwrap();
+    let o = XferOpts::default();
+    let (v, dr) = (MemType::Vram, MemType::Dram);
+    let mut seed = 1u8;
+    let mut expect = vec![0u8; size];
+    for (lmem, rmem) in [(v, dr), (dr, v), (v, v)] {
+        let what = format!("local {lmem:?} <-> remote {rmem:?}");
+        let (laddr, ldev) = if lmem == v { (lv, 0) } else { (host.as_ptr() as u64, 0) };
+        let (raddr, rdev, rname) = if rmem == v { (t.vram, 1, "v") } else { (t.dram, 0, "d") };
+        let local = slice(laddr, size);
+
+        // WRITE 64 MiB.
+        seed += 1;
+        fill(local, seed);
+        let w = d
+            .create_xfer_req(
+                XferOp::Write,
+                &one(lmem, laddr, size, ldev),
+                &one(rmem, raddr, size, rdev),
+                "vt-target",
+                &o,
+            )
+            .unwrap();
+        run_staged(&d, &mut t, &w, &format!("{what}: WRITE"), lmem == v, rmem == v, size);
+        assert_eq!(t.digest(rname, size), digest(local), "{what}: WRITE landed wrong bytes");
+
+        // READ 64 MiB.
+        seed += 1;
+        assert_eq!(t.ask(&format!("fill {rname} {seed}")), "ok");
+        local.fill(0);
+        let r = d
+            .create_xfer_req(
+                XferOp::Read,
+                &one(lmem, laddr, size, ldev),
+                &one(rmem, raddr, size, rdev),
+                "vt-target",
+                &o,
+            )
+            .unwrap();
+        run_staged(&d, &mut t, &r, &format!("{what}: READ"), lmem == v, rmem == v, size);
+        fill(&mut expect, seed);
+        assert!(local[..] == expect[..], "{what}: READ brought wrong bytes");
+
+        // 1024 × 16 KiB blocks, WRITE then READ back, the remote order reversed.
+        seed += 1;
+        fill(local, seed);
+        let want = reversed_blocks(local);
+        let (lb, rb) = (blocks(lmem, laddr, ldev, false), blocks(rmem, raddr, rdev, true));
+        let wb = d.create_xfer_req(XferOp::Write, &lb, &rb, "vt-target", &o).unwrap();
+        assert_eq!(wb.desc_count(), NB as u64);
+        run_staged(&d, &mut t, &wb, &format!("{what}: block WRITE"), lmem == v, rmem == v, NB * BS);
+        assert_eq!(t.digest(rname, NB * BS), digest(&want), "{what}: block WRITE landed wrong bytes");
+        let before = local[..NB * BS].to_vec();
+        local.fill(0);
+        let rb2 = d.create_xfer_req(XferOp::Read, &lb, &rb, "vt-target", &o).unwrap();
+        run_staged(&d, &mut t, &rb2, &format!("{what}: block READ"), lmem == v, rmem == v, NB * BS);
+        assert!(local[..NB * BS] == before[..], "{what}: block READ brought wrong bytes");
+    }
+    // Over TCP nothing of the target's allocation was opened here.
+    assert_eq!(fake::counts(t.ino), fake::Counts::default(), "the target's allocation was opened over TCP");
+    // Staging memory stays bounded: the target's serving loops hold at most 4 buffers of 2 MiB each (at
+    // most 8 loops); the initiator keeps at most 8 buffers of 8 MiB for reuse.
+    let (pinned_here, pinned_there) = (fake::pinned_bytes(), t.stats().1);
+    eprintln!(
+        "page-locked staging held after the transfers: here {} MiB, target {} MiB",
+        pinned_here >> 20,
+        pinned_there >> 20
+    );
+    assert!(pinned_there <= 64 << 20 && pinned_there > 0, "target holds {pinned_there} B pinned");
+    assert!(pinned_here <= 64 << 20 && pinned_here > 0, "initiator holds {pinned_here} B pinned");
+    t.kill();
+}
+
+/// A 64 MiB WRITE into the target's VRAM in 16 KiB blocks (many requests on every connection) is in
+/// flight when the target deregisters the region: once `deregister_mem` returns not one byte changes, and
+/// the request ends DONE (all landed) or with the status a refused TCP request gets.
+#[test]
+fn vram_over_tcp_deregistration_during_a_write_is_exact() {
+    let _g = serial();
+    let size = 64 * MIB;
+    let mut t = Target::start(size);
+    let d = initiator("vt-dereg-init");
+    let lv = fake::alloc(0, size, false, None).unwrap();
+    reg(&d, MemType::Vram, lv, size, 0);
+    d.load_remote_md(&t.md).unwrap();
+    assert_eq!(t.ask("fill v 0"), "ok");
+    fill(slice(lv, size), 5);
+    let n = size / BS;
+    let l =
+        XferDList::with_descs(MemType::Vram, (0..n).map(|i| Desc::new(lv + (i * BS) as u64, BS as u64, 0)).collect());
+    let r = XferDList::with_descs(
+        MemType::Vram,
+        (0..n).rev().map(|i| Desc::new(t.vram + (i * BS) as u64, BS as u64, 1)).collect(),
+    );
+    let req = d.create_xfer_req(XferOp::Write, &l, &r, "vt-target", &XferOpts::default()).unwrap();
+    // The target watches its VRAM before the WRITE starts, and deregisters as soon as bytes land.
+    assert_eq!(t.ask("dereg-landing"), "armed");
+    assert_eq!(d.post_xfer_req(&req, NotifUpdate::Keep).unwrap(), Status::InProg);
+    let mut ans = String::new();
+    let n = t.stdout.read_line(&mut ans).unwrap_or(0);
+    assert!(n > 0, "the target died during deregistration (a write into its region after deregister_mem returned?)");
+    let ans = ans.trim();
+    let f: Vec<&str> = ans.split(' ').collect();
+    assert_eq!(f[0], "ok", "{ans}");
+    let (landed, took): (usize, u64) = (f[1].parse().unwrap(), f[2].parse().unwrap());
+    let end = wait(&d, &req, Duration::from_secs(30));
+    // A write after `deregister_mem` returned would have killed the target (its region is read-only).
+    let alive = writeln!(t.stdin, "alive").is_ok() && {
+        let mut l = String::new();
+        t.stdout.read_line(&mut l).unwrap_or(0) > 0 && l.trim() == "alive"
+    };
+    eprintln!(
+        "deregister during a 64 MiB staged WRITE into VRAM: returned after {took} ms with {landed} bytes landed; \
+         request ended {:?}; target alive after: {alive}",
+        end.as_ref().map_err(|e| e.status())
+    );
+    assert!(alive, "the target died writing into its region after deregister_mem returned");
+    assert!(took < 10_000, "deregistration took {took} ms");
+    match end {
+        Ok(Status::Success) => {
+            let want: Vec<u8> = slice(lv, size).chunks(BS).rev().flatten().copied().collect();
+            assert_eq!(t.digest("v", size), digest(&want), "DONE but not every byte landed");
+        }
+        Ok(s) => panic!("request still {s:?}"),
+        Err(e) => assert!(matches!(e.status(), Status::Backend | Status::RemoteDisconnect), "{e}"),
+    }
+    // The region is gone: a new request on it is refused, and the target stays usable for its DRAM.
+    assert_eq!(run(&d, &req).unwrap_err().status(), Status::Backend);
+    let host = vec![7u8; 4096];
+    reg(&d, MemType::Dram, host.as_ptr() as u64, 4096, 0);
+    let w = d
+        .create_xfer_req(
+            XferOp::Write,
+            &one(MemType::Dram, host.as_ptr() as u64, 4096, 0),
+            &one(MemType::Dram, t.dram, 4096, 0),
+            "vt-target",
+            &XferOpts::default(),
+        )
+        .unwrap();
+    assert_eq!(run(&d, &w).unwrap(), Status::Success);
+    t.kill();
+}
+
+/// The target is killed while READs from its VRAM into ours are in flight: the request ends with
+/// REMOTE_DISCONNECT within about the disconnect timeout (1 s here), and later posts fail the same way.
+#[test]
+fn vram_over_tcp_peer_killed_mid_transfer_is_a_prompt_disconnect() {
+    let _g = serial();
+    let size = 64 * MIB;
+    let mut t = Target::start(size);
+    let d = initiator("vt-kill-init");
+    let lv = fake::alloc(0, size, false, None).unwrap();
+    reg(&d, MemType::Vram, lv, size, 0);
+    d.load_remote_md(&t.md).unwrap();
+    assert_eq!(t.ask("fill v 9"), "ok");
+    let r = d
+        .create_xfer_req(
+            XferOp::Read,
+            &one(MemType::Vram, lv, size, 0),
+            &one(MemType::Vram, t.vram, size, 1),
+            "vt-target",
+            &XferOpts::default(),
+        )
+        .unwrap();
+    // Post until a READ is seen mid-way (its first bytes in, not done), then kill the target.
+    let local = slice(lv, size);
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        assert!(tries < 200, "never caught a READ in flight");
+        local.fill(0);
+        assert_eq!(d.post_xfer_req(&r, NotifUpdate::Keep).unwrap(), Status::InProg);
+        let caught = loop {
+            // SAFETY: volatile: a staging thread of this process writes it.
+            let landed = unsafe { std::ptr::read_volatile(&local[0]) } != 0;
+            match d.xfer_status(&r).unwrap() {
+                Status::InProg if landed => break true,
+                Status::InProg => std::hint::spin_loop(),
+                _ => break false,
+            }
+        };
+        if caught {
+            break;
+        }
+    }
+    t.child.kill().unwrap();
+    let killed = Instant::now();
+    let end = wait(&d, &r, Duration::from_secs(30));
+    let took = killed.elapsed();
+    eprintln!(
+        "target killed during a staged 64 MiB READ (try {tries}): ended {:?} after {took:?}",
+        end.as_ref().map_err(|e| e.status())
+    );
+    let e = end.unwrap_err();
+    assert_eq!(e.status(), Status::RemoteDisconnect, "{e}");
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+    assert_eq!(run(&d, &r).unwrap_err().status(), Status::RemoteDisconnect);
+    t.child.wait().unwrap();
+}
