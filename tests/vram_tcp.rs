@@ -459,3 +459,52 @@ fn vram_over_tcp_peer_killed_mid_transfer_is_a_prompt_disconnect() {
     assert_eq!(run(&d, &r).unwrap_err().status(), Status::RemoteDisconnect);
     t.child.wait().unwrap();
 }
+
+/// Throughput of the staged VRAM routes against DRAM over the same TCP route, in one run (by hand:
+/// `cargo test --release --test vram_tcp measure -- --ignored --nocapture`; `GIXL_ITERS` rounds of 64 MiB).
+#[test]
+#[ignore = "a measurement, not a check"]
+fn measure_vram_over_tcp_against_dram() {
+    let _g = serial();
+    let size = 64 * MIB;
+    let iters: usize = std::env::var("GIXL_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(5);
+    let t = Target::start(size);
+    let d = initiator("vt-measure");
+    let lv = fake::alloc(0, size, false, None).unwrap();
+    reg(&d, MemType::Vram, lv, size, 0);
+    let host = vec![1u8; size];
+    reg(&d, MemType::Dram, host.as_ptr() as u64, size, 0);
+    d.load_remote_md(&t.md).unwrap();
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    eprintln!("64 MiB requests over TCP (loopback), {iters} rounds each, best round; load: {}", load.trim());
+    eprintln!("{:<28} {:>10} {:>10}", "local <-> remote", "READ GB/s", "WRITE GB/s");
+    let (v, dr) = (MemType::Vram, MemType::Dram);
+    for (lmem, rmem) in [(dr, dr), (v, dr), (dr, v), (v, v)] {
+        let laddr = if lmem == v { lv } else { host.as_ptr() as u64 };
+        let (raddr, rdev) = if rmem == v { (t.vram, 1) } else { (t.dram, 0) };
+        let mut row = Vec::new();
+        for op in [XferOp::Read, XferOp::Write] {
+            let r = d
+                .create_xfer_req(
+                    op,
+                    &one(lmem, laddr, size, 0),
+                    &one(rmem, raddr, size, rdev),
+                    "vt-target",
+                    &XferOpts::default(),
+                )
+                .unwrap();
+            assert_eq!(run(&d, &r).unwrap(), Status::Success);
+            let best = (0..iters)
+                .map(|_| {
+                    let t0 = Instant::now();
+                    assert_eq!(run(&d, &r).unwrap(), Status::Success);
+                    t0.elapsed()
+                })
+                .min()
+                .unwrap();
+            row.push(size as f64 / best.as_secs_f64() / 1e9);
+        }
+        eprintln!("{:<28} {:>10.2} {:>10.2}", format!("{lmem:?} <-> {rmem:?}"), row[0], row[1]);
+    }
+    t.kill();
+}

@@ -3,12 +3,13 @@
 //! page-locked host buffers from the device layer (`Device::host_buf`) and move the bytes between those
 //! buffers and VRAM with device copies (`Device::copy`).
 //!
-//! Initiator (`TcpVramPlan`): a request whose local side is VRAM is cut into chunks of one staging buffer
-//! (`vram::STAGE` bytes); two buffers per piece of the request make a pipeline, so the device copy of one
-//! chunk overlaps the socket I/O of the next (READ: the socket fills one buffer while the other is copied
-//! into VRAM; WRITE: VRAM fills one buffer while the other goes out). A scoped helper thread runs one of
-//! the two stages; both have stopped before `copy` returns, so nothing touches the caller's memory after a
-//! request ends. A request whose local side is DRAM goes over the socket as DRAM does: only the target
+//! Initiator (`TcpVramPlan`): each piece of a request whose local side is VRAM takes one staging buffer
+//! (`vram::STAGE`, 8 MiB, from the pool `vram` keeps) cut into `SLOTS` slots, and the piece is cut into
+//! chunks of one slot. The slots make a pipeline, so the device copy of one chunk overlaps the socket I/O
+//! of the next (READ: the socket fills slots while filled ones are copied into VRAM; WRITE: VRAM fills slots
+//! while filled ones go out). A scoped helper thread runs one of the two stages; both have stopped before
+//! `copy` returns, so nothing touches the caller's memory after a request ends. Page-locked memory in use:
+//! one buffer per piece in flight (pieces ≤ `tcp_conns`). A request whose local side is DRAM goes over the socket as DRAM does: only the target
 //! stages (so an initiator without a GPU can pull from one).
 //!
 //! Target (`Staged`, `StagePool`): the serving loops of `tcp` recognise a request on registrations made in
@@ -35,6 +36,8 @@ use crate::device::{self, Copy, Device, HostBuf};
 use crate::mem::MemType;
 use crate::status::{Error, Result, Status};
 
+/// Slots of the initiator's staging buffer (`vram::STAGE` bytes): chunks in flight in a piece's pipeline.
+const SLOTS: usize = 4;
 /// Bytes a serving loop stages per device copy.
 pub(super) const SERVE_CHUNK: usize = 2 << 20;
 /// Staging buffers one serving loop holds at most.
@@ -139,7 +142,7 @@ impl TcpVramPlan {
         let Some(device) = self.device else {
             return self.link.run(op, segs, &region, &stop);
         };
-        let chunks = chunks(segs, STAGE);
+        let chunks = chunks(segs, STAGE / SLOTS as u64);
         let dev = segs.first().map_or(0, |s| s.ldev as u32);
         // The two stages of one chunk, with its staging buffer at `buf`: the socket side and the device
         // side (READ: socket then device; WRITE: device then socket).
@@ -154,24 +157,25 @@ impl TcpVramPlan {
             XferOp::Read => (&net, &dev_copy),
             XferOp::Write => (&dev_copy, &net),
         };
+        let buf = Staging::take(device, dev)?;
         if chunks.len() <= 1 {
-            let b = Staging::take(device, dev)?;
-            return chunks.iter().try_for_each(|c| first(c, b.ptr()).and_then(|_| second(c, b.ptr())));
+            return chunks.iter().try_for_each(|c| first(c, buf.ptr()).and_then(|_| second(c, buf.ptr())));
         }
-        let bufs = [Staging::take(device, dev)?, Staging::take(device, dev)?];
-        pipeline(&chunks, [bufs[0].ptr(), bufs[1].ptr()], first, second)
+        let slots: Vec<u64> = (0..SLOTS as u64).map(|i| buf.ptr() + i * (STAGE / SLOTS as u64)).collect();
+        pipeline(&chunks, &slots, first, second)
     }
 }
 
 /// One stage of a chunk (the socket side or the device side), given the chunk and its staging buffer.
 type Stage<'a> = dyn Fn(&[Seg], u64) -> Result<()> + Sync + 'a;
 
-/// Run `first` then `second` on every chunk, two buffers in flight: `first` on a helper thread fills a
-/// buffer while `second` here drains the other. Either failing stops both; both have stopped on return.
-fn pipeline(chunks: &[Vec<Seg>], bufs: [u64; 2], first: &Stage<'_>, second: &Stage<'_>) -> Result<()> {
-    let (to_second, from_first) = mpsc::sync_channel::<(usize, usize)>(2);
-    let (to_first, from_second) = mpsc::sync_channel::<usize>(2);
-    for b in 0..2 {
+/// Run `first` then `second` on every chunk, one slot of the staging buffer each, `bufs.len()` in flight:
+/// `first` on a helper thread fills slots while `second` here drains them. Either failing stops both; both
+/// have stopped on return.
+fn pipeline(chunks: &[Vec<Seg>], bufs: &[u64], first: &Stage<'_>, second: &Stage<'_>) -> Result<()> {
+    let (to_second, from_first) = mpsc::sync_channel::<(usize, usize)>(bufs.len());
+    let (to_first, from_second) = mpsc::sync_channel::<usize>(bufs.len());
+    for b in 0..bufs.len() {
         let _ = to_first.send(b);
     }
     std::thread::scope(|sc| {
