@@ -141,10 +141,42 @@ fn target_child() {
     dram.clear();
 }
 
+/// The initiator child of `vram_with_cross_memory_attach_denied_goes_over_tcp`, run as `nobody`: READ the
+/// root target's VRAM into its own, check it, WRITE its own back. Prints `@started`, `@read <ok|bad>`,
+/// `@log <fall-back warnings>`.
+fn nobody_child() {
+    println!("\n@started");
+    let md = unhex(&std::env::var("GIXL_MD").unwrap());
+    let raddr: u64 = std::env::var("GIXL_ADDR").unwrap().parse().unwrap();
+    let size: usize = std::env::var("GIXL_SIZE").unwrap().parse().unwrap();
+    static LINES: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    gixl::telemetry::log::set_sink(Box::new(|_, msg| LINES.lock().unwrap().push(msg.to_owned())));
+    assert!(gixl::device::select_fake());
+    let lv = fake::alloc(0, size, false, None).unwrap();
+    let a = Agent::new("vt-nobody", AgentConfig::default()).unwrap();
+    a.create_backend("UCX", &Params::new()).unwrap();
+    reg(&a, MemType::Vram, lv, size, 0);
+    a.load_remote_md(&md).unwrap();
+    let (l, r) = (one(MemType::Vram, lv, size, 0), one(MemType::Vram, raddr, size, 1));
+    let o = XferOpts::default();
+    let rd = a.create_xfer_req(XferOp::Read, &l, &r, "vt-root", &o).unwrap();
+    assert_eq!(run(&a, &rd).unwrap(), Status::Success);
+    let mut want = vec![0u8; size];
+    fill(&mut want, 4);
+    println!("\n@read {}", if slice(lv, size)[..] == want[..] { "ok" } else { "bad" });
+    fill(slice(lv, size), 6);
+    let wr = a.create_xfer_req(XferOp::Write, &l, &r, "vt-root", &o).unwrap();
+    assert_eq!(run(&a, &wr).unwrap(), Status::Success);
+    let fallback = LINES.lock().unwrap().iter().filter(|m| m.contains("route tcp (fall-back")).count();
+    println!("\n@log {fallback}");
+}
+
 #[test]
 fn child_entry() {
-    if std::env::var("GIXL_CHILD").as_deref() == Ok("vram-tcp-target") {
-        target_child();
+    match std::env::var("GIXL_CHILD").as_deref() {
+        Ok("vram-tcp-target") => target_child(),
+        Ok("vram-tcp-nobody") => nobody_child(),
+        _ => {}
     }
 }
 
@@ -507,4 +539,51 @@ fn measure_vram_over_tcp_against_dram() {
         eprintln!("{:<28} {:>10.2} {:>10.2}", format!("{lmem:?} <-> {rmem:?}"), row[0], row[1]);
     }
     t.kill();
+}
+
+/// Where the kernel denies cross-memory attach between two processes of one host (here the initiator runs
+/// as `nobody`, the target as root, so taking the target's gate and allocation handles with `pidfd_getfd`
+/// fails with EPERM), VRAM moves over TCP, staged, as for a peer on another host. Needs root; skips otherwise.
+#[test]
+fn vram_with_cross_memory_attach_denied_goes_over_tcp() {
+    use std::os::unix::process::CommandExt;
+    let _g = serial();
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        common::skip("cma", "needs root to start a child as another user");
+        return;
+    }
+    let size = 16 * MIB;
+    assert!(gixl::device::select_fake());
+    let vram = fake::alloc(1, size, false, None).unwrap();
+    fill(slice(vram, size), 4);
+    let a = Agent::new("vt-root", AgentConfig::default()).unwrap();
+    a.create_backend("UCX", &Params::new()).unwrap();
+    reg(&a, MemType::Vram, vram, size, 1);
+    let copied = fake::copied_bytes();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+        .env("GIXL_CHILD", "vram-tcp-nobody")
+        .env("GIXL_MD", hex(&a.local_md().unwrap()))
+        .env("GIXL_ADDR", vram.to_string())
+        .env("GIXL_SIZE", size.to_string())
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = |tag: &str| text.lines().find_map(|l| l.strip_prefix(tag)).map(str::to_owned);
+    if !text.lines().any(|l| l == "@started") {
+        // A child that cannot even start as nobody (binary not readable to it) says nothing about gixl.
+        common::skip("cma", &format!("the child could not run as nobody ({})", out.status));
+        return;
+    }
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(line("@read ").as_deref(), Some("ok"), "the READ brought wrong bytes");
+    assert_eq!(line("@log ").as_deref(), Some("1"), "one fall-back warning when the peer was loaded");
+    let mut want = vec![0u8; size];
+    fill(&mut want, 6);
+    assert!(slice(vram, size)[..] == want[..], "the WRITE landed wrong bytes");
+    // This side served both from its VRAM through its staging buffers.
+    assert_eq!(fake::copied_bytes() - copied, 2 * size as u64);
 }
