@@ -9,7 +9,9 @@
 //! Cases (decode = this process, prefill = a child, both on device `GIXL_GPU` (default 0)):
 //! VRAM→VRAM READ and WRITE, 1 × 64 MiB and 1024 × 16 KiB (remote blocks in random order); remote VRAM ↔
 //! local DRAM both ways (through the opened IPC handle); local VRAM ↔ remote DRAM both ways (staged through
-//! pinned memory and cross-memory attach); a VMM allocation (POSIX-fd handle) READ; the prefill killed with
+//! pinned memory and cross-memory attach); a VMM allocation (POSIX-fd handle) READ; over the TCP route (a
+//! second prefill, both engines with transport=tcp on loopback, as to another host; both sides staged through
+//! pinned buffers): VRAM→VRAM READ and WRITE (64 MiB, 1024 × 16 KiB) and VRAM ↔ DRAM; the prefill killed with
 //! the handle open and restarted: old requests refused (REMOTE_DISCONNECT, then NOT_FOUND after reload), the
 //! new incarnation's memory unchanged, a new request works.
 
@@ -175,8 +177,20 @@ mod mem {
 }
 
 fn agent(name: &str) -> Agent {
+    agent_with(name, Params::new())
+}
+
+/// An agent whose engine reaches every peer over TCP on loopback (the route to another host).
+fn tcp_agent(name: &str) -> Agent {
+    agent_with(
+        name,
+        [("transport", "tcp"), ("tcp_addr", "127.0.0.1")].map(|(k, v)| (k.to_owned(), v.to_owned())).into(),
+    )
+}
+
+fn agent_with(name: &str, p: Params) -> Agent {
     let a = Agent::new(name, AgentConfig::default()).expect("agent");
-    a.create_backend("UCX", &Params::new()).expect("UCX backend");
+    a.create_backend("UCX", &p).expect("UCX backend");
     a
 }
 
@@ -237,9 +251,17 @@ struct Prefill {
 }
 
 impl Prefill {
-    #[allow(clippy::zombie_processes)]
     fn start(fill: u8, at: Option<u64>) -> Prefill {
+        Self::start_with(fill, at, false)
+    }
+
+    /// `tcp`: the prefill's engine reaches every peer over TCP (its serving loops stage its VRAM).
+    #[allow(clippy::zombie_processes)]
+    fn start_with(fill: u8, at: Option<u64>, tcp: bool) -> Prefill {
         let mut c = Command::new(std::env::current_exe().expect("own path"));
+        if tcp {
+            c.env("GIXL_TRANSPORT", "tcp").env("GIXL_TCP_ADDR", "127.0.0.1");
+        }
         c.env("GIXL_GPU_CHILD", "1").env("GIXL_FILL", fill.to_string()).stdin(Stdio::piped()).stdout(Stdio::piped());
         if let Some(at) = at {
             c.env("GIXL_AT", at.to_string());
@@ -418,6 +440,56 @@ fn main() {
         check(mem::sum(lv, BULK) == (3 ^ 0x0f) * BULK as u64, "VMM READ: data");
     } else {
         println!("  skip VMM case: the prefill could not create or register a VMM allocation (see its stderr)");
+    }
+
+    // The TCP route (another host, here loopback with transport=tcp): both sides staged through pinned buffers.
+    {
+        let mut pt = Prefill::start_with(5, None, true);
+        let at = tcp_agent("gpu-decode-tcp");
+        reg(&at, MemType::Vram, lv, BULK, dev as u64).expect("register local VRAM (TCP agent)");
+        reg(&at, MemType::Dram, host.as_ptr() as u64, BULK, 0).expect("register local DRAM (TCP agent)");
+        at.load_remote_md(&pt.md).expect("load TCP prefill metadata");
+        let mk = |op, l: XferDList, r: XferDList| at.create_xfer_req(op, &l, &r, "gpu-prefill", &o);
+        let r = mk(XferOp::Read, bulk_l(), bulk_r(&pt)).expect("request");
+        rows.push(("TCP: VRAM→VRAM READ 1 × 64 MiB".into(), rate(&at, &r, BULK, iters).unwrap_or(f64::NAN)));
+        check(mem::sum(lv, BULK) == 5 * BULK as u64, "TCP READ 64 MiB: data");
+        mem::fill(lv, BULK, 0x17);
+        let w = mk(XferOp::Write, bulk_l(), bulk_r(&pt)).expect("request");
+        rows.push(("TCP: VRAM→VRAM WRITE 1 × 64 MiB".into(), rate(&at, &w, BULK, iters).unwrap_or(f64::NAN)));
+        check(pt.sums().0 == 0x17 * BULK as u64, "TCP WRITE 64 MiB: data");
+        mem::write(lv, &pattern);
+        let w = mk(XferOp::Write, bl.clone(), br(&pt)).expect("request");
+        rows.push((
+            "TCP: VRAM→VRAM WRITE 1024 × 16 KiB".into(),
+            rate(&at, &w, BLOCKS * BLOCK, iters).unwrap_or(f64::NAN),
+        ));
+        mem::fill(lv, BULK, 0);
+        let r = mk(XferOp::Read, bl.clone(), br(&pt)).expect("request");
+        rows.push((
+            "TCP: VRAM→VRAM READ 1024 × 16 KiB".into(),
+            rate(&at, &r, BLOCKS * BLOCK, iters).unwrap_or(f64::NAN),
+        ));
+        let mut back = vec![0u8; BLOCKS * BLOCK];
+        mem::read(lv, &mut back);
+        check(back == pattern, "TCP 1024 × 16 KiB WRITE then READ: data");
+        let hl = dl(dr, vec![(host.as_ptr() as u64, BULK)], 0);
+        let r = mk(XferOp::Read, hl, bulk_r(&pt)).expect("request");
+        rows.push(("TCP: remote VRAM → local DRAM 64 MiB".into(), rate(&at, &r, BULK, iters).unwrap_or(f64::NAN)));
+        let mut want = vec![0x17u8; BULK];
+        for (i, &j) in perm.iter().enumerate() {
+            want[j * BLOCK..(j + 1) * BLOCK].copy_from_slice(&pattern[i * BLOCK..(i + 1) * BLOCK]);
+        }
+        check(host == want, "TCP remote VRAM → DRAM: data");
+        let rd = dl(dr, vec![(pt.dram, BULK)], 0);
+        mem::fill(lv, BULK, 0x29);
+        let w = mk(XferOp::Write, bulk_l(), rd.clone()).expect("request");
+        rows.push(("TCP: local VRAM → remote DRAM 64 MiB".into(), rate(&at, &w, BULK, iters).unwrap_or(f64::NAN)));
+        check(pt.sums().1 == 0x29 * BULK as u64, "TCP VRAM → remote DRAM: data");
+        mem::fill(lv, BULK, 0);
+        let r = mk(XferOp::Read, bulk_l(), rd).expect("request");
+        rows.push(("TCP: remote DRAM → local VRAM 64 MiB".into(), rate(&at, &r, BULK, iters).unwrap_or(f64::NAN)));
+        check(mem::sum(lv, BULK) == 0x29 * BULK as u64, "TCP remote DRAM → VRAM: data");
+        pt.kill();
     }
 
     println!("\n| case | gixl GB/s | of device D2D |");

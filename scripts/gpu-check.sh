@@ -10,8 +10,9 @@
 #       2. gixl: target/gpu-check/gpu_check (built here with cargo if missing and cargo works offline):
 #          cross-process VRAM->VRAM READ and WRITE (1 x 64 MiB, 1024 x 16 KiB), remote VRAM <-> local DRAM,
 #          local VRAM <-> remote DRAM (staged), a VMM (POSIX-fd) allocation, the peer killed with the IPC
-#          handle open and restarted (old handle refused, new memory unchanged), bandwidth beside the device's
-#          own D2D copy rate;
+#          handle open and restarted (old handle refused, new memory unchanged), the same transfers over the
+#          TCP route (loopback, transport=tcp: both sides staged through pinned buffers), bandwidth beside the
+#          device's own D2D copy rate;
 #       3. NIXL 1.5.1 on the same cases (scripts/gpu_check_nixl.py --impl nixl_cu12) if it can be imported
 #          (installed, or unpacked from target/gpu-check/nixl.tar.zst; needs python3.11); otherwise says so.
 # Exit status: non-zero if any gixl case failed.
