@@ -171,11 +171,45 @@ fn nobody_child() {
     println!("\n@log {fallback}");
 }
 
+/// The initiator child of `vram_over_tcp_initiator_killed_mid_write`: WRITEs its VRAM into the parent's
+/// over TCP, 16 KiB blocks, again and again until killed; prints `@writing` once the first is posted.
+fn writer_child() {
+    let md = unhex(&std::env::var("GIXL_MD").unwrap());
+    let raddr: u64 = std::env::var("GIXL_ADDR").unwrap().parse().unwrap();
+    let size: usize = std::env::var("GIXL_SIZE").unwrap().parse().unwrap();
+    assert!(gixl::device::select_fake());
+    let lv = fake::alloc(0, size, false, None).unwrap();
+    fill(slice(lv, size), 8);
+    let a = initiator("vt-writer");
+    reg(&a, MemType::Vram, lv, size, 0);
+    a.load_remote_md(&md).unwrap();
+    let n = size / BS;
+    let l =
+        XferDList::with_descs(MemType::Vram, (0..n).map(|i| Desc::new(lv + (i * BS) as u64, BS as u64, 0)).collect());
+    let r = XferDList::with_descs(
+        MemType::Vram,
+        (0..n).map(|i| Desc::new(raddr + (i * BS) as u64, BS as u64, 1)).collect(),
+    );
+    let w = a.create_xfer_req(XferOp::Write, &l, &r, "vt-victim", &XferOpts::default()).unwrap();
+    let mut said = false;
+    loop {
+        let st = a.post_xfer_req(&w, NotifUpdate::Keep);
+        if !said {
+            println!("\n@writing");
+            said = true;
+        }
+        if st.is_ok() {
+            let _ = wait(&a, &w, Duration::from_secs(60));
+        }
+    }
+}
+
 #[test]
 fn child_entry() {
     match std::env::var("GIXL_CHILD").as_deref() {
         Ok("vram-tcp-target") => target_child(),
         Ok("vram-tcp-nobody") => nobody_child(),
+        Ok("vram-tcp-writer") => writer_child(),
         _ => {}
     }
 }
@@ -436,7 +470,8 @@ fn vram_over_tcp_deregistration_during_a_write_is_exact() {
 }
 
 /// The target is killed while READs from its VRAM into ours are in flight: the request ends with
-/// REMOTE_DISCONNECT within about the disconnect timeout (1 s here), and later posts fail the same way.
+/// REMOTE_DISCONNECT within about the disconnect timeout (1 s here), and later posts fail the same way; a
+/// target restarted under the same name is reached only through its new metadata.
 #[test]
 fn vram_over_tcp_peer_killed_mid_transfer_is_a_prompt_disconnect() {
     let _g = serial();
@@ -458,6 +493,7 @@ fn vram_over_tcp_peer_killed_mid_transfer_is_a_prompt_disconnect() {
         .unwrap();
     // Post until a READ is seen mid-way (its first bytes in, not done), then kill the target.
     let local = slice(lv, size);
+    let mut want = vec![0u8; size];
     let mut tries = 0;
     loop {
         tries += 1;
@@ -490,6 +526,28 @@ fn vram_over_tcp_peer_killed_mid_transfer_is_a_prompt_disconnect() {
     assert!(took < Duration::from_secs(5), "took {took:?}");
     assert_eq!(run(&d, &r).unwrap_err().status(), Status::RemoteDisconnect);
     t.child.wait().unwrap();
+
+    // Restarted under the same name: the old request stays refused (REMOTE_DISCONNECT; NOT_FOUND once the
+    // new metadata replaces the old), and a request built on the new metadata reads the new memory.
+    let mut t2 = Target::start(size);
+    assert_eq!(t2.ask("fill v 11"), "ok");
+    assert_eq!(run(&d, &r).unwrap_err().status(), Status::RemoteDisconnect);
+    d.invalidate_remote_md("vt-target").unwrap();
+    d.load_remote_md(&t2.md).unwrap();
+    assert_eq!(run(&d, &r).unwrap_err().status(), Status::NotFound);
+    let r2 = d
+        .create_xfer_req(
+            XferOp::Read,
+            &one(MemType::Vram, lv, size, 0),
+            &one(MemType::Vram, t2.vram, size, 1),
+            "vt-target",
+            &XferOpts::default(),
+        )
+        .unwrap();
+    assert_eq!(run(&d, &r2).unwrap(), Status::Success);
+    fill(&mut want, 11);
+    assert!(local[..] == want[..], "the READ from the restarted target brought wrong bytes");
+    t2.kill();
 }
 
 /// Throughput of the staged VRAM routes against DRAM over the same TCP route, in one run (by hand:
@@ -586,4 +644,71 @@ fn vram_with_cross_memory_attach_denied_goes_over_tcp() {
     assert!(slice(vram, size)[..] == want[..], "the WRITE landed wrong bytes");
     // This side served both from its VRAM through its staging buffers.
     assert_eq!(fake::copied_bytes() - copied, 2 * size as u64);
+}
+
+/// The initiator is killed while its staged WRITE into our VRAM is being served: the serving loop lets go
+/// of the lease and of its staging buffer, so deregistration returns without waiting for the disconnect
+/// timeout, the pinned memory stays bounded, and the region (registered again) serves the next peer.
+#[test]
+fn vram_over_tcp_initiator_killed_mid_write() {
+    let _g = serial();
+    let size = 64 * MIB;
+    assert!(gixl::device::select_fake());
+    let vram = fake::alloc(1, size, false, None).unwrap();
+    slice(vram, size).fill(0);
+    let b = initiator("vt-victim");
+    reg(&b, MemType::Vram, vram, size, 1);
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+        .env("GIXL_CHILD", "vram-tcp-writer")
+        .env("GIXL_MD", hex(&b.local_md().unwrap()))
+        .env("GIXL_ADDR", vram.to_string())
+        .env("GIXL_SIZE", size.to_string())
+        .stdout(std::process::Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    while line.trim() != "@writing" {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "the writer exited");
+    }
+    // Bytes are landing: kill the writer in the middle of a request.
+    let v = slice(vram, size);
+    let t = Instant::now();
+    // SAFETY: volatile: another process writes it through our serving loops.
+    while (0..size).step_by(4096).all(|i| unsafe { std::ptr::read_volatile(&v[i]) } == 0) {
+        assert!(t.elapsed() < Duration::from_secs(30), "nothing landed");
+        std::hint::spin_loop();
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let l = RegDList::with_descs(MemType::Vram, vec![RegDesc { desc: Desc::new(vram, size as u64, 1), meta: vec![] }]);
+    let t = Instant::now();
+    b.deregister_mem(&l, &[]).unwrap();
+    let took = t.elapsed();
+    eprintln!(
+        "initiator killed mid-WRITE: deregistration took {took:?}; pinned here {} MiB",
+        fake::pinned_bytes() >> 20
+    );
+    // Well under the 1 s disconnect timeout after which a lease holder would be cut off.
+    assert!(took < Duration::from_millis(500), "deregistration waited {took:?} for a dead peer's lease");
+    assert!(fake::pinned_bytes() <= 128 << 20);
+    // Registered again, served to a new peer (this process, over TCP).
+    reg(&b, MemType::Vram, vram, size, 1);
+    let a = initiator("vt-after");
+    let lv = fake::alloc(0, size, false, None).unwrap();
+    fill(slice(lv, size), 12);
+    reg(&a, MemType::Vram, lv, size, 0);
+    a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    let w = a
+        .create_xfer_req(
+            XferOp::Write,
+            &one(MemType::Vram, lv, size, 0),
+            &one(MemType::Vram, vram, size, 1),
+            "vt-victim",
+            &XferOpts::default(),
+        )
+        .unwrap();
+    assert_eq!(run(&a, &w).unwrap(), Status::Success);
+    assert!(slice(vram, size)[..] == slice(lv, size)[..]);
 }
