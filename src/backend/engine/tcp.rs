@@ -10,8 +10,10 @@
 //! makes room for its newest) and in total (the source holding the most gives way), and each must finish
 //! its handshake within `TcpOpts::handshake`.
 //!
-//! Data connections move bytes straight between the socket and registered memory (`sendmsg`/`readv` on
-//! iovecs that point into it); there is no staging buffer on either side. The target checks every segment
+//! Data connections move bytes straight between the socket and registered host memory (`sendmsg`/`readv` on
+//! iovecs that point into it); there is no staging buffer on either side. Registrations in device memory
+//! (VRAM) are never handed to a socket: a request on them is served through a page-locked staging buffer
+//! of the serving loop, one bounded device copy per chunk (see `vram_tcp`). The target checks every segment
 //! of every request against its own table of registrations and leases the registrations it names while it
 //! touches their memory (`Regions`): no lock is held across socket I/O, a deregistration waits only for
 //! requests on that range and at most the disconnect timeout (then the slow peer is cut off), and agent
@@ -2054,6 +2056,34 @@ pub fn epoll_add(epfd: RawFd, fd: RawFd, token: u64) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn vram_registrations_lease_as_device_and_never_mixed_with_host() {
+        let r = Regions::default();
+        r.add(0x1000, 0x1000);
+        r.add_vram(0x10_0000, 0x1000, 3);
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = Arc::new(TcpStream::connect(l.local_addr().unwrap()).unwrap());
+        let seg = |region, addr| WireSeg { region, region_len: 0x1000, addr, len: 16 };
+        assert_eq!(r.lease(1, &s, &[seg(0x1000, 0x1000)]), Leased::Host);
+        r.release(1);
+        let two = [seg(0x10_0000, 0x10_0010), seg(0x10_0000, 0x10_0100)];
+        assert_eq!(r.lease(1, &s, &two), Leased::Device(vec![3, 3]));
+        r.release(1);
+        assert_eq!(r.lease(1, &s, &[seg(0x1000, 0x1000), seg(0x10_0000, 0x10_0000)]), Leased::Refused);
+        // Deregistered: refused; the same range registered again as host memory is host memory.
+        r.remove_vram(0x10_0000, 0x1000);
+        assert_eq!(r.lease(1, &s, &[seg(0x10_0000, 0x10_0000)]), Leased::Refused);
+        r.add(0x10_0000, 0x1000);
+        assert_eq!(r.lease(1, &s, &[seg(0x10_0000, 0x10_0000)]), Leased::Host);
+        r.release(1);
+        // Two VRAM registrations of one range: the first removal leaves it device memory.
+        r.remove(0x10_0000, 0x1000);
+        r.add_vram(0x10_0000, 0x1000, 2);
+        r.add_vram(0x10_0000, 0x1000, 2);
+        r.remove_vram(0x10_0000, 0x1000);
+        assert_eq!(r.lease(1, &s, &[seg(0x10_0000, 0x10_0000)]), Leased::Device(vec![2]));
+    }
 
     #[test]
     fn bind_addresses() {
