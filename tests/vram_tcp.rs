@@ -77,7 +77,13 @@ fn target_child() {
     let vram = fake::alloc(1, size, false, None).unwrap();
     let mut dram = vec![0u8; size];
     let a = Agent::new("vt-target", AgentConfig::default()).unwrap();
-    a.create_backend("UCX", &tcp_params()).unwrap();
+    // In a network namespace of its own (`GIXL_HOST_IP`): the default route choice, the peer being on
+    // "another host"; else forced onto TCP on loopback.
+    let params = match std::env::var("GIXL_HOST_IP") {
+        Ok(ip) => [("tcp_addr".to_owned(), ip)].into_iter().collect(),
+        Err(_) => tcp_params(),
+    };
+    a.create_backend("UCX", &params).unwrap();
     let vl = RegDList::with_descs(MemType::Vram, vec![RegDesc { desc: Desc::new(vram, size as u64, 1), meta: vec![] }]);
     a.register_mem(&vl, &[]).unwrap();
     let dl = RegDList::with_descs(
@@ -204,9 +210,40 @@ fn writer_child() {
     }
 }
 
+/// The initiator child of `vram_between_hosts_in_network_namespaces`, in another namespace than the
+/// target (so on "another host" by the engine's own route choice): WRITE its VRAM into the target's VRAM,
+/// READ the target's DRAM into its VRAM. Prints `@read <ok|bad>` and `@route <tcp route log lines>`.
+fn remote_child() {
+    let md = unhex(&std::env::var("GIXL_MD").unwrap());
+    let rv: u64 = std::env::var("GIXL_VRAM").unwrap().parse().unwrap();
+    let rd: u64 = std::env::var("GIXL_DRAM").unwrap().parse().unwrap();
+    let size: usize = std::env::var("GIXL_SIZE").unwrap().parse().unwrap();
+    static LINES: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    gixl::telemetry::log::set_sink(Box::new(|_, msg| LINES.lock().unwrap().push(msg.to_owned())));
+    assert!(gixl::device::select_fake());
+    let lv = fake::alloc(0, size, false, None).unwrap();
+    fill(slice(lv, size), 21);
+    let a = Agent::new("vt-remote", AgentConfig::default()).unwrap();
+    a.create_backend("UCX", &Params::new()).unwrap();
+    reg(&a, MemType::Vram, lv, size, 0);
+    a.load_remote_md(&md).unwrap();
+    let l = one(MemType::Vram, lv, size, 0);
+    let o = XferOpts::default();
+    let w = a.create_xfer_req(XferOp::Write, &l, &one(MemType::Vram, rv, size, 1), "vt-target", &o).unwrap();
+    assert_eq!(run(&a, &w).unwrap(), Status::Success);
+    let r = a.create_xfer_req(XferOp::Read, &l, &one(MemType::Dram, rd, size, 0), "vt-target", &o).unwrap();
+    assert_eq!(run(&a, &r).unwrap(), Status::Success);
+    let mut want = vec![0u8; size];
+    fill(&mut want, 22);
+    println!("\n@read {}", if slice(lv, size)[..] == want[..] { "ok" } else { "bad" });
+    let route = LINES.lock().unwrap().iter().filter(|m| m.contains("route tcp (another host")).count();
+    println!("\n@route {route}");
+}
+
 #[test]
 fn child_entry() {
     match std::env::var("GIXL_CHILD").as_deref() {
+        Ok("vram-tcp-remote") => remote_child(),
         Ok("vram-tcp-target") => target_child(),
         Ok("vram-tcp-nobody") => nobody_child(),
         Ok("vram-tcp-writer") => writer_child(),
@@ -226,7 +263,21 @@ struct Target {
 
 impl Target {
     fn start(size: usize) -> Target {
-        let mut c = Command::new(std::env::current_exe().unwrap());
+        Self::start_in(size, None)
+    }
+
+    /// In host `i` of `net` when given.
+    fn start_in(size: usize, host: Option<(&common::Net, usize)>) -> Target {
+        let mut c = match host {
+            Some((net, i)) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", &net.ns(i)])
+                    .arg(std::env::current_exe().unwrap())
+                    .env("GIXL_HOST_IP", net.ip(i));
+                c
+            }
+            None => Command::new(std::env::current_exe().unwrap()),
+        };
         c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
             .env("GIXL_CHILD", "vram-tcp-target")
             .env("GIXL_SIZE", size.to_string());
@@ -711,4 +762,37 @@ fn vram_over_tcp_initiator_killed_mid_write() {
         .unwrap();
     assert_eq!(run(&a, &w).unwrap(), Status::Success);
     assert!(slice(vram, size)[..] == slice(lv, size)[..]);
+}
+
+/// Two "hosts" (network namespaces joined by a bridge): the engine picks TCP by itself (another host), the
+/// VRAM regions' metadata crosses as it is, and VRAM moves both ways, staged. Needs root; skips otherwise.
+#[test]
+fn vram_between_hosts_in_network_namespaces() {
+    let _g = serial();
+    let Some(net) = common::Net::new("vt", 2) else { return };
+    let size = 16 * MIB;
+    let mut t = Target::start_in(size, Some((&net, 0)));
+    assert_eq!(t.ask("fill d 22"), "ok");
+    let out = Command::new("ip")
+        .args(["netns", "exec", &net.ns(1)])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+        .env("GIXL_CHILD", "vram-tcp-remote")
+        .env("GIXL_MD", hex(&t.md))
+        .env("GIXL_VRAM", t.vram.to_string())
+        .env("GIXL_DRAM", t.dram.to_string())
+        .env("GIXL_SIZE", size.to_string())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let line = |tag: &str| text.lines().find_map(|l| l.strip_prefix(tag)).map(str::to_owned);
+    assert_eq!(line("@route ").as_deref(), Some("1"), "the engine's route to the other host");
+    assert_eq!(line("@read ").as_deref(), Some("ok"), "the READ brought wrong bytes");
+    let mut want = vec![0u8; size];
+    fill(&mut want, 21);
+    assert_eq!(t.digest("v", size), digest(&want), "the WRITE landed wrong bytes");
+    // The target staged the WRITE into its VRAM; its DRAM went straight to the socket.
+    assert_eq!(t.stats().0, size as u64);
+    t.kill();
 }
