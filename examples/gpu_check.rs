@@ -9,11 +9,13 @@
 //! Cases (decode = this process, prefill = a child, both on device `GIXL_GPU` (default 0)):
 //! VRAM→VRAM READ and WRITE, 1 × 64 MiB and 1024 × 16 KiB (remote blocks in random order); remote VRAM ↔
 //! local DRAM both ways (through the opened IPC handle); local VRAM ↔ remote DRAM both ways (staged through
-//! pinned memory and cross-memory attach); a VMM allocation (POSIX-fd handle) READ; over the TCP route (a
-//! second prefill, both engines with transport=tcp on loopback, as to another host; both sides staged through
-//! pinned buffers): VRAM→VRAM READ and WRITE (64 MiB, 1024 × 16 KiB) and VRAM ↔ DRAM; the prefill killed with
+//! pinned memory and cross-memory attach); a VMM allocation (POSIX-fd handle) READ; the prefill killed with
 //! the handle open and restarted: old requests refused (REMOTE_DISCONNECT, then NOT_FOUND after reload), the
 //! new incarnation's memory unchanged, a new request works.
+//!
+//! Then the same transfers over the TCP route (the route to another host): a second prefill, both engines
+//! with transport=tcp on loopback, both sides staged through pinned buffers: VRAM→VRAM READ and WRITE
+//! (64 MiB, 1024 × 16 KiB), remote VRAM → local DRAM, local VRAM ↔ remote DRAM.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};

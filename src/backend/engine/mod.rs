@@ -17,8 +17,10 @@
 //!
 //! VRAM (requests with either side in GPU memory) goes through `vram`, over the device layer
 //! (`crate::device`): device copies in this process, CUDA IPC handles carried in metadata to another
-//! process, every copy behind the target's VRAM gate page; to a peer reached over TCP, through `vram_tcp`
-//! (page-locked staging on both sides, the target serving its VRAM registrations like DRAM ones).
+//! process, every copy behind the target's VRAM gate page.
+//!
+//! VRAM to a peer reached over TCP goes through `vram_tcp` instead: page-locked staging on both sides, the
+//! target serving its VRAM registrations under the same leases as DRAM ones.
 //!
 //! Small requests complete inline in `post`; large ones are split across a few copy threads (or, over TCP,
 //! across the peer's data connections).
@@ -550,7 +552,7 @@ impl Backend for Engine {
         public: &[u8],
     ) -> Result<Option<RegionKey>> {
         if mem == MemType::Vram {
-            return vram::load_remote(downcast(peer)?.incarnation, desc.addr, desc.len, public).map(Some);
+            return vram::load_remote(downcast(peer)?.incarnation, desc, public).map(Some);
         }
         let ticket = decode_ticket(public)?;
         Ok(Some(Arc::new(RemoteRegion { addr: desc.addr, len: desc.len, ticket })))

@@ -38,7 +38,7 @@ use super::{copy, downcast, PeerKind, Run, Shared};
 use crate::backend::{LocalRegion, Peer, RegionKey, Seg, Target, XferOp, XferPlan};
 use crate::device::{self, Copy, Device, Export, HandleKind, HostBuf, IpcHandle, Mapping};
 use crate::md::{put_bytes, put_uvar, Reader};
-use crate::mem::{MemType, RegDesc};
+use crate::mem::{Desc, MemType, RegDesc};
 use crate::status::{Error, Result, Status};
 
 const PUBLIC_VERSION: u8 = 1;
@@ -46,8 +46,8 @@ const PUBLIC_VERSION: u8 = 1;
 const SLOTS: usize = 1 << 16;
 const HEADER: usize = 64;
 const GATE_BYTES: usize = HEADER + 16 * SLOTS;
-/// Staging buffer for DRAM (remote, over CMA or TCP) ↔ VRAM (local) copies.
-pub(super) const STAGE: u64 = 8 << 20;
+/// Staging buffer for DRAM (remote, over CMA) ↔ VRAM (local) copies.
+const STAGE: u64 = 8 << 20;
 
 /// The gate page, mapped in the target (which owns it) or in an initiator (which took it).
 struct GatePage {
@@ -314,7 +314,6 @@ impl Vram {
 /// A peer's VRAM region, from its metadata.
 pub(super) struct RemoteVram {
     addr: u64,
-    /// Registered length: with `addr`, how a TCP request names the registration.
     len: u64,
     dev: u32,
     offset: u64,
@@ -340,7 +339,7 @@ fn opened() -> &'static Mutex<(HashMap<(u128, Vec<u8>), Weak<Opened>>, HashMap<u
     O.get_or_init(Default::default)
 }
 
-pub(super) fn load_remote(incarnation: u128, addr: u64, len: u64, public: &[u8]) -> Result<RegionKey> {
+pub(super) fn load_remote(incarnation: u128, desc: &Desc, public: &[u8]) -> Result<RegionKey> {
     let bad = || Error::mismatch("malformed VRAM region in metadata");
     let mut r = Reader { buf: public, pos: 0 };
     if r.byte()? != PUBLIC_VERSION {
@@ -358,8 +357,8 @@ pub(super) fn load_remote(incarnation: u128, addr: u64, len: u64, public: &[u8])
         return Err(bad());
     }
     Ok(Arc::new(RemoteVram {
-        addr,
-        len,
+        addr: desc.addr,
+        len: desc.len,
         dev,
         offset,
         handle: IpcHandle { kind, size, bytes },
@@ -494,9 +493,11 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
                     }
                     (Far::Process { pid: *pid, gate: None }, Some(ep))
                 }
-                // Routed to `vram_tcp` by the engine before this.
                 PeerKind::Tcp { .. } => {
-                    return Err(Error::backend(format!("VRAM to agent '{}' over TCP goes through vram_tcp", ep.name)))
+                    return Err(Error::not_supported(format!(
+                        "VRAM transfers to agent '{}' on another host (TCP) are not implemented",
+                        ep.name
+                    )))
                 }
             }
         }
@@ -767,6 +768,11 @@ impl Staging {
 
     pub(super) fn ptr(&self) -> u64 {
         self.buf.as_ref().map_or(0, |b| b.ptr())
+    }
+
+    /// Its size in bytes.
+    pub(super) fn size(&self) -> u64 {
+        self.buf.as_ref().map_or(0, |b| b.size() as u64)
     }
 }
 

@@ -4,7 +4,7 @@
 //! buffers and VRAM with device copies (`Device::copy`).
 //!
 //! Initiator (`TcpVramPlan`): each piece of a request whose local side is VRAM takes one staging buffer
-//! (`vram::STAGE`, 8 MiB, from the pool `vram` keeps) cut into `SLOTS` slots, and the piece is cut into
+//! (8 MiB, from the pool `vram` keeps) cut into `SLOTS` slots, and the piece is cut into
 //! chunks of one slot. The slots make a pipeline, so the device copy of one chunk overlaps the socket I/O
 //! of the next (READ: the socket fills slots while filled ones are copied into VRAM; WRITE: VRAM fills slots
 //! while filled ones go out). A scoped helper thread runs one of the two stages; both have stopped before
@@ -28,7 +28,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 
 use super::tcp::TcpLink;
-use super::vram::{RemoteVram, Staging, STAGE};
+use super::vram::{RemoteVram, Staging};
 use super::wire::WireSeg;
 use super::{Core, PeerKind, RemoteRegion, Run};
 use crate::backend::{RegionKey, Seg, Target, XferOp, XferPlan};
@@ -36,7 +36,7 @@ use crate::device::{self, Copy, Device, HostBuf};
 use crate::mem::MemType;
 use crate::status::{Error, Result, Status};
 
-/// Slots of the initiator's staging buffer (`vram::STAGE` bytes): chunks in flight in a piece's pipeline.
+/// Slots of the initiator's staging buffer: chunks in flight in a piece's pipeline.
 const SLOTS: usize = 4;
 /// Bytes a serving loop stages per device copy.
 pub(super) const SERVE_CHUNK: usize = 2 << 20;
@@ -142,8 +142,13 @@ impl TcpVramPlan {
         let Some(device) = self.device else {
             return self.link.run(op, segs, &region, &stop);
         };
-        let chunks = chunks(segs, STAGE / SLOTS as u64);
         let dev = segs.first().map_or(0, |s| s.ldev as u32);
+        let buf = Staging::take(device, dev)?;
+        let slot = buf.size() / SLOTS as u64;
+        if slot == 0 {
+            return Err(Error::backend("empty staging buffer"));
+        }
+        let chunks = chunks(segs, slot);
         // The two stages of one chunk, with its staging buffer at `buf`: the socket side and the device
         // side (READ: socket then device; WRITE: device then socket).
         let net = |chunk: &[Seg], buf: u64| self.link.run(op, &staged(op, chunk, buf).0, &region, &stop);
@@ -157,11 +162,10 @@ impl TcpVramPlan {
             XferOp::Read => (&net, &dev_copy),
             XferOp::Write => (&dev_copy, &net),
         };
-        let buf = Staging::take(device, dev)?;
         if chunks.len() <= 1 {
             return chunks.iter().try_for_each(|c| first(c, buf.ptr()).and_then(|_| second(c, buf.ptr())));
         }
-        let slots: Vec<u64> = (0..SLOTS as u64).map(|i| buf.ptr() + i * (STAGE / SLOTS as u64)).collect();
+        let slots: Vec<u64> = (0..SLOTS as u64).map(|i| buf.ptr() + i * slot).collect();
         pipeline(&chunks, &slots, first, second)
     }
 }
