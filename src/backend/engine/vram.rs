@@ -12,7 +12,8 @@
 //!   buffer, and a device copy between the buffer and VRAM (both directions);
 //! - a peer reached over TCP (another host, cross-memory attach denied, or `GIXL_TRANSPORT=tcp`): both
 //!   sides stage through page-locked buffers, the TCP target serving its VRAM registrations chunk by chunk
-//!   under the same leases as DRAM (see `vram_tcp`; the gate page below is not used on that route).
+//!   under the same leases as DRAM (see `vram_tcp`; no same-host gate there: the TCP target checks every
+//!   request against its own registrations).
 //!
 //! The gate. A target engine that registers VRAM owns a gate page: a memfd holding its incarnation, a
 //! "closed" word and one slot per registered VRAM region (a generation, odd while registered, and an
