@@ -40,6 +40,9 @@ use crate::status::{Error, Result, Status};
 const SLOTS: usize = 4;
 /// Bytes a serving loop stages per device copy.
 pub(super) const SERVE_CHUNK: usize = 2 << 20;
+/// A serving loop's staging buffer: a chunk, and room for the reply in front of a READ's first chunk (so a
+/// 2 MiB request, the initiator's slot, goes out in one chunk).
+const SERVE_BUF: usize = SERVE_CHUNK + super::wire::REPLY_BYTES;
 /// Staging buffers one serving loop holds at most.
 const LOOP_BUFS: usize = 4;
 
@@ -249,7 +252,7 @@ impl StagePool {
             // Another device's buffer makes room.
             self.free.pop();
         }
-        let buf = device::get()?.host_buf(dev, SERVE_CHUNK)?;
+        let buf = device::get()?.host_buf(dev, SERVE_BUF)?;
         self.out += 1;
         Ok(Some(PoolBuf { dev, buf }))
     }
@@ -437,19 +440,31 @@ mod tests {
         assert!(device::select_fake());
         let segs = [
             WireSeg { region: 0, region_len: 0, addr: 0x1000, len: 5 },
-            WireSeg { region: 0, region_len: 0, addr: 0x8000, len: SERVE_CHUNK as u64 },
+            WireSeg { region: 0, region_len: 0, addr: 0x8000, len: SERVE_BUF as u64 },
         ];
         let mut st = Staged::new(XferOp::Write, &segs, &[3, 4]);
         let mut pool = StagePool::default();
         st.attach(pool.take(st.dev()).unwrap().unwrap());
         st.expect();
-        assert_eq!(st.fill, SERVE_CHUNK);
-        assert_eq!(st.chunk, vec![(0, 0x1000, 5, 3), (5, 0x8000, SERVE_CHUNK as u64 - 5, 4)]);
+        assert_eq!(st.fill, SERVE_BUF);
+        assert_eq!(st.chunk, vec![(0, 0x1000, 5, 3), (5, 0x8000, SERVE_BUF as u64 - 5, 4)]);
         assert!(!st.finished());
         assert_eq!(st.unstaged(), 5);
         st.expect();
-        assert_eq!((st.fill, st.chunk.clone()), (5, vec![(0, 0x8000 + SERVE_CHUNK as u64 - 5, 5, 4)]));
+        assert_eq!((st.fill, st.chunk.clone()), (5, vec![(0, 0x8000 + SERVE_BUF as u64 - 5, 5, 4)]));
         assert!(st.finished() && st.unstaged() == 0);
+        // A READ: the reply in front, then a whole 2 MiB segment in the same chunk, copied out of "VRAM".
+        let src: Vec<u8> = (0..SERVE_CHUNK).map(|i| (i % 251) as u8).collect();
+        let segs = [WireSeg { region: 0, region_len: 0, addr: src.as_ptr() as u64, len: SERVE_CHUNK as u64 }];
+        let mut rd = Staged::new(XferOp::Read, &segs, &[0]);
+        rd.attach(pool.take(0).unwrap().unwrap());
+        rd.load(Some(&[9; 8])).unwrap();
+        assert!(rd.finished() && rd.fill == SERVE_BUF);
+        let b = rd.detach().unwrap();
+        // SAFETY: the staging buffer holds `SERVE_BUF` bytes.
+        let got = unsafe { std::slice::from_raw_parts(b.buf.ptr() as usize as *const u8, SERVE_BUF) };
+        assert!(got[..8] == [9; 8] && got[8..] == src[..]);
+        pool.put(b);
         // The pool lends at most LOOP_BUFS buffers.
         let mut held: Vec<PoolBuf> = (1..LOOP_BUFS).map(|_| pool.take(0).unwrap().unwrap()).collect();
         assert!(!pool.can_take() && pool.take(0).unwrap().is_none());
