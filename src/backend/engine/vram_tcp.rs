@@ -4,13 +4,13 @@
 //! buffers and VRAM with device copies (`Device::copy`).
 //!
 //! Initiator (`TcpVramPlan`): each piece of a request whose local side is VRAM takes one staging buffer
-//! (8 MiB, from the pool `vram` keeps) cut into `SLOTS` slots, and the piece is cut into
-//! chunks of one slot. The slots make a pipeline, so the device copy of one chunk overlaps the socket I/O
-//! of the next (READ: the socket fills slots while filled ones are copied into VRAM; WRITE: VRAM fills slots
-//! while filled ones go out). A scoped helper thread runs one of the two stages; both have stopped before
-//! `copy` returns, so nothing touches the caller's memory after a request ends. Page-locked memory in use:
-//! one buffer per piece in flight (pieces ≤ `tcp_conns`). A request whose local side is DRAM goes over the socket as DRAM does: only the target
-//! stages (so an initiator without a GPU can pull from one).
+//! (8 MiB, from the pool `vram` keeps) cut into `SLOTS` slots, and the piece is cut into chunks of one
+//! slot. The slots make a pipeline, so the device copy of one chunk overlaps the socket I/O of the next
+//! (READ: the socket fills slots while filled ones are copied into VRAM; WRITE: VRAM fills slots while
+//! filled ones go out). A scoped helper thread runs one of the two stages; both have stopped before `copy`
+//! returns, so nothing touches the caller's memory after a request ends. Page-locked memory in use: one
+//! buffer per piece in flight (pieces ≤ `tcp_conns`). A request whose local side is DRAM goes over the
+//! socket as DRAM does: only the target stages (so an initiator without a GPU can pull from one).
 //!
 //! Target (`Staged`, `StagePool`): the serving loops of `tcp` recognise a request on registrations made in
 //! VRAM (`Regions::lease` says `Device`) and serve it chunk by chunk through a staging buffer of their loop
