@@ -175,6 +175,39 @@ unsafe fn cma_batch_with(
     Ok(())
 }
 
+/// Check, with one 16-byte `process_vm_readv` of the target's gate, that `pid` is still the process that
+/// holds `probe`'s incarnation: for copies that do not go through cross-memory attach themselves (device
+/// copies through an opened IPC handle, see `vram`). It faults in an exec'd image or a process that took over
+/// the pid (the gate's random address is not mapped there) and a read-back of another incarnation id fails.
+/// Errors as `cma_batch` (`gone` set for REMOTE_DISCONNECT; EPERM/ENOSYS keep their `io::Error` source).
+pub fn probe(pid: i32, probe: &Probe, gone: &mut bool) -> Result<()> {
+    let mut got = [0u8; super::gate::PROBE_BYTES];
+    let local = libc::iovec { iov_base: got.as_mut_ptr().cast(), iov_len: got.len() };
+    let remote = libc::iovec {
+        iov_base: (probe.addr + super::gate::OFF_INCARNATION as u64) as usize as *mut libc::c_void,
+        iov_len: got.len(),
+    };
+    loop {
+        // SAFETY: the local iovec is our own stack buffer; the kernel checks the remote one.
+        let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(cma_error(pid, XferOp::Read, e, gone));
+        }
+        if n as usize != got.len() || got != probe.incarnation.to_le_bytes() {
+            *gone = true;
+            return Err(Error::disconnected(format!(
+                "process {pid} no longer holds the agent incarnation {:032x}",
+                probe.incarnation
+            )));
+        }
+        return Ok(());
+    }
+}
+
 fn call_name(op: XferOp) -> &'static str {
     if op == XferOp::Read {
         "process_vm_readv"
@@ -310,6 +343,23 @@ mod tests {
         let e = unsafe { cma_batch(me(), XferOp::Read, &[bad], &probe, &mut gone) }.unwrap_err();
         assert_eq!(e.status(), Status::Backend, "{e}");
         assert!(!gone);
+    }
+
+    #[test]
+    fn probe_checks_the_incarnation_at_the_gate() {
+        let g = Gate::create(0x77).unwrap();
+        let mut gone = false;
+        probe(me(), &Probe { addr: g.addr(), incarnation: 0x77 }, &mut gone).unwrap();
+        assert!(!gone);
+        let e = probe(me(), &Probe { addr: g.addr(), incarnation: 0x78 }, &mut gone).unwrap_err();
+        assert!(gone && e.status() == Status::RemoteDisconnect, "{e}");
+        // Nothing mapped there (an exec'd image, another process): EFAULT, a disconnect.
+        let mut gone = false;
+        let e = probe(me(), &Probe { addr: 8192, incarnation: 0x77 }, &mut gone).unwrap_err();
+        assert!(gone && e.status() == Status::RemoteDisconnect, "{e}");
+        let mut gone = false;
+        let e = probe(i32::MAX - 1, &Probe { addr: g.addr(), incarnation: 0x77 }, &mut gone).unwrap_err();
+        assert!(gone && e.status() == Status::RemoteDisconnect, "{e}");
     }
 
     #[test]

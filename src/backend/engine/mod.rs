@@ -17,7 +17,8 @@
 //!
 //! VRAM (requests with either side in GPU memory) goes through `vram`, over the device layer
 //! (`crate::device`): device copies in this process, CUDA IPC handles carried in metadata to another
-//! process, every copy behind the target's VRAM gate page.
+//! process, every batch of device copies behind the same gate as cross-memory attach, with the same
+//! per-call identity probe of the target's gate page.
 //!
 //! Small requests complete inline in `post`; large ones are split across a few copy threads (or, over TCP,
 //! across the peer's data connections).
@@ -120,7 +121,7 @@ struct Shared {
     pool: Pool,
     /// Workers for TCP pieces: they block on sockets, so they are not the copy threads.
     tcp_pool: Pool,
-    /// Registered VRAM, its exports and gate page (see `vram`).
+    /// Registered VRAM's exported allocations (see `vram`; its regions hold slots in `gate`).
     vram: vram::Vram,
 }
 
@@ -222,8 +223,6 @@ impl Shared {
             return;
         }
         registry().lock().remove(&self.incarnation);
-        // Peers' VRAM copies: refused from here, those inside waited for (see `vram`).
-        self.vram.shutdown(self.tcp_opts.timeout);
         // From here no peer's batch passes the gate; those inside finish before this returns.
         self.gate.close(self.tcp_opts.timeout);
         self.ctrl.shutdown();
@@ -542,7 +541,7 @@ impl Backend for Engine {
         public: &[u8],
     ) -> Result<Option<RegionKey>> {
         if mem == MemType::Vram {
-            return vram::load_remote(downcast(peer)?.incarnation, desc.addr, public).map(Some);
+            return vram::load_remote(downcast(peer)?.incarnation, desc, public).map(Some);
         }
         let ticket = decode_ticket(public)?;
         Ok(Some(Arc::new(RemoteRegion { addr: desc.addr, len: desc.len, ticket })))
@@ -766,7 +765,7 @@ struct Core {
     shared: Arc<Shared>,
     plan: XferPlan,
     route: Route,
-    /// Set when the request touches VRAM: its copies go through `vram` (its own gate page).
+    /// Set when the request touches VRAM: its copies go through `vram` (inside the same gate).
     vram: Option<vram::VramPlan>,
 }
 

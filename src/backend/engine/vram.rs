@@ -12,178 +12,42 @@
 //!   buffer, and a device copy between the buffer and VRAM (both directions);
 //! - another host (TCP): not supported yet (NOT_SUPPORTED at request creation).
 //!
-//! The gate. A target engine that registers VRAM owns a gate page: a memfd holding its incarnation, a
-//! "closed" word and one slot per registered VRAM region (a generation, odd while registered, and an
-//! in-flight count). A region's metadata names its slot and generation and the page's descriptor; the
-//! initiator takes the page with `pidfd_getfd` (checking its identity) and, around every batch of copies
-//! into or out of a peer's region, increments the slot's in-flight count, checks the generation and the
-//! closed word, checks synchronously through the peer's pidfd that the process is alive, copies, and
-//! decrements. `deregister_memory` bumps the generation and then waits (futex, bounded by the disconnect
-//! timeout) for the in-flight count to drain; engine shutdown sets "closed" and does the same for every
-//! slot. So: a handle from another incarnation, a deregistered region or a dead peer is refused before it
-//! reaches the driver (NOT_FOUND / REMOTE_DISCONNECT), and once `deregister_memory` returns no peer copy is
-//! still running on that region (a peer that dies inside a copy is waited for only up to the bound).
+//! The gate is the engine's one transfer gate (`gate`): a VRAM registration takes a region slot there, as a
+//! DRAM one does, and its slot and state travel in the region's metadata. Every batch of device copies into
+//! or out of another process's VRAM (≤ 1023 descriptors, ≤ 16 MiB) is bracketed the same way as a
+//! cross-memory-attach batch: enter the peer's gate (its initiator slot's in-flight count, then the live flag
+//! and the state of every region the request touches), then one 16-byte `process_vm_readv` of the peer's gate
+//! at its advertised address that must read back the incarnation id (`copy::probe`: it faults in an exec'd
+//! image, even one with ASLR off at the same addresses, and in a process that took over the pid), then the
+//! device copy, then leave. The same bracket comes before a peer's allocation is opened. An agent of this
+//! process is reached inside its gate without the probe (no pid to recycle). So a handle from another
+//! incarnation, a deregistered region (NOT_FOUND) or a dead, exec'd or restarted peer (REMOTE_DISCONNECT) is
+//! refused before the driver is called, and `deregister_memory` (and agent destruction) returns only once no
+//! batch that passed the gate is still copying, bounded by the disconnect timeout.
+//!
+//! Not here: the gate itself (`gate`), the probe (`copy::probe`), and the driver (`crate::device`). The
+//! probe needs the ptrace permission cross-memory attach needs; where the kernel denies it the peer's gate
+//! cannot be taken either, and VRAM to that peer is NOT_SUPPORTED.
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock, Weak};
-use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use super::gate::RegionTicket;
 use super::{copy, downcast, PeerKind, Run, Shared};
-use crate::backend::{LocalRegion, Peer, RegionKey, Seg, Target, XferOp, XferPlan};
+use crate::backend::{LocalRegion, RegionKey, Seg, Target, XferOp, XferPlan};
 use crate::device::{self, Copy, Device, Export, HandleKind, HostBuf, IpcHandle, Mapping};
 use crate::md::{put_bytes, put_uvar, Reader};
-use crate::mem::{MemType, RegDesc};
+use crate::mem::{Desc, MemType, RegDesc};
 use crate::status::{Error, Result, Status};
 
-const PUBLIC_VERSION: u8 = 1;
-/// Slots in a gate page (16 bytes each after a 64-byte header; the page is sparse until used).
-const SLOTS: usize = 1 << 16;
-const HEADER: usize = 64;
-const GATE_BYTES: usize = HEADER + 16 * SLOTS;
+/// Version 2: the region's place in the engine's transfer gate (slot and state) replaced a VRAM-only gate.
+const PUBLIC_VERSION: u8 = 2;
 /// Staging buffer for DRAM (remote, over CMA) ↔ VRAM (local) copies.
 const STAGE: u64 = 8 << 20;
-
-/// The gate page, mapped in the target (which owns it) or in an initiator (which took it).
-struct GatePage {
-    ptr: usize,
-    fd: OwnedFd,
-}
-
-// SAFETY: the mapping is shared memory accessed only through atomics.
-unsafe impl Send for GatePage {}
-// SAFETY: as above.
-unsafe impl Sync for GatePage {}
-
-impl Drop for GatePage {
-    fn drop(&mut self) {
-        // SAFETY: our own mapping, unused once the last reference goes.
-        unsafe { libc::munmap(self.ptr as *mut libc::c_void, GATE_BYTES) };
-    }
-}
-
-fn map_gate(fd: BorrowedFd<'_>) -> Result<usize> {
-    // SAFETY: mapping a memfd we hold, shared.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            GATE_BYTES,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            fd.as_raw_fd(),
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(Error::os(Status::Backend, "mapping the VRAM gate page", std::io::Error::last_os_error()));
-    }
-    Ok(p as usize)
-}
-
-impl GatePage {
-    fn create(incarnation: u128) -> Result<GatePage> {
-        // SAFETY: plain syscall with a static name; the result is checked.
-        let fd = unsafe { libc::memfd_create(c"gixl-vram-gate".as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(Error::os(Status::Backend, "memfd_create (VRAM gate)", std::io::Error::last_os_error()));
-        }
-        // SAFETY: a fresh descriptor we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: sizing our own memfd.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), GATE_BYTES as libc::off_t) } != 0 {
-            return Err(Error::os(Status::Backend, "ftruncate (VRAM gate)", std::io::Error::last_os_error()));
-        }
-        let ptr = map_gate(fd.as_fd())?;
-        let g = GatePage { ptr, fd };
-        g.word64(0).store(incarnation as u64, Ordering::SeqCst);
-        g.word64(8).store((incarnation >> 64) as u64, Ordering::SeqCst);
-        Ok(g)
-    }
-
-    fn word64(&self, off: usize) -> &AtomicU64 {
-        debug_assert!(off + 8 <= GATE_BYTES && off & 7 == 0);
-        // SAFETY: inside the mapping, aligned; the mapping lives as long as `self`.
-        unsafe { &*((self.ptr + off) as *const AtomicU64) }
-    }
-    fn word32(&self, off: usize) -> &AtomicU32 {
-        debug_assert!(off + 4 <= GATE_BYTES && off & 3 == 0);
-        // SAFETY: as above.
-        unsafe { &*((self.ptr + off) as *const AtomicU32) }
-    }
-    fn incarnation(&self) -> u128 {
-        self.word64(0).load(Ordering::SeqCst) as u128 | (self.word64(8).load(Ordering::SeqCst) as u128) << 64
-    }
-    fn closed(&self) -> &AtomicU32 {
-        self.word32(16)
-    }
-    fn gen(&self, slot: u32) -> &AtomicU64 {
-        self.word64(HEADER + 16 * slot as usize)
-    }
-    fn inflight(&self, slot: u32) -> &AtomicU32 {
-        self.word32(HEADER + 16 * slot as usize + 8)
-    }
-    fn waiters(&self, slot: u32) -> &AtomicU32 {
-        self.word32(HEADER + 16 * slot as usize + 12)
-    }
-
-    /// Enter slot `slot` if it still holds generation `gen` of incarnation `inc`.
-    fn enter(&self, slot: u32, gen: u64, inc: u128) -> Result<()> {
-        self.inflight(slot).fetch_add(1, Ordering::SeqCst);
-        let why = if self.closed().load(Ordering::SeqCst) != 0 || self.incarnation() != inc {
-            Some(Error::disconnected("the peer's agent has been destroyed"))
-        } else if self.gen(slot).load(Ordering::SeqCst) != gen {
-            Some(Error::not_found("the peer has deregistered this VRAM region"))
-        } else {
-            None
-        };
-        match why {
-            None => Ok(()),
-            Some(e) => {
-                self.leave(slot);
-                Err(e)
-            }
-        }
-    }
-
-    fn leave(&self, slot: u32) {
-        if self.inflight(slot).fetch_sub(1, Ordering::SeqCst) == 1 && self.waiters(slot).load(Ordering::SeqCst) != 0 {
-            futex_wake(self.inflight(slot));
-        }
-    }
-
-    /// Make `slot`'s current generation stale, then wait (up to `limit`) until no copy is inside it.
-    fn close_slot(&self, slot: u32, limit: Duration) -> bool {
-        self.gen(slot).fetch_add(1, Ordering::SeqCst);
-        let end = Instant::now() + limit;
-        loop {
-            let n = self.inflight(slot).load(Ordering::SeqCst);
-            if n == 0 {
-                return true;
-            }
-            let left = end.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return false;
-            }
-            self.waiters(slot).fetch_add(1, Ordering::SeqCst);
-            futex_wait(self.inflight(slot), n, left);
-            self.waiters(slot).fetch_sub(1, Ordering::SeqCst);
-        }
-    }
-}
-
-fn futex_wait(w: &AtomicU32, val: u32, limit: Duration) {
-    let ts = libc::timespec { tv_sec: limit.as_secs() as libc::time_t, tv_nsec: limit.subsec_nanos() as libc::c_long };
-    // SAFETY: a shared (non-private) futex on a word of a shared mapping; returns on wake, change or timeout.
-    unsafe { libc::syscall(libc::SYS_futex, w.as_ptr(), libc::FUTEX_WAIT, val, &ts as *const libc::timespec, 0, 0) };
-}
-
-fn futex_wake(w: &AtomicU32) {
-    // SAFETY: as above.
-    unsafe { libc::syscall(libc::SYS_futex, w.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0, 0, 0) };
-}
 
 /// An exported allocation and how many registered regions use it.
 struct Exported {
@@ -191,31 +55,20 @@ struct Exported {
     regions: usize,
 }
 
-/// The engine's VRAM state (a field of `Shared`).
+/// The engine's VRAM state (a field of `Shared`): its exported allocations.
 #[derive(Default)]
 pub(super) struct Vram {
-    gate: OnceLock<Arc<GatePage>>,
     exports: Mutex<HashMap<u64, Exported>>,
-    free_slots: Mutex<(Vec<u32>, u32)>,
 }
 
 /// A registered local VRAM region.
 struct LocalVram {
     base: u64,
-    slot: u32,
-    gen: u64,
+    ticket: RegionTicket,
     dev: u32,
 }
 
 impl Vram {
-    fn gate(&self, incarnation: u128) -> Result<&Arc<GatePage>> {
-        if let Some(g) = self.gate.get() {
-            return Ok(g);
-        }
-        let g = Arc::new(GatePage::create(incarnation)?);
-        Ok(self.gate.get_or_init(|| g))
-    }
-
     pub(super) fn register(&self, s: &Shared, desc: &RegDesc) -> Result<LocalRegion> {
         let dev = device::get()?;
         let d = &desc.desc;
@@ -233,7 +86,6 @@ impl Vram {
                 d.addr, info.dev, d.dev
             )));
         }
-        let gate = self.gate(s.incarnation)?.clone();
         let mut exports = self.exports.lock();
         let e = match exports.get_mut(&info.base) {
             Some(e) => e,
@@ -242,18 +94,15 @@ impl Vram {
                 exports.entry(info.base).or_insert(Exported { export, regions: 0 })
             }
         };
-        let slot = {
-            let mut f = self.free_slots.lock();
-            match f.0.pop() {
-                Some(s) => s,
-                None if (f.1 as usize) < SLOTS => {
-                    f.1 += 1;
-                    f.1 - 1
+        let ticket = match s.gate.register(d.addr, d.len) {
+            Ok(t) => t,
+            Err(err) => {
+                if e.regions == 0 {
+                    exports.remove(&info.base);
                 }
-                None => return Err(Error::backend(format!("more than {SLOTS} VRAM regions registered"))),
+                return Err(err);
             }
         };
-        let gen = gate.gen(slot).fetch_add(1, Ordering::SeqCst) + 1;
         e.regions += 1;
         let h = &e.export.handle;
         let mut public = vec![PUBLIC_VERSION];
@@ -262,23 +111,16 @@ impl Vram {
         put_uvar(&mut public, d.addr - info.base);
         public.push(h.kind as u8);
         put_bytes(&mut public, &h.bytes);
-        put_uvar(&mut public, slot as u64);
-        put_uvar(&mut public, gen);
-        let gid =
-            device::fd_identity(gate.fd.as_fd()).map_err(|e| Error::os(Status::Backend, "fstat (VRAM gate)", e))?;
-        put_bytes(&mut public, &device::fd_handle_bytes(gate.fd.as_raw_fd(), gid));
-        let key: RegionKey = Arc::new(LocalVram { base: info.base, slot, gen, dev: info.dev });
+        put_uvar(&mut public, ticket.slot as u64);
+        put_uvar(&mut public, ticket.state);
+        let key: RegionKey = Arc::new(LocalVram { base: info.base, ticket, dev: info.dev });
         Ok(LocalRegion { public, key: Some(key) })
     }
 
+    /// Retire the region in the gate (returns once no peer's batch is inside, bounded), then drop its export.
     pub(super) fn deregister(&self, s: &Shared, key: Option<&RegionKey>) {
         let Some(l) = key.and_then(|k| k.downcast_ref::<LocalVram>()) else { return };
-        if let Some(g) = self.gate.get() {
-            if !g.close_slot(l.slot, s.tcp_opts.timeout) {
-                eprintln!("gixl: a peer's copy into a deregistered VRAM region did not finish in time; going on");
-            }
-        }
-        self.free_slots.lock().0.push(l.slot);
+        s.gate.retire(l.ticket, s.tcp_opts.timeout);
         let mut ex = self.exports.lock();
         if let Some(e) = ex.get_mut(&l.base) {
             e.regions -= 1;
@@ -287,40 +129,26 @@ impl Vram {
             }
         }
     }
-
-    /// The engine is going away: every copy from a peer is refused from now on; wait for those inside.
-    pub(super) fn shutdown(&self, limit: Duration) {
-        let Some(g) = self.gate.get() else { return };
-        g.closed().store(1, Ordering::SeqCst);
-        let end = Instant::now() + limit;
-        let used = self.free_slots.lock().1;
-        for slot in 0..used {
-            while g.inflight(slot).load(Ordering::SeqCst) != 0 {
-                let left = end.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return;
-                }
-                let n = g.inflight(slot).load(Ordering::SeqCst);
-                g.waiters(slot).fetch_add(1, Ordering::SeqCst);
-                futex_wait(g.inflight(slot), n, left);
-                g.waiters(slot).fetch_sub(1, Ordering::SeqCst);
-            }
-        }
-    }
 }
 
 /// A peer's VRAM region, from its metadata.
 pub(super) struct RemoteVram {
     addr: u64,
+    len: u64,
     dev: u32,
     offset: u64,
     handle: IpcHandle,
-    slot: u32,
-    gen: u64,
-    gate: IpcHandle,
+    ticket: RegionTicket,
     incarnation: u128,
     /// The peer's allocation, opened here on first use.
     opened: Mutex<Option<Arc<Opened>>>,
+}
+
+impl RemoteVram {
+    /// What the peer's gate checks for it: (slot, state, address, length).
+    fn gated(&self) -> (u32, u64, u64, u64) {
+        (self.ticket.slot, self.ticket.state, self.addr, self.len)
+    }
 }
 
 /// A peer's allocation opened in this process (shared by its regions); closed when the last one goes.
@@ -328,15 +156,15 @@ struct Opened {
     map: Box<dyn Mapping>,
 }
 
-/// Opened allocations and gate pages, per peer incarnation, so each is opened once.
-#[allow(clippy::type_complexity)]
-fn opened() -> &'static Mutex<(HashMap<(u128, Vec<u8>), Weak<Opened>>, HashMap<u128, Weak<GatePage>>)> {
-    static O: OnceLock<Mutex<(HashMap<(u128, Vec<u8>), Weak<Opened>>, HashMap<u128, Weak<GatePage>>)>> =
-        OnceLock::new();
+type OpenedMap = HashMap<(u128, Vec<u8>), Weak<Opened>>;
+
+/// Opened allocations, per peer incarnation and handle, so each is opened once.
+fn opened() -> &'static Mutex<OpenedMap> {
+    static O: OnceLock<Mutex<OpenedMap>> = OnceLock::new();
     O.get_or_init(Default::default)
 }
 
-pub(super) fn load_remote(incarnation: u128, addr: u64, public: &[u8]) -> Result<RegionKey> {
+pub(super) fn load_remote(incarnation: u128, desc: &Desc, public: &[u8]) -> Result<RegionKey> {
     let bad = || Error::mismatch("malformed VRAM region in metadata");
     let mut r = Reader { buf: public, pos: 0 };
     if r.byte()? != PUBLIC_VERSION {
@@ -347,20 +175,18 @@ pub(super) fn load_remote(incarnation: u128, addr: u64, public: &[u8]) -> Result
     let offset = r.uvar()?;
     let kind = HandleKind::from_u8(r.byte()?).ok_or_else(bad)?;
     let bytes = r.bytes(256)?.to_vec();
-    let slot = u32::try_from(r.uvar()?).ok().filter(|&s| (s as usize) < SLOTS).ok_or_else(bad)?;
-    let gen = r.uvar()?;
-    let gate = r.bytes(64)?.to_vec();
+    let slot = u32::try_from(r.uvar()?).map_err(|_| bad())?;
+    let state = r.uvar()?;
     if r.left() != 0 || offset > size {
         return Err(bad());
     }
     Ok(Arc::new(RemoteVram {
-        addr,
+        addr: desc.addr,
+        len: desc.len,
         dev,
         offset,
         handle: IpcHandle { kind, size, bytes },
-        slot,
-        gen,
-        gate: IpcHandle { kind: HandleKind::PosixFd, size: GATE_BYTES as u64, bytes: gate },
+        ticket: RegionTicket { slot, state },
         incarnation,
         opened: Mutex::new(None),
     }))
@@ -368,18 +194,21 @@ pub(super) fn load_remote(incarnation: u128, addr: u64, public: &[u8]) -> Result
 
 /// How a request reaches the remote side.
 enum Far {
-    /// Addresses valid in this process (loopback, another agent here); `gate` is the target's.
-    Here { gate: Option<Arc<GatePage>> },
-    /// Another process: its pid and pidfd (borrowed from the peer), its gate page.
-    Process { pid: i32, gate: Option<Arc<GatePage>> },
+    /// This agent's own regions: addresses valid here, resolved by the agent against its registrations.
+    Loopback,
+    /// Another agent in this process: addresses valid here, copies inside its gate.
+    InProcess,
+    /// Another process: copies through its opened allocations, inside its gate, after the probe.
+    Process,
 }
 
 /// What `prep` resolved, kept with the request.
 pub(super) struct VramPlan {
     far: Far,
-    /// Per remote region index: (slot, generation, incarnation, address of the region here, region address
-    /// in the peer, opened allocation).
+    /// Per remote region index: where it is here, and the opened allocation it lies in.
     regions: Vec<Option<RegionUse>>,
+    /// The peer's VRAM regions this request touches, as its gate checks them.
+    gated: Vec<(u32, u64, u64, u64)>,
     /// Device whose context and streams the copies use.
     dev: u32,
     device: &'static dyn Device,
@@ -388,43 +217,9 @@ pub(super) struct VramPlan {
 }
 
 struct RegionUse {
-    slot: u32,
-    gen: u64,
-    incarnation: u128,
     /// `here - peer`: add to a peer address to get its address in this process.
     shift: u64,
     _open: Option<Arc<Opened>>,
-}
-
-fn peer_pidfd(p: &super::EnginePeer) -> Option<BorrowedFd<'_>> {
-    match &p.kind {
-        PeerKind::Cma { pidfd, .. } => pidfd.as_ref().map(|f| f.as_fd()),
-        _ => None,
-    }
-}
-
-/// Is the process behind `pidfd` still running? (Synchronous: a pidfd polls readable once it exits.)
-fn alive(pidfd: BorrowedFd<'_>) -> bool {
-    let mut p = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-    // SAFETY: one valid pollfd, no wait.
-    let n = unsafe { libc::poll(&mut p, 1, 0) };
-    n == 0
-}
-
-fn open_gate(inc: u128, h: &IpcHandle, pidfd: BorrowedFd<'_>) -> Result<Arc<GatePage>> {
-    let mut o = opened().lock();
-    if let Some(g) = o.1.get(&inc).and_then(Weak::upgrade) {
-        return Ok(g);
-    }
-    let fd = device::take_fd(h, pidfd)?;
-    let ptr = map_gate(fd.as_fd())?;
-    let g = Arc::new(GatePage { ptr, fd });
-    if g.incarnation() != inc {
-        return Err(Error::not_found("the peer's VRAM gate belongs to another incarnation"));
-    }
-    o.1.retain(|_, w| w.strong_count() > 0);
-    o.1.insert(inc, Arc::downgrade(&g));
-    Ok(g)
 }
 
 fn open_alloc(dev: &dyn Device, r: &RemoteVram, on: u32, pidfd: BorrowedFd<'_>) -> Result<Arc<Opened>> {
@@ -436,12 +231,12 @@ fn open_alloc(dev: &dyn Device, r: &RemoteVram, on: u32, pidfd: BorrowedFd<'_>) 
     // valid for every device (unified addressing), and CUDA maps a legacy handle once per process.
     let k = (r.incarnation, r.handle.bytes.clone());
     let mut o = opened().lock();
-    let op = match o.0.get(&k).and_then(Weak::upgrade) {
+    let op = match o.get(&k).and_then(Weak::upgrade) {
         Some(op) => op,
         None => {
             let op = Arc::new(Opened { map: dev.open(on, &r.handle, pidfd)? });
-            o.0.retain(|_, w| w.strong_count() > 0);
-            o.0.insert(k, Arc::downgrade(&op));
+            o.retain(|_, w| w.strong_count() > 0);
+            o.insert(k, Arc::downgrade(&op));
             op
         }
     };
@@ -449,9 +244,46 @@ fn open_alloc(dev: &dyn Device, r: &RemoteVram, on: u32, pidfd: BorrowedFd<'_>) 
     Ok(op)
 }
 
-/// Resolve a request that touches VRAM: its route, the device, and (for another process) the peer's gate
-/// and allocations, checked against the gate before anything is opened.
-pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
+/// A refusal of the peer's gate as VRAM reports it: a region the peer no longer has registered is NOT_FOUND
+/// (the gate itself says BACKEND, as cross-memory attach reports it); a closed incarnation stays
+/// REMOTE_DISCONNECT.
+fn refused(e: Error) -> Error {
+    if e.status() == Status::Backend {
+        Error::not_found(format!("the peer has deregistered this VRAM region ({})", e.message()))
+    } else {
+        e
+    }
+}
+
+/// Run `f` inside another process's gate for `regions`, after the probe: the bracket every driver call on
+/// a peer's allocation goes through. A probe that finds the peer gone marks it dead.
+fn in_peer_gate<T>(
+    p: &super::EnginePeer,
+    regions: &[(u32, u64, u64, u64)],
+    f: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    let PeerKind::Cma { pid, gate, probe, .. } = &p.kind else {
+        return Err(Error::backend("unreachable route"));
+    };
+    if p.dead.load(Ordering::Acquire) {
+        return Err(Error::disconnected(format!("agent '{}' has exited", p.name)));
+    }
+    let gate = gate.as_ref().ok_or_else(|| Error::disconnected(format!("agent '{}' is not reachable", p.name)))?;
+    let _inside = gate.enter(regions.iter().copied()).map_err(refused)?;
+    let mut gone = false;
+    if let Err(e) = copy::probe(*pid, probe, &mut gone) {
+        if gone {
+            p.dead.store(true, Ordering::Release);
+        }
+        return Err(e);
+    }
+    f()
+}
+
+/// Resolve a request that touches VRAM: its route, the device, and (for another process) the peer's
+/// allocations, each opened inside the peer's gate (after the probe), so a stale handle never reaches the
+/// driver.
+pub(super) fn prep(_shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
     let device = device::get()?;
     for m in [plan.local_mem, plan.remote_mem] {
         if m != MemType::Dram && m != MemType::Vram {
@@ -461,38 +293,37 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
     let local_is_vram = plan.local_mem == MemType::Vram;
     let remote_is_vram = plan.remote_mem == MemType::Vram;
     let local_dev = plan.local_keys.iter().flatten().find_map(|k| k.downcast_ref::<LocalVram>()).map(|l| l.dev);
-    let (far, peer) = match &plan.target {
-        Target::Local => (Far::Here { gate: shared.vram.gate.get().cloned() }, None),
-        Target::Remote(p) => {
-            let ep = downcast(p)?;
-            match &ep.kind {
-                PeerKind::InProcess { target, .. } => {
-                    let t = target
-                        .upgrade()
-                        .ok_or_else(|| Error::disconnected(format!("agent '{}' has been destroyed", ep.name)))?;
-                    (Far::Here { gate: t.vram.gate.get().cloned() }, Some(ep))
-                }
-                PeerKind::Cma { pid, pidfd, .. } => {
-                    // No pidfd: the peer did not prove it runs here (see `load_peer`); nothing to open.
-                    let pidfd = pidfd.as_ref().ok_or_else(|| {
-                        Error::disconnected(format!("agent '{}' is not reachable as a local process", ep.name))
-                    })?;
-                    if !alive(pidfd.as_fd()) {
-                        return Err(Error::disconnected(format!("agent '{}' has exited", ep.name)));
-                    }
-                    (Far::Process { pid: *pid, gate: None }, Some(ep))
-                }
-                PeerKind::Tcp { .. } => {
-                    return Err(Error::not_supported(format!(
-                        "VRAM transfers to agent '{}' on another host (TCP) are not implemented",
-                        ep.name
-                    )))
-                }
+    let peer = match &plan.target {
+        Target::Local => None,
+        Target::Remote(p) => Some(downcast(p)?),
+    };
+    let far = match peer.map(|p| (p, &p.kind)) {
+        None => Far::Loopback,
+        Some((ep, PeerKind::InProcess { target, .. })) => {
+            target.upgrade().ok_or_else(|| Error::disconnected(format!("agent '{}' has been destroyed", ep.name)))?;
+            Far::InProcess
+        }
+        Some((ep, PeerKind::Cma { pidfd, gate, denied, .. })) => {
+            if gate.is_none() && denied.load(Ordering::Acquire) {
+                return Err(Error::not_supported(format!(
+                    "VRAM transfers to agent '{}' need its transfer gate, which the kernel did not let this \
+                     process take (ptrace permission, as for cross-memory attach; `python -m gixl doctor` says why)",
+                    ep.name
+                )));
             }
+            // No pidfd or no gate: the peer did not prove it runs here, or has exited (see `load_peer`).
+            if pidfd.is_none() || gate.is_none() {
+                return Err(Error::disconnected(format!("agent '{}' is not reachable as a local process", ep.name)));
+            }
+            Far::Process
+        }
+        Some((ep, PeerKind::Tcp { .. })) => {
+            return Err(Error::not_supported(format!(
+                "VRAM transfers to agent '{}' on another host (TCP) are not implemented",
+                ep.name
+            )))
         }
     };
-    let mut far = far;
-    let mut regions = Vec::with_capacity(plan.remote_keys.len());
     let remote_dev =
         plan.remote_keys.iter().flatten().find_map(|k| {
             k.downcast_ref::<RemoteVram>().map(|r| r.dev).or(k.downcast_ref::<LocalVram>().map(|l| l.dev))
@@ -501,57 +332,30 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
     // else device 0 (a peer's allocation opened here from DRAM).
     let dev = match (&far, local_dev) {
         (_, Some(d)) => d,
-        (Far::Here { .. }, None) => remote_dev.unwrap_or(0),
-        (Far::Process { .. }, None) => 0,
+        (Far::Loopback | Far::InProcess, None) => remote_dev.unwrap_or(0),
+        (Far::Process, None) => 0,
     };
     let used: std::collections::BTreeSet<u32> = plan.segs.iter().map(|s| s.rreg).collect();
+    let mut regions = Vec::with_capacity(plan.remote_keys.len());
+    let mut gated = Vec::new();
     for (i, k) in plan.remote_keys.iter().enumerate() {
-        if !used.contains(&(i as u32)) {
-            regions.push(None);
-            continue;
-        }
-        let k = k.as_ref();
-        let u = if let Some(l) = k.and_then(|k| k.downcast_ref::<LocalVram>()) {
-            // Loopback or an agent of this process: its own key.
-            let inc = match &plan.target {
-                Target::Local => shared.incarnation,
-                Target::Remote(_) => peer.map(|p| p.incarnation).unwrap_or(0),
-            };
-            Some(RegionUse { slot: l.slot, gen: l.gen, incarnation: inc, shift: 0, _open: None })
+        let k = k.as_ref().filter(|_| used.contains(&(i as u32)));
+        let u = if k.and_then(|k| k.downcast_ref::<LocalVram>()).is_some() {
+            // Loopback: this agent's own key.
+            Some(RegionUse { shift: 0, _open: None })
         } else if let Some(r) = k.and_then(|k| k.downcast_ref::<RemoteVram>()) {
-            match (&mut far, peer) {
-                (Far::Here { .. }, _) => {
-                    Some(RegionUse { slot: r.slot, gen: r.gen, incarnation: r.incarnation, shift: 0, _open: None })
-                }
-                (Far::Process { gate, .. }, Some(ep)) => {
-                    let pidfd = peer_pidfd(ep).ok_or_else(|| Error::backend("peer without a pidfd"))?;
-                    let g = match gate {
-                        Some(g) => g.clone(),
-                        None => {
-                            let g = open_gate(r.incarnation, &r.gate, pidfd)?;
-                            *gate = Some(g.clone());
-                            g
-                        }
+            gated.push(r.gated());
+            match (&far, peer) {
+                (Far::Process, Some(ep)) => {
+                    let PeerKind::Cma { pidfd: Some(pidfd), .. } = &ep.kind else {
+                        return Err(Error::backend("peer without a pidfd"));
                     };
-                    // The gate first: a stale handle never reaches the driver.
-                    g.enter(r.slot, r.gen, r.incarnation)?;
-                    let op = if alive(pidfd) {
-                        open_alloc(device, r, dev, pidfd)
-                    } else {
-                        Err(Error::disconnected(format!("agent '{}' has exited", ep.name)))
-                    };
-                    g.leave(r.slot);
-                    let op = op?;
+                    // The gate and the probe first: a stale handle never reaches the driver.
+                    let op = in_peer_gate(ep, &[r.gated()], || open_alloc(device, r, dev, pidfd.as_fd()))?;
                     let here = op.map.base() + r.offset;
-                    Some(RegionUse {
-                        slot: r.slot,
-                        gen: r.gen,
-                        incarnation: r.incarnation,
-                        shift: here.wrapping_sub(r.addr),
-                        _open: Some(op),
-                    })
+                    Some(RegionUse { shift: here.wrapping_sub(r.addr), _open: Some(op) })
                 }
-                (Far::Process { .. }, None) => None,
+                _ => Some(RegionUse { shift: 0, _open: None }),
             }
         } else {
             // A DRAM region on the far side: nothing to open (another process: staged through CMA).
@@ -559,69 +363,22 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
         };
         regions.push(u);
     }
-    Ok(VramPlan { far, regions, dev, device, remote_is_vram, local_is_vram })
+    Ok(VramPlan { far, regions, gated, dev, device, remote_is_vram, local_is_vram })
 }
 
 impl VramPlan {
-    fn gate(&self) -> Option<&Arc<GatePage>> {
-        match &self.far {
-            Far::Here { gate } | Far::Process { gate, .. } => gate.as_ref(),
-        }
-    }
-
-    /// Copy `segs` (one piece of a request): enter the gate for every peer region they touch, check the
-    /// peer is alive, run the copies, leave.
+    /// Copy `segs` (one piece of a request), batch by batch, each inside the target's gate.
     pub(super) fn copy(&self, core: &super::Core, segs: &[Seg], run: &Run) -> Result<()> {
         if run.abort.load(Ordering::Relaxed) {
             return Err(Error::new(Status::Canceled, "transfer stopped"));
         }
-        let mut entered: Vec<u32> = Vec::new();
-        let gate = self.gate();
-        let mut r = Ok(());
-        if let Some(g) = gate {
-            let mut touched: Vec<u32> = segs.iter().map(|s| s.rreg).collect();
-            touched.sort_unstable();
-            touched.dedup();
-            for i in touched {
-                if let Some(Some(u)) = self.regions.get(i as usize) {
-                    if let Err(e) = g.enter(u.slot, u.gen, u.incarnation) {
-                        r = Err(e);
-                        break;
-                    }
-                    entered.push(u.slot);
-                }
-            }
+        let direct = !matches!(self.far, Far::Process) || self.remote_is_vram;
+        if !direct {
+            return self.staged(core, segs, run);
         }
-        if r.is_ok() {
-            r = self.check_alive(core).and_then(|_| self.run_copies(core, segs, run));
-        }
-        if let Some(g) = gate {
-            for s in entered {
-                g.leave(s);
-            }
-        }
-        r
-    }
-
-    fn check_alive(&self, core: &super::Core) -> Result<()> {
-        let Some(p) = core.peer() else { return Ok(()) };
-        let dead = match (&self.far, peer_pidfd(p)) {
-            (Far::Process { .. }, Some(fd)) => !alive(fd),
-            _ => p.disconnected(),
-        };
-        if dead {
-            p.dead.store(true, Ordering::Release);
-            return Err(Error::disconnected(format!("agent '{}' has exited", p.name)));
-        }
-        Ok(())
-    }
-
-    fn run_copies(&self, core: &super::Core, segs: &[Seg], run: &Run) -> Result<()> {
         let op = core.plan.op;
-        let direct = matches!(self.far, Far::Here { .. }) || self.remote_is_vram;
-        if direct {
-            let copies: Vec<Copy> = segs
-                .iter()
+        let copies = |b: &[Seg]| -> Vec<Copy> {
+            b.iter()
                 .map(|s| {
                     let shift = self.regions.get(s.rreg as usize).and_then(|u| u.as_ref()).map_or(0, |u| u.shift);
                     let remote = s.remote.wrapping_add(shift);
@@ -630,22 +387,38 @@ impl VramPlan {
                         XferOp::Write => Copy { dst: remote, src: s.local, len: s.len },
                     }
                 })
-                .collect();
-            // Remote DRAM of another agent in this process: inside that agent's gate (see `gate`), as DRAM is.
-            if !self.remote_is_vram {
-                if let Some(PeerKind::InProcess { gate, .. }) = core.peer().map(|p| &p.kind) {
-                    let gate = gate.as_ref().ok_or_else(|| Error::disconnected("the peer agent has been destroyed"))?;
-                    let _inside = gate.enter(core.gate_regions())?;
-                    return self.device.copy(self.dev, &copies);
-                }
+                .collect()
+        };
+        let Some(p) = core.peer() else {
+            // Loopback: both sides are this agent's registrations, as for DRAM.
+            return self.device.copy(self.dev, &copies(segs));
+        };
+        copy::for_batches(segs, copy::BATCH_SEGS, copy::BATCH_BYTES, &mut |b| {
+            if run.abort.load(Ordering::Relaxed) {
+                return Err(Error::new(Status::Canceled, "transfer stopped"));
             }
-            return self.device.copy(self.dev, &copies);
-        }
-        // Local VRAM, remote DRAM in another process: stage through a page-locked buffer.
+            match (&self.far, &p.kind) {
+                (Far::InProcess, PeerKind::InProcess { gate, .. }) => {
+                    let gate = gate.as_ref().ok_or_else(|| Error::disconnected("the peer agent has been destroyed"))?;
+                    let _inside = if self.remote_is_vram {
+                        gate.enter(self.gated.iter().copied()).map_err(refused)?
+                    } else {
+                        gate.enter(core.gate_regions())?
+                    };
+                    self.device.copy(self.dev, &copies(b))
+                }
+                (Far::Process, _) => in_peer_gate(p, &self.gated, || self.device.copy(self.dev, &copies(b))),
+                _ => Err(Error::backend("unreachable route")),
+            }
+        })
+    }
+
+    /// Local VRAM, remote DRAM in another process: stage through a page-locked buffer.
+    fn staged(&self, core: &super::Core, segs: &[Seg], run: &Run) -> Result<()> {
+        let op = core.plan.op;
         debug_assert!(self.local_is_vram);
-        let Far::Process { pid, .. } = self.far else { return Err(Error::backend("unreachable route")) };
         let peer = core.peer().ok_or_else(|| Error::backend("unreachable route"))?;
-        let PeerKind::Cma { gate: Some(cma_gate), probe, .. } = &peer.kind else {
+        let PeerKind::Cma { pid, gate: Some(cma_gate), probe, .. } = &peer.kind else {
             return Err(Error::not_supported(format!(
                 "agent '{}' cannot be reached by cross-memory attach, which VRAM <-> remote DRAM needs",
                 peer.name
@@ -664,7 +437,7 @@ impl VramPlan {
                 }
                 let _inside = inside?;
                 // SAFETY: the staged local ranges lie inside the staging buffer, alive for the call.
-                unsafe { copy::cma_batch(pid, op, b, probe, &mut gone) }
+                unsafe { copy::cma_batch(*pid, op, b, probe, &mut gone) }
             });
             if gone {
                 peer.dead.store(true, Ordering::Release);
@@ -782,7 +555,8 @@ mod tests {
     use crate::agent::{Agent, AgentConfig, NotifUpdate, XferOpts};
     use crate::backend::Params;
     use crate::device::fake;
-    use crate::mem::{Desc, RegDList, XferDList};
+    use crate::mem::{RegDList, XferDList};
+    use std::time::{Duration, Instant};
 
     fn agent(name: &str) -> Agent {
         assert!(device::select_fake(), "this test process must use the fake device");
@@ -922,33 +696,5 @@ mod tests {
         assert!(bad(host.as_ptr() as u64, 64, 0).message().contains("not device memory"));
         assert!(bad(p + 4096, 8192, 4).message().contains("crosses the end"));
         assert!(bad(p, 4096, 5).message().contains("device 4"));
-    }
-
-    #[test]
-    fn gate_deregistration_waits_for_a_copy_inside() {
-        let g = Arc::new(GatePage::create(7).unwrap());
-        let gen = g.gen(3).fetch_add(1, Ordering::SeqCst) + 1;
-        g.enter(3, gen, 7).unwrap();
-        assert_eq!(g.enter(3, gen, 8).unwrap_err().status(), Status::RemoteDisconnect);
-        let g2 = g.clone();
-        let closer = std::thread::spawn(move || {
-            let ok = g2.close_slot(3, Duration::from_secs(20));
-            (ok, Instant::now())
-        });
-        // Leave only once the closer is seen waiting: it must return after this, not before.
-        while g.waiters(3).load(Ordering::SeqCst) == 0 {
-            std::thread::yield_now();
-        }
-        let left_at = Instant::now();
-        g.leave(3);
-        let (ok, returned_at) = closer.join().unwrap();
-        assert!(ok && returned_at >= left_at);
-        assert_eq!(g.enter(3, gen, 7).unwrap_err().status(), Status::NotFound);
-        // A copy that never leaves holds deregistration only up to the bound.
-        let gen = g.gen(4).fetch_add(1, Ordering::SeqCst) + 1;
-        g.enter(4, gen, 7).unwrap();
-        let t = Instant::now();
-        assert!(!g.close_slot(4, Duration::from_millis(50)));
-        assert!(t.elapsed() >= Duration::from_millis(50));
     }
 }
