@@ -398,6 +398,42 @@ fn vram_peer_exec_in_place_is_a_disconnect() {
     p.kill();
 }
 
+/// Where the kernel refuses `pidfd_getfd` (another uid allowed by `GIXL_ALLOW_UIDS`, Yama, a container's
+/// seccomp profile; forced here with the test fault `no_pidfd_getfd` on the initiator's engine), the peer's
+/// transfer gate and its VMM allocation's descriptor come over its control socket with SCM_RIGHTS instead,
+/// identity-checked: VRAM READ and WRITE (and the staged DRAM route) work byte for byte, the allocation
+/// opened once.
+#[test]
+fn vram_descriptors_come_over_the_control_socket_when_pidfd_getfd_is_refused() {
+    let size = 4 * MIB;
+    let mut p = Prefill::start(size, 6, true, None);
+    assert!(gixl::device::select_fake());
+    let d = Agent::new("vram-scm-decode", AgentConfig::default()).unwrap();
+    let params: Params = [("test_fault".to_owned(), "no_pidfd_getfd".to_owned())].into_iter().collect();
+    d.create_backend("UCX", &params).unwrap();
+    let lv = fake::alloc(0, size, false, None).unwrap();
+    reg(&d, MemType::Vram, lv, size, 0);
+    d.load_remote_md(&p.md).unwrap();
+    let o = XferOpts::default();
+    let (v, dr) = (MemType::Vram, MemType::Dram);
+    let r = d.create_xfer_req(XferOp::Read, &one(v, lv, size, 0), &one(v, p.vram, size, 1), "prefill", &o).unwrap();
+    assert_eq!(run(&d, &r).unwrap(), Status::Success);
+    assert!(slice(lv, size).iter().all(|&b| b == 6));
+    for (i, b) in slice(lv, size).iter_mut().enumerate() {
+        *b = (i % 251) as u8;
+    }
+    let w = d.create_xfer_req(XferOp::Write, &one(v, lv, size, 0), &one(v, p.vram, size, 1), "prefill", &o).unwrap();
+    assert_eq!(run(&d, &w).unwrap(), Status::Success);
+    let want: u64 = (0..size).map(|i| (i % 251) as u64).sum();
+    assert_eq!(p.sums().0, want);
+    assert_eq!(fake::counts(p.ino).opens, 1);
+    // Local VRAM → remote DRAM: cross-memory attach through the gate received the same way.
+    let s = d.create_xfer_req(XferOp::Write, &one(v, lv, size, 0), &one(dr, p.dram, size, 0), "prefill", &o).unwrap();
+    assert_eq!(run(&d, &s).unwrap(), Status::Success);
+    assert_eq!(p.sums().1, want);
+    p.kill();
+}
+
 #[test]
 fn vram_without_a_device_layer_is_not_supported() {
     let out = Command::new(std::env::current_exe().unwrap())

@@ -12,12 +12,12 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{c_void, CStr};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::OnceLock;
 
 use cudarc::driver::sys;
 
-use super::{Copy, Device, Export, HandleKind, HostBuf, IpcHandle, Mapping, PtrInfo};
+use super::{Copy, Device, Export, FdSource, HandleKind, HostBuf, IpcHandle, Mapping, PtrInfo};
 use crate::status::{Error, Result, Status};
 
 /// The driver symbols this module calls; all must resolve before any is called.
@@ -328,7 +328,7 @@ impl Device for Cuda {
         Ok(Export { handle: IpcHandle { kind: HandleKind::PosixFd, size: info.size, bytes }, keep: Some(keep) })
     }
 
-    fn open(&self, dev: u32, handle: &IpcHandle, exporter: BorrowedFd<'_>) -> Result<Box<dyn Mapping>> {
+    fn open(&self, dev: u32, handle: &IpcHandle, fd: FdSource<'_>) -> Result<Box<dyn Mapping>> {
         let ctx = self.ctx(dev)?;
         let _c = Current::enter(ctx)?;
         match handle.kind {
@@ -354,7 +354,7 @@ impl Device for Cuda {
                 Ok(Box::new(Legacy { base, ctx }))
             }
             HandleKind::PosixFd => {
-                let fd = super::take_fd(handle, exporter)?;
+                let fd = fd()?;
                 let size = handle.size as usize;
                 let mut h: sys::CUmemGenericAllocationHandle = 0;
                 // SAFETY: for POSIX fds the driver takes the descriptor value as the pointer argument.

@@ -1,8 +1,9 @@
 //! A device that keeps "device memory" in shared host memory, for tests without a GPU.
 //!
 //! An allocation is a memfd mapped into this process; its address is the "device pointer". Exporting it
-//! hands out the memfd's descriptor number and identity; a peer opens it by taking the descriptor with
-//! `pidfd_getfd` (as a VMM POSIX-fd handle is taken) and mapping it. As with CUDA IPC, an opened mapping
+//! hands out the memfd's descriptor number and identity (for either handle kind); a peer opens it by
+//! getting the descriptor from the engine (as a VMM POSIX-fd handle is: `pidfd_getfd`, or SCM_RIGHTS over
+//! the exporter's control socket) and mapping it. As with CUDA IPC, an opened mapping
 //! keeps the memory alive after the exporter frees it or exits: writing through a stale mapping "succeeds"
 //! into memory nobody reads, which is exactly what the engine's gate must prevent. Every open and every
 //! copy through an opened mapping is counted per allocation, so tests can show that a stale handle never
@@ -14,7 +15,7 @@ use std::sync::OnceLock;
 
 use parking_lot::Mutex;
 
-use super::{Copy, Device, Export, HandleKind, HostBuf, IpcHandle, Mapping, PtrInfo};
+use super::{Copy, Device, Export, FdSource, HandleKind, HostBuf, IpcHandle, Mapping, PtrInfo};
 use crate::status::{Error, Result, Status};
 
 /// Fake devices 0..DEVICES exist.
@@ -181,11 +182,11 @@ impl Device for Fake {
         Ok(Export { handle: IpcHandle { kind, size: a.size, bytes }, keep: Some(keep) })
     }
 
-    fn open(&self, dev: u32, handle: &IpcHandle, exporter: BorrowedFd<'_>) -> Result<Box<dyn Mapping>> {
+    fn open(&self, dev: u32, handle: &IpcHandle, fd: FdSource<'_>) -> Result<Box<dyn Mapping>> {
         if dev >= DEVICES {
             return Err(Error::invalid_param(format!("fake device {dev} does not exist")));
         }
-        let fd = super::take_fd(handle, exporter)?;
+        let fd = fd()?;
         let ino = super::fd_identity(fd.as_fd()).map_err(|e| Error::os(Status::Backend, "fake device: fstat", e))?.1;
         let base = map(fd.as_fd(), handle.size, None)?;
         let mut s = state().lock();

@@ -11,7 +11,9 @@
 //!   time, so a dead owner's slot is reclaimed) and its count of batches in flight.
 //!
 //! An initiator maps the same object (taken from the target with `pidfd_getfd(2)`, which needs the very ptrace
-//! permission cross-memory attach needs; in-process peers share the mapping) and brackets every batch of
+//! permission cross-memory attach needs, or, where the kernel refuses that call alone — a container's
+//! seccomp profile — received from the target's control socket with SCM_RIGHTS; in-process peers share the
+//! mapping) and brackets every batch of
 //! copies with [`Attached::enter`]: increment its in-flight count, then check the live flag and the state of
 //! every region the request touches. The target retires a region (or the whole incarnation) by changing the
 //! state first and then waiting, bounded, until every in-flight count is zero. Both sides use sequentially
@@ -141,6 +143,7 @@ impl Gate {
     /// Map a peer's gate, taken from its process through `pidfd` (the descriptor number it advertises), and
     /// check that it is the gate of `incarnation`. Errors: EPERM/ENOSYS as `io::Error` sources (the kernel
     /// forbids reaching that process: the caller falls back to TCP); anything else is REMOTE_DISCONNECT.
+    #[cfg(test)]
     pub fn attach(pidfd: RawFd, remote_fd: i32, incarnation: u128) -> Result<Gate> {
         // SAFETY: plain syscall; the result is checked.
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd, remote_fd, 0) };
@@ -154,7 +157,12 @@ impl Gate {
             });
         }
         // SAFETY: a fresh descriptor we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        Gate::from_fd(unsafe { OwnedFd::from_raw_fd(fd as i32) }, incarnation)
+    }
+
+    /// Map a peer's gate from its descriptor (however it was obtained: `pidfd_getfd`, or SCM_RIGHTS over
+    /// the peer's control socket) and check that it is the gate of `incarnation`: REMOTE_DISCONNECT if not.
+    pub fn from_fd(fd: OwnedFd, incarnation: u128) -> Result<Gate> {
         let gone =
             || Error::disconnected("the peer's transfer gate does not belong to the incarnation its metadata names");
         // SAFETY: `st` is a valid out-pointer.

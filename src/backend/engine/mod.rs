@@ -53,7 +53,7 @@ pub mod wire;
 use std::any::Any;
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -117,6 +117,9 @@ struct Shared {
     closed: Arc<AtomicBool>,
     /// Test-only fault injection (`GIXL_TEST_FAULT=copy_panic`): copy workers panic.
     panic_copies: bool,
+    /// Test-only fault injection (`GIXL_TEST_FAULT=no_pidfd_getfd`, or backend parameter `test_fault`): act
+    /// as if the kernel refused every `pidfd_getfd`, so peers' descriptors come over their control socket.
+    no_pidfd_getfd: bool,
     ctrl: Ctrl,
     pool: Pool,
     /// Workers for TCP pieces: they block on sockets, so they are not the copy threads.
@@ -184,6 +187,10 @@ impl Engine {
             number(setting(&init, "notif_queue_bytes", "GIXL_NOTIF_QUEUE_BYTES"), "notif_queue_bytes", QUEUE_BYTES)?;
         ctrl.set_queue_limits(msgs.max(1), bytes.max(1));
         let gate = Arc::new(Gate::create(init.incarnation)?);
+        let no_pidfd_getfd = setting(&init, "test_fault", "GIXL_TEST_FAULT")
+            .is_some_and(|v| v.split(',').any(|f| f.trim() == "no_pidfd_getfd"));
+        // Peers that may not take it with `pidfd_getfd` ask for it over the control socket.
+        ctrl.offer_fd(gate.raw_fd());
         let shared = Arc::new(Shared {
             agent: init.agent_name,
             incarnation: init.incarnation,
@@ -199,6 +206,7 @@ impl Engine {
             queue,
             closed: Arc::new(AtomicBool::new(false)),
             panic_copies: std::env::var("GIXL_TEST_FAULT").is_ok_and(|v| v.split(',').any(|f| f == "copy_panic")),
+            no_pidfd_getfd,
             ctrl,
             pool: Pool::new(threads),
             tcp_pool: Pool::new((2 * conns).clamp(4, 64)),
@@ -472,6 +480,40 @@ fn decode_ticket(b: &[u8]) -> Result<RegionTicket> {
     Ok(RegionTicket { slot, state })
 }
 
+/// Descriptor `num` of a same-host peer: taken with `pidfd_getfd`, or, where the kernel refuses that (or
+/// under `GIXL_TEST_FAULT=no_pidfd_getfd`), asked for over the peer's control socket `sock`
+/// (`(socket name, secret, incarnation)`), which sends only what it offers, with SCM_RIGHTS. If both fail
+/// the error keeps the EPERM/ENOSYS source (see `cma_denied`). The caller checks what it got (identity,
+/// or the gate's own checks).
+fn take_peer_fd(
+    s: &Shared,
+    pidfd: std::os::fd::BorrowedFd<'_>,
+    sock: (&[u8], u128, u128),
+    num: i32,
+) -> Result<OwnedFd> {
+    let refused = if s.no_pidfd_getfd {
+        std::io::Error::from_raw_os_error(libc::EPERM)
+    } else {
+        match crate::device::pidfd_getfd(pidfd, num) {
+            Ok(f) => return Ok(f),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM) | Some(libc::ENOSYS)) => e,
+            Err(e) => {
+                let st = if e.raw_os_error() == Some(libc::ESRCH) { Status::RemoteDisconnect } else { Status::Backend };
+                return Err(Error::os(st, "taking a descriptor of the peer (pidfd_getfd)", e));
+            }
+        }
+    };
+    let (name, secret, inc) = sock;
+    match ctrl::request_fd(name, inc, secret, &s.agent, s.incarnation, num) {
+        Ok((f, _)) => Ok(f),
+        Err(e) => Err(Error::os(
+            Status::Backend,
+            format!("the kernel refused pidfd_getfd, and the peer's control socket did not send the descriptor: {e}"),
+            refused,
+        )),
+    }
+}
+
 /// Has the process behind `pidfd` exited? (A pidfd polls readable once it has.) Only measured now.
 #[cfg(test)]
 fn pidfd_exited(pidfd: &OwnedFd) -> bool {
@@ -611,11 +653,10 @@ impl Backend for Engine {
             // The peer's gate, taken from that very process through the pidfd: if the kernel refuses, it would
             // refuse cross-memory attach too, and TCP carries the data.
             let mut denied = None;
-            let gate = match pidfd
-                .as_ref()
-                .filter(|_| alive)
-                .map(|fd| Gate::attach(fd.as_raw_fd(), ci.gate_fd, incarnation))
-            {
+            let peer_sock = (ci.sock.as_slice(), ci.secret, incarnation);
+            let gate = match pidfd.as_ref().filter(|_| alive).map(|fd| {
+                take_peer_fd(s, fd.as_fd(), peer_sock, ci.gate_fd).and_then(|g| Gate::from_fd(g, incarnation))
+            }) {
                 Some(Ok(g)) => Some(Attached::new(Arc::new(g))?),
                 Some(Err(e)) if cma_denied(&e) => {
                     denied = Some(e.to_string());

@@ -3,7 +3,9 @@
 //! Routes, by where the peer is:
 //! - loopback and agents in this process: device copies (D2D, H2D, D2H) between addresses valid here;
 //! - another process on this host, its region in VRAM: the peer exports the allocation (legacy IPC handle,
-//!   or a VMM allocation's POSIX fd that the importer takes with `pidfd_getfd`); the handle travels in the
+//!   or a VMM allocation's POSIX fd that the importer takes with `pidfd_getfd`, or, where the kernel refuses
+//!   that, asks the exporter for over its authenticated control socket, which answers with SCM_RIGHTS; the
+//!   importer checks st_dev/st_ino either way); the handle travels in the
 //!   region's metadata; this engine opens it once per remote allocation (shared by every region inside it),
 //!   on first use, and closes it when the last region key holding it goes (remove / invalidate of the peer,
 //!   and the last request built on it released). The copy then runs here, in either direction, whatever the
@@ -25,12 +27,13 @@
 //! refused before the driver is called, and `deregister_memory` (and agent destruction) returns only once no
 //! batch that passed the gate is still copying, bounded by the disconnect timeout.
 //!
-//! Not here: the gate itself (`gate`), the probe (`copy::probe`), and the driver (`crate::device`). The
-//! probe needs the ptrace permission cross-memory attach needs; where the kernel denies it the peer's gate
-//! cannot be taken either, and VRAM to that peer is NOT_SUPPORTED.
+//! Not here: the gate itself (`gate`), the probe (`copy::probe`), descriptor passing (`take_peer_fd`,
+//! `ctrl::request_fd`) and the driver (`crate::device`). The probe needs the ptrace permission cross-memory
+//! attach needs: where the kernel denies that (not just `pidfd_getfd`), VRAM to that peer is NOT_SUPPORTED
+//! here, as its DRAM goes over TCP.
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock, Weak};
 
@@ -91,6 +94,10 @@ impl Vram {
             Some(e) => e,
             None => {
                 let export = dev.export(&info)?;
+                // Peers that may not take it with `pidfd_getfd` ask for it over the control socket.
+                if let Some(k) = &export.keep {
+                    s.ctrl.offer_fd(k.as_raw_fd());
+                }
                 exports.entry(info.base).or_insert(Exported { export, regions: 0 })
             }
         };
@@ -98,7 +105,7 @@ impl Vram {
             Ok(t) => t,
             Err(err) => {
                 if e.regions == 0 {
-                    exports.remove(&info.base);
+                    Self::unexport(s, &mut exports, info.base);
                 }
                 return Err(err);
             }
@@ -125,7 +132,16 @@ impl Vram {
         if let Some(e) = ex.get_mut(&l.base) {
             e.regions -= 1;
             if e.regions == 0 {
-                ex.remove(&l.base);
+                Self::unexport(s, &mut ex, l.base);
+            }
+        }
+    }
+
+    /// Drop the export of the allocation at `base`, withdrawn from the control socket first.
+    fn unexport(s: &Shared, exports: &mut HashMap<u64, Exported>, base: u64) {
+        if let Some(e) = exports.remove(&base) {
+            if let Some(k) = &e.export.keep {
+                s.ctrl.withdraw_fd(k.as_raw_fd());
             }
         }
     }
@@ -222,7 +238,7 @@ struct RegionUse {
     _open: Option<Arc<Opened>>,
 }
 
-fn open_alloc(dev: &dyn Device, r: &RemoteVram, on: u32, pidfd: BorrowedFd<'_>) -> Result<Arc<Opened>> {
+fn open_alloc(dev: &dyn Device, r: &RemoteVram, on: u32, fd: device::FdSource<'_>) -> Result<Arc<Opened>> {
     let mut cur = r.opened.lock();
     if let Some(o) = cur.as_ref() {
         return Ok(o.clone());
@@ -234,7 +250,7 @@ fn open_alloc(dev: &dyn Device, r: &RemoteVram, on: u32, pidfd: BorrowedFd<'_>) 
     let op = match o.get(&k).and_then(Weak::upgrade) {
         Some(op) => op,
         None => {
-            let op = Arc::new(Opened { map: dev.open(on, &r.handle, pidfd)? });
+            let op = Arc::new(Opened { map: dev.open(on, &r.handle, fd)? });
             o.retain(|_, w| w.strong_count() > 0);
             o.insert(k, Arc::downgrade(&op));
             op
@@ -262,7 +278,7 @@ fn in_peer_gate<T>(
     regions: &[(u32, u64, u64, u64)],
     f: impl FnOnce() -> Result<T>,
 ) -> Result<T> {
-    let PeerKind::Cma { pid, gate, probe, .. } = &p.kind else {
+    let PeerKind::Cma { pid, gate, probe, denied, .. } = &p.kind else {
         return Err(Error::backend("unreachable route"));
     };
     if p.dead.load(Ordering::Acquire) {
@@ -275,6 +291,11 @@ fn in_peer_gate<T>(
         if gone {
             p.dead.store(true, Ordering::Release);
         }
+        if super::cma_denied(&e) {
+            // The kernel refuses cross-memory attach: DRAM goes over TCP from now on, VRAM cannot be checked.
+            denied.store(true, Ordering::Release);
+            return Err(Error::not_supported(format!("VRAM transfers to agent '{}': {e}", p.name)));
+        }
         return Err(e);
     }
     f()
@@ -283,7 +304,7 @@ fn in_peer_gate<T>(
 /// Resolve a request that touches VRAM: its route, the device, and (for another process) the peer's
 /// allocations, each opened inside the peer's gate (after the probe), so a stale handle never reaches the
 /// driver.
-pub(super) fn prep(_shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
+pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
     let device = device::get()?;
     for m in [plan.local_mem, plan.remote_mem] {
         if m != MemType::Dram && m != MemType::Vram {
@@ -304,10 +325,10 @@ pub(super) fn prep(_shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
             Far::InProcess
         }
         Some((ep, PeerKind::Cma { pidfd, gate, denied, .. })) => {
-            if gate.is_none() && denied.load(Ordering::Acquire) {
+            if denied.load(Ordering::Acquire) {
                 return Err(Error::not_supported(format!(
-                    "VRAM transfers to agent '{}' need its transfer gate, which the kernel did not let this \
-                     process take (ptrace permission, as for cross-memory attach; `python -m gixl doctor` says why)",
+                    "VRAM transfers to agent '{}' need its transfer gate and the identity probe, and the kernel \
+                     denies cross-memory attach to it (ptrace permission; `python -m gixl doctor` says why)",
                     ep.name
                 )));
             }
@@ -347,11 +368,17 @@ pub(super) fn prep(_shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
             gated.push(r.gated());
             match (&far, peer) {
                 (Far::Process, Some(ep)) => {
-                    let PeerKind::Cma { pidfd: Some(pidfd), .. } = &ep.kind else {
+                    let PeerKind::Cma { pidfd: Some(pidfd), sock, secret, .. } = &ep.kind else {
                         return Err(Error::backend("peer without a pidfd"));
                     };
+                    // The exporter's descriptor (fd handles): `pidfd_getfd`, else its control socket.
+                    let take = || {
+                        let (num, want) = device::fd_handle(&r.handle.bytes)?;
+                        let f = super::take_peer_fd(shared, pidfd.as_fd(), (sock, *secret, ep.incarnation), num)?;
+                        device::same_object(f, want)
+                    };
                     // The gate and the probe first: a stale handle never reaches the driver.
-                    let op = in_peer_gate(ep, &[r.gated()], || open_alloc(device, r, dev, pidfd.as_fd()))?;
+                    let op = in_peer_gate(ep, &[r.gated()], || open_alloc(device, r, dev, &take))?;
                     let here = op.map.base() + r.offset;
                     Some(RegionUse { shift: here.wrapping_sub(r.addr), _open: Some(op) })
                 }
