@@ -45,7 +45,16 @@ fn prefill_child() {
     let fill: u8 = env("GIXL_FILL").unwrap();
     let vmm = env::<u8>("GIXL_VMM") == Some(1);
     assert!(gixl::device::select_fake());
-    let vram = fake::alloc(1, size, vmm, env("GIXL_AT")).unwrap();
+    // `GIXL_CHUNKS=a,b,c`: one range backed by allocations of those sizes mapped back to back (a VMM range).
+    let chunks: Vec<usize> = std::env::var("GIXL_CHUNKS")
+        .map(|v| v.split(',').map(|n| n.parse().unwrap()).collect())
+        .unwrap_or_else(|_| vec![size]);
+    assert_eq!(chunks.iter().sum::<usize>(), size);
+    let vram = if chunks.len() > 1 {
+        fake::alloc_chunks(1, &chunks, vmm, env("GIXL_AT")).unwrap()
+    } else {
+        fake::alloc(1, size, vmm, env("GIXL_AT")).unwrap()
+    };
     slice(vram, size).fill(fill);
     let dram = vec![!fill; size];
     let a = Agent::new("prefill", AgentConfig::default()).unwrap();
@@ -59,8 +68,16 @@ fn prefill_child() {
     a.register_mem(&dl, &[]).unwrap();
     let out = std::io::stdout();
     let mut out = out.lock();
-    let ino = fake::identity(vram).unwrap();
-    writeln!(out, "\n@md {} {vram} {} {ino}", hex(&a.local_md().unwrap()), dram.as_ptr() as u64).unwrap();
+    // The identity of each chunk (one unless GIXL_CHUNKS).
+    let inos: Vec<String> = chunks
+        .iter()
+        .scan(vram, |at, &n| {
+            let b = *at;
+            *at += n as u64;
+            Some(fake::identity(b).unwrap().to_string())
+        })
+        .collect();
+    writeln!(out, "\n@md {} {vram} {} {}", hex(&a.local_md().unwrap()), dram.as_ptr() as u64, inos.join(" ")).unwrap();
     out.flush().unwrap();
     let mut snap = Vec::new();
     for line in std::io::stdin().lock().lines() {
@@ -80,6 +97,13 @@ fn prefill_child() {
                 writeln!(out, "ok").unwrap()
             }
             "same" => writeln!(out, "same {}", snap[..] == slice(vram, size)[..]).unwrap(),
+            "pattern" => {
+                for (i, b) in slice(vram, size).iter_mut().enumerate() {
+                    *b = pattern(i, 1);
+                }
+                writeln!(out, "ok").unwrap()
+            }
+            "hash" => writeln!(out, "hash {}", fnv(slice(vram, size))).unwrap(),
             // Replace this image in place (same pid, same pipes), the new one with its VRAM at the same
             // address, filled with `exec <fill>`; it prints a new `@md` line.
             cmd if cmd.starts_with("exec ") => {
@@ -90,6 +114,15 @@ fn prefill_child() {
         }
         out.flush().unwrap();
     }
+}
+
+/// Byte `i` of test pattern `k` (differs from one 4 KiB block to the next and inside each).
+fn pattern(i: usize, k: u8) -> u8 {
+    (i as u8).wrapping_mul(31).wrapping_add((i >> 12) as u8).wrapping_add(k.wrapping_mul(101))
+}
+
+fn fnv(b: &[u8]) -> u64 {
+    b.iter().fold(0xcbf29ce484222325u64, |h, &x| (h ^ x as u64).wrapping_mul(0x100000001b3))
 }
 
 const ADDR_NO_RANDOMIZE: i32 = 0x0040000;
@@ -145,6 +178,8 @@ struct Prefill {
     vram: u64,
     dram: u64,
     ino: u64,
+    /// Every chunk's identity (just `ino` unless GIXL_CHUNKS).
+    inos: Vec<u64>,
 }
 
 impl Prefill {
@@ -167,7 +202,8 @@ impl Prefill {
         let (child, stdin, stdout, rest) = common::spawn_until_md(c);
         let f: Vec<&str> = rest.split(' ').collect();
         let (vram, dram, ino) = (f[1].parse().unwrap(), f[2].parse().unwrap(), f[3].parse().unwrap());
-        Prefill { child, stdin, stdout, md: unhex(f[0]), vram, dram, ino }
+        let inos = f[3..].iter().map(|x| x.parse().unwrap()).collect();
+        Prefill { child, stdin, stdout, md: unhex(f[0]), vram, dram, ino, inos }
     }
 
     /// Have the child exec itself in place; read the new image's `@md` line.
@@ -431,6 +467,84 @@ fn vram_descriptors_come_over_the_control_socket_when_pidfd_getfd_is_refused() {
     let s = d.create_xfer_req(XferOp::Write, &one(v, lv, size, 0), &one(dr, p.dram, size, 0), "prefill", &o).unwrap();
     assert_eq!(run(&d, &s).unwrap(), Status::Success);
     assert_eq!(p.sums().1, want);
+    p.kill();
+}
+
+/// A registered region spanning three allocations mapped back to back (as PyTorch's expandable segments
+/// map physical chunks into one range): each chunk is exported and opened once on its own, and copies are
+/// cut at chunk boundaries. READ and WRITE, whole and across both boundaries at odd offsets, in 4 KiB blocks
+/// that straddle them, checked byte for byte (WRITE: by a hash the target computes).
+#[test]
+fn vram_region_spanning_three_chunks_cross_process() {
+    let sizes = [MIB, 3 * MIB / 2, MIB / 2];
+    let size: usize = sizes.iter().sum();
+    let list = sizes.map(|n| n.to_string()).join(",");
+    let mut p = Prefill::start_with(size, 0, true, None, &[("GIXL_CHUNKS", &list)]);
+    assert_eq!(p.inos.len(), 3);
+    assert_eq!(p.ask("pattern"), "ok");
+    let d = decode("vram-chunks-decode");
+    let lv = fake::alloc(0, size, false, None).unwrap();
+    reg(&d, MemType::Vram, lv, size, 0);
+    d.load_remote_md(&p.md).unwrap();
+    let o = XferOpts::default();
+    let v = MemType::Vram;
+    let want = |k: u8| (0..size).map(|i| pattern(i, k)).collect::<Vec<u8>>();
+
+    // READ the whole region.
+    let r = d.create_xfer_req(XferOp::Read, &one(v, lv, size, 0), &one(v, p.vram, size, 1), "prefill", &o).unwrap();
+    assert_eq!(run(&d, &r).unwrap(), Status::Success);
+    assert!(slice(lv, size)[..] == want(1)[..], "whole READ differs");
+    // READ one descriptor over both boundaries, starting and ending at odd offsets.
+    slice(lv, size).fill(0);
+    let (from, len) = (MIB - 1001, 3 * MIB / 2 + 2003);
+    let r = d
+        .create_xfer_req(XferOp::Read, &one(v, lv + 5, len, 0), &one(v, p.vram + from as u64, len, 1), "prefill", &o)
+        .unwrap();
+    assert_eq!(run(&d, &r).unwrap(), Status::Success);
+    assert!(slice(lv, size)[5..5 + len] == want(1)[from..from + len], "straddling READ differs");
+    assert!(slice(lv, size)[..5].iter().chain(&slice(lv, size)[5 + len..]).all(|&b| b == 0), "READ spilled");
+
+    // WRITE the whole region, then 4 KiB blocks at an offset of 100 (every boundary is inside a block),
+    // the remote side in reverse order.
+    for (i, b) in slice(lv, size).iter_mut().enumerate() {
+        *b = pattern(i, 2);
+    }
+    let w = d.create_xfer_req(XferOp::Write, &one(v, lv, size, 0), &one(v, p.vram, size, 1), "prefill", &o).unwrap();
+    assert_eq!(run(&d, &w).unwrap(), Status::Success);
+    assert_eq!(p.ask("hash"), format!("hash {}", fnv(&want(2))));
+    let bs = 4096;
+    let n = (size - 100) / bs;
+    let mut mirror = want(2);
+    let mut local = Vec::new();
+    let mut remote = Vec::new();
+    for i in 0..n {
+        let (l, r) = (i * bs, 100 + (n - 1 - i) * bs);
+        for j in 0..bs {
+            slice(lv, size)[l + j] = pattern(l + j, 3);
+            mirror[r + j] = pattern(l + j, 3);
+        }
+        local.push(Desc::new(lv + l as u64, bs as u64, 0));
+        remote.push(Desc::new(p.vram + r as u64, bs as u64, 1));
+    }
+    let (local, remote) = (XferDList::with_descs(v, local), XferDList::with_descs(v, remote));
+    let wb = d.create_xfer_req(XferOp::Write, &local, &remote, "prefill", &o).unwrap();
+    assert_eq!(run(&d, &wb).unwrap(), Status::Success);
+    assert_eq!(p.ask("hash"), format!("hash {}", fnv(&mirror)), "block WRITE differs");
+    // And back: READ the same blocks into a cleared buffer.
+    slice(lv, size).fill(0);
+    let rb = d.create_xfer_req(XferOp::Read, &local, &remote, "prefill", &o).unwrap();
+    assert_eq!(run(&d, &rb).unwrap(), Status::Success);
+    for i in 0..n {
+        let (l, r) = (i * bs, 100 + (n - 1 - i) * bs);
+        assert!(slice(lv, size)[l..l + bs] == mirror[r..r + bs], "block {i} READ differs");
+    }
+
+    // Each chunk opened exactly once, and copies went through every one of them.
+    for ino in &p.inos {
+        let c = fake::counts(*ino);
+        assert_eq!(c.opens, 1, "chunk {ino}");
+        assert!(c.copies > 0, "chunk {ino} was never copied through");
+    }
     p.kill();
 }
 

@@ -89,6 +89,60 @@ pub fn alloc(dev: u32, size: usize, vmm: bool, at: Option<u64>) -> Result<u64> {
     if dev >= DEVICES || size == 0 {
         return Err(Error::invalid_param("fake device: bad device or size"));
     }
+    let (fd, ino) = memfd(size)?;
+    let base = map(fd.as_fd(), size as u64, at)?;
+    state().lock().allocs.insert(base, Alloc { size: size as u64, dev, vmm, fd, ino });
+    Ok(base)
+}
+
+/// One virtual range backed by several allocations mapped back to back, `sizes[i]` bytes each, as a VMM
+/// range is (PyTorch's expandable segments map one physical chunk after another into a reserved range):
+/// each chunk is its own allocation (its own pointer range, export and handle). Returns the range's start.
+pub fn alloc_chunks(dev: u32, sizes: &[usize], vmm: bool, at: Option<u64>) -> Result<u64> {
+    if dev >= DEVICES || sizes.is_empty() || sizes.iter().any(|&s| s == 0 || s % 4096 != 0) {
+        return Err(Error::invalid_param("fake device: bad device or chunk sizes (page multiples)"));
+    }
+    let total: usize = sizes.iter().sum();
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | if at.is_some() { libc::MAP_FIXED_NOREPLACE } else { 0 };
+    // SAFETY: reserving address space (no access); a fixed address only where nothing is mapped.
+    let r = unsafe { libc::mmap(at.unwrap_or(0) as usize as *mut libc::c_void, total, libc::PROT_NONE, flags, -1, 0) };
+    if r == libc::MAP_FAILED || at.is_some_and(|a| a != r as u64) {
+        if r != libc::MAP_FAILED {
+            // SAFETY: unmapping what we just mapped.
+            unsafe { libc::munmap(r, total) };
+        }
+        return Err(Error::backend("fake device: cannot reserve the chunked range"));
+    }
+    let mut off = 0usize;
+    let mut made = Vec::with_capacity(sizes.len());
+    for &size in sizes {
+        let (fd, ino) = memfd(size)?;
+        let at = r as usize + off;
+        // SAFETY: replacing part of our own reservation (MAP_FIXED inside it) with the chunk.
+        let p = unsafe {
+            libc::mmap(
+                at as *mut libc::c_void,
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            // SAFETY: our own reservation and the chunks mapped into it.
+            unsafe { libc::munmap(r, total) };
+            return Err(Error::os(Status::Backend, "fake device: mapping a chunk", std::io::Error::last_os_error()));
+        }
+        made.push((at as u64, Alloc { size: size as u64, dev, vmm, fd, ino }));
+        off += size;
+    }
+    state().lock().allocs.extend(made);
+    Ok(r as u64)
+}
+
+/// A fresh memfd of `size` bytes and its inode.
+fn memfd(size: usize) -> Result<(OwnedFd, u64)> {
     // SAFETY: plain syscall with a static name; the result is checked.
     let fd = unsafe { libc::memfd_create(c"gixl-fake-vram".as_ptr(), libc::MFD_CLOEXEC) };
     if fd < 0 {
@@ -101,9 +155,7 @@ pub fn alloc(dev: u32, size: usize, vmm: bool, at: Option<u64>) -> Result<u64> {
         return Err(Error::os(Status::Backend, "fake device: ftruncate", std::io::Error::last_os_error()));
     }
     let ino = super::fd_identity(fd.as_fd()).map_err(|e| Error::os(Status::Backend, "fake device: fstat", e))?.1;
-    let base = map(fd.as_fd(), size as u64, at)?;
-    state().lock().allocs.insert(base, Alloc { size: size as u64, dev, vmm, fd, ino });
-    Ok(base)
+    Ok((fd, ino))
 }
 
 /// Free an allocation made by [`alloc`]. Peers that opened it keep their mapping (as with CUDA IPC).

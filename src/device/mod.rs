@@ -33,7 +33,8 @@ pub mod fake;
 pub struct PtrInfo {
     /// Device ordinal.
     pub dev: u32,
-    /// The allocation containing the address.
+    /// The allocation containing the address: what one handle exports. In a VMM range (several physical
+    /// chunks mapped back to back) that is the chunk, not the range.
     pub base: u64,
     pub size: u64,
 }

@@ -8,7 +8,10 @@
 //!   importer checks st_dev/st_ino either way); the handle travels in the
 //!   region's metadata; this engine opens it once per remote allocation (shared by every region inside it),
 //!   on first use, and closes it when the last region key holding it goes (remove / invalidate of the peer,
-//!   and the last request built on it released). The copy then runs here, in either direction, whatever the
+//!   and the last request built on it released). A region may span several allocations mapped back to back
+//!   (a VMM range, such as PyTorch's expandable segments, maps one physical chunk after another): each chunk
+//!   is exported, carried and opened on its own, and copies are cut where chunks meet (the chunks need not
+//!   be contiguous here). The copy then runs here, in either direction, whatever the
 //!   local memory type (DRAM↔VRAM directly, the driver staging pageable memory itself);
 //! - another process, its region in DRAM and ours in VRAM: cross-memory attach into a page-locked staging
 //!   buffer, and a device copy between the buffer and VRAM (both directions);
@@ -66,73 +69,93 @@ pub(super) struct Vram {
 
 /// A registered local VRAM region.
 struct LocalVram {
-    base: u64,
+    /// Base of each allocation (chunk) it spans.
+    bases: Vec<u64>,
     ticket: RegionTicket,
     dev: u32,
 }
+
+/// Most allocations one region may span.
+const MAX_CHUNKS: usize = 4096;
 
 impl Vram {
     pub(super) fn register(&self, s: &Shared, desc: &RegDesc) -> Result<LocalRegion> {
         let dev = device::get()?;
         let d = &desc.desc;
-        let info = dev.pointer_info(d.addr)?;
-        let end = (d.addr - info.base).checked_add(d.len);
-        if !matches!(end, Some(e) if e <= info.size) {
-            return Err(Error::invalid_param(format!(
-                "VRAM region {:#x}+{} crosses the end of its allocation ({:#x}+{})",
-                d.addr, d.len, info.base, info.size
-            )));
-        }
-        if d.dev != info.dev as u64 {
+        let chunks = chunks(dev, d.addr, d.len)?;
+        if d.dev != chunks[0].dev as u64 {
             return Err(Error::invalid_param(format!(
                 "VRAM region {:#x} is on device {}, not device {}",
-                d.addr, info.dev, d.dev
+                d.addr, chunks[0].dev, d.dev
             )));
         }
         let mut exports = self.exports.lock();
-        let e = match exports.get_mut(&info.base) {
-            Some(e) => e,
-            None => {
-                let export = dev.export(&info)?;
+        // Export every chunk (or count one more region on an existing export); undone on failure.
+        let mut done: Vec<u64> = Vec::with_capacity(chunks.len());
+        let undo = |exports: &mut HashMap<u64, Exported>, done: &[u64]| {
+            for b in done {
+                if let Some(e) = exports.get_mut(b) {
+                    e.regions -= 1;
+                    if e.regions == 0 {
+                        Self::unexport(s, exports, *b);
+                    }
+                }
+            }
+        };
+        for c in &chunks {
+            if !exports.contains_key(&c.base) {
+                let export = match dev.export(c) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        undo(&mut exports, &done);
+                        return Err(e);
+                    }
+                };
                 // Peers that may not take it with `pidfd_getfd` ask for it over the control socket.
                 if let Some(k) = &export.keep {
                     s.ctrl.offer_fd(k.as_raw_fd());
                 }
-                exports.entry(info.base).or_insert(Exported { export, regions: 0 })
+                exports.insert(c.base, Exported { export, regions: 0 });
             }
-        };
+            if let Some(e) = exports.get_mut(&c.base) {
+                e.regions += 1;
+            }
+            done.push(c.base);
+        }
         let ticket = match s.gate.register(d.addr, d.len) {
             Ok(t) => t,
             Err(err) => {
-                if e.regions == 0 {
-                    Self::unexport(s, &mut exports, info.base);
-                }
+                undo(&mut exports, &done);
                 return Err(err);
             }
         };
-        e.regions += 1;
-        let h = &e.export.handle;
         let mut public = vec![PUBLIC_VERSION];
-        put_uvar(&mut public, info.dev as u64);
-        put_uvar(&mut public, info.size);
-        put_uvar(&mut public, d.addr - info.base);
-        public.push(h.kind as u8);
-        put_bytes(&mut public, &h.bytes);
+        put_uvar(&mut public, chunks[0].dev as u64);
         put_uvar(&mut public, ticket.slot as u64);
         put_uvar(&mut public, ticket.state);
-        let key: RegionKey = Arc::new(LocalVram { base: info.base, ticket, dev: info.dev });
+        put_uvar(&mut public, chunks.len() as u64);
+        for c in &chunks {
+            let h = &exports[&c.base].export.handle;
+            put_uvar(&mut public, c.base);
+            put_uvar(&mut public, h.size);
+            public.push(h.kind as u8);
+            put_bytes(&mut public, &h.bytes);
+        }
+        let key: RegionKey = Arc::new(LocalVram { bases: done, ticket, dev: chunks[0].dev });
         Ok(LocalRegion { public, key: Some(key) })
     }
 
-    /// Retire the region in the gate (returns once no peer's batch is inside, bounded), then drop its export.
+    /// Retire the region in the gate (returns once no peer's batch is inside, bounded), then drop its exports.
     pub(super) fn deregister(&self, s: &Shared, key: Option<&RegionKey>) {
         let Some(l) = key.and_then(|k| k.downcast_ref::<LocalVram>()) else { return };
         s.gate.retire(l.ticket, s.tcp_opts.timeout);
         let mut ex = self.exports.lock();
-        if let Some(e) = ex.get_mut(&l.base) {
-            e.regions -= 1;
-            if e.regions == 0 {
-                Self::unexport(s, &mut ex, l.base);
+        for b in &l.bases {
+            if let Some(e) = ex.get_mut(b) {
+                e.regions -= 1;
+                if e.regions == 0 {
+                    Self::unexport(s, &mut ex, *b);
+                }
             }
         }
     }
@@ -147,16 +170,49 @@ impl Vram {
     }
 }
 
+/// The allocations `[addr, addr + len)` spans: one, or several mapped back to back on one device (a VMM
+/// range such as PyTorch's expandable segments, where each physical chunk is its own allocation with its
+/// own handle). An error if the range leaves device memory or changes device.
+fn chunks(dev: &dyn Device, addr: u64, len: u64) -> Result<Vec<device::PtrInfo>> {
+    let first = dev.pointer_info(addr)?;
+    let end = addr.checked_add(len).ok_or_else(|| Error::invalid_param("VRAM region wraps around"))?;
+    let mut out = vec![first];
+    let mut at = first.base.saturating_add(first.size);
+    while at < end {
+        let crosses = || {
+            Error::invalid_param(format!(
+                "VRAM region {addr:#x}+{len} crosses the end of its allocation ({:#x}+{}) into memory that is not \
+                 another allocation of device {} mapped right after it",
+                first.base, first.size, first.dev
+            ))
+        };
+        let next = dev.pointer_info(at).map_err(|_| crosses())?;
+        if next.base != at || next.dev != first.dev || next.size == 0 || out.len() == MAX_CHUNKS {
+            return Err(crosses());
+        }
+        out.push(next);
+        at = next.base.saturating_add(next.size);
+    }
+    Ok(out)
+}
+
 /// A peer's VRAM region, from its metadata.
 pub(super) struct RemoteVram {
     addr: u64,
     len: u64,
     dev: u32,
-    offset: u64,
-    handle: IpcHandle,
+    /// The allocations it spans, in address order, back to back.
+    chunks: Vec<RemoteChunk>,
     ticket: RegionTicket,
     incarnation: u128,
-    /// The peer's allocation, opened here on first use.
+}
+
+/// One of the peer's allocations under a region.
+struct RemoteChunk {
+    /// Its base in the peer.
+    base: u64,
+    handle: IpcHandle,
+    /// Opened here on first use.
     opened: Mutex<Option<Arc<Opened>>>,
 }
 
@@ -187,24 +243,34 @@ pub(super) fn load_remote(incarnation: u128, desc: &Desc, public: &[u8]) -> Resu
         return Err(Error::mismatch("unknown VRAM region format in metadata"));
     }
     let dev = u32::try_from(r.uvar()?).map_err(|_| bad())?;
-    let size = r.uvar()?;
-    let offset = r.uvar()?;
-    let kind = HandleKind::from_u8(r.byte()?).ok_or_else(bad)?;
-    let bytes = r.bytes(256)?.to_vec();
     let slot = u32::try_from(r.uvar()?).map_err(|_| bad())?;
     let state = r.uvar()?;
-    if r.left() != 0 || offset > size {
+    let n = usize::try_from(r.uvar()?).ok().filter(|&n| (1..=MAX_CHUNKS).contains(&n)).ok_or_else(bad)?;
+    let mut chunks: Vec<RemoteChunk> = Vec::with_capacity(n.min(64));
+    for _ in 0..n {
+        let base = r.uvar()?;
+        let size = r.uvar()?;
+        let kind = HandleKind::from_u8(r.byte()?).ok_or_else(bad)?;
+        let bytes = r.bytes(256)?.to_vec();
+        // Back to back, each non-empty.
+        if size == 0 || chunks.last().is_some_and(|c| c.base.checked_add(c.handle.size) != Some(base)) {
+            return Err(bad());
+        }
+        chunks.push(RemoteChunk { base, handle: IpcHandle { kind, size, bytes }, opened: Mutex::new(None) });
+    }
+    // The region lies inside the chunks.
+    let (lo, hi) = (chunks[0].base, chunks[n - 1].base.checked_add(chunks[n - 1].handle.size));
+    let end = desc.addr.checked_add(desc.len);
+    if r.left() != 0 || desc.addr < lo || !matches!((end, hi), (Some(e), Some(h)) if e <= h) {
         return Err(bad());
     }
     Ok(Arc::new(RemoteVram {
         addr: desc.addr,
         len: desc.len,
         dev,
-        offset,
-        handle: IpcHandle { kind, size, bytes },
+        chunks,
         ticket: RegionTicket { slot, state },
         incarnation,
-        opened: Mutex::new(None),
     }))
 }
 
@@ -232,25 +298,55 @@ pub(super) struct VramPlan {
     local_is_vram: bool,
 }
 
+/// Where a remote region is in this process: at the same addresses (this process), or per chunk opened
+/// here (another process), each `(peer base, peer end, here - peer, opened allocation)`.
 struct RegionUse {
-    /// `here - peer`: add to a peer address to get its address in this process.
-    shift: u64,
-    _open: Option<Arc<Opened>>,
+    chunks: Vec<(u64, u64, u64, Arc<Opened>)>,
 }
 
-fn open_alloc(dev: &dyn Device, r: &RemoteVram, on: u32, fd: device::FdSource<'_>) -> Result<Arc<Opened>> {
-    let mut cur = r.opened.lock();
+impl RegionUse {
+    const SAME: RegionUse = RegionUse { chunks: Vec::new() };
+
+    /// The pieces of the peer range `[at, at + len)` as (offset into the range, length, address here),
+    /// cut at chunk boundaries.
+    fn pieces(&self, at: u64, len: u64, out: &mut impl FnMut(u64, u64, u64)) {
+        if self.chunks.is_empty() {
+            return out(0, len, at);
+        }
+        let mut i = self.chunks.partition_point(|c| c.1 <= at);
+        let mut off = 0;
+        while off < len {
+            // Outside every chunk cannot happen (the agent checked the range against the region, which the
+            // chunks cover); map it to address 0 so the driver refuses it rather than a wrong address.
+            let Some(&(_, end, shift, _)) = self.chunks.get(i) else { return out(off, len - off, 0) };
+            let here = at + off;
+            let n = (end - here).min(len - off);
+            out(off, n, here.wrapping_add(shift));
+            off += n;
+            i += 1;
+        }
+    }
+}
+
+fn open_alloc(
+    dev: &dyn Device,
+    r: &RemoteVram,
+    c: &RemoteChunk,
+    on: u32,
+    fd: device::FdSource<'_>,
+) -> Result<Arc<Opened>> {
+    let mut cur = c.opened.lock();
     if let Some(o) = cur.as_ref() {
         return Ok(o.clone());
     }
     // One mapping per peer allocation in this process, whichever device first opened it: the address is
     // valid for every device (unified addressing), and CUDA maps a legacy handle once per process.
-    let k = (r.incarnation, r.handle.bytes.clone());
+    let k = (r.incarnation, c.handle.bytes.clone());
     let mut o = opened().lock();
     let op = match o.get(&k).and_then(Weak::upgrade) {
         Some(op) => op,
         None => {
-            let op = Arc::new(Opened { map: dev.open(on, &r.handle, fd)? });
+            let op = Arc::new(Opened { map: dev.open(on, &c.handle, fd)? });
             o.retain(|_, w| w.strong_count() > 0);
             o.insert(k, Arc::downgrade(&op));
             op
@@ -363,7 +459,7 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
         let k = k.as_ref().filter(|_| used.contains(&(i as u32)));
         let u = if k.and_then(|k| k.downcast_ref::<LocalVram>()).is_some() {
             // Loopback: this agent's own key.
-            Some(RegionUse { shift: 0, _open: None })
+            Some(RegionUse::SAME)
         } else if let Some(r) = k.and_then(|k| k.downcast_ref::<RemoteVram>()) {
             gated.push(r.gated());
             match (&far, peer) {
@@ -371,18 +467,27 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
                     let PeerKind::Cma { pidfd: Some(pidfd), sock, secret, .. } = &ep.kind else {
                         return Err(Error::backend("peer without a pidfd"));
                     };
-                    // The exporter's descriptor (fd handles): `pidfd_getfd`, else its control socket.
-                    let take = || {
-                        let (num, want) = device::fd_handle(&r.handle.bytes)?;
-                        let f = super::take_peer_fd(shared, pidfd.as_fd(), (sock, *secret, ep.incarnation), num)?;
-                        device::same_object(f, want)
-                    };
                     // The gate and the probe first: a stale handle never reaches the driver.
-                    let op = in_peer_gate(ep, &[r.gated()], || open_alloc(device, r, dev, &take))?;
-                    let here = op.map.base() + r.offset;
-                    Some(RegionUse { shift: here.wrapping_sub(r.addr), _open: Some(op) })
+                    let chunks = in_peer_gate(ep, &[r.gated()], || {
+                        r.chunks
+                            .iter()
+                            .map(|c| {
+                                // The exporter's descriptor (fd handles): `pidfd_getfd`, else its control socket.
+                                let take = || {
+                                    let (num, want) = device::fd_handle(&c.handle.bytes)?;
+                                    let peer = (sock.as_slice(), *secret, ep.incarnation);
+                                    let f = super::take_peer_fd(shared, pidfd.as_fd(), peer, num)?;
+                                    device::same_object(f, want)
+                                };
+                                let op = open_alloc(device, r, c, dev, &take)?;
+                                let shift = op.map.base().wrapping_sub(c.base);
+                                Ok((c.base, c.base + c.handle.size, shift, op))
+                            })
+                            .collect::<Result<Vec<_>>>()
+                    })?;
+                    Some(RegionUse { chunks })
                 }
-                _ => Some(RegionUse { shift: 0, _open: None }),
+                _ => Some(RegionUse::SAME),
             }
         } else {
             // A DRAM region on the far side: nothing to open (another process: staged through CMA).
@@ -404,17 +509,21 @@ impl VramPlan {
             return self.staged(core, segs, run);
         }
         let op = core.plan.op;
+        // Each segment as copies between addresses valid here, cut where the peer's chunks meet.
         let copies = |b: &[Seg]| -> Vec<Copy> {
-            b.iter()
-                .map(|s| {
-                    let shift = self.regions.get(s.rreg as usize).and_then(|u| u.as_ref()).map_or(0, |u| u.shift);
-                    let remote = s.remote.wrapping_add(shift);
-                    match op {
-                        XferOp::Read => Copy { dst: s.local, src: remote, len: s.len },
-                        XferOp::Write => Copy { dst: remote, src: s.local, len: s.len },
-                    }
-                })
-                .collect()
+            let mut v = Vec::with_capacity(b.len());
+            let same = RegionUse::SAME;
+            for s in b {
+                let u = self.regions.get(s.rreg as usize).and_then(|u| u.as_ref()).unwrap_or(&same);
+                u.pieces(s.remote, s.len, &mut |off, len, remote| {
+                    let local = s.local + off;
+                    v.push(match op {
+                        XferOp::Read => Copy { dst: local, src: remote, len },
+                        XferOp::Write => Copy { dst: remote, src: local, len },
+                    })
+                });
+            }
+            v
         };
         let Some(p) = core.peer() else {
             // Loopback: both sides are this agent's registrations, as for DRAM.
@@ -708,6 +817,55 @@ mod tests {
         let r2 = req(&a, XferOp::Write, xl(MemType::Vram, dst, n, 3), xl(MemType::Vram, src, n, 2), "vram-dereg-B");
         assert_eq!(run(&a, &r2).unwrap(), Status::Success);
         assert!(bytes(src, n).iter().all(|&x| x == 0x55));
+    }
+
+    /// Public bytes of a region over `chunks` (base, size).
+    fn public(chunks: &[(u64, u64)]) -> Vec<u8> {
+        let mut b = vec![PUBLIC_VERSION];
+        for v in [1, 7, 3, chunks.len() as u64] {
+            put_uvar(&mut b, v);
+        }
+        for &(base, size) in chunks {
+            put_uvar(&mut b, base);
+            put_uvar(&mut b, size);
+            b.push(HandleKind::PosixFd as u8);
+            put_bytes(&mut b, &[0; 20]);
+        }
+        b
+    }
+
+    #[test]
+    fn remote_chunks_must_cover_the_region_back_to_back_and_copies_are_cut_there() {
+        let d = |a, l| Desc::new(a, l, 1);
+        let ok = load_remote(5, &d(0x1800, 0x2000), &public(&[(0x1000, 0x1000), (0x2000, 0x4000)])).unwrap();
+        let r = ok.downcast_ref::<RemoteVram>().unwrap();
+        assert_eq!((r.chunks.len(), r.gated()), (2, (7, 3, 0x1800, 0x2000)));
+        for (desc, chunks) in [
+            (d(0x1800, 0x2000), vec![]),                                   // no chunk
+            (d(0x1800, 0x2000), vec![(0x1000, 0x1000), (0x2800, 0x4000)]), // a gap
+            (d(0x0800, 0x1000), vec![(0x1000, 0x4000)]),                   // starts before
+            (d(0x1000, 0x4001), vec![(0x1000, 0x4000)]),                   // ends after
+            (d(0x1000, 0x10), vec![(0x1000, 0)]),                          // an empty chunk
+        ] {
+            assert_eq!(load_remote(5, &desc, &public(&chunks)).err().unwrap().status(), Status::Mismatch);
+        }
+        // Pieces: chunk A [0x1000, 0x2000) here at +0x10000, chunk B [0x2000, 0x6000) here at +0x50000.
+        let fake_open = || Arc::new(Opened { map: Box::new(NoMap) });
+        let u =
+            RegionUse { chunks: vec![(0x1000, 0x2000, 0x10000, fake_open()), (0x2000, 0x6000, 0x50000, fake_open())] };
+        let mut got = Vec::new();
+        u.pieces(0x1ff0, 0x30, &mut |off, len, here| got.push((off, len, here)));
+        assert_eq!(got, vec![(0, 0x10, 0x11ff0), (0x10, 0x20, 0x52000)]);
+        got.clear();
+        RegionUse::SAME.pieces(0x1ff0, 0x30, &mut |off, len, here| got.push((off, len, here)));
+        assert_eq!(got, vec![(0, 0x30, 0x1ff0)]);
+    }
+
+    struct NoMap;
+    impl Mapping for NoMap {
+        fn base(&self) -> u64 {
+            0
+        }
     }
 
     #[test]
