@@ -651,11 +651,16 @@ impl Backend for Engine {
                 (named && ctrl::listener_pid(&ci.sock) == Some(ci.pid)).then(|| pidfd_open(ci.pid).ok()).flatten();
             let alive = pidfd.is_some() && crate::util::process_start_time(ci.pid).ok() == Some(ci.start_time);
             // The peer's gate, taken from that very process through the pidfd: if the kernel refuses, it would
-            // refuse cross-memory attach too, and TCP carries the data.
+            // refuse cross-memory attach too, and TCP carries the data. Received over the peer's control socket
+            // instead (the kernel refused `pidfd_getfd` alone, or the peer is another uid it allows), one probe
+            // of the gate tells at once whether cross-memory attach is allowed.
             let mut denied = None;
             let peer_sock = (ci.sock.as_slice(), ci.secret, incarnation);
+            let probe = copy::Probe { addr: ci.gate_addr, incarnation };
             let gate = match pidfd.as_ref().filter(|_| alive).map(|fd| {
-                take_peer_fd(s, fd.as_fd(), peer_sock, ci.gate_fd).and_then(|g| Gate::from_fd(g, incarnation))
+                take_peer_fd(s, fd.as_fd(), peer_sock, ci.gate_fd)
+                    .and_then(|g| Gate::from_fd(g, incarnation))
+                    .and_then(|g| copy::probe(ci.pid, &probe, &mut false).map(|_| g))
             }) {
                 Some(Ok(g)) => Some(Attached::new(Arc::new(g))?),
                 Some(Err(e)) if cma_denied(&e) => {
@@ -680,7 +685,7 @@ impl Backend for Engine {
                 pidfd,
                 watch,
                 gate,
-                probe: copy::Probe { addr: ci.gate_addr, incarnation },
+                probe,
                 sock: ci.sock.clone(),
                 secret: ci.secret,
                 from_inc: s.incarnation,
