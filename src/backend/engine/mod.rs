@@ -1222,10 +1222,16 @@ mod tests {
             assert_eq!(unsafe { libc::process_vm_readv(me, &l, 1, &r, 1, 0) }, 4096);
         }
         let bare = per(t0);
+        // The VRAM route's bracket: its copies are not cross-memory attach, so the probe is a call of its own.
+        let t0 = Instant::now();
+        for _ in 0..n {
+            copy::probe(me, std::hint::black_box(&probe), &mut false).unwrap();
+        }
+        let alone = per(t0);
         eprintln!(
             "gate per batch: enter+leave {enter:.0} ns; 4 KiB process_vm_readv {bare:.0} ns bare vs {with_probe:.0} ns \
              with the probe iovec (+{:.0} ns); added per batch ≈ {:.2} µs (a pidfd poll, not done, would add \
-             {poll:.0} ns more)",
+             {poll:.0} ns more); the probe as a call of its own (VRAM batches) {alone:.0} ns",
             with_probe - bare,
             (enter + with_probe - bare) / 1000.0
         );
