@@ -879,6 +879,12 @@ mod tests {
         };
         let host = [0u8; 64];
         assert!(bad(host.as_ptr() as u64, 64, 0).message().contains("not device memory"));
+        // Chunks mapped back to back make one region; a hole where one was freed ends it.
+        let c = fake::alloc_chunks(5, &[4096, 8192, 4096], true, None).unwrap();
+        reg(&a, MemType::Vram, c + 100, 16384 - 200, 5);
+        fake::free(c + 4096).unwrap();
+        assert!(bad(c, 16384, 5).message().contains("crosses the end"));
+        assert!(bad(c + 12288, 8192, 5).message().contains("crosses the end"));
         assert!(bad(p + 4096, 8192, 4).message().contains("crosses the end"));
         assert!(bad(p, 4096, 5).message().contains("device 4"));
     }
