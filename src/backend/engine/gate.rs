@@ -63,6 +63,9 @@ const OFF_DRAIN_SEQ: usize = 40;
 const OFF_DRAINING: usize = 48;
 /// One past the highest initiator slot ever claimed (bounds the drain's scan).
 const OFF_CLAIMED: usize = 56;
+/// The sentinel word (`sentinel.rs`): the owner's thread id until the kernel flips it at exit or exec; 0 if the
+/// owner has none (an older gixl). Reads check it after each call instead of probing.
+const OFF_SENTINEL: usize = 64;
 /// Scratch bytes a probing write lands on.
 pub const OFF_PROBE: usize = 128;
 pub const PROBE_BYTES: usize = 16;
@@ -80,6 +83,8 @@ pub struct Gate {
     fd: OwnedFd,
     /// Owner only: free region slots.
     regions: Mutex<RegionAlloc>,
+    /// Owner only: the thread behind the sentinel word (None if it could not start: peers then probe).
+    sentinel: Option<super::sentinel::Sentinel>,
 }
 
 // SAFETY: the mapping is only accessed through atomics (and immutable-while-live region fields).
@@ -95,6 +100,8 @@ struct RegionAlloc {
 
 impl Drop for Gate {
     fn drop(&mut self) {
+        // The sentinel's robust list names a word of the mapping: end it before unmapping.
+        drop(self.sentinel.take());
         // SAFETY: `base` is our own mapping of SIZE bytes; nothing references it once the last owner is gone.
         unsafe { libc::munmap(self.base.cast(), SIZE) };
     }
@@ -131,11 +138,18 @@ impl Gate {
             return Err(os("sealing the transfer gate", io::Error::last_os_error()));
         }
         let base = map_random(fd.as_raw_fd())?;
-        let g = Gate { base, incarnation, fd, regions: Mutex::default() };
+        let mut g = Gate { base, incarnation, fd, regions: Mutex::default(), sentinel: None };
         g.word(OFF_INCARNATION).store(incarnation as u64, Ordering::Relaxed);
         g.word(OFF_INCARNATION + 8).store((incarnation >> 64) as u64, Ordering::Relaxed);
         g.word(OFF_VERSION).store(VERSION, Ordering::Relaxed);
         g.word(OFF_LIVE).store(1, Ordering::Relaxed);
+        // SAFETY: the word is inside the mapping, which `Drop` keeps until the sentinel has ended.
+        match unsafe { super::sentinel::Sentinel::start(g.word32(OFF_SENTINEL)) } {
+            Ok(s) => g.sentinel = Some(s),
+            Err(e) => crate::telemetry::log::warn(&format!(
+                "no exit/exec sentinel for this agent ({e}); same-host peers probe the gate on reads as well"
+            )),
+        }
         g.word(OFF_MAGIC).store(MAGIC, Ordering::Release);
         Ok(g)
     }
@@ -193,7 +207,7 @@ impl Gate {
         if base == libc::MAP_FAILED {
             return Err(os("mapping the peer's transfer gate", io::Error::last_os_error()));
         }
-        let g = Gate { base: base.cast(), incarnation, fd, regions: Mutex::default() };
+        let g = Gate { base: base.cast(), incarnation, fd, regions: Mutex::default(), sentinel: None };
         if g.word(OFF_MAGIC).load(Ordering::Acquire) != MAGIC
             || g.word(OFF_VERSION).load(Ordering::Relaxed) != VERSION
             || g.read_incarnation() != incarnation
@@ -227,6 +241,11 @@ impl Gate {
         let lo = self.word(OFF_INCARNATION).load(Ordering::Relaxed) as u128;
         let hi = self.word(OFF_INCARNATION + 8).load(Ordering::Relaxed) as u128;
         lo | hi << 64
+    }
+
+    /// The owner's sentinel word (see `sentinel.rs`).
+    pub fn sentinel(&self) -> &AtomicU32 {
+        self.word32(OFF_SENTINEL)
     }
 
     pub fn live(&self) -> bool {

@@ -46,6 +46,7 @@ mod liveness;
 /// Socket helpers, shared with the metadata listener (`crate::mdx`).
 pub(crate) mod net;
 mod pool;
+mod sentinel;
 mod tcp;
 mod vram;
 pub mod wire;
@@ -912,7 +913,7 @@ impl Core {
                     }
                     let _inside = inside?;
                     // SAFETY: local ranges were resolved against this agent's registrations.
-                    unsafe { copy::cma_batch(*pid, op, b, probe, &mut gone) }
+                    unsafe { copy::cma_batch(*pid, op, b, probe, gate.gate.sentinel(), &mut gone) }
                 });
                 if r.as_ref().err().is_some_and(cma_denied) {
                     // The kernel checks permission before moving a byte, so nothing was copied: go by TCP.
@@ -1207,12 +1208,19 @@ mod tests {
         };
         let me = std::process::id() as i32;
         let probe = copy::Probe { addr: g.addr(), incarnation: 3 };
+        let absent = std::sync::atomic::AtomicU32::new(0);
         let t0 = Instant::now();
         for _ in 0..n {
             let mut gone = false;
-            unsafe { copy::cma_batch(me, XferOp::Read, &[s], &probe, &mut gone) }.unwrap();
+            unsafe { copy::cma_batch(me, XferOp::Read, &[s], &probe, &absent, &mut gone) }.unwrap();
         }
         let with_probe = per(t0);
+        let t0 = Instant::now();
+        for _ in 0..n {
+            let mut gone = false;
+            unsafe { copy::cma_batch(me, XferOp::Read, &[s], &probe, g.sentinel(), &mut gone) }.unwrap();
+        }
+        let with_sentinel = per(t0);
         let (l, r) = (
             libc::iovec { iov_base: s.local as *mut _, iov_len: 4096 },
             libc::iovec { iov_base: s.remote as *mut _, iov_len: 4096 },
@@ -1230,8 +1238,9 @@ mod tests {
         let alone = per(t0);
         eprintln!(
             "gate per batch: enter+leave {enter:.0} ns; 4 KiB process_vm_readv {bare:.0} ns bare vs {with_probe:.0} ns \
-             with the probe iovec (+{:.0} ns); added per batch ≈ {:.2} µs (a pidfd poll, not done, would add \
-             {poll:.0} ns more); the probe as a call of its own (VRAM batches) {alone:.0} ns",
+             with the probe iovec (+{:.0} ns), {with_sentinel:.0} ns watched by the sentinel (reads); added per \
+             write batch ≈ {:.2} µs (a pidfd poll, not done, would add {poll:.0} ns more); the probe as a call \
+             of its own {alone:.0} ns",
             with_probe - bare,
             (enter + with_probe - bare) / 1000.0
         );

@@ -573,7 +573,7 @@ impl VramPlan {
                 }
                 let _inside = inside?;
                 // SAFETY: the staged local ranges lie inside the staging buffer, alive for the call.
-                unsafe { copy::cma_batch(*pid, op, b, probe, &mut gone) }
+                unsafe { copy::cma_batch(*pid, op, b, probe, cma_gate.gate.sentinel(), &mut gone) }
             });
             if gone {
                 peer.dead.store(true, Ordering::Release);
