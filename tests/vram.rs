@@ -161,11 +161,38 @@ fn nodevice_child() {
     }
 }
 
+/// A decode agent run as `nobody` against a root prefill that allows that uid (`GIXL_ALLOW_UIDS`): the
+/// kernel denies it `pidfd_getfd` and cross-memory attach. READs the prefill's VRAM (`GIXL_ADDR`, `GIXL_SIZE`
+/// bytes of `GIXL_FILL`), then WRITEs 0x5c over it. Prints `@nobody <read> <data ok> <write>`.
+fn nobody_child() {
+    assert!(gixl::device::select_fake());
+    let md = unhex(&std::env::var("GIXL_MD").unwrap());
+    let (addr, size, fill): (u64, usize, u8) =
+        (env("GIXL_ADDR").unwrap(), env("GIXL_SIZE").unwrap(), env("GIXL_FILL").unwrap());
+    let d = decode("vram-nobody");
+    let lv = fake::alloc(0, size, false, None).unwrap();
+    reg(&d, MemType::Vram, lv, size, 0);
+    d.load_remote_md(&md).unwrap();
+    let o = XferOpts::default();
+    let v = MemType::Vram;
+    let status = |op| {
+        d.create_xfer_req(op, &one(v, lv, size, 0), &one(v, addr, size, 1), "prefill", &o)
+            .and_then(|r| run(&d, &r))
+            .map_or_else(|e| format!("{:?}", e.status()), |s| format!("{s:?}"))
+    };
+    let read = status(XferOp::Read);
+    let ok = slice(lv, size).iter().all(|&b| b == fill);
+    slice(lv, size).fill(0x5c);
+    let write = status(XferOp::Write);
+    println!("\n@nobody {read} {ok} {write}");
+}
+
 #[test]
 fn child_entry() {
     match std::env::var("GIXL_CHILD").as_deref() {
         Ok("vram-prefill") => prefill_child(),
         Ok("vram-nodevice") => nodevice_child(),
+        Ok("vram-nobody") => nobody_child(),
         _ => {}
     }
 }
@@ -545,6 +572,46 @@ fn vram_region_spanning_three_chunks_cross_process() {
         assert_eq!(c.opens, 1, "chunk {ino}");
         assert!(c.copies > 0, "chunk {ino} was never copied through");
     }
+    p.kill();
+}
+
+/// Where the kernel denies the initiator both `pidfd_getfd` and cross-memory attach (it runs as `nobody`; the
+/// target is root and allows that uid with `GIXL_ALLOW_UIDS`), the target's gate and its VMM allocation's
+/// descriptor come over its control socket, and the identity check is the target's exit/exec sentinel in
+/// that gate, which needs no ptrace permission: VRAM READ and WRITE through the IPC handle work, byte for
+/// byte. Needs root; skips otherwise.
+#[test]
+fn vram_ipc_works_where_the_kernel_denies_ptrace() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        common::skip("cma", "needs root to start a child as another user");
+        return;
+    }
+    use std::os::unix::process::CommandExt;
+    let size = 2 * MIB;
+    let mut p = Prefill::start_with(size, 7, true, None, &[("GIXL_ALLOW_UIDS", "65534")]);
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+        .env("GIXL_CHILD", "vram-nobody")
+        .env("GIXL_MD", hex(&p.md))
+        .env("GIXL_ADDR", p.vram.to_string())
+        .env("GIXL_SIZE", size.to_string())
+        .env("GIXL_FILL", "7")
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let Some(line) = text.lines().find_map(|l| l.strip_prefix("@nobody ")) else {
+        if !out.status.success() {
+            common::skip("cma", &format!("the child could not run as nobody ({})", out.status));
+            p.kill();
+            return;
+        }
+        panic!("the child printed no result: {text}");
+    };
+    assert_eq!(line, "Success true Success", "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(p.sums().0, 0x5c * size as u64, "the WRITE did not land");
     p.kill();
 }
 

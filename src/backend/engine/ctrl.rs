@@ -802,7 +802,7 @@ fn send_fd_now(s: &UnixStream, fd: RawFd) -> io::Result<usize> {
     }
 }
 
-/// Ask the engine listening on `sock_name` (incarnation `target`, whose secret is `secret`) for its
+/// Ask the engine listening on `sock_name` as process `pid` (incarnation `target`, whose secret is `secret`) for its
 /// descriptor number `fd`, over a fresh authenticated connection: how a peer takes a VMM allocation or the
 /// transfer gate when the kernel refuses it `pidfd_getfd` (another uid allowed by `GIXL_ALLOW_UIDS`, Yama,
 /// a container's seccomp profile). The target sends only descriptors it offers ([`Ctrl::offer_fd`]).
@@ -814,9 +814,13 @@ pub fn request_fd(
     secret: u128,
     from: &str,
     from_incarnation: u128,
+    pid: i32,
     fd: i32,
 ) -> Result<(OwnedFd, (u64, u64))> {
     let mut s = Sender::connect(sock_name, target, secret, from, from_incarnation)?;
+    if peer_cred(s.stream.as_raw_fd()).map(|c| c.pid) != Some(pid) {
+        return Err(Error::disconnected(format!("the control socket of process {pid} is served by another process")));
+    }
     s.stream.set_read_timeout(Some(SEND_TIMEOUT)).map_err(|e| Error::os(Status::Backend, "socket option", e))?;
     s.send(KIND_FD_REQ, &fd.to_le_bytes())?;
     let mut buf: Vec<u8> = Vec::new();
@@ -1074,19 +1078,23 @@ mod tests {
         let m = unsafe { OwnedFd::from_raw_fd(m) };
         let want = crate::device::fd_identity(std::os::fd::AsFd::as_fd(&m)).unwrap();
         // Not offered yet: refused, though the number is open here.
-        let e = request_fd(&ctrl.sock_name, inc, secret, "asker", 3, m.as_raw_fd()).err().unwrap();
+        let me = std::process::id() as i32;
+        let e = request_fd(&ctrl.sock_name, inc, secret, "asker", 3, me, m.as_raw_fd()).err().unwrap();
         assert_eq!(e.status(), Status::NotFound, "{e}");
         ctrl.offer_fd(m.as_raw_fd());
-        let (got, id) = request_fd(&ctrl.sock_name, inc, secret, "asker", 3, m.as_raw_fd()).unwrap();
+        // Served by another pid than the one expected: refused before asking.
+        let e = request_fd(&ctrl.sock_name, inc, secret, "asker", 3, me + 1, m.as_raw_fd()).err().unwrap();
+        assert_eq!(e.status(), Status::RemoteDisconnect, "{e}");
+        let (got, id) = request_fd(&ctrl.sock_name, inc, secret, "asker", 3, me, m.as_raw_fd()).unwrap();
         assert_eq!(id, want);
         assert_eq!(crate::device::fd_identity(std::os::fd::AsFd::as_fd(&got)).unwrap(), want);
         assert_ne!(got.as_raw_fd(), m.as_raw_fd(), "a new descriptor, not ours");
         // SAFETY: plain syscall on a descriptor we own.
         assert!(unsafe { libc::fcntl(got.as_raw_fd(), libc::F_GETFD) } & libc::FD_CLOEXEC != 0);
         // Without the secret: no descriptor. Withdrawn: none either.
-        assert!(request_fd(&ctrl.sock_name, inc, secret + 1, "intruder", 4, m.as_raw_fd()).is_err());
+        assert!(request_fd(&ctrl.sock_name, inc, secret + 1, "intruder", 4, me, m.as_raw_fd()).is_err());
         ctrl.withdraw_fd(m.as_raw_fd());
-        let e = request_fd(&ctrl.sock_name, inc, secret, "asker", 3, m.as_raw_fd()).err().unwrap();
+        let e = request_fd(&ctrl.sock_name, inc, secret, "asker", 3, me, m.as_raw_fd()).err().unwrap();
         assert_eq!(e.status(), Status::NotFound, "{e}");
     }
 

@@ -483,13 +483,13 @@ fn decode_ticket(b: &[u8]) -> Result<RegionTicket> {
 
 /// Descriptor `num` of a same-host peer: taken with `pidfd_getfd`, or, where the kernel refuses that (or
 /// under `GIXL_TEST_FAULT=no_pidfd_getfd`), asked for over the peer's control socket `sock`
-/// (`(socket name, secret, incarnation)`), which sends only what it offers, with SCM_RIGHTS. If both fail
+/// (`(socket name, secret, incarnation, pid)`), which sends only what it offers, with SCM_RIGHTS. If both fail
 /// the error keeps the EPERM/ENOSYS source (see `cma_denied`). The caller checks what it got (identity,
 /// or the gate's own checks).
 fn take_peer_fd(
     s: &Shared,
     pidfd: std::os::fd::BorrowedFd<'_>,
-    sock: (&[u8], u128, u128),
+    sock: (&[u8], u128, u128, i32),
     num: i32,
 ) -> Result<OwnedFd> {
     let refused = if s.no_pidfd_getfd {
@@ -504,15 +504,25 @@ fn take_peer_fd(
             }
         }
     };
-    let (name, secret, inc) = sock;
-    match ctrl::request_fd(name, inc, secret, &s.agent, s.incarnation, num) {
-        Ok((f, _)) => Ok(f),
+    let (name, secret, inc, pid) = sock;
+    match ctrl::request_fd(name, inc, secret, &s.agent, s.incarnation, pid, num) {
+        // The listener's pid was the peer's when it bound; if that process still runs (its pidfd), the
+        // descriptor came from it and not from a process that took the name over after it exited.
+        Ok((f, _)) if pidfd_alive(pidfd) => Ok(f),
+        Ok(_) => Err(Error::disconnected("the peer exited while sending a descriptor")),
         Err(e) => Err(Error::os(
             Status::Backend,
             format!("the kernel refused pidfd_getfd, and the peer's control socket did not send the descriptor: {e}"),
             refused,
         )),
     }
+}
+
+/// Is the process behind `pidfd` still running? (A pidfd polls readable once it has exited.)
+fn pidfd_alive(pidfd: std::os::fd::BorrowedFd<'_>) -> bool {
+    let mut p = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd, no wait.
+    unsafe { libc::poll(&mut p, 1, 0) == 0 }
 }
 
 /// Has the process behind `pidfd` exited? (A pidfd polls readable once it has.) Only measured now.
@@ -656,14 +666,21 @@ impl Backend for Engine {
             // instead (the kernel refused `pidfd_getfd` alone, or the peer is another uid it allows), one probe
             // of the gate tells at once whether cross-memory attach is allowed.
             let mut denied = None;
-            let peer_sock = (ci.sock.as_slice(), ci.secret, incarnation);
+            let peer_sock = (ci.sock.as_slice(), ci.secret, incarnation, ci.pid);
             let probe = copy::Probe { addr: ci.gate_addr, incarnation };
             let gate = match pidfd.as_ref().filter(|_| alive).map(|fd| {
-                take_peer_fd(s, fd.as_fd(), peer_sock, ci.gate_fd)
-                    .and_then(|g| Gate::from_fd(g, incarnation))
-                    .and_then(|g| copy::probe(ci.pid, &probe, &mut false).map(|_| g))
+                take_peer_fd(s, fd.as_fd(), peer_sock, ci.gate_fd).and_then(|g| Gate::from_fd(g, incarnation))
             }) {
-                Some(Ok(g)) => Some(Attached::new(Arc::new(g))?),
+                Some(Ok(g)) => match copy::probe(ci.pid, &probe, &mut false) {
+                    Ok(()) => Some(Attached::new(Arc::new(g))?),
+                    // The gate is kept (VRAM through IPC handles needs no cross-memory attach, see `vram`);
+                    // DRAM goes over TCP.
+                    Err(e) if cma_denied(&e) => {
+                        denied = Some(e.to_string());
+                        Some(Attached::new(Arc::new(g))?)
+                    }
+                    Err(_) => None,
+                },
                 Some(Err(e)) if cma_denied(&e) => {
                     denied = Some(e.to_string());
                     None

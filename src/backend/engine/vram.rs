@@ -21,19 +21,23 @@
 //! DRAM one does, and its slot and state travel in the region's metadata. Every batch of device copies into
 //! or out of another process's VRAM (≤ 1023 descriptors, ≤ 16 MiB) is bracketed the same way as a
 //! cross-memory-attach batch: enter the peer's gate (its initiator slot's in-flight count, then the live flag
-//! and the state of every region the request touches), then one 16-byte `process_vm_readv` of the peer's gate
-//! at its advertised address that must read back the incarnation id (`copy::probe`: it faults in an exec'd
-//! image, even one with ASLR off at the same addresses, and in a process that took over the pid), then the
-//! device copy, then leave. The same bracket comes before a peer's allocation is opened. An agent of this
-//! process is reached inside its gate without the probe (no pid to recycle). So a handle from another
+//! and the state of every region the request touches), check the peer's identity, run the device copy,
+//! check again, leave (`in_peer_gate`). The identity check is the peer's exit/exec sentinel in its gate
+//! (`sentinel`: a word the kernel flips when that process exits or execs, even in place with ASLR off, before
+//! a new image or a process that takes over the pid runs), one atomic load; for a peer without one, one
+//! 16-byte `process_vm_readv` of its gate that must read back the incarnation id (`copy::probe`). The same
+//! bracket comes before a peer's allocation is opened. An agent of this process is reached inside its gate
+//! without either (no pid to recycle). Because the sentinel needs no ptrace permission, a peer whose gate
+//! and descriptors came over its control socket is reachable this way even where the kernel denies
+//! cross-memory attach (another uid allowed by `GIXL_ALLOW_UIDS`, Yama); its DRAM then goes over TCP. So a handle from another
 //! incarnation, a deregistered region (NOT_FOUND) or a dead, exec'd or restarted peer (REMOTE_DISCONNECT) is
 //! refused before the driver is called, and `deregister_memory` (and agent destruction) returns only once no
 //! batch that passed the gate is still copying, bounded by the disconnect timeout.
 //!
-//! Not here: the gate itself (`gate`), the probe (`copy::probe`), descriptor passing (`take_peer_fd`,
-//! `ctrl::request_fd`) and the driver (`crate::device`). The probe needs the ptrace permission cross-memory
-//! attach needs: where the kernel denies that (not just `pidfd_getfd`), VRAM to that peer is NOT_SUPPORTED
-//! here, as its DRAM goes over TCP.
+//! Not here: the gate itself (`gate`), the sentinel (`sentinel`), the probe (`copy::probe`), descriptor
+//! passing (`take_peer_fd`, `ctrl::request_fd`) and the driver (`crate::device`). Where the kernel denies
+//! cross-memory attach, a peer without a sentinel (nothing else can check its identity) and a peer's DRAM
+//! (the staged route) are NOT_SUPPORTED here.
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd};
@@ -43,7 +47,7 @@ use std::sync::{Arc, OnceLock, Weak};
 use parking_lot::Mutex;
 
 use super::gate::RegionTicket;
-use super::{copy, downcast, PeerKind, Run, Shared};
+use super::{copy, downcast, sentinel, PeerKind, Run, Shared};
 use crate::backend::{LocalRegion, RegionKey, Seg, Target, XferOp, XferPlan};
 use crate::device::{self, Copy, Device, Export, HandleKind, HostBuf, IpcHandle, Mapping};
 use crate::md::{put_bytes, put_uvar, Reader};
@@ -367,8 +371,16 @@ fn refused(e: Error) -> Error {
     }
 }
 
-/// Run `f` inside another process's gate for `regions`, after the probe: the bracket every driver call on
-/// a peer's allocation goes through. A probe that finds the peer gone marks it dead.
+/// Run `f` inside another process's gate for `regions`, checked to be the same process image before and
+/// after: the bracket every driver call on a peer's allocation goes through.
+///
+/// The identity check is the peer's sentinel word (`sentinel`, in our mapping of its gate), which the kernel
+/// flips when that process exits or execs, before a new image or a process that takes over the pid can run:
+/// one atomic load before `f` (ended: REMOTE_DISCONNECT, the driver is not called) and one after (changed:
+/// REMOTE_DISCONNECT, a READ's bytes may come from an image already gone; a WRITE's landed in the old
+/// allocation, which the opened handle keeps alive, never in the new image). A peer without a sentinel is
+/// probed instead (`copy::probe`, one 16-byte `process_vm_readv` of its gate). A check that finds the peer
+/// gone marks it dead.
 fn in_peer_gate<T>(
     p: &super::EnginePeer,
     regions: &[(u32, u64, u64, u64)],
@@ -377,24 +389,40 @@ fn in_peer_gate<T>(
     let PeerKind::Cma { pid, gate, probe, denied, .. } = &p.kind else {
         return Err(Error::backend("unreachable route"));
     };
+    let gone = || {
+        p.dead.store(true, Ordering::Release);
+        Error::disconnected(format!("agent '{}' exited or exec'd (it no longer runs that incarnation)", p.name))
+    };
     if p.dead.load(Ordering::Acquire) {
-        return Err(Error::disconnected(format!("agent '{}' has exited", p.name)));
+        return Err(gone());
     }
     let gate = gate.as_ref().ok_or_else(|| Error::disconnected(format!("agent '{}' is not reachable", p.name)))?;
     let _inside = gate.enter(regions.iter().copied()).map_err(refused)?;
-    let mut gone = false;
-    if let Err(e) = copy::probe(*pid, probe, &mut gone) {
-        if gone {
-            p.dead.store(true, Ordering::Release);
+    let word = gate.gate.sentinel();
+    let seen = match sentinel::read(word) {
+        sentinel::Word::Ended => return Err(gone()),
+        sentinel::Word::Alive(v) => Some(v),
+        sentinel::Word::Absent => {
+            let mut lost = false;
+            if let Err(e) = copy::probe(*pid, probe, &mut lost) {
+                if lost {
+                    p.dead.store(true, Ordering::Release);
+                }
+                if super::cma_denied(&e) {
+                    // No sentinel, and the kernel refuses the probe: nothing can check this peer's identity.
+                    denied.store(true, Ordering::Release);
+                    return Err(Error::not_supported(format!("VRAM transfers to agent '{}': {e}", p.name)));
+                }
+                return Err(e);
+            }
+            None
         }
-        if super::cma_denied(&e) {
-            // The kernel refuses cross-memory attach: DRAM goes over TCP from now on, VRAM cannot be checked.
-            denied.store(true, Ordering::Release);
-            return Err(Error::not_supported(format!("VRAM transfers to agent '{}': {e}", p.name)));
-        }
-        return Err(e);
+    };
+    let r = f()?;
+    if seen.is_some_and(|v| word.load(Ordering::SeqCst) != v) {
+        return Err(gone());
     }
-    f()
+    Ok(r)
 }
 
 /// Resolve a request that touches VRAM: its route, the device, and (for another process) the peer's
@@ -421,10 +449,16 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
             Far::InProcess
         }
         Some((ep, PeerKind::Cma { pidfd, gate, denied, .. })) => {
-            if denied.load(Ordering::Acquire) {
+            // Where the kernel denies cross-memory attach, a peer's VRAM is still reachable through its IPC
+            // handles if its gate came over the control socket and it has a sentinel (the identity check
+            // then needs no ptrace permission); its DRAM (the staged route) is not.
+            let sentinel_alive =
+                gate.as_ref().is_some_and(|g| matches!(sentinel::read(g.gate.sentinel()), sentinel::Word::Alive(_)));
+            if denied.load(Ordering::Acquire) && !(remote_is_vram && sentinel_alive) {
                 return Err(Error::not_supported(format!(
-                    "VRAM transfers to agent '{}' need its transfer gate and the identity probe, and the kernel \
-                     denies cross-memory attach to it (ptrace permission; `python -m gixl doctor` says why)",
+                    "VRAM transfers to agent '{}' need cross-memory attach here (remote DRAM staged), or its \
+                     transfer gate with an exit/exec sentinel, and the kernel denies cross-memory attach to it \
+                     (ptrace permission; `python -m gixl doctor` says why)",
                     ep.name
                 )));
             }
@@ -464,7 +498,7 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
             gated.push(r.gated());
             match (&far, peer) {
                 (Far::Process, Some(ep)) => {
-                    let PeerKind::Cma { pidfd: Some(pidfd), sock, secret, .. } = &ep.kind else {
+                    let PeerKind::Cma { pidfd: Some(pidfd), sock, secret, pid, .. } = &ep.kind else {
                         return Err(Error::backend("peer without a pidfd"));
                     };
                     // The gate and the probe first: a stale handle never reaches the driver.
@@ -475,7 +509,7 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
                                 // The exporter's descriptor (fd handles): `pidfd_getfd`, else its control socket.
                                 let take = || {
                                     let (num, want) = device::fd_handle(&c.handle.bytes)?;
-                                    let peer = (sock.as_slice(), *secret, ep.incarnation);
+                                    let peer = (sock.as_slice(), *secret, ep.incarnation, *pid);
                                     let f = super::take_peer_fd(shared, pidfd.as_fd(), peer, num)?;
                                     device::same_object(f, want)
                                 };
