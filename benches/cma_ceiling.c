@@ -3,6 +3,10 @@
  * transfer through CMA; benches/side_by_side.py compiles and runs it next to its bulk figures.
  *
  *   cc -O2 -pthread benches/cma_ceiling.c -o /tmp/cma_ceiling && /tmp/cma_ceiling [threads] [reps]
+ *
+ * With `--small BYTES ITERS` it measures the other end instead: the median time of one process_vm_readv of
+ * BYTES bytes (one iovec) from another process, repeated ITERS times: the floor under any same-host small
+ * READ that moves data through CMA (benches/side_by_side.py prints it beside the 4 KiB latency).
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -52,8 +56,65 @@ static int cmp(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+static double now_us(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
+}
+
+static int small(size_t bytes, int iters)
+{
+    if (bytes < 1 || bytes > BYTES || iters < 1)
+        return 2;
+    char *s = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    char *d = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (s == MAP_FAILED || d == MAP_FAILED)
+        return 1;
+    memset(s, 7, bytes);
+    memset(d, 0, bytes);
+    int ready[2];
+    if (pipe(ready))
+        return 1;
+    child = fork();
+    if (child == 0) {
+        char c = 1;
+        if (write(ready[1], &c, 1) != 1)
+            _exit(1);
+        pause();
+        _exit(0);
+    }
+    char c;
+    if (read(ready[0], &c, 1) != 1)
+        return 1;
+    memset(s, 0, bytes);
+    double *us = calloc(iters, sizeof *us);
+    struct iovec l = {d, bytes}, r = {s, bytes};
+    for (int i = 0; i < iters + 1000; i++) { /* the first 1000 warm up */
+        double a = now_us();
+        if (process_vm_readv(child, &l, 1, &r, 1, 0) != (ssize_t)bytes) {
+            perror("process_vm_readv");
+            return 1;
+        }
+        if (i >= 1000)
+            us[i - 1000] = now_us() - a;
+    }
+    kill(child, SIGKILL);
+    waitpid(child, NULL, 0);
+    if (d[0] != 7 || d[bytes - 1] != 7) {
+        fprintf(stderr, "data did not arrive\n");
+        return 1;
+    }
+    qsort(us, iters, sizeof *us, cmp);
+    printf("{\"bytes\": %zu, \"iters\": %d, \"median_us\": %.3f, \"p10_us\": %.3f}\n", bytes, iters, us[iters / 2],
+           us[iters / 10]);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
+    if (argc > 1 && strcmp(argv[1], "--small") == 0)
+        return small(argc > 2 ? strtoul(argv[2], NULL, 0) : 4096, argc > 3 ? atoi(argv[3]) : 20000);
     threads = argc > 1 ? atoi(argv[1]) : 2;
     int reps = argc > 2 ? atoi(argv[2]) : 20;
     if (threads < 1 || threads > 64 || reps < 1)

@@ -63,10 +63,10 @@ SCENARIOS = ("bulk", "kv", "plan", "latency", "notif", "control", "idle")
 # plan_*: iterations of a 1024-index cell; larger requests run fewer (divided by sqrt(indices / 1024)).
 FULL = dict(rounds=3, bulk_warmup=3, bulk_iters=20, kv_warmup=3, kv_read=100, kv_write=50, kv_make=2000,
             lat_warmup=200, lat_iters=10000, notif_iters=1000, ctl_reps=3, ctl_agents=5, idle_secs=3.0,
-            plan_warm=100, plan_cold=20, plan_e2e=20, timeout=300.0)
+            plan_warm=100, plan_cold=20, plan_e2e=20, plan_preps=7, timeout=300.0)
 QUICK = dict(rounds=1, bulk_warmup=1, bulk_iters=5, kv_warmup=1, kv_read=10, kv_write=5, kv_make=200,
              lat_warmup=50, lat_iters=1000, notif_iters=100, ctl_reps=2, ctl_agents=2, idle_secs=1.0,
-             plan_warm=20, plan_cold=4, plan_e2e=4, timeout=150.0)
+             plan_warm=20, plan_cold=4, plan_e2e=4, plan_preps=3, timeout=150.0)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -527,19 +527,26 @@ def sc_plan(c):
 
     def prep(name, r):
         """prep_xfer_dlist from an N x 3 array, timed as the caller sees it (building the descriptor list
-        included); the heap bytes the prepped list keeps (glibc's mallinfo2: in use after - before, with the
-        descriptor list it was made from still alive; RSS would hide reuse of freed memory)."""
-        gc.collect()
-        t0 = pc()
-        descs = agent.get_xfer_descs(r, "DRAM")
-        t1 = pc()
-        heap0, rss0 = heap_in_use(), proc_status("VmRSS")
-        h = agent.prep_xfer_dlist(name, descs, "DRAM")
-        t2 = pc()
-        heap1, rss1 = heap_in_use(), proc_status("VmRSS")
-        del descs
-        return h, dict(prep_ms=(t2 - t0) / 1e6, descs_ms=(t1 - t0) / 1e6, heap_bytes=heap1 - heap0,
-                       rss_kb=rss1 - rss0)
+        included), `plan_preps` times (each prepped list released before the next; the last one is kept); the
+        heap bytes the kept list holds (glibc's mallinfo2: in use after - before, with the descriptor list it was
+        made from still alive; RSS would hide reuse of freed memory), measured outside the timed calls."""
+        ms, descs_ms = [], []
+        for i in range(p["plan_preps"]):
+            gc.collect()
+            t0 = pc()
+            descs = agent.get_xfer_descs(r, "DRAM")
+            t1 = pc()
+            heap0, rss0 = heap_in_use(), proc_status("VmRSS")
+            t2 = pc()
+            h = agent.prep_xfer_dlist(name, descs, "DRAM")
+            t3 = pc()
+            heap1, rss1 = heap_in_use(), proc_status("VmRSS")
+            del descs
+            ms.append((t1 - t0 + t3 - t2) / 1e6)
+            descs_ms.append((t1 - t0) / 1e6)
+            if i + 1 < p["plan_preps"]:
+                agent.release_dlist_handle(h)
+        return h, dict(prep_ms=ms, descs_ms=descs_ms, heap_bytes=heap1 - heap0, rss_kb=rss1 - rss0)
 
     for n in PLAN_SIZES:
         cell = out[str(n)] = {}
@@ -612,8 +619,15 @@ def sc_latency(c):
                 raise RuntimeError(f"4 KiB {op}: transfer ended in state {st}")
             if i >= p["lat_warmup"]:
                 lat.append((t1 - t0) / 1e3)
+        # One binding round trip that does no work (a status check of a finished request): the part of each
+        # post -> DONE above that no transport can remove.
+        calls = []
+        for i in range(p["lat_iters"]):
+            t0 = pc()
+            chk(h)
+            calls.append((pc() - t0) / 1e3)
         agent.release_xfer_handle(h)
-        out[op] = dict(us=lat, done_on_post=inline, posts=p["lat_warmup"] + p["lat_iters"])
+        out[op] = dict(us=lat, done_on_post=inline, posts=p["lat_warmup"] + p["lat_iters"], call_us=calls)
     return out
 
 
@@ -842,6 +856,18 @@ def cma_ceiling(workdir, threads=2, reps=10):
     try:
         r = subprocess.run([exe, str(threads), str(reps)], capture_output=True, text=True, timeout=120)
         return json.loads(r.stdout)["median_gbps"] if r.returncode == 0 else None
+    except (subprocess.TimeoutExpired, ValueError, KeyError):
+        return None
+
+
+def cma_small(workdir, nbytes=4096, iters=20000):
+    """One process_vm_readv of `nbytes` from another process (benches/cma_ceiling.c --small): median µs or None."""
+    exe = os.path.join(workdir, "cma_ceiling")
+    if cma_ceiling(workdir, reps=1) is None:  # compiles it once (and is cheap)
+        return None
+    try:
+        r = subprocess.run([exe, "--small", str(nbytes), str(iters)], capture_output=True, text=True, timeout=60)
+        return json.loads(r.stdout)["median_us"] if r.returncode == 0 else None
     except (subprocess.TimeoutExpired, ValueError, KeyError):
         return None
 
@@ -1187,6 +1213,7 @@ def main():
             print(f"[bench] {im.label}: {status}", file=sys.stderr, flush=True)
         live = [im for im in impls if im.available]
         ceiling = []  # process_vm_readv with two threads, measured between the rounds' pairs
+        small = []  # one 4 KiB process_vm_readv, likewise
         for rnd in range(params["rounds"]):
             order = live if rnd % 2 == 0 else list(reversed(live))  # alternate who goes first
             for im in order:
@@ -1199,6 +1226,10 @@ def main():
                     v = cma_ceiling(workdir)
                     if v is not None:
                         ceiling.append(v)
+                if "latency" in params["scenarios"]:
+                    v = cma_small(workdir)
+                    if v is not None:
+                        small.append(v)
                 pair = rr["pair"]
                 msg = f"round {rnd + 1}/{params['rounds']} {im.label}: {time.monotonic() - t0:.1f} s"
                 if pair.get("fatal"):
@@ -1222,6 +1253,22 @@ def main():
                 ok = " ✓" if g >= 0.8 * c else " ✗"
                 lines.append(f"| gixl bulk {op} / that ceiling | — | {100 * g / c:.0f} % | — | ≥ 80 %{ok} |")
         rows.append(dict(id="cma_ceiling", gixl=c, samples=ceiling))
+    if "latency" in params["scenarios"] and small:
+        # The floor under a 4 KiB READ through the Python API: the bare system call plus one binding call.
+        f = stat(small, "median")
+        lines.append(f"| one 4 KiB process_vm_readv alone, C (µs, median of {len(small)}) | — | {f:.2f} | — | — |")
+        call = {im.key: stat(pooled(im, "latency", "READ", "call_us"), "median") for im in impls if im.available}
+        cg, cn = call.get(gixl.key) if gixl else None, call.get(nixl.key) if nixl else None
+        fmt_c = lambda v: "n/a" if v is None else f"{v:.2f}"
+        lines.append(f"| one binding call, check_xfer_state of a finished request (µs, median) | {fmt_c(cn)} | "
+                     f"{fmt_c(cg)} | — | — |")
+        read = next((r for r in rows if r["id"] == "lat_read_med"), None)
+        if cg is not None and read is not None and read.get("nixl") is not None:
+            floor, half = f + cg, read["nixl"] / 2
+            ok = "✓ reachable" if floor <= half else "✗ ½ NIXL is below the floor: unreachable on this box"
+            lines.append(f"| 4 KiB READ floor here: that call + one binding call (µs) vs ½ NIXL's median | "
+                         f"{half:.2f} | {floor:.2f} | — | {ok} |")
+        rows.append(dict(id="cma_small", gixl=f, samples=small, call_us=call))
     load_after = machine_line()
     ncpu = os.cpu_count()
     print()

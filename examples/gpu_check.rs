@@ -9,7 +9,8 @@
 //! Cases (decode = this process, prefill = a child, both on device `GIXL_GPU` (default 0)):
 //! VRAM→VRAM READ and WRITE, 1 × 64 MiB and 1024 × 16 KiB (remote blocks in random order); remote VRAM ↔
 //! local DRAM both ways (through the opened IPC handle); local VRAM ↔ remote DRAM both ways (staged through
-//! pinned memory and cross-memory attach); a VMM allocation (POSIX-fd handle) READ; the prefill killed with
+//! pinned memory and cross-memory attach); a VMM allocation of 4 physical chunks mapped back to back (one
+//! region, one POSIX-fd handle per chunk) READ; the prefill killed with
 //! the handle open and restarted: old requests refused (REMOTE_DISCONNECT, then NOT_FOUND after reload), the
 //! new incarnation's memory unchanged, a new request works.
 //!
@@ -89,15 +90,20 @@ mod mem {
             if unsafe { sys::cuMemGetAllocationGranularity(&mut g, &prop, gflag) } != sys::CUresult::CUDA_SUCCESS {
                 return None;
             }
-            let size = size.div_ceil(g) * g;
-            let mut h = 0;
+            // VMM_CHUNKS physical allocations mapped back to back in one reserved range, as PyTorch's
+            // expandable segments grow: one registered region spans them all.
+            let chunk = (size / super::VMM_CHUNKS).div_ceil(g) * g;
+            let size = chunk * super::VMM_CHUNKS;
             // SAFETY: valid pointers; each step checked.
             unsafe {
-                if sys::cuMemCreate(&mut h, size, &prop, 0) != sys::CUresult::CUDA_SUCCESS {
-                    return None;
-                }
                 ok(sys::cuMemAddressReserve(&mut p, size, 0, 0, 0), "cuMemAddressReserve");
-                ok(sys::cuMemMap(p, size, 0, h, 0), "cuMemMap");
+                for i in 0..super::VMM_CHUNKS {
+                    let mut h = 0;
+                    if sys::cuMemCreate(&mut h, chunk, &prop, 0) != sys::CUresult::CUDA_SUCCESS {
+                        return None;
+                    }
+                    ok(sys::cuMemMap(p + (i * chunk) as u64, chunk, 0, h, 0), "cuMemMap");
+                }
                 let mut a: sys::CUmemAccessDesc = std::mem::zeroed();
                 a.location = prop.location;
                 a.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
@@ -122,7 +128,13 @@ mod mem {
         }
     }
 
+    /// Physical chunks behind a VMM allocation (one region spans them all).
+    pub const VMM_CHUNKS: usize = 4;
+
     pub fn alloc(dev: u32, size: usize, vmm: bool, at: Option<u64>) -> Option<u64> {
+        if fake() && vmm {
+            return fake::alloc_chunks(dev, &[size / VMM_CHUNKS; VMM_CHUNKS], vmm, at).ok();
+        }
         if fake() {
             return fake::alloc(dev, size, vmm, at).ok();
         }
@@ -438,7 +450,8 @@ fn main() {
     // VMM allocation (POSIX-fd handle).
     if p.vmm != 0 {
         let r = mk(XferOp::Read, bulk_l(), dl(v, vec![(p.vmm, BULK)], dev)).expect("request");
-        rows.push(("VMM VRAM→VRAM READ 1 × 64 MiB".into(), rate(&a, &r, BULK, iters).unwrap_or(f64::NAN)));
+        let name = format!("VMM VRAM→VRAM READ 1 × 64 MiB ({} chunks)", mem::VMM_CHUNKS);
+        rows.push((name, rate(&a, &r, BULK, iters).unwrap_or(f64::NAN)));
         check(mem::sum(lv, BULK) == (3 ^ 0x0f) * BULK as u64, "VMM READ: data");
     } else {
         println!("  skip VMM case: the prefill could not create or register a VMM allocation (see its stderr)");

@@ -633,25 +633,19 @@ class nixl_agent:
         )
         return self._xfer_handle(raw)
 
-    @staticmethod
-    def _state_name(status) -> str:
-        if status == nixlBind.NIXL_SUCCESS:
-            return "DONE"
-        if status == nixlBind.NIXL_IN_PROG:
-            return "PROC"
-        return "ERR"
-
     def transfer(self, handle: nixl_xfer_handle, notif_msg: bytes = b"") -> str:
         """Post a transfer: ``"DONE"`` (finished inline), ``"PROC"`` or ``"ERR"``.
 
         An empty ``notif_msg`` keeps the handle's current notification; errors
         raise the matching ``nixl*Error``.
         """
-        return self._state_name(self.agent.postXferReq(handle._handle, _as_bytes(notif_msg)))
+        if notif_msg.__class__ is not bytes:
+            notif_msg = _as_bytes(notif_msg)
+        return self.agent._postState(handle._handle, notif_msg)
 
     def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
         """Poll a posted transfer: ``"DONE"``, ``"PROC"`` or ``"ERR"`` (errors raise)."""
-        return self._state_name(self.agent.getXferStatus(handle._handle))
+        return self.agent._xferState(handle._handle)
 
     def get_xfer_telemetry(self, handle: nixl_xfer_handle) -> nixlBind.nixlXferTelemetry:
         """Telemetry of a completed transfer (needs telemetry enabled)."""

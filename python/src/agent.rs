@@ -72,6 +72,15 @@ fn ok_status(py: Python<'_>, s: Status) -> PyResult<Bound<'_, StatusT>> {
     Bound::new(py, StatusT::of(s))
 }
 
+/// `nixl._api`'s name of a transfer state.
+fn state_name(py: Python<'_>, s: Status) -> Bound<'_, PyString> {
+    match s {
+        Status::Success => pyo3::intern!(py, "DONE").clone(),
+        Status::InProg => pyo3::intern!(py, "PROC").clone(),
+        _ => pyo3::intern!(py, "ERR").clone(),
+    }
+}
+
 fn status_of(r: gixl::Result<()>) -> StatusT {
     match r {
         Ok(()) => StatusT::of(Status::Success),
@@ -539,6 +548,28 @@ impl Agent {
         };
         let s = py.detach(|| self.agent.post_xfer_req(&x, update)).py_err()?;
         ok_status(py, s)
+    }
+
+    /// `postXferReq` as `nixl._api`'s `transfer` wants it: the state's name (`"DONE"`, `"PROC"`), saving the
+    /// wrapper a status object and its comparisons on every post (gixl's own; not in NIXL's bindings).
+    #[pyo3(signature = (reqh, notif_msg = Msg::default()))]
+    fn _postState<'py>(&self, py: Python<'py>, reqh: u64, notif_msg: Msg) -> PyResult<Bound<'py, PyString>> {
+        let x = self.xfer(reqh)?;
+        let update = if notif_msg.0.is_empty() {
+            NotifUpdate::Keep
+        } else {
+            NotifUpdate::Set(notif_msg.0)
+        };
+        let s = py.detach(|| self.agent.post_xfer_req(&x, update)).py_err()?;
+        Ok(state_name(py, s))
+    }
+
+    /// `getXferStatus` as `nixl._api`'s `check_xfer_state` wants it (see `_postState`).
+    #[pyo3(signature = (reqh, /))]
+    fn _xferState<'py>(&self, py: Python<'py>, reqh: u64) -> PyResult<Bound<'py, PyString>> {
+        let x = self.xfer(reqh)?;
+        let s = py.detach(|| self.agent.xfer_status(&x)).py_err()?;
+        Ok(state_name(py, s))
     }
 
     #[pyo3(signature = (reqh, /))]

@@ -35,12 +35,6 @@ impl<T> Section<T> {
             .map(|back| end - 1 - back)
     }
 
-    /// Whether region `i` covers `q` (a prepped list tries the previous descriptor's region first).
-    #[inline]
-    pub fn covers(&self, i: usize, q: &Desc) -> bool {
-        self.regions.get(i).is_some_and(|(d, _)| d.covers(q, self.mem))
-    }
-
     pub fn find_exact(&self, q: &Desc) -> Option<usize> {
         self.regions.binary_search_by(|(d, _)| d.cmp(q)).ok()
     }

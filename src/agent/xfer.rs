@@ -64,34 +64,56 @@ struct Runs {
 const RUN_GAIN: usize = 8;
 
 impl Runs {
-    /// Equal-length, same-group, evenly spaced runs of one common size, if the list is made of them.
-    fn find(n: usize, entry: impl Fn(usize) -> Entry) -> Option<Runs> {
-        // The first run's length fixes `per`; every other run must have it (the last at most it).
-        let first = entry(0);
-        if first.len == LONG || n < 2 {
+    /// Equal-length, same-group, evenly spaced runs of one common size, if the list `d` (whose groups are
+    /// the spans `spans`, see [`Groups`]) is made of them.
+    fn find(d: &[crate::mem::Desc], spans: &[(usize, u32)]) -> Option<Runs> {
+        let n = d.len();
+        if n < 2 || spans.is_empty() {
             return None;
         }
-        let stride = entry(1).addr.wrapping_sub(first.addr);
-        let fits = |e: &Entry, x: &Entry, k: usize, stride: u64| {
-            x.len == e.len && x.group == e.group && x.addr == e.addr.wrapping_add(stride.wrapping_mul(k as u64))
+        let len32 = |x: &crate::mem::Desc| u32::try_from(x.len).ok().filter(|&l| l != LONG);
+        // Descriptors `from + 1 .. to` continue the run that `d[from]` starts with `stride`, one length.
+        let follow = |from: usize, to: usize, stride: u64| {
+            let (len, mut at) = (d[from].len, d[from].addr);
+            d[from + 1..to].iter().all(|x| {
+                at = at.wrapping_add(stride);
+                x.len == len && x.addr == at
+            })
         };
-        let per = (1..n).find(|&k| !fits(&first, &entry(k), k, stride)).unwrap_or(n);
+        // The first run's length fixes `per` (at most the first group's span); every other run must have it
+        // (the last at most it).
+        len32(&d[0])?;
+        let stride0 = d[1].addr.wrapping_sub(d[0].addr);
+        let first_span = spans[0].0.min(n);
+        let (len0, mut at) = (d[0].len, d[0].addr);
+        let per = 1 + d[1..first_span]
+            .iter()
+            .take_while(|x| {
+                at = at.wrapping_add(stride0);
+                x.len == len0 && x.addr == at
+            })
+            .count();
         if per < RUN_GAIN * 2
             || n.div_ceil(per) * std::mem::size_of::<Run>() * RUN_GAIN > n * std::mem::size_of::<Entry>()
         {
             return None;
         }
         let mut runs = Vec::with_capacity(n.div_ceil(per));
-        let mut from = 0;
+        let (mut from, mut span) = (0, 0);
         while from < n {
-            let e = entry(from);
             let take = per.min(n - from);
-            let stride = if take > 1 { entry(from + 1).addr.wrapping_sub(e.addr) } else { 0 };
-            // Every descriptor of the run must be exactly where the run puts it.
-            if e.len == LONG || !(1..take).all(|k| fits(&e, &entry(from + k), k, stride)) {
+            while spans[span].0 <= from {
+                span += 1;
+            }
+            // One group for the whole run.
+            let (end, group) = spans[span];
+            let e = &d[from];
+            let len = len32(e)?;
+            let stride = if take > 1 { d[from + 1].addr.wrapping_sub(e.addr) } else { 0 };
+            if end < from + take || !follow(from, from + take, stride) {
                 return None;
             }
-            runs.push(Run { addr: e.addr, stride, len: e.len, group: e.group });
+            runs.push(Run { addr: e.addr, stride, len, group });
             from += take;
         }
         Some(Runs { runs, per })
@@ -304,14 +326,17 @@ impl Agent {
         let d = descs.descs();
         let n = d.len();
         // Straight from the descriptors: a per-block list never builds the entries it does not keep.
-        let runs =
-            Runs::find(n, |i| Entry { addr: d[i].addr, len: u32::try_from(d[i].len).unwrap_or(LONG), group: of[i] });
+        let runs = Runs::find(d, &of);
         let mut entries: Vec<Entry> = Vec::new();
         let mut long = Vec::new();
         if runs.is_none() {
             entries.reserve_exact(n);
             huge_pages_hint(&mut entries);
-            for (i, (d, &group)) in d.iter().zip(&of).enumerate() {
+            let groups = of.iter().enumerate().flat_map(|(i, &(end, g))| {
+                let start = if i == 0 { 0 } else { of[i - 1].0 };
+                std::iter::repeat_n(g, end - start)
+            });
+            for (i, (d, group)) in d.iter().zip(groups).enumerate() {
                 let len = u32::try_from(d.len).ok().filter(|&l| l != LONG).unwrap_or_else(|| {
                     long.push((i as u32, d.len));
                     LONG
@@ -702,8 +727,10 @@ impl PlanIndex for u32 {
 
 /// Groups of descriptors that resolve to the same region in every backend tried so far.
 struct Groups {
-    /// Per descriptor, its group.
-    of: Vec<u32>,
+    /// The group of every descriptor, as spans of consecutive descriptors: (end, exclusive; group), ends
+    /// increasing, the last one the list's length. (Block lists resolve in long spans: a million-entry list
+    /// inside 64 registrations is 64 spans, not 4 MB written and read back.)
+    of: Vec<(usize, u32)>,
     /// Per backend that covers every descriptor, per group, the region's key.
     keys: Vec<Vec<Option<RegionKey>>>,
     /// Per group, the device id.
@@ -712,43 +739,44 @@ struct Groups {
 
 impl Groups {
     fn new(n: usize) -> Groups {
-        Groups { of: vec![0; n], keys: Vec::new(), devs: Vec::new() }
+        Groups { of: vec![(n, 0)], keys: Vec::new(), devs: Vec::new() }
     }
 
     /// Resolve every descriptor in `sec` and split the groups by the region found. `false` (and nothing
     /// changed) unless every descriptor is covered. A descriptor covered by the region of the one before it
-    /// takes that region without a search, so a list of blocks inside a few registrations costs one check
-    /// per block.
+    /// takes that region without a search.
     fn refine<T>(&mut self, descs: &XferDList, sec: &Section<T>, key: impl Fn(usize) -> Option<RegionKey>) -> bool {
-        let first = self.keys.is_empty();
-        let mut of = Vec::with_capacity(descs.len());
+        let mut of: Vec<(usize, u32)> = Vec::new();
         // Per new group: the group it splits and the region it has in `sec`.
         let mut parent: Vec<u32> = Vec::new();
         let mut region_of: Vec<usize> = Vec::new();
         let mut devs = Vec::new();
         let mut index: HashMap<(u32, usize), u32> = HashMap::new();
-        // (old group, region, new group) of the previous descriptor.
-        let mut last: Option<(u32, usize, u32)> = None;
-        for (j, d) in descs.iter().enumerate() {
-            let old = if first { 0 } else { self.of[j] };
-            let region = match last {
-                Some((_, r, _)) if sec.covers(r, d) => r,
-                _ => match sec.find_cover(d) {
-                    Some(r) => r,
-                    None => return false,
-                },
-            };
-            let g = match last {
-                Some((o, r, g)) if o == old && r == region => g,
-                _ => *index.entry((old, region)).or_insert_with(|| {
-                    parent.push(old);
-                    region_of.push(region);
-                    devs.push(d.dev);
-                    (parent.len() - 1) as u32
-                }),
-            };
-            last = Some((old, region, g));
-            of.push(g);
+        let d = descs.descs();
+        let (mut j, mut span) = (0, 0);
+        while j < d.len() {
+            while self.of[span].0 <= j {
+                span += 1;
+            }
+            let (old_end, old) = self.of[span];
+            let Some(region) = sec.find_cover(&d[j]) else { return false };
+            let g = *index.entry((old, region)).or_insert_with(|| {
+                parent.push(old);
+                region_of.push(region);
+                devs.push(d[j].dev);
+                (parent.len() - 1) as u32
+            });
+            // The descriptors after it that the same region covers (and, after the first backend, that were in
+            // the same group) join it without a search: a list of blocks inside a few registrations is a few
+            // tight scans.
+            let (r, _) = sec.get(region);
+            let limit = old_end.min(d.len());
+            let k = j + 1 + d[j + 1..limit].iter().take_while(|x| r.covers(x, descs.mem_type())).count();
+            match of.last_mut() {
+                Some((end, last)) if *last == g => *end = k,
+                _ => of.push((k, g)),
+            }
+            j = k;
         }
         let mut keys: Vec<Vec<Option<RegionKey>>> =
             self.keys.iter().map(|old| parent.iter().map(|&p| old[p as usize].clone()).collect()).collect();
@@ -1042,6 +1070,47 @@ mod tests {
         assert_eq!((segs.len(), total), (3, (5 << 32) + u32::MAX as u64 + 7));
         let e = plan_segs(&p.0, &[0i32], &q.0, &[1i32], true).unwrap_err();
         assert!(e.to_string().contains("length mismatch"), "{e}");
+    }
+
+    /// Groups follow registrations exactly, wherever their boundaries fall (inside a run of a per-block list,
+    /// or between runs), with a second backend refining them, and a per-block list becomes runs only when each
+    /// run lies inside one registration.
+    #[test]
+    fn groups_follow_registrations_with_runs_and_two_backends() {
+        const LAYERS: u64 = 4;
+        const BLOCKS: u64 = 64;
+        let size = (LAYERS * BLOCKS * B) as usize;
+        let src = vec![1u8; size];
+        let base = src.as_ptr() as u64;
+        let per_block: Vec<u64> =
+            (0..LAYERS * BLOCKS).map(|i| base + (LAYERS - 1 - i / BLOCKS) * BLOCKS * B + (i % BLOCKS) * B).collect();
+        let list = XferDList::with_descs(MemType::Dram, per_block.iter().map(|&x| Desc::new(x, B, 0)).collect());
+        // (registration boundaries in blocks, whether runs are expected)
+        let cases: [(&[u64], bool); 3] = [(&[64, 128, 192], true), (&[100, 130], false), (&[], true)];
+        for (cuts, runs_expected) in cases {
+            let a = Agent::new("g", AgentConfig::default()).unwrap();
+            a.create_backend("UCX", &Params::new()).unwrap();
+            a.create_backend("POSIX", &Params::new()).unwrap();
+            let mut edges = vec![0u64];
+            edges.extend_from_slice(cuts);
+            edges.push(LAYERS * BLOCKS);
+            let regs: Vec<RegDesc> = edges
+                .windows(2)
+                .map(|w| RegDesc { desc: Desc::new(base + w[0] * B, (w[1] - w[0]) * B, 0), meta: vec![] })
+                .collect();
+            a.register_mem(&RegDList::with_descs(MemType::Dram, regs), &[]).unwrap();
+            let p = a.prep_xfer_dlist("", &list, &[]).unwrap();
+            assert_eq!(p.0.runs.is_some(), runs_expected, "cuts {cuts:?}");
+            let idx: Vec<i64> = (0..(LAYERS * BLOCKS) as i64).collect();
+            let (segs, _) = plan_segs(&p.0, &idx, &p.0, &idx, true).unwrap();
+            let region = |addr: u64| edges.iter().rposition(|&e| base + e * B <= addr).unwrap();
+            let mut group_region = HashMap::new();
+            for s in &segs {
+                let r = region(s.local);
+                assert_eq!(*group_region.entry(s.lreg).or_insert(r), r, "group {} spans two registrations", s.lreg);
+            }
+            assert_eq!(group_region.len(), edges.len() - 1, "one group per registration (cuts {cuts:?})");
+        }
     }
 
     #[test]

@@ -12,12 +12,12 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{c_void, CStr};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::OnceLock;
 
 use cudarc::driver::sys;
 
-use super::{Copy, Device, Export, HandleKind, HostBuf, IpcHandle, Mapping, PtrInfo};
+use super::{Copy, Device, Export, FdSource, HandleKind, HostBuf, IpcHandle, Mapping, PtrInfo};
 use crate::status::{Error, Result, Status};
 
 /// The driver symbols this module calls; all must resolve before any is called.
@@ -281,6 +281,28 @@ impl Device for Cuda {
         let dev: i32 = self.attr(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, addr)?;
         let dev = u32::try_from(dev).map_err(|_| Error::backend("negative device ordinal"))?;
         let _c = Current::enter(self.ctx(dev)?)?;
+        // UNTESTED ON HARDWARE (no GPU was lent while this was written): the VMM branch below follows the
+        // driver API documentation only.
+        //
+        // A VMM range (cuMemAddressReserve + one cuMemMap per physical chunk, as PyTorch's expandable
+        // segments build it) is not one allocation: each chunk has its own allocation handle, and only a
+        // whole chunk can be exported (cuMemRetainAllocationHandle + cuMemExportToShareableHandle in
+        // `export`) and mapped by the importer. So for VMM memory the "allocation" reported here is the
+        // mapping the address falls in (CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR / _MAPPING_SIZE: one cuMemMap'd
+        // chunk; cuMemMap's offset into a handle must be 0, so a mapping starts at its handle's start), and the
+        // engine walks a region chunk by chunk (`vram::chunks`), exporting and opening one handle per chunk.
+        // cuMemGetAddressRange serves cudaMalloc'd (legacy-IPC-capable) memory, for which it is documented.
+        let legacy: i32 = self.attr(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, addr)?;
+        if legacy == 0 {
+            let base: u64 = self.attr(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR, addr)?;
+            let size: u64 = self.attr(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MAPPING_SIZE, addr)?;
+            if base == 0 || size == 0 || addr < base || addr - base >= size {
+                return Err(Error::backend(format!(
+                    "the driver reports no mapping around {addr:#x} ({base:#x}+{size}) for a VMM allocation"
+                )));
+            }
+            return Ok(PtrInfo { dev, base, size });
+        }
         let (mut base, mut size) = (0u64, 0usize);
         // SAFETY: valid out-pointers.
         check(unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) }, "cuMemGetAddressRange")?;
@@ -299,8 +321,9 @@ impl Device for Cuda {
             let bytes = h.reserved.iter().map(|&c| c as u8).collect();
             return Ok(Export { handle: IpcHandle { kind: HandleKind::Legacy, size: info.size, bytes }, keep: None });
         }
-        // A VMM allocation: export the physical allocation as a POSIX fd (it must have been created with that
-        // handle type requested, as PyTorch's expandable segments are).
+        // A VMM allocation: export the physical allocation mapped at `info.base` (one chunk of a VMM range, see
+        // `pointer_info`) as a POSIX fd (it must have been created with that handle type requested, as
+        // PyTorch's expandable segments are). Untested on hardware.
         let mut h: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: valid out-pointer; the address is inside a mapped VMM allocation.
         check(
@@ -328,7 +351,7 @@ impl Device for Cuda {
         Ok(Export { handle: IpcHandle { kind: HandleKind::PosixFd, size: info.size, bytes }, keep: Some(keep) })
     }
 
-    fn open(&self, dev: u32, handle: &IpcHandle, exporter: BorrowedFd<'_>) -> Result<Box<dyn Mapping>> {
+    fn open(&self, dev: u32, handle: &IpcHandle, fd: FdSource<'_>) -> Result<Box<dyn Mapping>> {
         let ctx = self.ctx(dev)?;
         let _c = Current::enter(ctx)?;
         match handle.kind {
@@ -354,7 +377,7 @@ impl Device for Cuda {
                 Ok(Box::new(Legacy { base, ctx }))
             }
             HandleKind::PosixFd => {
-                let fd = super::take_fd(handle, exporter)?;
+                let fd = fd()?;
                 let size = handle.size as usize;
                 let mut h: sys::CUmemGenericAllocationHandle = 0;
                 // SAFETY: for POSIX fds the driver takes the descriptor value as the pointer argument.

@@ -1,8 +1,9 @@
 //! A device that keeps "device memory" in shared host memory, for tests without a GPU.
 //!
 //! An allocation is a memfd mapped into this process; its address is the "device pointer". Exporting it
-//! hands out the memfd's descriptor number and identity; a peer opens it by taking the descriptor with
-//! `pidfd_getfd` (as a VMM POSIX-fd handle is taken) and mapping it. As with CUDA IPC, an opened mapping
+//! hands out the memfd's descriptor number and identity (for either handle kind); a peer opens it by
+//! getting the descriptor from the engine (as a VMM POSIX-fd handle is: `pidfd_getfd`, or SCM_RIGHTS over
+//! the exporter's control socket) and mapping it. As with CUDA IPC, an opened mapping
 //! keeps the memory alive after the exporter frees it or exits: writing through a stale mapping "succeeds"
 //! into memory nobody reads, which is exactly what the engine's gate must prevent. Every open and every
 //! copy through an opened mapping is counted per allocation, so tests can show that a stale handle never
@@ -15,7 +16,7 @@ use std::sync::OnceLock;
 
 use parking_lot::Mutex;
 
-use super::{Copy, Device, Export, HandleKind, HostBuf, IpcHandle, Mapping, PtrInfo};
+use super::{Copy, Device, Export, FdSource, HandleKind, HostBuf, IpcHandle, Mapping, PtrInfo};
 use crate::status::{Error, Result, Status};
 
 /// Fake devices 0..DEVICES exist.
@@ -89,6 +90,60 @@ pub fn alloc(dev: u32, size: usize, vmm: bool, at: Option<u64>) -> Result<u64> {
     if dev >= DEVICES || size == 0 {
         return Err(Error::invalid_param("fake device: bad device or size"));
     }
+    let (fd, ino) = memfd(size)?;
+    let base = map(fd.as_fd(), size as u64, at)?;
+    state().lock().allocs.insert(base, Alloc { size: size as u64, dev, vmm, fd, ino });
+    Ok(base)
+}
+
+/// One virtual range backed by several allocations mapped back to back, `sizes[i]` bytes each, as a VMM
+/// range is (PyTorch's expandable segments map one physical chunk after another into a reserved range):
+/// each chunk is its own allocation (its own pointer range, export and handle). Returns the range's start.
+pub fn alloc_chunks(dev: u32, sizes: &[usize], vmm: bool, at: Option<u64>) -> Result<u64> {
+    if dev >= DEVICES || sizes.is_empty() || sizes.iter().any(|&s| s == 0 || s % 4096 != 0) {
+        return Err(Error::invalid_param("fake device: bad device or chunk sizes (page multiples)"));
+    }
+    let total: usize = sizes.iter().sum();
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | if at.is_some() { libc::MAP_FIXED_NOREPLACE } else { 0 };
+    // SAFETY: reserving address space (no access); a fixed address only where nothing is mapped.
+    let r = unsafe { libc::mmap(at.unwrap_or(0) as usize as *mut libc::c_void, total, libc::PROT_NONE, flags, -1, 0) };
+    if r == libc::MAP_FAILED || at.is_some_and(|a| a != r as u64) {
+        if r != libc::MAP_FAILED {
+            // SAFETY: unmapping what we just mapped.
+            unsafe { libc::munmap(r, total) };
+        }
+        return Err(Error::backend("fake device: cannot reserve the chunked range"));
+    }
+    let mut off = 0usize;
+    let mut made = Vec::with_capacity(sizes.len());
+    for &size in sizes {
+        let (fd, ino) = memfd(size)?;
+        let at = r as usize + off;
+        // SAFETY: replacing part of our own reservation (MAP_FIXED inside it) with the chunk.
+        let p = unsafe {
+            libc::mmap(
+                at as *mut libc::c_void,
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            // SAFETY: our own reservation and the chunks mapped into it.
+            unsafe { libc::munmap(r, total) };
+            return Err(Error::os(Status::Backend, "fake device: mapping a chunk", std::io::Error::last_os_error()));
+        }
+        made.push((at as u64, Alloc { size: size as u64, dev, vmm, fd, ino }));
+        off += size;
+    }
+    state().lock().allocs.extend(made);
+    Ok(r as u64)
+}
+
+/// A fresh memfd of `size` bytes and its inode.
+fn memfd(size: usize) -> Result<(OwnedFd, u64)> {
     // SAFETY: plain syscall with a static name; the result is checked.
     let fd = unsafe { libc::memfd_create(c"gixl-fake-vram".as_ptr(), libc::MFD_CLOEXEC) };
     if fd < 0 {
@@ -101,9 +156,7 @@ pub fn alloc(dev: u32, size: usize, vmm: bool, at: Option<u64>) -> Result<u64> {
         return Err(Error::os(Status::Backend, "fake device: ftruncate", std::io::Error::last_os_error()));
     }
     let ino = super::fd_identity(fd.as_fd()).map_err(|e| Error::os(Status::Backend, "fake device: fstat", e))?.1;
-    let base = map(fd.as_fd(), size as u64, at)?;
-    state().lock().allocs.insert(base, Alloc { size: size as u64, dev, vmm, fd, ino });
-    Ok(base)
+    Ok((fd, ino))
 }
 
 /// Free an allocation made by [`alloc`]. Peers that opened it keep their mapping (as with CUDA IPC).
@@ -203,11 +256,11 @@ impl Device for Fake {
         Ok(Export { handle: IpcHandle { kind, size: a.size, bytes }, keep: Some(keep) })
     }
 
-    fn open(&self, dev: u32, handle: &IpcHandle, exporter: BorrowedFd<'_>) -> Result<Box<dyn Mapping>> {
+    fn open(&self, dev: u32, handle: &IpcHandle, fd: FdSource<'_>) -> Result<Box<dyn Mapping>> {
         if dev >= DEVICES {
             return Err(Error::invalid_param(format!("fake device {dev} does not exist")));
         }
-        let fd = super::take_fd(handle, exporter)?;
+        let fd = fd()?;
         let ino = super::fd_identity(fd.as_fd()).map_err(|e| Error::os(Status::Backend, "fake device: fstat", e))?.1;
         let base = map(fd.as_fd(), handle.size, None)?;
         let mut s = state().lock();

@@ -8,7 +8,9 @@
 //! - pointer attributes: which device and which allocation (base, size) an address belongs to;
 //! - export / open / close of an allocation for another process: a legacy IPC handle (64 opaque bytes,
 //!   regions addressed by their offset inside the allocation) or, for VMM allocations (PyTorch's expandable
-//!   segments), a shareable POSIX fd that the exporter keeps open and the importer takes with `pidfd_getfd`;
+//!   segments), a shareable POSIX fd that the exporter keeps open; the importer gets it from the engine
+//!   (`pidfd_getfd`, or the exporter's control socket with SCM_RIGHTS where the kernel refuses that) and
+//!   checks that it is the object the handle names ([`same_object`]);
 //! - copies (device↔device, host↔device) on streams the engine owns, completion by an event that the
 //!   calling thread waits on (a blocking-sync event: the thread sleeps, no busy polling);
 //! - page-locked host buffers for staged copies.
@@ -31,7 +33,8 @@ pub mod fake;
 pub struct PtrInfo {
     /// Device ordinal.
     pub dev: u32,
-    /// The allocation containing the address.
+    /// The allocation containing the address: what one handle exports. In a VMM range (several physical
+    /// chunks mapped back to back) that is the chunk, not the range.
     pub base: u64,
     pub size: u64,
 }
@@ -91,6 +94,9 @@ pub trait HostBuf: Send {
     fn size(&self) -> usize;
 }
 
+/// Where `Device::open` gets the exporter's descriptor for an fd-based handle (called at most once).
+pub type FdSource<'a> = &'a dyn Fn() -> Result<OwnedFd>;
+
 pub trait Device: Send + Sync + 'static {
     /// "cuda" or "fake".
     fn kind(&self) -> &'static str;
@@ -98,9 +104,9 @@ pub trait Device: Send + Sync + 'static {
     fn pointer_info(&self, addr: u64) -> Result<PtrInfo>;
     /// Make the allocation openable by other processes.
     fn export(&self, info: &PtrInfo) -> Result<Export>;
-    /// Open a peer's allocation on device `dev`. `exporter` is a pidfd of the exporting process (fd-based
-    /// handles are taken from it with `pidfd_getfd`).
-    fn open(&self, dev: u32, handle: &IpcHandle, exporter: BorrowedFd<'_>) -> Result<Box<dyn Mapping>>;
+    /// Open a peer's allocation on device `dev`. For an fd-based handle, `fd` gives the exporter's
+    /// descriptor, already checked to be the object the handle names.
+    fn open(&self, dev: u32, handle: &IpcHandle, fd: FdSource<'_>) -> Result<Box<dyn Mapping>>;
     /// Run `copies` on an engine-owned stream of device `dev` and return once they are complete.
     fn copy(&self, dev: u32, copies: &[Copy]) -> Result<()>;
     /// A page-locked host buffer of `len` bytes, for staging.
@@ -186,9 +192,8 @@ pub(crate) fn fd_handle_bytes(fd: i32, id: (u64, u64)) -> Vec<u8> {
     b
 }
 
-/// Take the fd a `PosixFd` handle names from the exporter and check it is the object that was exported.
-pub(crate) fn take_fd(handle: &IpcHandle, exporter: BorrowedFd<'_>) -> Result<OwnedFd> {
-    let b = &handle.bytes;
+/// The exporter's descriptor number and identity in an fd handle's bytes.
+pub(crate) fn fd_handle(b: &[u8]) -> Result<(i32, (u64, u64))> {
     if b.len() != 20 {
         return Err(Error::mismatch("malformed fd handle"));
     }
@@ -197,20 +202,16 @@ pub(crate) fn take_fd(handle: &IpcHandle, exporter: BorrowedFd<'_>) -> Result<Ow
         a[..r.len()].copy_from_slice(&b[r]);
         u64::from_le_bytes(a)
     };
-    let fd = num(0..4) as u32 as i32;
-    let want = (num(4..12), num(12..20));
-    let got = pidfd_getfd(exporter, fd).map_err(|e| {
-        let status = if e.raw_os_error() == Some(libc::ESRCH) {
-            crate::Status::RemoteDisconnect
-        } else {
-            crate::Status::Backend
-        };
-        Error::os(status, "taking the peer's allocation handle (pidfd_getfd)", e)
-    })?;
-    let id = fd_identity(std::os::fd::AsFd::as_fd(&got))
+    Ok((num(0..4) as u32 as i32, (num(4..12), num(12..20))))
+}
+
+/// `fd` if it is the object of identity `want` (st_dev, st_ino): a descriptor taken from a peer by number
+/// names whatever the peer has open under that number now.
+pub(crate) fn same_object(fd: OwnedFd, want: (u64, u64)) -> Result<OwnedFd> {
+    let id = fd_identity(std::os::fd::AsFd::as_fd(&fd))
         .map_err(|e| Error::os(crate::Status::Backend, "fstat of the peer's allocation handle", e))?;
     if id != want {
         return Err(Error::not_found("the peer no longer exports this allocation (its handle names another object)"));
     }
-    Ok(got)
+    Ok(fd)
 }

@@ -3,7 +3,9 @@
 //! (see [`for_batches`]), each batch inside the target's gate (`gate`).
 
 use std::io;
+use std::sync::atomic::{AtomicU32, Ordering};
 
+use super::sentinel;
 use crate::backend::{Seg, XferOp};
 use crate::status::{Error, Result, Status};
 
@@ -72,9 +74,13 @@ pub struct Probe {
 }
 
 /// Copy one batch between this process and `pid` with cross-memory attach, resuming after partial
-/// transfers. The first remote iovec of every call is `probe`'s gate: a read of the incarnation id, or a
-/// write to the gate's scratch bytes, so the call moves nothing unless `pid` still maps that incarnation's
-/// gate, and a read proves which address space its data came from.
+/// transfers. Each call is tied to the incarnation's address space:
+/// - a write's first remote iovec is the gate's scratch bytes (`probe`), so the call moves nothing unless
+///   `pid` still maps that incarnation's gate (an exec'd image or another process faults on it first);
+/// - a read checks the target's sentinel word (`sentinel`, in our mapping of its gate) before and after each
+///   call: unchanged after the call proves the address space it read was the original image (see
+///   `sentinel.rs`), for one atomic load instead of a second iovec (about 0.5 µs of a 4 KiB read). Where the
+///   target publishes no sentinel, a read probes as well: its first iovec reads the incarnation id back.
 ///
 /// Errors: REMOTE_DISCONNECT if the process is gone or no longer this incarnation (`gone` is set);
 /// BACKEND for a descriptor that faults (the peer stays usable) and for other failures; EPERM/ENOSYS keep
@@ -83,11 +89,29 @@ pub struct Probe {
 /// # Safety
 /// The local range of every segment must be valid, registered memory of this process for the duration
 /// of the call. (The remote side is checked by the kernel: a bad remote address fails with EFAULT.)
-pub unsafe fn cma_batch(pid: i32, op: XferOp, segs: &[Seg], probe: &Probe, gone: &mut bool) -> Result<()> {
+pub unsafe fn cma_batch(
+    pid: i32,
+    op: XferOp,
+    segs: &[Seg],
+    probe: &Probe,
+    sentinel: &AtomicU32,
+    gone: &mut bool,
+) -> Result<()> {
+    let watch = match (op, sentinel::read(sentinel)) {
+        (_, sentinel::Word::Ended) => {
+            *gone = true;
+            return Err(Error::disconnected(format!(
+                "process {pid} no longer runs the agent incarnation {:032x} (it exited or exec'd)",
+                probe.incarnation
+            )));
+        }
+        (XferOp::Read, sentinel::Word::Alive(v)) => Some((sentinel, v)),
+        _ => None,
+    };
     IOVS.with(|v| {
         let (local, remote) = &mut *v.borrow_mut();
         // SAFETY: the caller's contract, passed on.
-        unsafe { cma_batch_with(pid, op, segs, probe, gone, local, remote) }
+        unsafe { cma_batch_with(pid, op, segs, probe, watch, gone, local, remote) }
     })
 }
 
@@ -100,16 +124,30 @@ thread_local! {
 ///
 /// # Safety
 /// As `cma_batch`.
+#[allow(clippy::too_many_arguments)]
 unsafe fn cma_batch_with(
     pid: i32,
     op: XferOp,
     segs: &[Seg],
     probe: &Probe,
+    watch: Option<(&AtomicU32, u32)>,
     gone: &mut bool,
     local: &mut Vec<libc::iovec>,
     remote: &mut Vec<libc::iovec>,
 ) -> Result<()> {
     let want: usize = segs.iter().map(|s| s.len as usize).sum();
+    // Checked after every call of a watched read: still the value seen before, or the image is not the same.
+    let same_image = |gone: &mut bool| match watch {
+        Some((w, v)) if w.load(Ordering::SeqCst) != v => {
+            *gone = true;
+            Err(Error::disconnected(format!(
+                "process {pid} exited or exec'd during the read; agent incarnation {:032x} is gone",
+                probe.incarnation
+            )))
+        }
+        _ => Ok(()),
+    };
+    let probing = watch.is_none();
     let expect = probe.incarnation.to_le_bytes();
     let mut canary = [0u8; super::gate::PROBE_BYTES];
     let probe_off = match op {
@@ -124,8 +162,10 @@ unsafe fn cma_batch_with(
     while done < want {
         local.clear();
         remote.clear();
-        local.push(iov(canary.as_mut_ptr() as u64, canary.len() as u64));
-        remote.push(iov(probe.addr + probe_off as u64, canary.len() as u64));
+        if probing {
+            local.push(iov(canary.as_mut_ptr() as u64, canary.len() as u64));
+            remote.push(iov(probe.addr + probe_off as u64, canary.len() as u64));
+        }
         let mut skip = done as u64;
         for s in segs {
             if skip >= s.len {
@@ -147,32 +187,78 @@ unsafe fn cma_batch_with(
         };
         if n < 0 {
             let e = io::Error::last_os_error();
+            same_image(gone)?;
             if e.kind() == io::ErrorKind::Interrupted {
                 continue;
             }
+            if !probing && e.raw_os_error() == Some(libc::EFAULT) {
+                // Same image (checked above): the first descriptor faulted.
+                return Err(descriptor_fault(pid, op, local, remote, 0));
+            }
             return Err(cma_error(pid, op, e, gone));
         }
+        same_image(gone)?;
         let n = n as usize;
-        if n < canary.len() || (op == XferOp::Read && canary != expect) {
+        let head = if probing { canary.len() } else { 0 };
+        if n < head || (probing && op == XferOp::Read && canary != expect) {
             *gone = true;
             return Err(Error::disconnected(format!(
                 "process {pid} no longer holds the agent incarnation {:032x}",
                 probe.incarnation
             )));
         }
-        let data = n - canary.len();
+        let data = n - head;
         if data == 0 {
-            let (l, r) = (local.get(1).map(|v| v.iov_base as u64), remote.get(1).map(|v| v.iov_base as u64));
-            return Err(Error::backend(format!(
-                "{}: a descriptor faulted (local {:#x}, remote {:#x} in process {pid}): its memory is not mapped",
-                call_name(op),
-                l.unwrap_or(0),
-                r.unwrap_or(0)
-            )));
+            return Err(descriptor_fault(pid, op, local, remote, head.min(1)));
         }
         done += data;
     }
     Ok(())
+}
+
+/// A descriptor's memory is not mapped (local, or remote in the same image): the request fails, the peer
+/// stays usable. `first` is the index of the first data iovec.
+fn descriptor_fault(pid: i32, op: XferOp, local: &[libc::iovec], remote: &[libc::iovec], first: usize) -> Error {
+    let (l, r) = (local.get(first).map(|v| v.iov_base as u64), remote.get(first).map(|v| v.iov_base as u64));
+    Error::backend(format!(
+        "{}: a descriptor faulted (local {:#x}, remote {:#x} in process {pid}): its memory is not mapped",
+        call_name(op),
+        l.unwrap_or(0),
+        r.unwrap_or(0)
+    ))
+}
+
+/// Check, with one 16-byte `process_vm_readv` of the target's gate, that `pid` is still the process that
+/// holds `probe`'s incarnation: for copies that do not go through cross-memory attach themselves (device
+/// copies through an opened IPC handle, see `vram`). It faults in an exec'd image or a process that took over
+/// the pid (the gate's random address is not mapped there) and a read-back of another incarnation id fails.
+/// Errors as `cma_batch` (`gone` set for REMOTE_DISCONNECT; EPERM/ENOSYS keep their `io::Error` source).
+pub fn probe(pid: i32, probe: &Probe, gone: &mut bool) -> Result<()> {
+    let mut got = [0u8; super::gate::PROBE_BYTES];
+    let local = libc::iovec { iov_base: got.as_mut_ptr().cast(), iov_len: got.len() };
+    let remote = libc::iovec {
+        iov_base: (probe.addr + super::gate::OFF_INCARNATION as u64) as usize as *mut libc::c_void,
+        iov_len: got.len(),
+    };
+    loop {
+        // SAFETY: the local iovec is our own stack buffer; the kernel checks the remote one.
+        let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(cma_error(pid, XferOp::Read, e, gone));
+        }
+        if n as usize != got.len() || got != probe.incarnation.to_le_bytes() {
+            *gone = true;
+            return Err(Error::disconnected(format!(
+                "process {pid} no longer holds the agent incarnation {:032x}",
+                probe.incarnation
+            )));
+        }
+        return Ok(());
+    }
 }
 
 fn call_name(op: XferOp) -> &'static str {
@@ -248,11 +334,48 @@ mod tests {
             calls += 1;
             let mut gone = false;
             // SAFETY: all local ranges are live Vecs.
-            unsafe { cma_batch(me(), XferOp::Read, b, &probe, &mut gone) }
+            unsafe { cma_batch(me(), XferOp::Read, b, &probe, g.sentinel(), &mut gone) }
         })
         .unwrap();
         assert_eq!(calls, 3);
         assert_eq!(dst, src);
+    }
+
+    /// Reads watched by a live sentinel go without the probe (a wrong probe address does not matter); an
+    /// ended sentinel refuses before anything moves, for reads and writes.
+    #[test]
+    fn the_sentinel_replaces_the_probe_on_reads_and_refuses_when_ended() {
+        let g = Gate::create(11).unwrap();
+        assert!(matches!(super::sentinel::read(g.sentinel()), super::sentinel::Word::Alive(_)));
+        let src = vec![5u8; 4096];
+        let mut dst = vec![0u8; 4096];
+        let segs = [seg(&mut dst, &src)];
+        let nowhere = Probe { addr: 8192, incarnation: 11 };
+        let mut gone = false;
+        // SAFETY: live Vecs.
+        unsafe { cma_batch(me(), XferOp::Read, &segs, &nowhere, g.sentinel(), &mut gone) }.unwrap();
+        assert!(dst.iter().all(|&b| b == 5) && !gone);
+        // A write still probes: the probe address is checked.
+        let e = unsafe { cma_batch(me(), XferOp::Write, &segs, &nowhere, g.sentinel(), &mut gone) }.unwrap_err();
+        assert_eq!(e.status(), Status::RemoteDisconnect);
+        let ended = AtomicU32::new(super::sentinel::OWNER_DIED);
+        let good = Probe { addr: g.addr(), incarnation: 11 };
+        let mut out = vec![0u8; 4096];
+        let segs = [seg(&mut out, &src)];
+        for op in [XferOp::Read, XferOp::Write] {
+            let mut gone = false;
+            let e = unsafe { cma_batch(me(), op, &segs, &good, &ended, &mut gone) }.unwrap_err();
+            assert_eq!(e.status(), Status::RemoteDisconnect);
+            assert!(gone);
+        }
+        assert!(out.iter().all(|&b| b == 0), "nothing moved");
+        // A faulting descriptor under a live sentinel is local (BACKEND), not a disconnect.
+        let mut bad = seg(&mut dst, &src);
+        bad.remote = 4096;
+        let mut gone = false;
+        let e = unsafe { cma_batch(me(), XferOp::Read, &[bad], &good, g.sentinel(), &mut gone) }.unwrap_err();
+        assert_eq!(e.status(), Status::Backend, "{e}");
+        assert!(!gone);
     }
 
     #[test]
@@ -282,6 +405,8 @@ mod tests {
     #[test]
     fn a_wrong_gate_moves_nothing_and_a_faulting_descriptor_is_local() {
         let g = Gate::create(9).unwrap();
+        // No sentinel (an older peer): reads probe too.
+        let absent = AtomicU32::new(0);
         let src = vec![7u8; 4096];
         let mut dst = vec![0u8; 4096];
         let segs = [seg(&mut dst, &src)];
@@ -289,7 +414,7 @@ mod tests {
             // The gate's incarnation differs from the one expected: a read sees the canary.
             let mut gone = false;
             let wrong = Probe { addr: g.addr(), incarnation: 10 };
-            let r = unsafe { cma_batch(me(), op, &segs, &wrong, &mut gone) };
+            let r = unsafe { cma_batch(me(), op, &segs, &wrong, &absent, &mut gone) };
             if op == XferOp::Read {
                 assert_eq!(r.unwrap_err().status(), Status::RemoteDisconnect);
                 assert!(gone);
@@ -297,7 +422,7 @@ mod tests {
             // No gate at that address: nothing moves at all.
             let mut gone = false;
             let unmapped = Probe { addr: 8192, incarnation: 9 };
-            let e = unsafe { cma_batch(me(), op, &segs, &unmapped, &mut gone) }.unwrap_err();
+            let e = unsafe { cma_batch(me(), op, &segs, &unmapped, &absent, &mut gone) }.unwrap_err();
             assert_eq!(e.status(), Status::RemoteDisconnect);
             assert!(gone);
         }
@@ -307,9 +432,26 @@ mod tests {
         let probe = Probe { addr: g.addr(), incarnation: 9 };
         let mut bad = seg(&mut dst, &src);
         bad.remote = 4096;
-        let e = unsafe { cma_batch(me(), XferOp::Read, &[bad], &probe, &mut gone) }.unwrap_err();
+        let e = unsafe { cma_batch(me(), XferOp::Read, &[bad], &probe, &absent, &mut gone) }.unwrap_err();
         assert_eq!(e.status(), Status::Backend, "{e}");
         assert!(!gone);
+    }
+
+    #[test]
+    fn probe_checks_the_incarnation_at_the_gate() {
+        let g = Gate::create(0x77).unwrap();
+        let mut gone = false;
+        probe(me(), &Probe { addr: g.addr(), incarnation: 0x77 }, &mut gone).unwrap();
+        assert!(!gone);
+        let e = probe(me(), &Probe { addr: g.addr(), incarnation: 0x78 }, &mut gone).unwrap_err();
+        assert!(gone && e.status() == Status::RemoteDisconnect, "{e}");
+        // Nothing mapped there (an exec'd image, another process): EFAULT, a disconnect.
+        let mut gone = false;
+        let e = probe(me(), &Probe { addr: 8192, incarnation: 0x77 }, &mut gone).unwrap_err();
+        assert!(gone && e.status() == Status::RemoteDisconnect, "{e}");
+        let mut gone = false;
+        let e = probe(i32::MAX - 1, &Probe { addr: g.addr(), incarnation: 0x77 }, &mut gone).unwrap_err();
+        assert!(gone && e.status() == Status::RemoteDisconnect, "{e}");
     }
 
     #[test]
@@ -320,7 +462,7 @@ mod tests {
         let mut gone = false;
         // pid_max is at most 2^22, so this pid cannot exist.
         let p = Probe { addr: 4096, incarnation: 1 };
-        let e = unsafe { cma_batch(i32::MAX - 1, XferOp::Read, &segs, &p, &mut gone) }.unwrap_err();
+        let e = unsafe { cma_batch(i32::MAX - 1, XferOp::Read, &segs, &p, &AtomicU32::new(0), &mut gone) }.unwrap_err();
         assert_eq!(e.status(), Status::RemoteDisconnect);
     }
 }

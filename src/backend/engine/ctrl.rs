@@ -6,7 +6,7 @@
 //! or a TCP connection has not authenticated yet, so an idle agent uses no CPU. It never touches registered
 //! memory; it only queues notifications, answers heartbeats and flips peers' `dead` flags.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
@@ -37,6 +37,12 @@ const KIND_NOTIF: u8 = 2;
 const KIND_ACK: u8 = 4;
 /// Server → client, then the connection is closed: why it was refused (UTF-8).
 const KIND_REFUSE: u8 = 5;
+/// Client → server, authenticated: `fd i32`, a descriptor number this engine exports (a VMM allocation, its
+/// transfer gate): the fallback for a peer that may not take it with `pidfd_getfd` (see [`request_fd`]).
+const KIND_FD_REQ: u8 = 6;
+/// Server → client: `fd i32 | st_dev u64 | st_ino u64` with the descriptor attached (SCM_RIGHTS), or an
+/// empty body: that number is not one this engine offers.
+const KIND_FD: u8 = 7;
 /// The tag's `kind` for local hellos (the TCP handshake uses 1 and 2).
 pub const TAG_KIND_LOCAL: u8 = 0x10;
 const HELLO_FIXED: usize = 1 + 16 + 16 + 16 + 8;
@@ -81,6 +87,8 @@ pub struct Ctrl {
     /// When the application last called `drain` (monotonic ns): while it polls, the progress thread leaves
     /// the local sockets to it.
     last_poll: Arc<AtomicU64>,
+    /// Descriptors an authenticated peer may ask for (`KIND_FD_REQ`).
+    offered: Arc<Mutex<HashSet<RawFd>>>,
 }
 
 impl Ctrl {
@@ -123,7 +131,9 @@ impl Ctrl {
         local_arm(epfd.as_raw_fd(), local_raw, libc::EPOLL_CTL_ADD)?;
         let last_poll = Arc::new(AtomicU64::new(0));
         let paused = Arc::new(AtomicBool::new(false));
+        let offered: Arc<Mutex<HashSet<RawFd>>> = Arc::default();
         let local = Arc::new(Mutex::new(Local {
+            offered: offered.clone(),
             epfd: local_fd,
             listener,
             incarnation,
@@ -169,7 +179,19 @@ impl Ctrl {
             local_fd: local_raw,
             paused,
             last_poll,
+            offered,
         })
+    }
+
+    /// Let authenticated peers ask for descriptor `fd` (see [`request_fd`]). The caller keeps it open until
+    /// it calls [`Ctrl::withdraw_fd`].
+    pub fn offer_fd(&self, fd: RawFd) {
+        self.offered.lock().insert(fd);
+    }
+
+    /// Stop offering `fd`; call before closing it (a reply in progress holds the same lock).
+    pub fn withdraw_fd(&self, fd: RawFd) {
+        self.offered.lock().remove(&fd);
     }
 
     /// Bound the notification queue (messages, bytes): beyond, no notification socket or control
@@ -392,6 +414,7 @@ struct Conn {
 
 /// The local notification socket and its connections, shared by the progress thread and `Ctrl::drain`.
 struct Local {
+    offered: Arc<Mutex<HashSet<RawFd>>>,
     epfd: OwnedFd,
     listener: UnixListener,
     incarnation: u128,
@@ -495,8 +518,15 @@ impl Local {
         let waiting: Vec<u64> = self.conns.iter().filter(|(_, c)| c.buf.len() >= 4).map(|(t, _)| *t).collect();
         for t in waiting {
             let Some(c) = self.conns.get_mut(&t) else { continue };
-            if let Err(why) = parse_frames(c, self.incarnation, self.secret, &self.queue, &mut self.queued, self.limits)
-            {
+            if let Err(why) = parse_frames(
+                c,
+                self.incarnation,
+                self.secret,
+                &self.queue,
+                &mut self.queued,
+                self.limits,
+                &self.offered,
+            ) {
                 let _ = send_frame_now(&c.stream, KIND_REFUSE, why.as_bytes());
                 self.close(t);
             }
@@ -584,8 +614,15 @@ impl Local {
                 }
                 Ok(n) => {
                     c.buf.extend_from_slice(&chunk[..n]);
-                    verdict =
-                        parse_frames(c, self.incarnation, self.secret, &self.queue, &mut self.queued, self.limits);
+                    verdict = parse_frames(
+                        c,
+                        self.incarnation,
+                        self.secret,
+                        &self.queue,
+                        &mut self.queued,
+                        self.limits,
+                        &self.offered,
+                    );
                     let full = self.queued.0 >= self.limits.0 || self.queued.1 >= self.limits.1;
                     // A short read emptied the socket; epoll (level-triggered) reports anything later.
                     if verdict.is_err() || full || n < chunk.len() {
@@ -637,6 +674,7 @@ fn parse_frames(
     queue: &NotifQueue,
     queued: &mut (usize, usize),
     limits: (usize, usize),
+    offered: &Mutex<HashSet<RawFd>>,
 ) -> std::result::Result<(), String> {
     let mut at = 0;
     let mut verdict = Ok(());
@@ -692,6 +730,17 @@ fn parse_frames(
                     break;
                 }
             }
+            (KIND_FD_REQ, Some(_)) if body.len() == 5 => {
+                let fd = i32::from_le_bytes([body[1], body[2], body[3], body[4]]);
+                // Held across the reply: the owner withdraws a descriptor (under this lock) before closing it.
+                let o = offered.lock();
+                let sent =
+                    if o.contains(&fd) { send_fd_now(&c.stream, fd) } else { send_frame_now(&c.stream, KIND_FD, &[]) };
+                if sent.is_err() {
+                    verdict = Err("descriptor reply not sent".into());
+                    break;
+                }
+            }
             (KIND_NOTIF, Some(name)) => {
                 queue.lock().push((name.clone(), body[1..].to_vec()));
                 queued.0 += 1;
@@ -714,6 +763,145 @@ fn parse_frames(
     verdict
 }
 
+/// The `KIND_FD` reply for descriptor `fd` of this process, the descriptor attached, without blocking.
+fn send_fd_now(s: &UnixStream, fd: RawFd) -> io::Result<usize> {
+    // SAFETY: `fd` is open while offered (the caller holds the lock the owner withdraws it under).
+    let id = crate::device::fd_identity(unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) })?;
+    let mut f = Vec::with_capacity(25);
+    f.extend_from_slice(&21u32.to_le_bytes());
+    f.push(KIND_FD);
+    f.extend_from_slice(&crate::device::fd_handle_bytes(fd, id));
+    let mut iov = libc::iovec { iov_base: f.as_mut_ptr().cast(), iov_len: f.len() };
+    // SAFETY: CMSG_SPACE is a pure computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut cbuf = vec![0u64; space.div_ceil(8)];
+    // SAFETY: zeroed msghdr is valid; fields set below point at live buffers.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: the control buffer holds one cmsg of CMSG_SPACE(sizeof fd) bytes, aligned for cmsghdr.
+    unsafe {
+        let cm = libc::CMSG_FIRSTHDR(&msg);
+        (*cm).cmsg_level = libc::SOL_SOCKET;
+        (*cm).cmsg_type = libc::SCM_RIGHTS;
+        (*cm).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(cm) as *mut RawFd, fd);
+    }
+    loop {
+        // SAFETY: `msg` describes live buffers.
+        let r = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        if r >= 0 {
+            return Ok(r as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// Ask the engine listening on `sock_name` as process `pid` (incarnation `target`, whose secret is `secret`) for its
+/// descriptor number `fd`, over a fresh authenticated connection: how a peer takes a VMM allocation or the
+/// transfer gate when the kernel refuses it `pidfd_getfd` (another uid allowed by `GIXL_ALLOW_UIDS`, Yama,
+/// a container's seccomp profile). The target sends only descriptors it offers ([`Ctrl::offer_fd`]).
+/// Returns the descriptor (close-on-exec) and its identity (st_dev, st_ino) as the target saw it; the
+/// caller checks it against what it expects. Bounded by the send timeout.
+pub fn request_fd(
+    sock_name: &[u8],
+    target: u128,
+    secret: u128,
+    from: &str,
+    from_incarnation: u128,
+    pid: i32,
+    fd: i32,
+) -> Result<(OwnedFd, (u64, u64))> {
+    let mut s = Sender::connect(sock_name, target, secret, from, from_incarnation)?;
+    if peer_cred(s.stream.as_raw_fd()).map(|c| c.pid) != Some(pid) {
+        return Err(Error::disconnected(format!("the control socket of process {pid} is served by another process")));
+    }
+    s.stream.set_read_timeout(Some(SEND_TIMEOUT)).map_err(|e| Error::os(Status::Backend, "socket option", e))?;
+    s.send(KIND_FD_REQ, &fd.to_le_bytes())?;
+    let mut buf: Vec<u8> = Vec::new();
+    let mut got: Option<OwnedFd> = None;
+    loop {
+        // Complete frames first: the acceptance (if it had not come yet), a refusal, the reply.
+        while buf.len() >= 5 {
+            let len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+            if len == 0 || len > 4096 {
+                return Err(Error::backend("the peer's control socket sent a malformed frame"));
+            }
+            if buf.len() < 4 + len {
+                break;
+            }
+            let (kind, body) = (buf[4], buf[5..4 + len].to_vec());
+            buf.drain(..4 + len);
+            match kind {
+                KIND_ACK => {}
+                KIND_REFUSE => return Err(refused(&body)),
+                KIND_FD if body.is_empty() => {
+                    return Err(Error::not_found(format!("the peer does not offer descriptor {fd}")))
+                }
+                KIND_FD if body.len() == 20 => {
+                    let f = got.ok_or_else(|| Error::backend("the peer's descriptor reply carried no descriptor"))?;
+                    let n = |r: std::ops::Range<usize>| {
+                        let mut a = [0u8; 8];
+                        a.copy_from_slice(&body[r]);
+                        u64::from_le_bytes(a)
+                    };
+                    return Ok((f, (n(4..12), n(12..20))));
+                }
+                _ => return Err(Error::backend("the peer's control socket sent an unexpected frame")),
+            }
+        }
+        let mut chunk = [0u8; 512];
+        let mut iov = libc::iovec { iov_base: chunk.as_mut_ptr().cast(), iov_len: chunk.len() };
+        let mut cbuf = [0u64; 16];
+        // SAFETY: zeroed msghdr is valid; fields set below point at live buffers.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cbuf.as_mut_ptr().cast();
+        msg.msg_controllen = std::mem::size_of_val(&cbuf) as _;
+        // SAFETY: as above; received descriptors are close-on-exec.
+        let n = unsafe { libc::recvmsg(s.stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            let st = match e.kind() {
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Status::Backend,
+                _ => Status::RemoteDisconnect,
+            };
+            return Err(Error::os(st, "waiting for the peer's descriptor", e));
+        }
+        // Take ownership of every descriptor that came (closing extras), whatever else happens.
+        // SAFETY: walking the control messages the kernel wrote into `cbuf`.
+        unsafe {
+            let mut cm = libc::CMSG_FIRSTHDR(&msg);
+            while !cm.is_null() {
+                if (*cm).cmsg_level == libc::SOL_SOCKET && (*cm).cmsg_type == libc::SCM_RIGHTS {
+                    let data = libc::CMSG_DATA(cm);
+                    let count = ((*cm).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
+                    for i in 0..count {
+                        let f = OwnedFd::from_raw_fd(std::ptr::read_unaligned((data as *const RawFd).add(i)));
+                        if got.is_none() {
+                            got = Some(f);
+                        }
+                    }
+                }
+                cm = libc::CMSG_NXTHDR(&msg, cm);
+            }
+        }
+        if n == 0 {
+            return Err(Error::disconnected("the peer closed its control connection before sending the descriptor"));
+        }
+        buf.extend_from_slice(&chunk[..n as usize]);
+    }
+}
+
 /// For `crate::fuzzing` only: run `parse_frames` over `data` as one read and, again, split in two reads at
 /// `split`, on a connection whose secret is `incarnation`; returns the
 /// notifications queued by the first run.
@@ -723,14 +911,16 @@ pub(crate) fn fuzz_parse_frames(data: &[u8], split: usize, incarnation: u128) ->
     let (stream, _other) = UnixStream::pair().expect("socketpair");
     let _ = stream.set_nonblocking(true);
     let mut c = Conn { stream, buf: data.to_vec(), sender: None };
-    let _ = parse_frames(&mut c, incarnation, incarnation, &queue, &mut queued, (usize::MAX, usize::MAX));
+    let offered = Mutex::default();
+    let _ = parse_frames(&mut c, incarnation, incarnation, &queue, &mut queued, (usize::MAX, usize::MAX), &offered);
     let n = queue.lock().len();
     let (stream, _other) = UnixStream::pair().expect("socketpair");
     let _ = stream.set_nonblocking(true);
     let mut c = Conn { stream, buf: data[..split.min(data.len())].to_vec(), sender: None };
-    if parse_frames(&mut c, incarnation, incarnation, &queue, &mut queued, (usize::MAX, usize::MAX)).is_ok() {
+    let all = (usize::MAX, usize::MAX);
+    if parse_frames(&mut c, incarnation, incarnation, &queue, &mut queued, all, &offered).is_ok() {
         c.buf.extend_from_slice(&data[split.min(data.len())..]);
-        let _ = parse_frames(&mut c, incarnation, incarnation, &queue, &mut queued, (usize::MAX, usize::MAX));
+        let _ = parse_frames(&mut c, incarnation, incarnation, &queue, &mut queued, all, &offered);
     }
     n
 }
@@ -875,6 +1065,37 @@ mod tests {
         let mut body = vec![0u8; u32::from_le_bytes(head[..4].try_into().unwrap()) as usize - 1];
         s.read_exact(&mut body).ok()?;
         Some((head[4], body))
+    }
+
+    #[test]
+    fn offered_descriptors_pass_with_scm_rights_and_nothing_else_does() {
+        let (inc, secret) = (91u128, 5u128);
+        let (_q, ctrl) = start_ctrl(inc, secret);
+        // SAFETY: plain syscall with a static name; checked.
+        let m = unsafe { libc::memfd_create(c"gixl-test-offer".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(m >= 0);
+        // SAFETY: a fresh descriptor we own.
+        let m = unsafe { OwnedFd::from_raw_fd(m) };
+        let want = crate::device::fd_identity(std::os::fd::AsFd::as_fd(&m)).unwrap();
+        // Not offered yet: refused, though the number is open here.
+        let me = std::process::id() as i32;
+        let e = request_fd(&ctrl.sock_name, inc, secret, "asker", 3, me, m.as_raw_fd()).err().unwrap();
+        assert_eq!(e.status(), Status::NotFound, "{e}");
+        ctrl.offer_fd(m.as_raw_fd());
+        // Served by another pid than the one expected: refused before asking.
+        let e = request_fd(&ctrl.sock_name, inc, secret, "asker", 3, me + 1, m.as_raw_fd()).err().unwrap();
+        assert_eq!(e.status(), Status::RemoteDisconnect, "{e}");
+        let (got, id) = request_fd(&ctrl.sock_name, inc, secret, "asker", 3, me, m.as_raw_fd()).unwrap();
+        assert_eq!(id, want);
+        assert_eq!(crate::device::fd_identity(std::os::fd::AsFd::as_fd(&got)).unwrap(), want);
+        assert_ne!(got.as_raw_fd(), m.as_raw_fd(), "a new descriptor, not ours");
+        // SAFETY: plain syscall on a descriptor we own.
+        assert!(unsafe { libc::fcntl(got.as_raw_fd(), libc::F_GETFD) } & libc::FD_CLOEXEC != 0);
+        // Without the secret: no descriptor. Withdrawn: none either.
+        assert!(request_fd(&ctrl.sock_name, inc, secret + 1, "intruder", 4, me, m.as_raw_fd()).is_err());
+        ctrl.withdraw_fd(m.as_raw_fd());
+        let e = request_fd(&ctrl.sock_name, inc, secret, "asker", 3, me, m.as_raw_fd()).err().unwrap();
+        assert_eq!(e.status(), Status::NotFound, "{e}");
     }
 
     #[test]

@@ -11,7 +11,9 @@
 //!   time, so a dead owner's slot is reclaimed) and its count of batches in flight.
 //!
 //! An initiator maps the same object (taken from the target with `pidfd_getfd(2)`, which needs the very ptrace
-//! permission cross-memory attach needs; in-process peers share the mapping) and brackets every batch of
+//! permission cross-memory attach needs, or, where the kernel refuses that call alone — a container's
+//! seccomp profile — received from the target's control socket with SCM_RIGHTS; in-process peers share the
+//! mapping) and brackets every batch of
 //! copies with [`Attached::enter`]: increment its in-flight count, then check the live flag and the state of
 //! every region the request touches. The target retires a region (or the whole incarnation) by changing the
 //! state first and then waiting, bounded, until every in-flight count is zero. Both sides use sequentially
@@ -61,6 +63,9 @@ const OFF_DRAIN_SEQ: usize = 40;
 const OFF_DRAINING: usize = 48;
 /// One past the highest initiator slot ever claimed (bounds the drain's scan).
 const OFF_CLAIMED: usize = 56;
+/// The sentinel word (`sentinel.rs`): the owner's thread id until the kernel flips it at exit or exec; 0 if the
+/// owner has none (an older gixl). Reads check it after each call instead of probing.
+const OFF_SENTINEL: usize = 64;
 /// Scratch bytes a probing write lands on.
 pub const OFF_PROBE: usize = 128;
 pub const PROBE_BYTES: usize = 16;
@@ -78,6 +83,8 @@ pub struct Gate {
     fd: OwnedFd,
     /// Owner only: free region slots.
     regions: Mutex<RegionAlloc>,
+    /// Owner only: the thread behind the sentinel word (None if it could not start: peers then probe).
+    sentinel: Option<super::sentinel::Sentinel>,
 }
 
 // SAFETY: the mapping is only accessed through atomics (and immutable-while-live region fields).
@@ -93,6 +100,8 @@ struct RegionAlloc {
 
 impl Drop for Gate {
     fn drop(&mut self) {
+        // The sentinel's robust list names a word of the mapping: end it before unmapping.
+        drop(self.sentinel.take());
         // SAFETY: `base` is our own mapping of SIZE bytes; nothing references it once the last owner is gone.
         unsafe { libc::munmap(self.base.cast(), SIZE) };
     }
@@ -129,11 +138,18 @@ impl Gate {
             return Err(os("sealing the transfer gate", io::Error::last_os_error()));
         }
         let base = map_random(fd.as_raw_fd())?;
-        let g = Gate { base, incarnation, fd, regions: Mutex::default() };
+        let mut g = Gate { base, incarnation, fd, regions: Mutex::default(), sentinel: None };
         g.word(OFF_INCARNATION).store(incarnation as u64, Ordering::Relaxed);
         g.word(OFF_INCARNATION + 8).store((incarnation >> 64) as u64, Ordering::Relaxed);
         g.word(OFF_VERSION).store(VERSION, Ordering::Relaxed);
         g.word(OFF_LIVE).store(1, Ordering::Relaxed);
+        // SAFETY: the word is inside the mapping, which `Drop` keeps until the sentinel has ended.
+        match unsafe { super::sentinel::Sentinel::start(g.word32(OFF_SENTINEL)) } {
+            Ok(s) => g.sentinel = Some(s),
+            Err(e) => crate::telemetry::log::warn(&format!(
+                "no exit/exec sentinel for this agent ({e}); same-host peers probe the gate on reads as well"
+            )),
+        }
         g.word(OFF_MAGIC).store(MAGIC, Ordering::Release);
         Ok(g)
     }
@@ -141,6 +157,7 @@ impl Gate {
     /// Map a peer's gate, taken from its process through `pidfd` (the descriptor number it advertises), and
     /// check that it is the gate of `incarnation`. Errors: EPERM/ENOSYS as `io::Error` sources (the kernel
     /// forbids reaching that process: the caller falls back to TCP); anything else is REMOTE_DISCONNECT.
+    #[cfg(test)]
     pub fn attach(pidfd: RawFd, remote_fd: i32, incarnation: u128) -> Result<Gate> {
         // SAFETY: plain syscall; the result is checked.
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd, remote_fd, 0) };
@@ -154,7 +171,12 @@ impl Gate {
             });
         }
         // SAFETY: a fresh descriptor we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        Gate::from_fd(unsafe { OwnedFd::from_raw_fd(fd as i32) }, incarnation)
+    }
+
+    /// Map a peer's gate from its descriptor (however it was obtained: `pidfd_getfd`, or SCM_RIGHTS over
+    /// the peer's control socket) and check that it is the gate of `incarnation`: REMOTE_DISCONNECT if not.
+    pub fn from_fd(fd: OwnedFd, incarnation: u128) -> Result<Gate> {
         let gone =
             || Error::disconnected("the peer's transfer gate does not belong to the incarnation its metadata names");
         // SAFETY: `st` is a valid out-pointer.
@@ -185,7 +207,7 @@ impl Gate {
         if base == libc::MAP_FAILED {
             return Err(os("mapping the peer's transfer gate", io::Error::last_os_error()));
         }
-        let g = Gate { base: base.cast(), incarnation, fd, regions: Mutex::default() };
+        let g = Gate { base: base.cast(), incarnation, fd, regions: Mutex::default(), sentinel: None };
         if g.word(OFF_MAGIC).load(Ordering::Acquire) != MAGIC
             || g.word(OFF_VERSION).load(Ordering::Relaxed) != VERSION
             || g.read_incarnation() != incarnation
@@ -219,6 +241,11 @@ impl Gate {
         let lo = self.word(OFF_INCARNATION).load(Ordering::Relaxed) as u128;
         let hi = self.word(OFF_INCARNATION + 8).load(Ordering::Relaxed) as u128;
         lo | hi << 64
+    }
+
+    /// The owner's sentinel word (see `sentinel.rs`).
+    pub fn sentinel(&self) -> &AtomicU32 {
+        self.word32(OFF_SENTINEL)
     }
 
     pub fn live(&self) -> bool {

@@ -17,7 +17,8 @@
 //!
 //! VRAM (requests with either side in GPU memory) goes through `vram`, over the device layer
 //! (`crate::device`): device copies in this process, CUDA IPC handles carried in metadata to another
-//! process, every copy behind the target's VRAM gate page.
+//! process, every batch of device copies behind the same gate as cross-memory attach, with the same
+//! per-call identity probe of the target's gate page.
 //!
 //! VRAM to a peer reached over TCP goes through `vram_tcp` instead: page-locked staging on both sides, the
 //! target serving its VRAM registrations under the same leases as DRAM ones.
@@ -48,6 +49,7 @@ mod liveness;
 /// Socket helpers, shared with the metadata listener (`crate::mdx`).
 pub(crate) mod net;
 mod pool;
+mod sentinel;
 mod tcp;
 mod vram;
 mod vram_tcp;
@@ -56,7 +58,7 @@ pub mod wire;
 use std::any::Any;
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -120,11 +122,14 @@ struct Shared {
     closed: Arc<AtomicBool>,
     /// Test-only fault injection (`GIXL_TEST_FAULT=copy_panic`): copy workers panic.
     panic_copies: bool,
+    /// Test-only fault injection (`GIXL_TEST_FAULT=no_pidfd_getfd`, or backend parameter `test_fault`): act
+    /// as if the kernel refused every `pidfd_getfd`, so peers' descriptors come over their control socket.
+    no_pidfd_getfd: bool,
     ctrl: Ctrl,
     pool: Pool,
     /// Workers for TCP pieces: they block on sockets, so they are not the copy threads.
     tcp_pool: Pool,
-    /// Registered VRAM, its exports and gate page (see `vram`).
+    /// Registered VRAM's exported allocations (see `vram`; its regions hold slots in `gate`).
     vram: vram::Vram,
 }
 
@@ -187,6 +192,10 @@ impl Engine {
             number(setting(&init, "notif_queue_bytes", "GIXL_NOTIF_QUEUE_BYTES"), "notif_queue_bytes", QUEUE_BYTES)?;
         ctrl.set_queue_limits(msgs.max(1), bytes.max(1));
         let gate = Arc::new(Gate::create(init.incarnation)?);
+        let no_pidfd_getfd = setting(&init, "test_fault", "GIXL_TEST_FAULT")
+            .is_some_and(|v| v.split(',').any(|f| f.trim() == "no_pidfd_getfd"));
+        // Peers that may not take it with `pidfd_getfd` ask for it over the control socket.
+        ctrl.offer_fd(gate.raw_fd());
         let shared = Arc::new(Shared {
             agent: init.agent_name,
             incarnation: init.incarnation,
@@ -202,6 +211,7 @@ impl Engine {
             queue,
             closed: Arc::new(AtomicBool::new(false)),
             panic_copies: std::env::var("GIXL_TEST_FAULT").is_ok_and(|v| v.split(',').any(|f| f == "copy_panic")),
+            no_pidfd_getfd,
             ctrl,
             pool: Pool::new(threads),
             tcp_pool: Pool::new((2 * conns).clamp(4, 64)),
@@ -226,8 +236,6 @@ impl Shared {
             return;
         }
         registry().lock().remove(&self.incarnation);
-        // Peers' VRAM copies: refused from here, those inside waited for (see `vram`).
-        self.vram.shutdown(self.tcp_opts.timeout);
         // From here no peer's batch passes the gate; those inside finish before this returns.
         self.gate.close(self.tcp_opts.timeout);
         self.ctrl.shutdown();
@@ -477,6 +485,50 @@ fn decode_ticket(b: &[u8]) -> Result<RegionTicket> {
     Ok(RegionTicket { slot, state })
 }
 
+/// Descriptor `num` of a same-host peer: taken with `pidfd_getfd`, or, where the kernel refuses that (or
+/// under `GIXL_TEST_FAULT=no_pidfd_getfd`), asked for over the peer's control socket `sock`
+/// (`(socket name, secret, incarnation, pid)`), which sends only what it offers, with SCM_RIGHTS. If both fail
+/// the error keeps the EPERM/ENOSYS source (see `cma_denied`). The caller checks what it got (identity,
+/// or the gate's own checks).
+fn take_peer_fd(
+    s: &Shared,
+    pidfd: std::os::fd::BorrowedFd<'_>,
+    sock: (&[u8], u128, u128, i32),
+    num: i32,
+) -> Result<OwnedFd> {
+    let refused = if s.no_pidfd_getfd {
+        std::io::Error::from_raw_os_error(libc::EPERM)
+    } else {
+        match crate::device::pidfd_getfd(pidfd, num) {
+            Ok(f) => return Ok(f),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM) | Some(libc::ENOSYS)) => e,
+            Err(e) => {
+                let st = if e.raw_os_error() == Some(libc::ESRCH) { Status::RemoteDisconnect } else { Status::Backend };
+                return Err(Error::os(st, "taking a descriptor of the peer (pidfd_getfd)", e));
+            }
+        }
+    };
+    let (name, secret, inc, pid) = sock;
+    match ctrl::request_fd(name, inc, secret, &s.agent, s.incarnation, pid, num) {
+        // The listener's pid was the peer's when it bound; if that process still runs (its pidfd), the
+        // descriptor came from it and not from a process that took the name over after it exited.
+        Ok((f, _)) if pidfd_alive(pidfd) => Ok(f),
+        Ok(_) => Err(Error::disconnected("the peer exited while sending a descriptor")),
+        Err(e) => Err(Error::os(
+            Status::Backend,
+            format!("the kernel refused pidfd_getfd, and the peer's control socket did not send the descriptor: {e}"),
+            refused,
+        )),
+    }
+}
+
+/// Is the process behind `pidfd` still running? (A pidfd polls readable once it has exited.)
+fn pidfd_alive(pidfd: std::os::fd::BorrowedFd<'_>) -> bool {
+    let mut p = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd, no wait.
+    unsafe { libc::poll(&mut p, 1, 0) == 0 }
+}
+
 /// Has the process behind `pidfd` exited? (A pidfd polls readable once it has.) Only measured now.
 #[cfg(test)]
 fn pidfd_exited(pidfd: &OwnedFd) -> bool {
@@ -620,14 +672,25 @@ impl Backend for Engine {
                 (named && ctrl::listener_pid(&ci.sock) == Some(ci.pid)).then(|| pidfd_open(ci.pid).ok()).flatten();
             let alive = pidfd.is_some() && crate::util::process_start_time(ci.pid).ok() == Some(ci.start_time);
             // The peer's gate, taken from that very process through the pidfd: if the kernel refuses, it would
-            // refuse cross-memory attach too, and TCP carries the data.
+            // refuse cross-memory attach too, and TCP carries the data. Received over the peer's control socket
+            // instead (the kernel refused `pidfd_getfd` alone, or the peer is another uid it allows), one probe
+            // of the gate tells at once whether cross-memory attach is allowed.
             let mut denied = None;
-            let gate = match pidfd
-                .as_ref()
-                .filter(|_| alive)
-                .map(|fd| Gate::attach(fd.as_raw_fd(), ci.gate_fd, incarnation))
-            {
-                Some(Ok(g)) => Some(Attached::new(Arc::new(g))?),
+            let peer_sock = (ci.sock.as_slice(), ci.secret, incarnation, ci.pid);
+            let probe = copy::Probe { addr: ci.gate_addr, incarnation };
+            let gate = match pidfd.as_ref().filter(|_| alive).map(|fd| {
+                take_peer_fd(s, fd.as_fd(), peer_sock, ci.gate_fd).and_then(|g| Gate::from_fd(g, incarnation))
+            }) {
+                Some(Ok(g)) => match copy::probe(ci.pid, &probe, &mut false) {
+                    Ok(()) => Some(Attached::new(Arc::new(g))?),
+                    // The gate is kept (VRAM through IPC handles needs no cross-memory attach, see `vram`);
+                    // DRAM goes over TCP.
+                    Err(e) if cma_denied(&e) => {
+                        denied = Some(e.to_string());
+                        Some(Attached::new(Arc::new(g))?)
+                    }
+                    Err(_) => None,
+                },
                 Some(Err(e)) if cma_denied(&e) => {
                     denied = Some(e.to_string());
                     None
@@ -650,7 +713,7 @@ impl Backend for Engine {
                 pidfd,
                 watch,
                 gate,
-                probe: copy::Probe { addr: ci.gate_addr, incarnation },
+                probe,
                 sock: ci.sock.clone(),
                 secret: ci.secret,
                 from_inc: s.incarnation,
@@ -783,7 +846,7 @@ struct Core {
     shared: Arc<Shared>,
     plan: XferPlan,
     route: Route,
-    /// Set when the request touches VRAM: its copies go through `vram` (its own gate page).
+    /// Set when the request touches VRAM: its copies go through `vram` (inside the same gate).
     vram: Option<vram::VramPlan>,
     /// Set instead when it touches VRAM and its peer is reached over TCP.
     vram_tcp: Option<vram_tcp::TcpVramPlan>,
@@ -889,7 +952,7 @@ impl Core {
                     }
                     let _inside = inside?;
                     // SAFETY: local ranges were resolved against this agent's registrations.
-                    unsafe { copy::cma_batch(*pid, op, b, probe, &mut gone) }
+                    unsafe { copy::cma_batch(*pid, op, b, probe, gate.gate.sentinel(), &mut gone) }
                 });
                 if r.as_ref().err().is_some_and(cma_denied) {
                     // The kernel checks permission before moving a byte, so nothing was copied: go by TCP.
@@ -1184,12 +1247,19 @@ mod tests {
         };
         let me = std::process::id() as i32;
         let probe = copy::Probe { addr: g.addr(), incarnation: 3 };
+        let absent = std::sync::atomic::AtomicU32::new(0);
         let t0 = Instant::now();
         for _ in 0..n {
             let mut gone = false;
-            unsafe { copy::cma_batch(me, XferOp::Read, &[s], &probe, &mut gone) }.unwrap();
+            unsafe { copy::cma_batch(me, XferOp::Read, &[s], &probe, &absent, &mut gone) }.unwrap();
         }
         let with_probe = per(t0);
+        let t0 = Instant::now();
+        for _ in 0..n {
+            let mut gone = false;
+            unsafe { copy::cma_batch(me, XferOp::Read, &[s], &probe, g.sentinel(), &mut gone) }.unwrap();
+        }
+        let with_sentinel = per(t0);
         let (l, r) = (
             libc::iovec { iov_base: s.local as *mut _, iov_len: 4096 },
             libc::iovec { iov_base: s.remote as *mut _, iov_len: 4096 },
@@ -1199,10 +1269,17 @@ mod tests {
             assert_eq!(unsafe { libc::process_vm_readv(me, &l, 1, &r, 1, 0) }, 4096);
         }
         let bare = per(t0);
+        // The VRAM route's bracket: its copies are not cross-memory attach, so the probe is a call of its own.
+        let t0 = Instant::now();
+        for _ in 0..n {
+            copy::probe(me, std::hint::black_box(&probe), &mut false).unwrap();
+        }
+        let alone = per(t0);
         eprintln!(
             "gate per batch: enter+leave {enter:.0} ns; 4 KiB process_vm_readv {bare:.0} ns bare vs {with_probe:.0} ns \
-             with the probe iovec (+{:.0} ns); added per batch ≈ {:.2} µs (a pidfd poll, not done, would add \
-             {poll:.0} ns more)",
+             with the probe iovec (+{:.0} ns), {with_sentinel:.0} ns watched by the sentinel (reads); added per \
+             write batch ≈ {:.2} µs (a pidfd poll, not done, would add {poll:.0} ns more); the probe as a call \
+             of its own {alone:.0} ns",
             with_probe - bare,
             (enter + with_probe - bare) / 1000.0
         );

@@ -3,10 +3,15 @@
 //! Routes, by where the peer is:
 //! - loopback and agents in this process: device copies (D2D, H2D, D2H) between addresses valid here;
 //! - another process on this host, its region in VRAM: the peer exports the allocation (legacy IPC handle,
-//!   or a VMM allocation's POSIX fd that the importer takes with `pidfd_getfd`); the handle travels in the
+//!   or a VMM allocation's POSIX fd that the importer takes with `pidfd_getfd`, or, where the kernel refuses
+//!   that, asks the exporter for over its authenticated control socket, which answers with SCM_RIGHTS; the
+//!   importer checks st_dev/st_ino either way); the handle travels in the
 //!   region's metadata; this engine opens it once per remote allocation (shared by every region inside it),
 //!   on first use, and closes it when the last region key holding it goes (remove / invalidate of the peer,
-//!   and the last request built on it released). The copy then runs here, in either direction, whatever the
+//!   and the last request built on it released). A region may span several allocations mapped back to back
+//!   (a VMM range, such as PyTorch's expandable segments, maps one physical chunk after another): each chunk
+//!   is exported, carried and opened on its own, and copies are cut where chunks meet (the chunks need not
+//!   be contiguous here). The copy then runs here, in either direction, whatever the
 //!   local memory type (DRAM↔VRAM directly, the driver staging pageable memory itself);
 //! - another process, its region in DRAM and ours in VRAM: cross-memory attach into a page-locked staging
 //!   buffer, and a device copy between the buffer and VRAM (both directions);
@@ -15,178 +20,47 @@
 //!   under the same leases as DRAM (see `vram_tcp`; no same-host gate there: the TCP target checks every
 //!   request against its own registrations).
 //!
-//! The gate. A target engine that registers VRAM owns a gate page: a memfd holding its incarnation, a
-//! "closed" word and one slot per registered VRAM region (a generation, odd while registered, and an
-//! in-flight count). A region's metadata names its slot and generation and the page's descriptor; the
-//! initiator takes the page with `pidfd_getfd` (checking its identity) and, around every batch of copies
-//! into or out of a peer's region, increments the slot's in-flight count, checks the generation and the
-//! closed word, checks synchronously through the peer's pidfd that the process is alive, copies, and
-//! decrements. `deregister_memory` bumps the generation and then waits (futex, bounded by the disconnect
-//! timeout) for the in-flight count to drain; engine shutdown sets "closed" and does the same for every
-//! slot. So: a handle from another incarnation, a deregistered region or a dead peer is refused before it
-//! reaches the driver (NOT_FOUND / REMOTE_DISCONNECT), and once `deregister_memory` returns no peer copy is
-//! still running on that region (a peer that dies inside a copy is waited for only up to the bound).
+//! The gate is the engine's one transfer gate (`gate`): a VRAM registration takes a region slot there, as a
+//! DRAM one does, and its slot and state travel in the region's metadata. Every batch of device copies into
+//! or out of another process's VRAM (≤ 1023 descriptors, ≤ 16 MiB) is bracketed the same way as a
+//! cross-memory-attach batch: enter the peer's gate (its initiator slot's in-flight count, then the live flag
+//! and the state of every region the request touches), check the peer's identity, run the device copy,
+//! check again, leave (`in_peer_gate`). The identity check is the peer's exit/exec sentinel in its gate
+//! (`sentinel`: a word the kernel flips when that process exits or execs, even in place with ASLR off, before
+//! a new image or a process that takes over the pid runs), one atomic load; for a peer without one, one
+//! 16-byte `process_vm_readv` of its gate that must read back the incarnation id (`copy::probe`). The same
+//! bracket comes before a peer's allocation is opened. An agent of this process is reached inside its gate
+//! without either (no pid to recycle). Because the sentinel needs no ptrace permission, a peer whose gate
+//! and descriptors came over its control socket is reachable this way even where the kernel denies
+//! cross-memory attach (another uid allowed by `GIXL_ALLOW_UIDS`, Yama); its DRAM then goes over TCP. So a handle from another
+//! incarnation, a deregistered region (NOT_FOUND) or a dead, exec'd or restarted peer (REMOTE_DISCONNECT) is
+//! refused before the driver is called, and `deregister_memory` (and agent destruction) returns only once no
+//! batch that passed the gate is still copying, bounded by the disconnect timeout.
+//!
+//! Not here: the gate itself (`gate`), the sentinel (`sentinel`), the probe (`copy::probe`), descriptor
+//! passing (`take_peer_fd`, `ctrl::request_fd`) and the driver (`crate::device`). Where the kernel denies
+//! cross-memory attach, a peer without a sentinel (nothing else can check its identity) and a peer's DRAM
+//! (the staged route) are NOT_SUPPORTED here.
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::os::fd::{AsFd, AsRawFd};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock, Weak};
-use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::{copy, downcast, PeerKind, Run, Shared};
-use crate::backend::{LocalRegion, Peer, RegionKey, Seg, Target, XferOp, XferPlan};
+use super::gate::RegionTicket;
+use super::{copy, downcast, sentinel, PeerKind, Run, Shared};
+use crate::backend::{LocalRegion, RegionKey, Seg, Target, XferOp, XferPlan};
 use crate::device::{self, Copy, Device, Export, HandleKind, HostBuf, IpcHandle, Mapping};
 use crate::md::{put_bytes, put_uvar, Reader};
 use crate::mem::{Desc, MemType, RegDesc};
 use crate::status::{Error, Result, Status};
 
-const PUBLIC_VERSION: u8 = 1;
-/// Slots in a gate page (16 bytes each after a 64-byte header; the page is sparse until used).
-const SLOTS: usize = 1 << 16;
-const HEADER: usize = 64;
-const GATE_BYTES: usize = HEADER + 16 * SLOTS;
+/// Version 2: the region's place in the engine's transfer gate (slot and state) replaced a VRAM-only gate.
+const PUBLIC_VERSION: u8 = 2;
 /// Staging buffer for DRAM (remote, over CMA) ↔ VRAM (local) copies.
 const STAGE: u64 = 8 << 20;
-
-/// The gate page, mapped in the target (which owns it) or in an initiator (which took it).
-struct GatePage {
-    ptr: usize,
-    fd: OwnedFd,
-}
-
-// SAFETY: the mapping is shared memory accessed only through atomics.
-unsafe impl Send for GatePage {}
-// SAFETY: as above.
-unsafe impl Sync for GatePage {}
-
-impl Drop for GatePage {
-    fn drop(&mut self) {
-        // SAFETY: our own mapping, unused once the last reference goes.
-        unsafe { libc::munmap(self.ptr as *mut libc::c_void, GATE_BYTES) };
-    }
-}
-
-fn map_gate(fd: BorrowedFd<'_>) -> Result<usize> {
-    // SAFETY: mapping a memfd we hold, shared.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            GATE_BYTES,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            fd.as_raw_fd(),
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(Error::os(Status::Backend, "mapping the VRAM gate page", std::io::Error::last_os_error()));
-    }
-    Ok(p as usize)
-}
-
-impl GatePage {
-    fn create(incarnation: u128) -> Result<GatePage> {
-        // SAFETY: plain syscall with a static name; the result is checked.
-        let fd = unsafe { libc::memfd_create(c"gixl-vram-gate".as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(Error::os(Status::Backend, "memfd_create (VRAM gate)", std::io::Error::last_os_error()));
-        }
-        // SAFETY: a fresh descriptor we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: sizing our own memfd.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), GATE_BYTES as libc::off_t) } != 0 {
-            return Err(Error::os(Status::Backend, "ftruncate (VRAM gate)", std::io::Error::last_os_error()));
-        }
-        let ptr = map_gate(fd.as_fd())?;
-        let g = GatePage { ptr, fd };
-        g.word64(0).store(incarnation as u64, Ordering::SeqCst);
-        g.word64(8).store((incarnation >> 64) as u64, Ordering::SeqCst);
-        Ok(g)
-    }
-
-    fn word64(&self, off: usize) -> &AtomicU64 {
-        debug_assert!(off + 8 <= GATE_BYTES && off & 7 == 0);
-        // SAFETY: inside the mapping, aligned; the mapping lives as long as `self`.
-        unsafe { &*((self.ptr + off) as *const AtomicU64) }
-    }
-    fn word32(&self, off: usize) -> &AtomicU32 {
-        debug_assert!(off + 4 <= GATE_BYTES && off & 3 == 0);
-        // SAFETY: as above.
-        unsafe { &*((self.ptr + off) as *const AtomicU32) }
-    }
-    fn incarnation(&self) -> u128 {
-        self.word64(0).load(Ordering::SeqCst) as u128 | (self.word64(8).load(Ordering::SeqCst) as u128) << 64
-    }
-    fn closed(&self) -> &AtomicU32 {
-        self.word32(16)
-    }
-    fn gen(&self, slot: u32) -> &AtomicU64 {
-        self.word64(HEADER + 16 * slot as usize)
-    }
-    fn inflight(&self, slot: u32) -> &AtomicU32 {
-        self.word32(HEADER + 16 * slot as usize + 8)
-    }
-    fn waiters(&self, slot: u32) -> &AtomicU32 {
-        self.word32(HEADER + 16 * slot as usize + 12)
-    }
-
-    /// Enter slot `slot` if it still holds generation `gen` of incarnation `inc`.
-    fn enter(&self, slot: u32, gen: u64, inc: u128) -> Result<()> {
-        self.inflight(slot).fetch_add(1, Ordering::SeqCst);
-        let why = if self.closed().load(Ordering::SeqCst) != 0 || self.incarnation() != inc {
-            Some(Error::disconnected("the peer's agent has been destroyed"))
-        } else if self.gen(slot).load(Ordering::SeqCst) != gen {
-            Some(Error::not_found("the peer has deregistered this VRAM region"))
-        } else {
-            None
-        };
-        match why {
-            None => Ok(()),
-            Some(e) => {
-                self.leave(slot);
-                Err(e)
-            }
-        }
-    }
-
-    fn leave(&self, slot: u32) {
-        if self.inflight(slot).fetch_sub(1, Ordering::SeqCst) == 1 && self.waiters(slot).load(Ordering::SeqCst) != 0 {
-            futex_wake(self.inflight(slot));
-        }
-    }
-
-    /// Make `slot`'s current generation stale, then wait (up to `limit`) until no copy is inside it.
-    fn close_slot(&self, slot: u32, limit: Duration) -> bool {
-        self.gen(slot).fetch_add(1, Ordering::SeqCst);
-        let end = Instant::now() + limit;
-        loop {
-            let n = self.inflight(slot).load(Ordering::SeqCst);
-            if n == 0 {
-                return true;
-            }
-            let left = end.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return false;
-            }
-            self.waiters(slot).fetch_add(1, Ordering::SeqCst);
-            futex_wait(self.inflight(slot), n, left);
-            self.waiters(slot).fetch_sub(1, Ordering::SeqCst);
-        }
-    }
-}
-
-fn futex_wait(w: &AtomicU32, val: u32, limit: Duration) {
-    let ts = libc::timespec { tv_sec: limit.as_secs() as libc::time_t, tv_nsec: limit.subsec_nanos() as libc::c_long };
-    // SAFETY: a shared (non-private) futex on a word of a shared mapping; returns on wake, change or timeout.
-    unsafe { libc::syscall(libc::SYS_futex, w.as_ptr(), libc::FUTEX_WAIT, val, &ts as *const libc::timespec, 0, 0) };
-}
-
-fn futex_wake(w: &AtomicU32) {
-    // SAFETY: as above.
-    unsafe { libc::syscall(libc::SYS_futex, w.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0, 0, 0) };
-}
 
 /// An exported allocation and how many registered regions use it.
 struct Exported {
@@ -194,122 +68,139 @@ struct Exported {
     regions: usize,
 }
 
-/// The engine's VRAM state (a field of `Shared`).
+/// The engine's VRAM state (a field of `Shared`): its exported allocations.
 #[derive(Default)]
 pub(super) struct Vram {
-    gate: OnceLock<Arc<GatePage>>,
     exports: Mutex<HashMap<u64, Exported>>,
-    free_slots: Mutex<(Vec<u32>, u32)>,
 }
 
 /// A registered local VRAM region.
 struct LocalVram {
-    base: u64,
-    slot: u32,
-    gen: u64,
+    /// Base of each allocation (chunk) it spans.
+    bases: Vec<u64>,
+    ticket: RegionTicket,
     dev: u32,
 }
 
-impl Vram {
-    fn gate(&self, incarnation: u128) -> Result<&Arc<GatePage>> {
-        if let Some(g) = self.gate.get() {
-            return Ok(g);
-        }
-        let g = Arc::new(GatePage::create(incarnation)?);
-        Ok(self.gate.get_or_init(|| g))
-    }
+/// Most allocations one region may span.
+const MAX_CHUNKS: usize = 4096;
 
+impl Vram {
     pub(super) fn register(&self, s: &Shared, desc: &RegDesc) -> Result<LocalRegion> {
         let dev = device::get()?;
         let d = &desc.desc;
-        let info = dev.pointer_info(d.addr)?;
-        let end = (d.addr - info.base).checked_add(d.len);
-        if !matches!(end, Some(e) if e <= info.size) {
-            return Err(Error::invalid_param(format!(
-                "VRAM region {:#x}+{} crosses the end of its allocation ({:#x}+{})",
-                d.addr, d.len, info.base, info.size
-            )));
-        }
-        if d.dev != info.dev as u64 {
+        let chunks = chunks(dev, d.addr, d.len)?;
+        if d.dev != chunks[0].dev as u64 {
             return Err(Error::invalid_param(format!(
                 "VRAM region {:#x} is on device {}, not device {}",
-                d.addr, info.dev, d.dev
+                d.addr, chunks[0].dev, d.dev
             )));
         }
-        let gate = self.gate(s.incarnation)?.clone();
         let mut exports = self.exports.lock();
-        let e = match exports.get_mut(&info.base) {
-            Some(e) => e,
-            None => {
-                let export = dev.export(&info)?;
-                exports.entry(info.base).or_insert(Exported { export, regions: 0 })
-            }
-        };
-        let slot = {
-            let mut f = self.free_slots.lock();
-            match f.0.pop() {
-                Some(s) => s,
-                None if (f.1 as usize) < SLOTS => {
-                    f.1 += 1;
-                    f.1 - 1
+        // Export every chunk (or count one more region on an existing export); undone on failure.
+        let mut done: Vec<u64> = Vec::with_capacity(chunks.len());
+        let undo = |exports: &mut HashMap<u64, Exported>, done: &[u64]| {
+            for b in done {
+                if let Some(e) = exports.get_mut(b) {
+                    e.regions -= 1;
+                    if e.regions == 0 {
+                        Self::unexport(s, exports, *b);
+                    }
                 }
-                None => return Err(Error::backend(format!("more than {SLOTS} VRAM regions registered"))),
             }
         };
-        let gen = gate.gen(slot).fetch_add(1, Ordering::SeqCst) + 1;
-        e.regions += 1;
-        let h = &e.export.handle;
+        for c in &chunks {
+            if !exports.contains_key(&c.base) {
+                let export = match dev.export(c) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        undo(&mut exports, &done);
+                        return Err(e);
+                    }
+                };
+                // Peers that may not take it with `pidfd_getfd` ask for it over the control socket.
+                if let Some(k) = &export.keep {
+                    s.ctrl.offer_fd(k.as_raw_fd());
+                }
+                exports.insert(c.base, Exported { export, regions: 0 });
+            }
+            if let Some(e) = exports.get_mut(&c.base) {
+                e.regions += 1;
+            }
+            done.push(c.base);
+        }
+        let ticket = match s.gate.register(d.addr, d.len) {
+            Ok(t) => t,
+            Err(err) => {
+                undo(&mut exports, &done);
+                return Err(err);
+            }
+        };
         let mut public = vec![PUBLIC_VERSION];
-        put_uvar(&mut public, info.dev as u64);
-        put_uvar(&mut public, info.size);
-        put_uvar(&mut public, d.addr - info.base);
-        public.push(h.kind as u8);
-        put_bytes(&mut public, &h.bytes);
-        put_uvar(&mut public, slot as u64);
-        put_uvar(&mut public, gen);
-        let gid =
-            device::fd_identity(gate.fd.as_fd()).map_err(|e| Error::os(Status::Backend, "fstat (VRAM gate)", e))?;
-        put_bytes(&mut public, &device::fd_handle_bytes(gate.fd.as_raw_fd(), gid));
-        let key: RegionKey = Arc::new(LocalVram { base: info.base, slot, gen, dev: info.dev });
+        put_uvar(&mut public, chunks[0].dev as u64);
+        put_uvar(&mut public, ticket.slot as u64);
+        put_uvar(&mut public, ticket.state);
+        put_uvar(&mut public, chunks.len() as u64);
+        for c in &chunks {
+            let h = &exports[&c.base].export.handle;
+            put_uvar(&mut public, c.base);
+            put_uvar(&mut public, h.size);
+            public.push(h.kind as u8);
+            put_bytes(&mut public, &h.bytes);
+        }
+        let key: RegionKey = Arc::new(LocalVram { bases: done, ticket, dev: chunks[0].dev });
         Ok(LocalRegion { public, key: Some(key) })
     }
 
+    /// Retire the region in the gate (returns once no peer's batch is inside, bounded), then drop its exports.
     pub(super) fn deregister(&self, s: &Shared, key: Option<&RegionKey>) {
         let Some(l) = key.and_then(|k| k.downcast_ref::<LocalVram>()) else { return };
-        if let Some(g) = self.gate.get() {
-            if !g.close_slot(l.slot, s.tcp_opts.timeout) {
-                eprintln!("gixl: a peer's copy into a deregistered VRAM region did not finish in time; going on");
-            }
-        }
-        self.free_slots.lock().0.push(l.slot);
+        s.gate.retire(l.ticket, s.tcp_opts.timeout);
         let mut ex = self.exports.lock();
-        if let Some(e) = ex.get_mut(&l.base) {
-            e.regions -= 1;
-            if e.regions == 0 {
-                ex.remove(&l.base);
+        for b in &l.bases {
+            if let Some(e) = ex.get_mut(b) {
+                e.regions -= 1;
+                if e.regions == 0 {
+                    Self::unexport(s, &mut ex, *b);
+                }
             }
         }
     }
 
-    /// The engine is going away: every copy from a peer is refused from now on; wait for those inside.
-    pub(super) fn shutdown(&self, limit: Duration) {
-        let Some(g) = self.gate.get() else { return };
-        g.closed().store(1, Ordering::SeqCst);
-        let end = Instant::now() + limit;
-        let used = self.free_slots.lock().1;
-        for slot in 0..used {
-            while g.inflight(slot).load(Ordering::SeqCst) != 0 {
-                let left = end.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return;
-                }
-                let n = g.inflight(slot).load(Ordering::SeqCst);
-                g.waiters(slot).fetch_add(1, Ordering::SeqCst);
-                futex_wait(g.inflight(slot), n, left);
-                g.waiters(slot).fetch_sub(1, Ordering::SeqCst);
+    /// Drop the export of the allocation at `base`, withdrawn from the control socket first.
+    fn unexport(s: &Shared, exports: &mut HashMap<u64, Exported>, base: u64) {
+        if let Some(e) = exports.remove(&base) {
+            if let Some(k) = &e.export.keep {
+                s.ctrl.withdraw_fd(k.as_raw_fd());
             }
         }
     }
+}
+
+/// The allocations `[addr, addr + len)` spans: one, or several mapped back to back on one device (a VMM
+/// range such as PyTorch's expandable segments, where each physical chunk is its own allocation with its
+/// own handle). An error if the range leaves device memory or changes device.
+fn chunks(dev: &dyn Device, addr: u64, len: u64) -> Result<Vec<device::PtrInfo>> {
+    let first = dev.pointer_info(addr)?;
+    let end = addr.checked_add(len).ok_or_else(|| Error::invalid_param("VRAM region wraps around"))?;
+    let mut out = vec![first];
+    let mut at = first.base.saturating_add(first.size);
+    while at < end {
+        let crosses = || {
+            Error::invalid_param(format!(
+                "VRAM region {addr:#x}+{len} crosses the end of its allocation ({:#x}+{}) into memory that is not \
+                 another allocation of device {} mapped right after it",
+                first.base, first.size, first.dev
+            ))
+        };
+        let next = dev.pointer_info(at).map_err(|_| crosses())?;
+        if next.base != at || next.dev != first.dev || next.size == 0 || out.len() == MAX_CHUNKS {
+            return Err(crosses());
+        }
+        out.push(next);
+        at = next.base.saturating_add(next.size);
+    }
+    Ok(out)
 }
 
 /// A peer's VRAM region, from its metadata.
@@ -317,14 +208,26 @@ pub(super) struct RemoteVram {
     addr: u64,
     len: u64,
     dev: u32,
-    offset: u64,
-    handle: IpcHandle,
-    slot: u32,
-    gen: u64,
-    gate: IpcHandle,
+    /// The allocations it spans, in address order, back to back.
+    chunks: Vec<RemoteChunk>,
+    ticket: RegionTicket,
     incarnation: u128,
-    /// The peer's allocation, opened here on first use.
+}
+
+/// One of the peer's allocations under a region.
+struct RemoteChunk {
+    /// Its base in the peer.
+    base: u64,
+    handle: IpcHandle,
+    /// Opened here on first use.
     opened: Mutex<Option<Arc<Opened>>>,
+}
+
+impl RemoteVram {
+    /// What the peer's gate checks for it: (slot, state, address, length).
+    fn gated(&self) -> (u32, u64, u64, u64) {
+        (self.ticket.slot, self.ticket.state, self.addr, self.len)
+    }
 }
 
 /// A peer's allocation opened in this process (shared by its regions); closed when the last one goes.
@@ -332,11 +235,11 @@ struct Opened {
     map: Box<dyn Mapping>,
 }
 
-/// Opened allocations and gate pages, per peer incarnation, so each is opened once.
-#[allow(clippy::type_complexity)]
-fn opened() -> &'static Mutex<(HashMap<(u128, Vec<u8>), Weak<Opened>>, HashMap<u128, Weak<GatePage>>)> {
-    static O: OnceLock<Mutex<(HashMap<(u128, Vec<u8>), Weak<Opened>>, HashMap<u128, Weak<GatePage>>)>> =
-        OnceLock::new();
+type OpenedMap = HashMap<(u128, Vec<u8>), Weak<Opened>>;
+
+/// Opened allocations, per peer incarnation and handle, so each is opened once.
+fn opened() -> &'static Mutex<OpenedMap> {
+    static O: OnceLock<Mutex<OpenedMap>> = OnceLock::new();
     O.get_or_init(Default::default)
 }
 
@@ -347,27 +250,34 @@ pub(super) fn load_remote(incarnation: u128, desc: &Desc, public: &[u8]) -> Resu
         return Err(Error::mismatch("unknown VRAM region format in metadata"));
     }
     let dev = u32::try_from(r.uvar()?).map_err(|_| bad())?;
-    let size = r.uvar()?;
-    let offset = r.uvar()?;
-    let kind = HandleKind::from_u8(r.byte()?).ok_or_else(bad)?;
-    let bytes = r.bytes(256)?.to_vec();
-    let slot = u32::try_from(r.uvar()?).ok().filter(|&s| (s as usize) < SLOTS).ok_or_else(bad)?;
-    let gen = r.uvar()?;
-    let gate = r.bytes(64)?.to_vec();
-    if r.left() != 0 || offset > size {
+    let slot = u32::try_from(r.uvar()?).map_err(|_| bad())?;
+    let state = r.uvar()?;
+    let n = usize::try_from(r.uvar()?).ok().filter(|&n| (1..=MAX_CHUNKS).contains(&n)).ok_or_else(bad)?;
+    let mut chunks: Vec<RemoteChunk> = Vec::with_capacity(n.min(64));
+    for _ in 0..n {
+        let base = r.uvar()?;
+        let size = r.uvar()?;
+        let kind = HandleKind::from_u8(r.byte()?).ok_or_else(bad)?;
+        let bytes = r.bytes(256)?.to_vec();
+        // Back to back, each non-empty.
+        if size == 0 || chunks.last().is_some_and(|c| c.base.checked_add(c.handle.size) != Some(base)) {
+            return Err(bad());
+        }
+        chunks.push(RemoteChunk { base, handle: IpcHandle { kind, size, bytes }, opened: Mutex::new(None) });
+    }
+    // The region lies inside the chunks.
+    let (lo, hi) = (chunks[0].base, chunks[n - 1].base.checked_add(chunks[n - 1].handle.size));
+    let end = desc.addr.checked_add(desc.len);
+    if r.left() != 0 || desc.addr < lo || !matches!((end, hi), (Some(e), Some(h)) if e <= h) {
         return Err(bad());
     }
     Ok(Arc::new(RemoteVram {
         addr: desc.addr,
         len: desc.len,
         dev,
-        offset,
-        handle: IpcHandle { kind, size, bytes },
-        slot,
-        gen,
-        gate: IpcHandle { kind: HandleKind::PosixFd, size: GATE_BYTES as u64, bytes: gate },
+        chunks,
+        ticket: RegionTicket { slot, state },
         incarnation,
-        opened: Mutex::new(None),
     }))
 }
 
@@ -380,18 +290,21 @@ impl RemoteVram {
 
 /// How a request reaches the remote side.
 enum Far {
-    /// Addresses valid in this process (loopback, another agent here); `gate` is the target's.
-    Here { gate: Option<Arc<GatePage>> },
-    /// Another process: its pid and pidfd (borrowed from the peer), its gate page.
-    Process { pid: i32, gate: Option<Arc<GatePage>> },
+    /// This agent's own regions: addresses valid here, resolved by the agent against its registrations.
+    Loopback,
+    /// Another agent in this process: addresses valid here, copies inside its gate.
+    InProcess,
+    /// Another process: copies through its opened allocations, inside its gate, after the probe.
+    Process,
 }
 
 /// What `prep` resolved, kept with the request.
 pub(super) struct VramPlan {
     far: Far,
-    /// Per remote region index: (slot, generation, incarnation, address of the region here, region address
-    /// in the peer, opened allocation).
+    /// Per remote region index: where it is here, and the opened allocation it lies in.
     regions: Vec<Option<RegionUse>>,
+    /// The peer's VRAM regions this request touches, as its gate checks them.
+    gated: Vec<(u32, u64, u64, u64)>,
     /// Device whose context and streams the copies use.
     dev: u32,
     device: &'static dyn Device,
@@ -399,61 +312,57 @@ pub(super) struct VramPlan {
     local_is_vram: bool,
 }
 
+/// Where a remote region is in this process: at the same addresses (this process), or per chunk opened
+/// here (another process), each `(peer base, peer end, here - peer, opened allocation)`.
 struct RegionUse {
-    slot: u32,
-    gen: u64,
-    incarnation: u128,
-    /// `here - peer`: add to a peer address to get its address in this process.
-    shift: u64,
-    _open: Option<Arc<Opened>>,
+    chunks: Vec<(u64, u64, u64, Arc<Opened>)>,
 }
 
-fn peer_pidfd(p: &super::EnginePeer) -> Option<BorrowedFd<'_>> {
-    match &p.kind {
-        PeerKind::Cma { pidfd, .. } => pidfd.as_ref().map(|f| f.as_fd()),
-        _ => None,
+impl RegionUse {
+    const SAME: RegionUse = RegionUse { chunks: Vec::new() };
+
+    /// The pieces of the peer range `[at, at + len)` as (offset into the range, length, address here),
+    /// cut at chunk boundaries.
+    fn pieces(&self, at: u64, len: u64, out: &mut impl FnMut(u64, u64, u64)) {
+        if self.chunks.is_empty() {
+            return out(0, len, at);
+        }
+        let mut i = self.chunks.partition_point(|c| c.1 <= at);
+        let mut off = 0;
+        while off < len {
+            // Outside every chunk cannot happen (the agent checked the range against the region, which the
+            // chunks cover); map it to address 0 so the driver refuses it rather than a wrong address.
+            let Some(&(_, end, shift, _)) = self.chunks.get(i) else { return out(off, len - off, 0) };
+            let here = at + off;
+            let n = (end - here).min(len - off);
+            out(off, n, here.wrapping_add(shift));
+            off += n;
+            i += 1;
+        }
     }
 }
 
-/// Is the process behind `pidfd` still running? (Synchronous: a pidfd polls readable once it exits.)
-fn alive(pidfd: BorrowedFd<'_>) -> bool {
-    let mut p = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-    // SAFETY: one valid pollfd, no wait.
-    let n = unsafe { libc::poll(&mut p, 1, 0) };
-    n == 0
-}
-
-fn open_gate(inc: u128, h: &IpcHandle, pidfd: BorrowedFd<'_>) -> Result<Arc<GatePage>> {
-    let mut o = opened().lock();
-    if let Some(g) = o.1.get(&inc).and_then(Weak::upgrade) {
-        return Ok(g);
-    }
-    let fd = device::take_fd(h, pidfd)?;
-    let ptr = map_gate(fd.as_fd())?;
-    let g = Arc::new(GatePage { ptr, fd });
-    if g.incarnation() != inc {
-        return Err(Error::not_found("the peer's VRAM gate belongs to another incarnation"));
-    }
-    o.1.retain(|_, w| w.strong_count() > 0);
-    o.1.insert(inc, Arc::downgrade(&g));
-    Ok(g)
-}
-
-fn open_alloc(dev: &dyn Device, r: &RemoteVram, on: u32, pidfd: BorrowedFd<'_>) -> Result<Arc<Opened>> {
-    let mut cur = r.opened.lock();
+fn open_alloc(
+    dev: &dyn Device,
+    r: &RemoteVram,
+    c: &RemoteChunk,
+    on: u32,
+    fd: device::FdSource<'_>,
+) -> Result<Arc<Opened>> {
+    let mut cur = c.opened.lock();
     if let Some(o) = cur.as_ref() {
         return Ok(o.clone());
     }
     // One mapping per peer allocation in this process, whichever device first opened it: the address is
     // valid for every device (unified addressing), and CUDA maps a legacy handle once per process.
-    let k = (r.incarnation, r.handle.bytes.clone());
+    let k = (r.incarnation, c.handle.bytes.clone());
     let mut o = opened().lock();
-    let op = match o.0.get(&k).and_then(Weak::upgrade) {
+    let op = match o.get(&k).and_then(Weak::upgrade) {
         Some(op) => op,
         None => {
-            let op = Arc::new(Opened { map: dev.open(on, &r.handle, pidfd)? });
-            o.0.retain(|_, w| w.strong_count() > 0);
-            o.0.insert(k, Arc::downgrade(&op));
+            let op = Arc::new(Opened { map: dev.open(on, &c.handle, fd)? });
+            o.retain(|_, w| w.strong_count() > 0);
+            o.insert(k, Arc::downgrade(&op));
             op
         }
     };
@@ -461,8 +370,74 @@ fn open_alloc(dev: &dyn Device, r: &RemoteVram, on: u32, pidfd: BorrowedFd<'_>) 
     Ok(op)
 }
 
-/// Resolve a request that touches VRAM: its route, the device, and (for another process) the peer's gate
-/// and allocations, checked against the gate before anything is opened.
+/// A refusal of the peer's gate as VRAM reports it: a region the peer no longer has registered is NOT_FOUND
+/// (the gate itself says BACKEND, as cross-memory attach reports it); a closed incarnation stays
+/// REMOTE_DISCONNECT.
+fn refused(e: Error) -> Error {
+    if e.status() == Status::Backend {
+        Error::not_found(format!("the peer has deregistered this VRAM region ({})", e.message()))
+    } else {
+        e
+    }
+}
+
+/// Run `f` inside another process's gate for `regions`, checked to be the same process image before and
+/// after: the bracket every driver call on a peer's allocation goes through.
+///
+/// The identity check is the peer's sentinel word (`sentinel`, in our mapping of its gate), which the kernel
+/// flips when that process exits or execs, before a new image or a process that takes over the pid can run:
+/// one atomic load before `f` (ended: REMOTE_DISCONNECT, the driver is not called) and one after (changed:
+/// REMOTE_DISCONNECT, a READ's bytes may come from an image already gone; a WRITE's landed in the old
+/// allocation, which the opened handle keeps alive, never in the new image). A peer without a sentinel is
+/// probed instead (`copy::probe`, one 16-byte `process_vm_readv` of its gate). A check that finds the peer
+/// gone marks it dead.
+fn in_peer_gate<T>(
+    p: &super::EnginePeer,
+    regions: &[(u32, u64, u64, u64)],
+    f: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    let PeerKind::Cma { pid, gate, probe, denied, .. } = &p.kind else {
+        return Err(Error::backend("unreachable route"));
+    };
+    let gone = || {
+        p.dead.store(true, Ordering::Release);
+        Error::disconnected(format!("agent '{}' exited or exec'd (it no longer runs that incarnation)", p.name))
+    };
+    if p.dead.load(Ordering::Acquire) {
+        return Err(gone());
+    }
+    let gate = gate.as_ref().ok_or_else(|| Error::disconnected(format!("agent '{}' is not reachable", p.name)))?;
+    let _inside = gate.enter(regions.iter().copied()).map_err(refused)?;
+    let word = gate.gate.sentinel();
+    let seen = match sentinel::read(word) {
+        sentinel::Word::Ended => return Err(gone()),
+        sentinel::Word::Alive(v) => Some(v),
+        sentinel::Word::Absent => {
+            let mut lost = false;
+            if let Err(e) = copy::probe(*pid, probe, &mut lost) {
+                if lost {
+                    p.dead.store(true, Ordering::Release);
+                }
+                if super::cma_denied(&e) {
+                    // No sentinel, and the kernel refuses the probe: nothing can check this peer's identity.
+                    denied.store(true, Ordering::Release);
+                    return Err(Error::not_supported(format!("VRAM transfers to agent '{}': {e}", p.name)));
+                }
+                return Err(e);
+            }
+            None
+        }
+    };
+    let r = f()?;
+    if seen.is_some_and(|v| word.load(Ordering::SeqCst) != v) {
+        return Err(gone());
+    }
+    Ok(r)
+}
+
+/// Resolve a request that touches VRAM: its route, the device, and (for another process) the peer's
+/// allocations, each opened inside the peer's gate (after the probe), so a stale handle never reaches the
+/// driver.
 pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
     let device = device::get()?;
     for m in [plan.local_mem, plan.remote_mem] {
@@ -473,38 +448,43 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
     let local_is_vram = plan.local_mem == MemType::Vram;
     let remote_is_vram = plan.remote_mem == MemType::Vram;
     let local_dev = plan.local_keys.iter().flatten().find_map(|k| k.downcast_ref::<LocalVram>()).map(|l| l.dev);
-    let (far, peer) = match &plan.target {
-        Target::Local => (Far::Here { gate: shared.vram.gate.get().cloned() }, None),
-        Target::Remote(p) => {
-            let ep = downcast(p)?;
-            match &ep.kind {
-                PeerKind::InProcess { target, .. } => {
-                    let t = target
-                        .upgrade()
-                        .ok_or_else(|| Error::disconnected(format!("agent '{}' has been destroyed", ep.name)))?;
-                    (Far::Here { gate: t.vram.gate.get().cloned() }, Some(ep))
-                }
-                PeerKind::Cma { pid, pidfd, .. } => {
-                    // No pidfd: the peer did not prove it runs here (see `load_peer`); nothing to open.
-                    let pidfd = pidfd.as_ref().ok_or_else(|| {
-                        Error::disconnected(format!("agent '{}' is not reachable as a local process", ep.name))
-                    })?;
-                    if !alive(pidfd.as_fd()) {
-                        return Err(Error::disconnected(format!("agent '{}' has exited", ep.name)));
-                    }
-                    (Far::Process { pid: *pid, gate: None }, Some(ep))
-                }
-                PeerKind::Tcp { .. } => {
-                    return Err(Error::not_supported(format!(
-                        "VRAM transfers to agent '{}' on another host (TCP) are not implemented",
-                        ep.name
-                    )))
-                }
+    let peer = match &plan.target {
+        Target::Local => None,
+        Target::Remote(p) => Some(downcast(p)?),
+    };
+    let far = match peer.map(|p| (p, &p.kind)) {
+        None => Far::Loopback,
+        Some((ep, PeerKind::InProcess { target, .. })) => {
+            target.upgrade().ok_or_else(|| Error::disconnected(format!("agent '{}' has been destroyed", ep.name)))?;
+            Far::InProcess
+        }
+        Some((ep, PeerKind::Cma { pidfd, gate, denied, .. })) => {
+            // Where the kernel denies cross-memory attach, a peer's VRAM is still reachable through its IPC
+            // handles if its gate came over the control socket and it has a sentinel (the identity check
+            // then needs no ptrace permission); its DRAM (the staged route) is not.
+            let sentinel_alive =
+                gate.as_ref().is_some_and(|g| matches!(sentinel::read(g.gate.sentinel()), sentinel::Word::Alive(_)));
+            if denied.load(Ordering::Acquire) && !(remote_is_vram && sentinel_alive) {
+                return Err(Error::not_supported(format!(
+                    "VRAM transfers to agent '{}' need cross-memory attach here (remote DRAM staged), or its \
+                     transfer gate with an exit/exec sentinel, and the kernel denies cross-memory attach to it \
+                     (ptrace permission; `python -m gixl doctor` says why)",
+                    ep.name
+                )));
             }
+            // No pidfd or no gate: the peer did not prove it runs here, or has exited (see `load_peer`).
+            if pidfd.is_none() || gate.is_none() {
+                return Err(Error::disconnected(format!("agent '{}' is not reachable as a local process", ep.name)));
+            }
+            Far::Process
+        }
+        Some((ep, PeerKind::Tcp { .. })) => {
+            return Err(Error::not_supported(format!(
+                "VRAM transfers to agent '{}' on another host (TCP) are not implemented",
+                ep.name
+            )))
         }
     };
-    let mut far = far;
-    let mut regions = Vec::with_capacity(plan.remote_keys.len());
     let remote_dev =
         plan.remote_keys.iter().flatten().find_map(|k| {
             k.downcast_ref::<RemoteVram>().map(|r| r.dev).or(k.downcast_ref::<LocalVram>().map(|l| l.dev))
@@ -513,57 +493,45 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
     // else device 0 (a peer's allocation opened here from DRAM).
     let dev = match (&far, local_dev) {
         (_, Some(d)) => d,
-        (Far::Here { .. }, None) => remote_dev.unwrap_or(0),
-        (Far::Process { .. }, None) => 0,
+        (Far::Loopback | Far::InProcess, None) => remote_dev.unwrap_or(0),
+        (Far::Process, None) => 0,
     };
     let used: std::collections::BTreeSet<u32> = plan.segs.iter().map(|s| s.rreg).collect();
+    let mut regions = Vec::with_capacity(plan.remote_keys.len());
+    let mut gated = Vec::new();
     for (i, k) in plan.remote_keys.iter().enumerate() {
-        if !used.contains(&(i as u32)) {
-            regions.push(None);
-            continue;
-        }
-        let k = k.as_ref();
-        let u = if let Some(l) = k.and_then(|k| k.downcast_ref::<LocalVram>()) {
-            // Loopback or an agent of this process: its own key.
-            let inc = match &plan.target {
-                Target::Local => shared.incarnation,
-                Target::Remote(_) => peer.map(|p| p.incarnation).unwrap_or(0),
-            };
-            Some(RegionUse { slot: l.slot, gen: l.gen, incarnation: inc, shift: 0, _open: None })
+        let k = k.as_ref().filter(|_| used.contains(&(i as u32)));
+        let u = if k.and_then(|k| k.downcast_ref::<LocalVram>()).is_some() {
+            // Loopback: this agent's own key.
+            Some(RegionUse::SAME)
         } else if let Some(r) = k.and_then(|k| k.downcast_ref::<RemoteVram>()) {
-            match (&mut far, peer) {
-                (Far::Here { .. }, _) => {
-                    Some(RegionUse { slot: r.slot, gen: r.gen, incarnation: r.incarnation, shift: 0, _open: None })
-                }
-                (Far::Process { gate, .. }, Some(ep)) => {
-                    let pidfd = peer_pidfd(ep).ok_or_else(|| Error::backend("peer without a pidfd"))?;
-                    let g = match gate {
-                        Some(g) => g.clone(),
-                        None => {
-                            let g = open_gate(r.incarnation, &r.gate, pidfd)?;
-                            *gate = Some(g.clone());
-                            g
-                        }
+            gated.push(r.gated());
+            match (&far, peer) {
+                (Far::Process, Some(ep)) => {
+                    let PeerKind::Cma { pidfd: Some(pidfd), sock, secret, pid, .. } = &ep.kind else {
+                        return Err(Error::backend("peer without a pidfd"));
                     };
-                    // The gate first: a stale handle never reaches the driver.
-                    g.enter(r.slot, r.gen, r.incarnation)?;
-                    let op = if alive(pidfd) {
-                        open_alloc(device, r, dev, pidfd)
-                    } else {
-                        Err(Error::disconnected(format!("agent '{}' has exited", ep.name)))
-                    };
-                    g.leave(r.slot);
-                    let op = op?;
-                    let here = op.map.base() + r.offset;
-                    Some(RegionUse {
-                        slot: r.slot,
-                        gen: r.gen,
-                        incarnation: r.incarnation,
-                        shift: here.wrapping_sub(r.addr),
-                        _open: Some(op),
-                    })
+                    // The gate and the probe first: a stale handle never reaches the driver.
+                    let chunks = in_peer_gate(ep, &[r.gated()], || {
+                        r.chunks
+                            .iter()
+                            .map(|c| {
+                                // The exporter's descriptor (fd handles): `pidfd_getfd`, else its control socket.
+                                let take = || {
+                                    let (num, want) = device::fd_handle(&c.handle.bytes)?;
+                                    let peer = (sock.as_slice(), *secret, ep.incarnation, *pid);
+                                    let f = super::take_peer_fd(shared, pidfd.as_fd(), peer, num)?;
+                                    device::same_object(f, want)
+                                };
+                                let op = open_alloc(device, r, c, dev, &take)?;
+                                let shift = op.map.base().wrapping_sub(c.base);
+                                Ok((c.base, c.base + c.handle.size, shift, op))
+                            })
+                            .collect::<Result<Vec<_>>>()
+                    })?;
+                    Some(RegionUse { chunks })
                 }
-                (Far::Process { .. }, None) => None,
+                _ => Some(RegionUse::SAME),
             }
         } else {
             // A DRAM region on the far side: nothing to open (another process: staged through CMA).
@@ -571,93 +539,66 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
         };
         regions.push(u);
     }
-    Ok(VramPlan { far, regions, dev, device, remote_is_vram, local_is_vram })
+    Ok(VramPlan { far, regions, gated, dev, device, remote_is_vram, local_is_vram })
 }
 
 impl VramPlan {
-    fn gate(&self) -> Option<&Arc<GatePage>> {
-        match &self.far {
-            Far::Here { gate } | Far::Process { gate, .. } => gate.as_ref(),
-        }
-    }
-
-    /// Copy `segs` (one piece of a request): enter the gate for every peer region they touch, check the
-    /// peer is alive, run the copies, leave.
+    /// Copy `segs` (one piece of a request), batch by batch, each inside the target's gate.
     pub(super) fn copy(&self, core: &super::Core, segs: &[Seg], run: &Run) -> Result<()> {
         if run.abort.load(Ordering::Relaxed) {
             return Err(Error::new(Status::Canceled, "transfer stopped"));
         }
-        let mut entered: Vec<u32> = Vec::new();
-        let gate = self.gate();
-        let mut r = Ok(());
-        if let Some(g) = gate {
-            let mut touched: Vec<u32> = segs.iter().map(|s| s.rreg).collect();
-            touched.sort_unstable();
-            touched.dedup();
-            for i in touched {
-                if let Some(Some(u)) = self.regions.get(i as usize) {
-                    if let Err(e) = g.enter(u.slot, u.gen, u.incarnation) {
-                        r = Err(e);
-                        break;
-                    }
-                    entered.push(u.slot);
-                }
-            }
+        let direct = !matches!(self.far, Far::Process) || self.remote_is_vram;
+        if !direct {
+            return self.staged(core, segs, run);
         }
-        if r.is_ok() {
-            r = self.check_alive(core).and_then(|_| self.run_copies(core, segs, run));
-        }
-        if let Some(g) = gate {
-            for s in entered {
-                g.leave(s);
-            }
-        }
-        r
-    }
-
-    fn check_alive(&self, core: &super::Core) -> Result<()> {
-        let Some(p) = core.peer() else { return Ok(()) };
-        let dead = match (&self.far, peer_pidfd(p)) {
-            (Far::Process { .. }, Some(fd)) => !alive(fd),
-            _ => p.disconnected(),
-        };
-        if dead {
-            p.dead.store(true, Ordering::Release);
-            return Err(Error::disconnected(format!("agent '{}' has exited", p.name)));
-        }
-        Ok(())
-    }
-
-    fn run_copies(&self, core: &super::Core, segs: &[Seg], run: &Run) -> Result<()> {
         let op = core.plan.op;
-        let direct = matches!(self.far, Far::Here { .. }) || self.remote_is_vram;
-        if direct {
-            let copies: Vec<Copy> = segs
-                .iter()
-                .map(|s| {
-                    let shift = self.regions.get(s.rreg as usize).and_then(|u| u.as_ref()).map_or(0, |u| u.shift);
-                    let remote = s.remote.wrapping_add(shift);
-                    match op {
-                        XferOp::Read => Copy { dst: s.local, src: remote, len: s.len },
-                        XferOp::Write => Copy { dst: remote, src: s.local, len: s.len },
-                    }
-                })
-                .collect();
-            // Remote DRAM of another agent in this process: inside that agent's gate (see `gate`), as DRAM is.
-            if !self.remote_is_vram {
-                if let Some(PeerKind::InProcess { gate, .. }) = core.peer().map(|p| &p.kind) {
-                    let gate = gate.as_ref().ok_or_else(|| Error::disconnected("the peer agent has been destroyed"))?;
-                    let _inside = gate.enter(core.gate_regions())?;
-                    return self.device.copy(self.dev, &copies);
-                }
+        // Each segment as copies between addresses valid here, cut where the peer's chunks meet.
+        let copies = |b: &[Seg]| -> Vec<Copy> {
+            let mut v = Vec::with_capacity(b.len());
+            let same = RegionUse::SAME;
+            for s in b {
+                let u = self.regions.get(s.rreg as usize).and_then(|u| u.as_ref()).unwrap_or(&same);
+                u.pieces(s.remote, s.len, &mut |off, len, remote| {
+                    let local = s.local + off;
+                    v.push(match op {
+                        XferOp::Read => Copy { dst: local, src: remote, len },
+                        XferOp::Write => Copy { dst: remote, src: local, len },
+                    })
+                });
             }
-            return self.device.copy(self.dev, &copies);
-        }
-        // Local VRAM, remote DRAM in another process: stage through a page-locked buffer.
+            v
+        };
+        let Some(p) = core.peer() else {
+            // Loopback: both sides are this agent's registrations, as for DRAM.
+            return self.device.copy(self.dev, &copies(segs));
+        };
+        copy::for_batches(segs, copy::BATCH_SEGS, copy::BATCH_BYTES, &mut |b| {
+            if run.abort.load(Ordering::Relaxed) {
+                return Err(Error::new(Status::Canceled, "transfer stopped"));
+            }
+            match (&self.far, &p.kind) {
+                (Far::InProcess, PeerKind::InProcess { gate, .. }) => {
+                    let gate = gate.as_ref().ok_or_else(|| Error::disconnected("the peer agent has been destroyed"))?;
+                    let _inside = if self.remote_is_vram {
+                        gate.enter(self.gated.iter().copied()).map_err(refused)?
+                    } else {
+                        gate.enter(core.gate_regions())?
+                    };
+                    self.device.copy(self.dev, &copies(b))
+                }
+                (Far::Process, _) => in_peer_gate(p, &self.gated, || self.device.copy(self.dev, &copies(b))),
+                _ => Err(Error::backend("unreachable route")),
+            }
+        })
+    }
+
+    /// Local VRAM, remote DRAM in another process: stage through a page-locked buffer.
+    fn staged(&self, core: &super::Core, segs: &[Seg], run: &Run) -> Result<()> {
+        let op = core.plan.op;
         debug_assert!(self.local_is_vram);
-        let Far::Process { pid, .. } = self.far else { return Err(Error::backend("unreachable route")) };
         let peer = core.peer().ok_or_else(|| Error::backend("unreachable route"))?;
-        let PeerKind::Cma { gate: Some(cma_gate), probe, .. } = &peer.kind else {
+        let PeerKind::Cma { pid, gate: Some(cma_gate), probe, .. } = &peer.kind else {
             return Err(Error::not_supported(format!(
                 "agent '{}' cannot be reached by cross-memory attach, which VRAM <-> remote DRAM needs",
                 peer.name
@@ -676,7 +617,7 @@ impl VramPlan {
                 }
                 let _inside = inside?;
                 // SAFETY: the staged local ranges lie inside the staging buffer, alive for the call.
-                unsafe { copy::cma_batch(pid, op, b, probe, &mut gone) }
+                unsafe { copy::cma_batch(*pid, op, b, probe, cma_gate.gate.sentinel(), &mut gone) }
             });
             if gone {
                 peer.dead.store(true, Ordering::Release);
@@ -799,7 +740,8 @@ mod tests {
     use crate::agent::{Agent, AgentConfig, NotifUpdate, XferOpts};
     use crate::backend::Params;
     use crate::device::fake;
-    use crate::mem::{Desc, RegDList, XferDList};
+    use crate::mem::{RegDList, XferDList};
+    use std::time::{Duration, Instant};
 
     fn agent(name: &str) -> Agent {
         assert!(device::select_fake(), "this test process must use the fake device");
@@ -926,6 +868,55 @@ mod tests {
         assert!(bytes(src, n).iter().all(|&x| x == 0x55));
     }
 
+    /// Public bytes of a region over `chunks` (base, size).
+    fn public(chunks: &[(u64, u64)]) -> Vec<u8> {
+        let mut b = vec![PUBLIC_VERSION];
+        for v in [1, 7, 3, chunks.len() as u64] {
+            put_uvar(&mut b, v);
+        }
+        for &(base, size) in chunks {
+            put_uvar(&mut b, base);
+            put_uvar(&mut b, size);
+            b.push(HandleKind::PosixFd as u8);
+            put_bytes(&mut b, &[0; 20]);
+        }
+        b
+    }
+
+    #[test]
+    fn remote_chunks_must_cover_the_region_back_to_back_and_copies_are_cut_there() {
+        let d = |a, l| Desc::new(a, l, 1);
+        let ok = load_remote(5, &d(0x1800, 0x2000), &public(&[(0x1000, 0x1000), (0x2000, 0x4000)])).unwrap();
+        let r = ok.downcast_ref::<RemoteVram>().unwrap();
+        assert_eq!((r.chunks.len(), r.gated()), (2, (7, 3, 0x1800, 0x2000)));
+        for (desc, chunks) in [
+            (d(0x1800, 0x2000), vec![]),                                   // no chunk
+            (d(0x1800, 0x2000), vec![(0x1000, 0x1000), (0x2800, 0x4000)]), // a gap
+            (d(0x0800, 0x1000), vec![(0x1000, 0x4000)]),                   // starts before
+            (d(0x1000, 0x4001), vec![(0x1000, 0x4000)]),                   // ends after
+            (d(0x1000, 0x10), vec![(0x1000, 0)]),                          // an empty chunk
+        ] {
+            assert_eq!(load_remote(5, &desc, &public(&chunks)).err().unwrap().status(), Status::Mismatch);
+        }
+        // Pieces: chunk A [0x1000, 0x2000) here at +0x10000, chunk B [0x2000, 0x6000) here at +0x50000.
+        let fake_open = || Arc::new(Opened { map: Box::new(NoMap) });
+        let u =
+            RegionUse { chunks: vec![(0x1000, 0x2000, 0x10000, fake_open()), (0x2000, 0x6000, 0x50000, fake_open())] };
+        let mut got = Vec::new();
+        u.pieces(0x1ff0, 0x30, &mut |off, len, here| got.push((off, len, here)));
+        assert_eq!(got, vec![(0, 0x10, 0x11ff0), (0x10, 0x20, 0x52000)]);
+        got.clear();
+        RegionUse::SAME.pieces(0x1ff0, 0x30, &mut |off, len, here| got.push((off, len, here)));
+        assert_eq!(got, vec![(0, 0x30, 0x1ff0)]);
+    }
+
+    struct NoMap;
+    impl Mapping for NoMap {
+        fn base(&self) -> u64 {
+            0
+        }
+    }
+
     #[test]
     fn vram_registration_is_checked_against_the_device() {
         let a = agent("vram-check");
@@ -937,35 +928,13 @@ mod tests {
         };
         let host = [0u8; 64];
         assert!(bad(host.as_ptr() as u64, 64, 0).message().contains("not device memory"));
+        // Chunks mapped back to back make one region; a hole where one was freed ends it.
+        let c = fake::alloc_chunks(5, &[4096, 8192, 4096], true, None).unwrap();
+        reg(&a, MemType::Vram, c + 100, 16384 - 200, 5);
+        fake::free(c + 4096).unwrap();
+        assert!(bad(c, 16384, 5).message().contains("crosses the end"));
+        assert!(bad(c + 12288, 8192, 5).message().contains("crosses the end"));
         assert!(bad(p + 4096, 8192, 4).message().contains("crosses the end"));
         assert!(bad(p, 4096, 5).message().contains("device 4"));
-    }
-
-    #[test]
-    fn gate_deregistration_waits_for_a_copy_inside() {
-        let g = Arc::new(GatePage::create(7).unwrap());
-        let gen = g.gen(3).fetch_add(1, Ordering::SeqCst) + 1;
-        g.enter(3, gen, 7).unwrap();
-        assert_eq!(g.enter(3, gen, 8).unwrap_err().status(), Status::RemoteDisconnect);
-        let g2 = g.clone();
-        let closer = std::thread::spawn(move || {
-            let ok = g2.close_slot(3, Duration::from_secs(20));
-            (ok, Instant::now())
-        });
-        // Leave only once the closer is seen waiting: it must return after this, not before.
-        while g.waiters(3).load(Ordering::SeqCst) == 0 {
-            std::thread::yield_now();
-        }
-        let left_at = Instant::now();
-        g.leave(3);
-        let (ok, returned_at) = closer.join().unwrap();
-        assert!(ok && returned_at >= left_at);
-        assert_eq!(g.enter(3, gen, 7).unwrap_err().status(), Status::NotFound);
-        // A copy that never leaves holds deregistration only up to the bound.
-        let gen = g.gen(4).fetch_add(1, Ordering::SeqCst) + 1;
-        g.enter(4, gen, 7).unwrap();
-        let t = Instant::now();
-        assert!(!g.close_slot(4, Duration::from_millis(50)));
-        assert!(t.elapsed() >= Duration::from_millis(50));
     }
 }
