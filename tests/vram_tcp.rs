@@ -652,19 +652,30 @@ fn measure_vram_over_tcp_against_dram() {
 
 /// Where the kernel denies cross-memory attach between two processes of one host (here the initiator runs
 /// as `nobody`, the target as root, so taking the target's gate and allocation handles with `pidfd_getfd`
-/// fails with EPERM), VRAM moves over TCP, staged, as for a peer on another host. Needs root; skips otherwise.
+/// fails with EPERM), VRAM moves over TCP, staged, as for a peer on another host. When the target allows
+/// that uid (`GIXL_ALLOW_UIDS`), its gate and handles come over its control socket and the same-host IPC
+/// route stays preferred: nothing is staged. Needs root; skips otherwise.
 #[test]
 fn vram_with_cross_memory_attach_denied_goes_over_tcp() {
-    use std::os::unix::process::CommandExt;
     let _g = serial();
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         common::skip("cma", "needs root to start a child as another user");
         return;
     }
+    if denied_case(false) {
+        std::env::set_var("GIXL_ALLOW_UIDS", "65534");
+        denied_case(true);
+        std::env::remove_var("GIXL_ALLOW_UIDS");
+    }
+}
+
+/// One run of the test above; false if the child could not run as nobody (skipped).
+fn denied_case(allowed: bool) -> bool {
+    use std::os::unix::process::CommandExt;
     let size = 16 * MIB;
     assert!(gixl::device::select_fake());
-    let vram = fake::alloc(1, size, false, None).unwrap();
+    let vram = fake::alloc(1, size, true, None).unwrap();
     fill(slice(vram, size), 4);
     let a = Agent::new("vt-root", AgentConfig::default()).unwrap();
     a.create_backend("UCX", &Params::new()).unwrap();
@@ -685,16 +696,22 @@ fn vram_with_cross_memory_attach_denied_goes_over_tcp() {
     if !text.lines().any(|l| l == "@started") {
         // A child that cannot even start as nobody (binary not readable to it) says nothing about gixl.
         common::skip("cma", &format!("the child could not run as nobody ({})", out.status));
-        return;
+        return false;
     }
-    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(line("@read ").as_deref(), Some("ok"), "the READ brought wrong bytes");
-    assert_eq!(line("@log ").as_deref(), Some("1"), "one fall-back warning when the peer was loaded");
+    let case = if allowed { "uid allowed" } else { "uid refused" };
+    assert!(out.status.success(), "{case}: {text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(line("@read ").as_deref(), Some("ok"), "{case}: the READ brought wrong bytes");
+    assert_eq!(line("@log ").as_deref(), Some("1"), "{case}: one fall-back warning when the peer was loaded");
     let mut want = vec![0u8; size];
     fill(&mut want, 6);
-    assert!(slice(vram, size)[..] == want[..], "the WRITE landed wrong bytes");
-    // This side served both from its VRAM through its staging buffers.
-    assert_eq!(fake::copied_bytes() - copied, 2 * size as u64);
+    assert!(slice(vram, size)[..] == want[..], "{case}: the WRITE landed wrong bytes");
+    // Over TCP this side served both from its VRAM through its staging buffers; through the IPC handles
+    // the initiator copied them itself.
+    let staged = if allowed { 0 } else { 2 * size as u64 };
+    assert_eq!(fake::copied_bytes() - copied, staged, "{case}: bytes staged by the target");
+    drop(a);
+    fake::free(vram).unwrap();
+    true
 }
 
 /// The initiator is killed while its staged WRITE into our VRAM is being served: the serving loop lets go

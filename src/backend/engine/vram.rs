@@ -15,7 +15,8 @@
 //!   local memory type (DRAM↔VRAM directly, the driver staging pageable memory itself);
 //! - another process, its region in DRAM and ours in VRAM: cross-memory attach into a page-locked staging
 //!   buffer, and a device copy between the buffer and VRAM (both directions);
-//! - a peer reached over TCP (another host, cross-memory attach denied, or `GIXL_TRANSPORT=tcp`): both
+//! - a peer reached over TCP (another host, `GIXL_TRANSPORT=tcp`, or cross-memory attach denied unless its
+//!   VRAM stays reachable by IPC handles, see `ipc_despite_denial`): both
 //!   sides stage through page-locked buffers, the TCP target serving its VRAM registrations chunk by chunk
 //!   under the same leases as DRAM (see `vram_tcp`; no same-host gate there: the TCP target checks every
 //!   request against its own registrations).
@@ -435,6 +436,15 @@ fn in_peer_gate<T>(
     Ok(r)
 }
 
+/// Where the kernel denies cross-memory attach to a same-host peer, its VRAM is still reachable through its
+/// IPC handles if its gate came over the control socket and it has a live sentinel (the identity check then
+/// needs no ptrace permission); its DRAM (the staged route) is not. Otherwise the request goes over TCP
+/// (see `vram_tcp::tcp_link`).
+pub(super) fn ipc_despite_denial(gate: &Option<super::gate::Attached>, remote_is_vram: bool) -> bool {
+    remote_is_vram
+        && gate.as_ref().is_some_and(|g| matches!(sentinel::read(g.gate.sentinel()), sentinel::Word::Alive(_)))
+}
+
 /// Resolve a request that touches VRAM: its route, the device, and (for another process) the peer's
 /// allocations, each opened inside the peer's gate (after the probe), so a stale handle never reaches the
 /// driver.
@@ -459,12 +469,9 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
             Far::InProcess
         }
         Some((ep, PeerKind::Cma { pidfd, gate, denied, .. })) => {
-            // Where the kernel denies cross-memory attach, a peer's VRAM is still reachable through its IPC
-            // handles if its gate came over the control socket and it has a sentinel (the identity check
-            // then needs no ptrace permission); its DRAM (the staged route) is not.
-            let sentinel_alive =
-                gate.as_ref().is_some_and(|g| matches!(sentinel::read(g.gate.sentinel()), sentinel::Word::Alive(_)));
-            if denied.load(Ordering::Acquire) && !(remote_is_vram && sentinel_alive) {
+            // The engine sends a denied peer's requests over TCP unless this says they can stay here (see
+            // `ipc_despite_denial`); refused if one comes anyway.
+            if denied.load(Ordering::Acquire) && !ipc_despite_denial(gate, remote_is_vram) {
                 return Err(Error::not_supported(format!(
                     "VRAM transfers to agent '{}' need cross-memory attach here (remote DRAM staged), or its \
                      transfer gate with an exit/exec sentinel, and the kernel denies cross-memory attach to it \
@@ -478,11 +485,9 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
             }
             Far::Process
         }
+        // The engine hands these to `vram_tcp` before this.
         Some((ep, PeerKind::Tcp { .. })) => {
-            return Err(Error::not_supported(format!(
-                "VRAM transfers to agent '{}' on another host (TCP) are not implemented",
-                ep.name
-            )))
+            return Err(Error::backend(format!("VRAM to agent '{}' over TCP goes through vram_tcp", ep.name)))
         }
     };
     let remote_dev =

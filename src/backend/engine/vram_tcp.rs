@@ -51,7 +51,10 @@ pub(super) fn tcp_link(plan: &XferPlan) -> Result<Option<Arc<TcpLink>>> {
     let Target::Remote(p) = &plan.target else { return Ok(None) };
     Ok(match &super::downcast(p)?.kind {
         PeerKind::Tcp { link } => Some(link.clone()),
-        PeerKind::Cma { tcp, denied, .. } if denied.load(Ordering::Acquire) => Some(tcp.clone()),
+        // Cross-memory attach denied: over TCP, unless the peer's VRAM stays reachable by IPC handles.
+        PeerKind::Cma { tcp, denied, gate, .. } if denied.load(Ordering::Acquire) => {
+            (!super::vram::ipc_despite_denial(gate, plan.remote_mem == MemType::Vram)).then(|| tcp.clone())
+        }
         _ => None,
     })
 }
