@@ -96,7 +96,7 @@ rust_cuda() {
     # the fake device layer: lint, the VRAM route's unit and multi-process tests (incl. the no-driver
     # NOT_SUPPORTED path), and the GPU check program as a dry run.
     cargo clippy --release --features cuda --lib --example gpu_check -- -D warnings &&
-        cargo test --release --features cuda --lib --test vram -- vram &&
+        cargo test --release --features cuda --lib --test vram --test vram_tcp -- vram &&
         GIXL_FAKE_DEVICE=1 GIXL_ITERS=2 timeout 120 cargo run -q --release --features cuda --example gpu_check
 }
 rust_lint() {
