@@ -4,9 +4,11 @@
  *
  *   cc -O2 -pthread benches/cma_ceiling.c -o /tmp/cma_ceiling && /tmp/cma_ceiling [threads] [reps]
  *
- * With `--small BYTES ITERS` it measures the other end instead: the median time of one process_vm_readv of
- * BYTES bytes (one iovec) from another process, repeated ITERS times: the floor under any same-host small
- * READ that moves data through CMA (benches/side_by_side.py prints it beside the 4 KiB latency).
+ * With `--small BYTES ITERS [PID ADDR]` it measures the other end instead: the median time of one
+ * process_vm_readv of BYTES bytes (one iovec) from another process, repeated ITERS times: the floor under any
+ * same-host small READ that moves data through CMA. Given PID and ADDR it reads from that process at that
+ * address (benches/side_by_side.py points it at the very target buffer its 4 KiB READs use); otherwise from
+ * a forked child.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -63,7 +65,7 @@ static double now_us(void)
     return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
 }
 
-static int small(size_t bytes, int iters)
+static int small(size_t bytes, int iters, pid_t from, unsigned long addr)
 {
     if (bytes < 1 || bytes > BYTES || iters < 1)
         return 2;
@@ -73,21 +75,26 @@ static int small(size_t bytes, int iters)
         return 1;
     memset(s, 7, bytes);
     memset(d, 0, bytes);
-    int ready[2];
-    if (pipe(ready))
-        return 1;
-    child = fork();
-    if (child == 0) {
-        char c = 1;
-        if (write(ready[1], &c, 1) != 1)
-            _exit(1);
-        pause();
-        _exit(0);
+    if (from > 0) {
+        child = from;
+        s = (char *)addr;
+    } else {
+        int ready[2];
+        if (pipe(ready))
+            return 1;
+        child = fork();
+        if (child == 0) {
+            char c = 1;
+            if (write(ready[1], &c, 1) != 1)
+                _exit(1);
+            pause();
+            _exit(0);
+        }
+        char c;
+        if (read(ready[0], &c, 1) != 1)
+            return 1;
+        memset(s, 0, bytes);
     }
-    char c;
-    if (read(ready[0], &c, 1) != 1)
-        return 1;
-    memset(s, 0, bytes);
     double *us = calloc(iters, sizeof *us);
     struct iovec l = {d, bytes}, r = {s, bytes};
     for (int i = 0; i < iters + 1000; i++) { /* the first 1000 warm up */
@@ -99,11 +106,13 @@ static int small(size_t bytes, int iters)
         if (i >= 1000)
             us[i - 1000] = now_us() - a;
     }
-    kill(child, SIGKILL);
-    waitpid(child, NULL, 0);
-    if (d[0] != 7 || d[bytes - 1] != 7) {
-        fprintf(stderr, "data did not arrive\n");
-        return 1;
+    if (from <= 0) {
+        kill(child, SIGKILL);
+        waitpid(child, NULL, 0);
+        if (d[0] != 7 || d[bytes - 1] != 7) {
+            fprintf(stderr, "data did not arrive\n");
+            return 1;
+        }
     }
     qsort(us, iters, sizeof *us, cmp);
     printf("{\"bytes\": %zu, \"iters\": %d, \"median_us\": %.3f, \"p10_us\": %.3f}\n", bytes, iters, us[iters / 2],
@@ -114,7 +123,8 @@ static int small(size_t bytes, int iters)
 int main(int argc, char **argv)
 {
     if (argc > 1 && strcmp(argv[1], "--small") == 0)
-        return small(argc > 2 ? strtoul(argv[2], NULL, 0) : 4096, argc > 3 ? atoi(argv[3]) : 20000);
+        return small(argc > 2 ? strtoul(argv[2], NULL, 0) : 4096, argc > 3 ? atoi(argv[3]) : 20000,
+                     argc > 5 ? atoi(argv[4]) : 0, argc > 5 ? strtoul(argv[5], NULL, 0) : 0);
     threads = argc > 1 ? atoi(argv[1]) : 2;
     int reps = argc > 2 ? atoi(argv[2]) : 20;
     if (threads < 1 || threads > 64 || reps < 1)
