@@ -575,6 +575,61 @@ fn vram_region_spanning_three_chunks_cross_process() {
     p.kill();
 }
 
+/// Fabric handles, as the fake emulates them (`GIXL_FAKE_FABRIC=1` in the exporter: each VMM chunk gets a
+/// name under /dev/shm for as long as it is exported, and the 64-byte handle names it): the importer opens
+/// every chunk by its fabric handle, taking no descriptor from the exporter, and READ and WRITE move the
+/// bytes exactly; deregistration removes the names. Where the fabric export is refused
+/// (`GIXL_FAKE_FABRIC=refuse`, as with no IMEX channel) the chunks go as POSIX fds, and where the importer
+/// cannot import fabric handles (`fake::set_fabric_import(false)`) it takes the fd appended to each fabric
+/// handle: the same transfers work either way.
+#[test]
+fn vram_fabric_handles_cross_process_and_the_posix_fd_fallback() {
+    let size = 4 * MIB;
+    // Only this test makes fabric handles, so switching imports off here affects no other test.
+    for (mode, import) in [("1", true), ("refuse", true), ("1", false)] {
+        fake::set_fabric_import(import);
+        let exported = mode == "1";
+        let fabric = exported && import;
+        let list = format!("{},{}", 3 * MIB, MIB);
+        let mut p =
+            Prefill::start_with(size, 0, true, None, &[("GIXL_FAKE_FABRIC", mode), ("GIXL_CHUNKS", list.as_str())]);
+        assert_eq!(p.inos.len(), 2);
+        let names: Vec<String> =
+            p.inos.iter().map(|ino| format!("/dev/shm/gixl-fake-fabric-{}-{ino}", p.child.id())).collect();
+        for n in &names {
+            assert_eq!(std::path::Path::new(n).exists(), exported, "{n} (mode {mode})");
+        }
+        assert_eq!(p.ask("pattern"), "ok");
+        let d = decode(&format!("vram-fabric-decode-{mode}-{import}"));
+        let lv = fake::alloc(0, size, false, None).unwrap();
+        reg(&d, MemType::Vram, lv, size, 0);
+        d.load_remote_md(&p.md).unwrap();
+        let (o, v) = (XferOpts::default(), MemType::Vram);
+        let want = |k: u8| (0..size).map(|i| pattern(i, k)).collect::<Vec<u8>>();
+        let r = d.create_xfer_req(XferOp::Read, &one(v, lv, size, 0), &one(v, p.vram, size, 1), "prefill", &o).unwrap();
+        assert_eq!(run(&d, &r).unwrap(), Status::Success);
+        assert!(slice(lv, size)[..] == want(1)[..], "READ differs (mode {mode})");
+        for (i, b) in slice(lv, size).iter_mut().enumerate() {
+            *b = pattern(i, 2);
+        }
+        let w =
+            d.create_xfer_req(XferOp::Write, &one(v, lv, size, 0), &one(v, p.vram, size, 1), "prefill", &o).unwrap();
+        assert_eq!(run(&d, &w).unwrap(), Status::Success);
+        assert_eq!(p.ask("hash"), format!("hash {}", fnv(&want(2))), "WRITE differs (mode {mode})");
+        for ino in &p.inos {
+            let c = fake::counts(*ino);
+            assert_eq!((c.opens, c.fabric_opens), (1, fabric as u64), "chunk {ino} (mode {mode})");
+            assert!(c.copies > 0, "chunk {ino} was never copied through");
+        }
+        assert_eq!(p.ask("dereg"), "ok");
+        for n in &names {
+            assert!(!std::path::Path::new(n).exists(), "{n} outlived its export");
+        }
+        p.kill();
+    }
+    fake::set_fabric_import(true);
+}
+
 /// Where the kernel denies the initiator both `pidfd_getfd` and cross-memory attach (it runs as `nobody`; the
 /// target is root and allows that uid with `GIXL_ALLOW_UIDS`), the target's gate and its VMM allocation's
 /// descriptor come over its control socket, and the identity check is the target's exit/exec sentinel in

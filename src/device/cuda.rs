@@ -35,6 +35,8 @@ const SYMBOLS: &[&str] = &[
     "cuIpcOpenMemHandle_v2",
     "cuIpcCloseMemHandle",
     "cuMemRetainAllocationHandle",
+    "cuMemGetAllocationPropertiesFromHandle",
+    "cuDeviceGetAttribute",
     "cuMemExportToShareableHandle",
     "cuMemImportFromShareableHandle",
     "cuMemRelease",
@@ -264,6 +266,92 @@ impl Drop for Pinned {
     }
 }
 
+/// Import a VMM allocation from the exporter's POSIX fd.
+fn import_fd(fd: OwnedFd) -> Result<sys::CUmemGenericAllocationHandle> {
+    let mut h: sys::CUmemGenericAllocationHandle = 0;
+    // SAFETY: for POSIX fds the driver takes the descriptor value as the pointer argument.
+    let r = unsafe {
+        sys::cuMemImportFromShareableHandle(
+            &mut h,
+            fd.as_raw_fd() as usize as *mut c_void,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        )
+    };
+    check(r, "cuMemImportFromShareableHandle")?;
+    // The driver holds its own reference to the allocation now; `fd` is closed here.
+    Ok(h)
+}
+
+impl Cuda {
+    /// Whether device `dev` reports fabric handle support (false where the driver does not know the
+    /// attribute: older than CUDA 12.3).
+    fn fabric_supported(&self, dev: u32) -> bool {
+        let mut d = 0;
+        let mut v = 0;
+        let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED;
+        // SAFETY: valid out-pointers; both symbols were checked at load.
+        let ok = unsafe {
+            sys::cuDeviceGet(&mut d, dev as i32) == sys::CUresult::CUDA_SUCCESS
+                && sys::cuDeviceGetAttribute(&mut v, attr, d) == sys::CUresult::CUDA_SUCCESS
+        };
+        ok && v != 0
+    }
+
+    /// The fabric handle of VMM allocation `h` (retained by the caller), where its properties request that
+    /// type and the device supports it; None otherwise, with a log line where the export itself failed
+    /// (e.g. no IMEX channel), so the caller exports a POSIX fd instead. Untested on hardware.
+    fn export_fabric(&self, info: &PtrInfo, h: sys::CUmemGenericAllocationHandle) -> Option<[u8; super::FABRIC_LEN]> {
+        // SAFETY: zeroed is a valid value for this plain struct; the driver fills it.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        // SAFETY: valid out-pointer; a handle retained by the caller.
+        if unsafe { sys::cuMemGetAllocationPropertiesFromHandle(&mut prop, h) } != sys::CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        let fabric = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC;
+        if prop.requestedHandleTypes.0 & fabric.0 == 0 || !self.fabric_supported(info.dev) {
+            return None;
+        }
+        // SAFETY: plain bytes; the driver fills them.
+        let mut f: sys::CUmemFabricHandle = unsafe { std::mem::zeroed() };
+        // SAFETY: for FABRIC the driver writes a CUmemFabricHandle.
+        let r = unsafe {
+            sys::cuMemExportToShareableHandle(&mut f as *mut sys::CUmemFabricHandle as *mut c_void, h, fabric, 0)
+        };
+        match check(r, "cuMemExportToShareableHandle (fabric)") {
+            Ok(()) => Some(f.data),
+            Err(e) => {
+                crate::telemetry::log::warn(&format!(
+                    "VRAM allocation {:#x}: fabric handle export failed ({}); exported as a POSIX fd instead",
+                    info.base,
+                    e.message()
+                ));
+                None
+            }
+        }
+    }
+
+    /// Import a peer's fabric handle on device `dev`. Untested on hardware.
+    fn import_fabric(&self, dev: u32, f: &[u8; super::FABRIC_LEN]) -> Result<sys::CUmemGenericAllocationHandle> {
+        if !self.fabric_supported(dev) {
+            return Err(Error::not_supported(format!("CUDA device {dev} does not support fabric handles")));
+        }
+        // SAFETY: plain bytes.
+        let mut fh: sys::CUmemFabricHandle = unsafe { std::mem::zeroed() };
+        fh.data = *f;
+        let mut h: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: for FABRIC the driver reads a CUmemFabricHandle through the pointer.
+        let r = unsafe {
+            sys::cuMemImportFromShareableHandle(
+                &mut h,
+                &mut fh as *mut sys::CUmemFabricHandle as *mut c_void,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC,
+            )
+        };
+        check(r, "cuMemImportFromShareableHandle (fabric; needs an IMEX channel)")?;
+        Ok(h)
+    }
+}
+
 impl Device for Cuda {
     fn kind(&self) -> &'static str {
         "cuda"
@@ -319,17 +407,21 @@ impl Device for Cuda {
             // SAFETY: valid out-pointer; `base` is the allocation's base.
             check(unsafe { sys::cuIpcGetMemHandle(&mut h, info.base) }, "cuIpcGetMemHandle")?;
             let bytes = h.reserved.iter().map(|&c| c as u8).collect();
-            return Ok(Export { handle: IpcHandle { kind: HandleKind::Legacy, size: info.size, bytes }, keep: None });
+            let handle = IpcHandle { kind: HandleKind::Legacy, size: info.size, bytes };
+            return Ok(Export { handle, keep: None, hold: None });
         }
         // A VMM allocation: export the physical allocation mapped at `info.base` (one chunk of a VMM range, see
-        // `pointer_info`) as a POSIX fd (it must have been created with that handle type requested, as
-        // PyTorch's expandable segments are). Untested on hardware.
+        // `pointer_info`) as a fabric handle where it was created with that type requested and the device
+        // supports it, and as a POSIX fd (it must have been created with that handle type requested, as
+        // PyTorch's expandable segments are): the fd alone, or appended to the fabric handle as the importer's
+        // fallback. UNTESTED ON HARDWARE (no GPU was lent; no fabric-capable system was available at all).
         let mut h: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: valid out-pointer; the address is inside a mapped VMM allocation.
         check(
             unsafe { sys::cuMemRetainAllocationHandle(&mut h, info.base as usize as *mut c_void) },
             "cuMemRetainAllocationHandle",
         )?;
+        let fabric = self.export_fabric(info, h);
         let mut fd: i32 = -1;
         // SAFETY: for POSIX_FILE_DESCRIPTOR the driver writes an int.
         let r = unsafe {
@@ -342,13 +434,28 @@ impl Device for Cuda {
         };
         // SAFETY: releases the reference taken by cuMemRetainAllocationHandle.
         unsafe { sys::cuMemRelease(h) };
-        check(r, "cuMemExportToShareableHandle (VMM allocation without POSIX-fd export)")
-            .map_err(|e| Error::not_supported(e.message()))?;
-        // SAFETY: a fresh descriptor from the driver, owned from here on.
-        let keep = unsafe { OwnedFd::from_raw_fd(fd) };
-        let id = super::fd_identity(keep.as_fd()).map_err(|e| Error::os(Status::Backend, "fstat", e))?;
-        let bytes = super::fd_handle_bytes(keep.as_raw_fd(), id);
-        Ok(Export { handle: IpcHandle { kind: HandleKind::PosixFd, size: info.size, bytes }, keep: Some(keep) })
+        let fd_export = check(r, "cuMemExportToShareableHandle (VMM allocation without POSIX-fd export)")
+            .map_err(|e| Error::not_supported(e.message()));
+        let keep = match (fd_export, fabric) {
+            // SAFETY: a fresh descriptor from the driver, owned from here on.
+            (Ok(()), _) => Some(unsafe { OwnedFd::from_raw_fd(fd) }),
+            // A fabric handle only: the allocation was not created for POSIX-fd export.
+            (Err(_), Some(_)) => None,
+            (Err(e), None) => return Err(e),
+        };
+        let fd_part = match &keep {
+            Some(k) => {
+                let id = super::fd_identity(k.as_fd()).map_err(|e| Error::os(Status::Backend, "fstat", e))?;
+                Some((k.as_raw_fd(), id))
+            }
+            None => None,
+        };
+        let (kind, bytes) = match (fabric, fd_part) {
+            (Some(f), fd_part) => (HandleKind::Fabric, super::fabric_handle_bytes(&f, fd_part)),
+            (None, Some((num, id))) => (HandleKind::PosixFd, super::fd_handle_bytes(num, id)),
+            (None, None) => return Err(Error::backend("VMM export produced no handle")),
+        };
+        Ok(Export { handle: IpcHandle { kind, size: info.size, bytes }, keep, hold: None })
     }
 
     fn open(&self, dev: u32, handle: &IpcHandle, fd: FdSource<'_>) -> Result<Box<dyn Mapping>> {
@@ -376,21 +483,30 @@ impl Device for Cuda {
                 check(r, "cuIpcOpenMemHandle")?;
                 Ok(Box::new(Legacy { base, ctx }))
             }
-            HandleKind::PosixFd => {
-                let fd = fd()?;
-                let size = handle.size as usize;
-                let mut h: sys::CUmemGenericAllocationHandle = 0;
-                // SAFETY: for POSIX fds the driver takes the descriptor value as the pointer argument.
-                let r = unsafe {
-                    sys::cuMemImportFromShareableHandle(
-                        &mut h,
-                        fd.as_raw_fd() as usize as *mut c_void,
-                        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                    )
+            HandleKind::PosixFd | HandleKind::Fabric => {
+                let h = if handle.kind == HandleKind::Fabric {
+                    let (f, fallback) = super::fabric_handle(&handle.bytes)?;
+                    match self.import_fabric(dev, &f) {
+                        Ok(h) => h,
+                        Err(e) if fallback.is_some() => {
+                            crate::telemetry::log::warn(&format!(
+                                "VRAM: importing a peer's fabric handle on device {dev} failed ({}); taking its \
+                                 POSIX fd instead",
+                                e.message()
+                            ));
+                            import_fd(fd()?)?
+                        }
+                        Err(e) => {
+                            return Err(Error::new(
+                                e.status(),
+                                format!("{} (the peer's fabric handle has no POSIX-fd fallback)", e.message()),
+                            ))
+                        }
+                    }
+                } else {
+                    import_fd(fd()?)?
                 };
-                check(r, "cuMemImportFromShareableHandle")?;
-                // The driver holds its own reference to the allocation now.
-                drop(fd);
+                let size = handle.size as usize;
                 let mut base = 0u64;
                 // SAFETY: valid out-pointer.
                 if let Err(e) =

@@ -8,6 +8,16 @@
 //! into memory nobody reads, which is exactly what the engine's gate must prevent. Every open and every
 //! copy through an opened mapping is counted per allocation, so tests can show that a stale handle never
 //! reached the "driver".
+//!
+//! Fabric handles (`GIXL_FAKE_FABRIC`, read when an allocation is made): `1` backs VMM allocations with an
+//! unnamed file in /dev/shm (`O_TMPFILE`) and exports them as `Fabric` handles: at export the file gets a
+//! name (`/dev/shm/gixl-fake-fabric-<pid>-<inode>`, removed when the export is dropped; a process that dies
+//! while exporting leaves it behind), and the 64 handle bytes are a tag, the inode and that name, from which
+//! an importer opens the memory by path, no descriptor passing, as a real fabric handle needs none. The
+//! POSIX-fd bytes follow as the importer's fallback. `refuse` makes the fabric export fail (as with no
+//! IMEX channel), so the allocation is exported as a POSIX fd, with a log line. Importing a fabric handle
+//! is supported unless `GIXL_FAKE_FABRIC=0` (or [`set_fabric_import`]); where it is not, or where the name
+//! cannot be opened, the importer falls back to the fd part, or fails NOT_SUPPORTED without one.
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -28,7 +38,45 @@ struct Alloc {
     vmm: bool,
     fd: OwnedFd,
     ino: u64,
+    fabric: Fabric,
 }
+
+/// Whether a VMM allocation asks for fabric export (`GIXL_FAKE_FABRIC` when it was made).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fabric {
+    No,
+    /// Backed by /dev/shm: exported as a fabric handle.
+    Yes,
+    /// Requested, but the "driver" refuses the fabric export.
+    Refused,
+}
+
+fn fabric_wanted(vmm: bool) -> Fabric {
+    match std::env::var("GIXL_FAKE_FABRIC").as_deref().map(str::trim) {
+        Ok("1") if vmm => Fabric::Yes,
+        Ok("refuse") if vmm => Fabric::Refused,
+        _ => Fabric::No,
+    }
+}
+
+/// 0: from the environment; 1: fabric handles are imported; 2: they are not.
+static FABRIC_IMPORT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Whether this process's fake device imports fabric handles (tests switch it off to see the fallback).
+pub fn set_fabric_import(on: bool) {
+    FABRIC_IMPORT.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+}
+
+fn fabric_import() -> bool {
+    match FABRIC_IMPORT.load(Ordering::Relaxed) {
+        1 => true,
+        2 => false,
+        _ => std::env::var("GIXL_FAKE_FABRIC").map_or(true, |v| v.trim() != "0"),
+    }
+}
+
+/// Tag that starts a fake fabric handle.
+const FABRIC_TAG: &[u8; 8] = b"gixlFAB1";
 
 #[derive(Default)]
 struct State {
@@ -46,6 +94,8 @@ pub struct Counts {
     pub opens: u64,
     pub closes: u64,
     pub copies: u64,
+    /// Opens that went by a fabric handle (no descriptor from the exporter).
+    pub fabric_opens: u64,
 }
 
 fn state() -> &'static Mutex<State> {
@@ -90,9 +140,10 @@ pub fn alloc(dev: u32, size: usize, vmm: bool, at: Option<u64>) -> Result<u64> {
     if dev >= DEVICES || size == 0 {
         return Err(Error::invalid_param("fake device: bad device or size"));
     }
-    let (fd, ino) = memfd(size)?;
+    let fabric = fabric_wanted(vmm);
+    let (fd, ino) = memfd(size, fabric == Fabric::Yes)?;
     let base = map(fd.as_fd(), size as u64, at)?;
-    state().lock().allocs.insert(base, Alloc { size: size as u64, dev, vmm, fd, ino });
+    state().lock().allocs.insert(base, Alloc { size: size as u64, dev, vmm, fd, ino, fabric });
     Ok(base)
 }
 
@@ -116,8 +167,9 @@ pub fn alloc_chunks(dev: u32, sizes: &[usize], vmm: bool, at: Option<u64>) -> Re
     }
     let mut off = 0usize;
     let mut made = Vec::with_capacity(sizes.len());
+    let fabric = fabric_wanted(vmm);
     for &size in sizes {
-        let (fd, ino) = memfd(size)?;
+        let (fd, ino) = memfd(size, fabric == Fabric::Yes)?;
         let at = r as usize + off;
         // SAFETY: replacing part of our own reservation (MAP_FIXED inside it) with the chunk.
         let p = unsafe {
@@ -135,17 +187,28 @@ pub fn alloc_chunks(dev: u32, sizes: &[usize], vmm: bool, at: Option<u64>) -> Re
             unsafe { libc::munmap(r, total) };
             return Err(Error::os(Status::Backend, "fake device: mapping a chunk", std::io::Error::last_os_error()));
         }
-        made.push((at as u64, Alloc { size: size as u64, dev, vmm, fd, ino }));
+        made.push((at as u64, Alloc { size: size as u64, dev, vmm, fd, ino, fabric }));
         off += size;
     }
     state().lock().allocs.extend(made);
     Ok(r as u64)
 }
 
-/// A fresh memfd of `size` bytes and its inode.
-fn memfd(size: usize) -> Result<(OwnedFd, u64)> {
-    // SAFETY: plain syscall with a static name; the result is checked.
-    let fd = unsafe { libc::memfd_create(c"gixl-fake-vram".as_ptr(), libc::MFD_CLOEXEC) };
+/// A fresh memfd of `size` bytes and its inode; for a fabric-exported allocation an unnamed file in
+/// /dev/shm instead (it can be given a name there at export).
+fn memfd(size: usize, shm: bool) -> Result<(OwnedFd, u64)> {
+    let fd = if shm {
+        // SAFETY: plain syscall with a static path; the result is checked.
+        let fd = unsafe { libc::open(c"/dev/shm".as_ptr(), libc::O_TMPFILE | libc::O_RDWR | libc::O_CLOEXEC, 0o600) };
+        if fd < 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(Error::os(Status::Backend, "fake device: O_TMPFILE in /dev/shm (fake fabric)", e));
+        }
+        fd
+    } else {
+        // SAFETY: plain syscall with a static name; the result is checked.
+        unsafe { libc::memfd_create(c"gixl-fake-vram".as_ptr(), libc::MFD_CLOEXEC) }
+    };
     if fd < 0 {
         return Err(Error::os(Status::Backend, "fake device: memfd_create", std::io::Error::last_os_error()));
     }
@@ -175,6 +238,110 @@ pub fn identity(base: u64) -> Option<u64> {
 /// What this process's fake driver did with the allocation of identity `ino`.
 pub fn counts(ino: u64) -> Counts {
     state().lock().counts.get(&ino).copied().unwrap_or_default()
+}
+
+/// Removes a fake fabric handle's name when its export is dropped.
+struct Unlink(std::ffi::CString);
+
+impl Drop for Unlink {
+    fn drop(&mut self) {
+        // SAFETY: a path we created; failure (already gone) is ignored.
+        unsafe { libc::unlink(self.0.as_ptr()) };
+    }
+}
+
+/// Give the /dev/shm-backed allocation `fd` a name under /dev/shm; the fake fabric handle naming it.
+fn name_for_fabric(fd: &OwnedFd, ino: u64) -> Result<([u8; super::FABRIC_LEN], std::ffi::CString)> {
+    let name = format!("gixl-fake-fabric-{}-{ino}", std::process::id());
+    let path = std::ffi::CString::new(format!("/dev/shm/{name}")).map_err(|_| Error::backend("fake fabric path"))?;
+    let from = std::ffi::CString::new(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .map_err(|_| Error::backend("fake fabric path"))?;
+    // SAFETY: two NUL-terminated paths; links our own unnamed O_TMPFILE file under /dev/shm.
+    if unsafe { libc::linkat(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, path.as_ptr(), libc::AT_SYMLINK_FOLLOW) }
+        != 0
+    {
+        let e = std::io::Error::last_os_error();
+        return Err(Error::os(Status::Backend, "fake device: naming the allocation under /dev/shm", e));
+    }
+    let mut h = [0u8; super::FABRIC_LEN];
+    h[..8].copy_from_slice(FABRIC_TAG);
+    h[8..16].copy_from_slice(&ino.to_le_bytes());
+    h[16..16 + name.len()].copy_from_slice(name.as_bytes());
+    Ok((h, path))
+}
+
+/// Open the memory a fake fabric handle names, checking that it is the allocation the handle says.
+fn open_fabric(h: &[u8; super::FABRIC_LEN]) -> Result<OwnedFd> {
+    let bad = || Error::mismatch("fake device: malformed fabric handle");
+    if &h[..8] != FABRIC_TAG {
+        return Err(bad());
+    }
+    let ino = u64::from_le_bytes(h[8..16].try_into().map_err(|_| bad())?);
+    let name = &h[16..];
+    let name = &name[..name.iter().position(|&b| b == 0).unwrap_or(name.len())];
+    if name.is_empty() || name.contains(&b'/') || !name.starts_with(b"gixl-fake-fabric-") {
+        return Err(bad());
+    }
+    let mut path = b"/dev/shm/".to_vec();
+    path.extend_from_slice(name);
+    let path = std::ffi::CString::new(path).map_err(|_| bad())?;
+    // SAFETY: a NUL-terminated path; the result is checked.
+    let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC | libc::O_NOFOLLOW) };
+    if fd < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(Error::os(Status::Backend, "fake device: opening the fabric handle's memory", e));
+    }
+    // SAFETY: a fresh descriptor we own.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let id = super::fd_identity(fd.as_fd()).map_err(|e| Error::os(Status::Backend, "fake device: fstat", e))?;
+    if id.1 != ino {
+        return Err(Error::not_found("fake device: the fabric handle names another allocation now"));
+    }
+    Ok(fd)
+}
+
+/// Open a peer's allocation: by its fabric handle where there is one and `fabric` (this process imports
+/// fabric handles), falling back to the exporter's descriptor (`fd`) with a log line.
+fn open_with(fabric: bool, handle: &IpcHandle, fd: FdSource<'_>) -> Result<Box<dyn Mapping>> {
+    let mut by_fabric = false;
+    let fd = match handle.kind {
+        HandleKind::Fabric => {
+            let (h, fallback) = super::fabric_handle(&handle.bytes)?;
+            let got = if fabric {
+                open_fabric(&h)
+            } else {
+                Err(Error::not_supported("this fake device does not import fabric handles (GIXL_FAKE_FABRIC=0)"))
+            };
+            match got {
+                Ok(f) => {
+                    by_fabric = true;
+                    f
+                }
+                Err(e) if fallback.is_some() => {
+                    crate::telemetry::log::warn(&format!(
+                        "VRAM: importing a peer's fabric handle failed ({}); taking its POSIX fd instead",
+                        e.message()
+                    ));
+                    fd()?
+                }
+                Err(e) => {
+                    return Err(Error::new(
+                        e.status(),
+                        format!("{} (the peer's fabric handle has no POSIX-fd fallback)", e.message()),
+                    ))
+                }
+            }
+        }
+        HandleKind::Legacy | HandleKind::PosixFd => fd()?,
+    };
+    let ino = super::fd_identity(fd.as_fd()).map_err(|e| Error::os(Status::Backend, "fake device: fstat", e))?.1;
+    let base = map(fd.as_fd(), handle.size, None)?;
+    let mut s = state().lock();
+    s.mapped.insert(base, (handle.size, ino));
+    let c = s.counts.entry(ino).or_default();
+    c.opens += 1;
+    c.fabric_opens += by_fabric as u64;
+    Ok(Box::new(FakeMapping { base, size: handle.size, ino }))
 }
 
 struct FakeMapping {
@@ -251,22 +418,36 @@ impl Device for Fake {
         // The export holds its own descriptor (as a VMM export does), so freeing the allocation while it is
         // registered cannot hand its number to another object.
         let keep = a.fd.try_clone().map_err(|e| Error::os(Status::Backend, "fake device: dup", e))?;
+        let fd_part = (keep.as_raw_fd(), id);
+        let refused = match a.fabric {
+            Fabric::No => None,
+            Fabric::Yes => match name_for_fabric(&a.fd, a.ino) {
+                Ok((fabric, name)) => {
+                    let bytes = super::fabric_handle_bytes(&fabric, Some(fd_part));
+                    let handle = IpcHandle { kind: HandleKind::Fabric, size: a.size, bytes };
+                    return Ok(Export { handle, keep: Some(keep), hold: Some(Box::new(Unlink(name))) });
+                }
+                Err(e) => Some(e),
+            },
+            Fabric::Refused => Some(Error::backend("fake device: fabric export refused (GIXL_FAKE_FABRIC=refuse)")),
+        };
+        if let Some(e) = refused {
+            crate::telemetry::log::warn(&format!(
+                "VRAM allocation {:#x}: fabric handle export failed ({}); exported as a POSIX fd instead",
+                info.base,
+                e.message()
+            ));
+        }
         let kind = if a.vmm { HandleKind::PosixFd } else { HandleKind::Legacy };
-        let bytes = super::fd_handle_bytes(keep.as_raw_fd(), id);
-        Ok(Export { handle: IpcHandle { kind, size: a.size, bytes }, keep: Some(keep) })
+        let bytes = super::fd_handle_bytes(fd_part.0, fd_part.1);
+        Ok(Export { handle: IpcHandle { kind, size: a.size, bytes }, keep: Some(keep), hold: None })
     }
 
     fn open(&self, dev: u32, handle: &IpcHandle, fd: FdSource<'_>) -> Result<Box<dyn Mapping>> {
         if dev >= DEVICES {
             return Err(Error::invalid_param(format!("fake device {dev} does not exist")));
         }
-        let fd = fd()?;
-        let ino = super::fd_identity(fd.as_fd()).map_err(|e| Error::os(Status::Backend, "fake device: fstat", e))?.1;
-        let base = map(fd.as_fd(), handle.size, None)?;
-        let mut s = state().lock();
-        s.mapped.insert(base, (handle.size, ino));
-        s.counts.entry(ino).or_default().opens += 1;
-        Ok(Box::new(FakeMapping { base, size: handle.size, ino }))
+        open_with(fabric_import(), handle, fd)
     }
 
     fn copy(&self, dev: u32, copies: &[Copy]) -> Result<()> {
@@ -299,5 +480,50 @@ impl Device for Fake {
     fn host_buf(&self, _dev: u32, len: usize) -> Result<Box<dyn HostBuf>> {
         PINNED.fetch_add(len as u64, Ordering::Relaxed);
         Ok(Box::new(Pinned(vec![0u8; len])))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fabric_import_without_support_falls_back_to_the_fd_or_fails_clearly() {
+        let base = alloc(2, 8192, true, None).unwrap();
+        let (fd, ino) = {
+            let s = state().lock();
+            let a = &s.allocs[&base];
+            (a.fd.try_clone().unwrap(), a.ino)
+        };
+        let id = crate::device::fd_identity(fd.as_fd()).unwrap();
+        let mut fabric = [0u8; crate::device::FABRIC_LEN];
+        fabric[..8].copy_from_slice(FABRIC_TAG);
+        fabric[8..16].copy_from_slice(&ino.to_le_bytes());
+        fabric[16..].copy_from_slice(&[b'x'; 48]);
+        let take = || Ok(fd.try_clone().unwrap());
+        let only = IpcHandle {
+            kind: HandleKind::Fabric,
+            size: 8192,
+            bytes: crate::device::fabric_handle_bytes(&fabric, None),
+        };
+        // No fabric support here and no fallback: NOT_SUPPORTED, and the fd is never asked for.
+        let never = || -> Result<OwnedFd> { panic!("the fd source must not be called") };
+        let e = open_with(false, &only, &never).err().unwrap();
+        assert_eq!(e.status(), Status::NotSupported);
+        assert!(e.message().contains("no POSIX-fd fallback"), "{}", e.message());
+        // With support, a name that is not a fake fabric name is refused as malformed.
+        assert_eq!(open_with(true, &only, &never).err().unwrap().status(), Status::Mismatch);
+        // With the fd part appended, the importer falls back to it.
+        let both = IpcHandle {
+            kind: HandleKind::Fabric,
+            size: 8192,
+            bytes: crate::device::fabric_handle_bytes(&fabric, Some((fd.as_raw_fd(), id))),
+        };
+        let before = counts(ino);
+        let m = open_with(false, &both, &take).unwrap();
+        let after = counts(ino);
+        assert_eq!((after.opens - before.opens, after.fabric_opens - before.fabric_opens), (1, 0));
+        drop(m);
+        free(base).unwrap();
     }
 }

@@ -10,7 +10,13 @@
 //!   regions addressed by their offset inside the allocation) or, for VMM allocations (PyTorch's expandable
 //!   segments), a shareable POSIX fd that the exporter keeps open; the importer gets it from the engine
 //!   (`pidfd_getfd`, or the exporter's control socket with SCM_RIGHTS where the kernel refuses that) and
-//!   checks that it is the object the handle names ([`same_object`]);
+//!   checks that it is the object the handle names ([`same_object`]); or, for a VMM allocation created with
+//!   the fabric handle type requested on a device that supports it, a fabric handle (64 opaque bytes: no
+//!   descriptor passing, valid across the nodes of one NVLink domain; importing needs an IMEX channel),
+//!   preferred over the fd, with the POSIX-fd part appended where the allocation allows that too, so an
+//!   importer whose fabric import fails (no IMEX channel, no fabric support) falls back to the fd, saying so
+//!   in the log ([`fabric_handle_bytes`]). The fake emulates a fabric handle by a name under /dev/shm
+//!   (see `fake`);
 //! - copies (device↔device, host↔device) on streams the engine owns, completion by an event that the
 //!   calling thread waits on (a blocking-sync event: the thread sleeps, no busy polling);
 //! - page-locked host buffers for staged copies.
@@ -47,6 +53,9 @@ pub enum HandleKind {
     /// A VMM allocation exported as a POSIX fd: the bytes are the exporter's fd number and the identity the
     /// importer checks after taking it.
     PosixFd = 2,
+    /// A VMM allocation exported as a fabric handle (`CU_MEM_HANDLE_TYPE_FABRIC`): 64 opaque bytes, then
+    /// optionally the `PosixFd` bytes of the same allocation as a fallback ([`fabric_handle`]).
+    Fabric = 3,
 }
 
 impl HandleKind {
@@ -54,6 +63,7 @@ impl HandleKind {
         match v {
             1 => Some(HandleKind::Legacy),
             2 => Some(HandleKind::PosixFd),
+            3 => Some(HandleKind::Fabric),
             _ => None,
         }
     }
@@ -72,6 +82,8 @@ pub struct IpcHandle {
 pub struct Export {
     pub handle: IpcHandle,
     pub keep: Option<OwnedFd>,
+    /// Anything else the export holds until dropped (the fake's fabric name).
+    pub hold: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 /// A peer's allocation opened in this process; dropping it closes it.
@@ -190,6 +202,47 @@ pub(crate) fn fd_handle_bytes(fd: i32, id: (u64, u64)) -> Vec<u8> {
     b.extend_from_slice(&id.0.to_le_bytes());
     b.extend_from_slice(&id.1.to_le_bytes());
     b
+}
+
+/// Length of a fabric handle (`CUmemFabricHandle`).
+pub const FABRIC_LEN: usize = 64;
+
+/// An fd handle's content: the exporter's descriptor number and its identity (st_dev, st_ino).
+pub(crate) type FdPart = (i32, (u64, u64));
+
+/// The bytes of a `Fabric` handle: the 64-byte fabric handle, then the `PosixFd` bytes of the same
+/// allocation where it can also be exported that way (the importer's fallback).
+pub(crate) fn fabric_handle_bytes(fabric: &[u8; FABRIC_LEN], fd: Option<FdPart>) -> Vec<u8> {
+    let mut b = fabric.to_vec();
+    if let Some((num, id)) = fd {
+        b.extend_from_slice(&fd_handle_bytes(num, id));
+    }
+    b
+}
+
+/// The fabric handle and the optional fd fallback in a `Fabric` handle's bytes.
+pub(crate) fn fabric_handle(b: &[u8]) -> Result<([u8; FABRIC_LEN], Option<FdPart>)> {
+    let (f, rest) = b.split_at_checked(FABRIC_LEN).ok_or_else(|| Error::mismatch("malformed fabric handle"))?;
+    let mut fabric = [0u8; FABRIC_LEN];
+    fabric.copy_from_slice(f);
+    let fd = if rest.is_empty() { None } else { Some(fd_handle(rest)?) };
+    Ok((fabric, fd))
+}
+
+/// The exporter's descriptor number and identity for an fd-based handle: a `PosixFd` handle (or a
+/// `Legacy` one of the fake device, which is a descriptor too; CUDA never asks for one), or the
+/// fallback part of a `Fabric` one (NOT_SUPPORTED where it has none: the importer cannot take the fabric
+/// route and the exporter offered nothing else).
+pub(crate) fn fd_of(h: &IpcHandle) -> Result<FdPart> {
+    match h.kind {
+        HandleKind::PosixFd | HandleKind::Legacy => fd_handle(&h.bytes),
+        HandleKind::Fabric => fabric_handle(&h.bytes)?.1.ok_or_else(|| {
+            Error::not_supported(
+                "the peer exported this VRAM allocation as a fabric handle only, and it could not be imported \
+                 here (see the previous error or the log); the allocation offers no POSIX-fd fallback",
+            )
+        }),
+    }
 }
 
 /// The exporter's descriptor number and identity in an fd handle's bytes.

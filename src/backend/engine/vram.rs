@@ -5,7 +5,9 @@
 //! - another process on this host, its region in VRAM: the peer exports the allocation (legacy IPC handle,
 //!   or a VMM allocation's POSIX fd that the importer takes with `pidfd_getfd`, or, where the kernel refuses
 //!   that, asks the exporter for over its authenticated control socket, which answers with SCM_RIGHTS; the
-//!   importer checks st_dev/st_ino either way); the handle travels in the
+//!   importer checks st_dev/st_ino either way; or a fabric handle, preferred where the allocation and device
+//!   allow it, opened without any descriptor, falling back to the fd where the fabric import fails, see
+//!   `crate::device`); the handle travels in the
 //!   region's metadata; this engine opens it once per remote allocation (shared by every region inside it),
 //!   on first use, and closes it when the last region key holding it goes (remove / invalidate of the peer,
 //!   and the last request built on it released). A region may span several allocations mapped back to back
@@ -258,7 +260,12 @@ pub(super) fn load_remote(incarnation: u128, desc: &Desc, public: &[u8]) -> Resu
     for _ in 0..n {
         let base = r.uvar()?;
         let size = r.uvar()?;
-        let kind = HandleKind::from_u8(r.byte()?).ok_or_else(bad)?;
+        let k = r.byte()?;
+        let kind = HandleKind::from_u8(k).ok_or_else(|| {
+            Error::mismatch(format!(
+                "the peer's VRAM region uses allocation handle kind {k}, unknown to this gixl (a newer peer?)"
+            ))
+        })?;
         let bytes = r.bytes(256)?.to_vec();
         // Back to back, each non-empty.
         if size == 0 || chunks.last().is_some_and(|c| c.base.checked_add(c.handle.size) != Some(base)) {
@@ -523,7 +530,7 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
                             .map(|c| {
                                 // The exporter's descriptor (fd handles): `pidfd_getfd`, else its control socket.
                                 let take = || {
-                                    let (num, want) = device::fd_handle(&c.handle.bytes)?;
+                                    let (num, want) = device::fd_of(&c.handle)?;
                                     let peer = (sock.as_slice(), *secret, ep.incarnation, *pid);
                                     let f = super::take_peer_fd(shared, pidfd.as_fd(), peer, num)?;
                                     device::same_object(f, want)
@@ -913,6 +920,53 @@ mod tests {
         got.clear();
         RegionUse::SAME.pieces(0x1ff0, 0x30, &mut |off, len, here| got.push((off, len, here)));
         assert_eq!(got, vec![(0, 0x30, 0x1ff0)]);
+    }
+
+    /// Public bytes of a one-chunk region at 0x1000+0x1000 whose handle is `kind` with `bytes`.
+    fn public_kind(kind: u8, bytes: &[u8]) -> Vec<u8> {
+        let mut b = vec![PUBLIC_VERSION];
+        for v in [1, 7, 3, 1, 0x1000, 0x1000] {
+            put_uvar(&mut b, v);
+        }
+        b.push(kind);
+        put_bytes(&mut b, bytes);
+        b
+    }
+
+    #[test]
+    fn fabric_handles_travel_in_metadata_and_unknown_kinds_are_refused() {
+        let d = Desc::new(0x1000, 0x1000, 1);
+        let fabric: [u8; device::FABRIC_LEN] = std::array::from_fn(|i| i as u8 ^ 0xa5);
+        let fd_part = (17, (0x1234, 0x5678));
+        for fallback in [Some(fd_part), None] {
+            let bytes = device::fabric_handle_bytes(&fabric, fallback);
+            assert_eq!(bytes.len(), 64 + if fallback.is_some() { 20 } else { 0 });
+            let k = load_remote(5, &d, &public_kind(HandleKind::Fabric as u8, &bytes)).unwrap();
+            let r = k.downcast_ref::<RemoteVram>().unwrap();
+            let h = &r.chunks[0].handle;
+            assert_eq!((h.kind, h.size, &h.bytes), (HandleKind::Fabric, 0x1000, &bytes));
+            assert_eq!(device::fabric_handle(&h.bytes).unwrap(), (fabric, fallback));
+            match fallback {
+                Some(f) => assert_eq!(device::fd_of(h).unwrap(), f),
+                // A fabric-only handle gives the importer nothing to fall back to: NOT_SUPPORTED, said plainly.
+                None => {
+                    let e = device::fd_of(h).unwrap_err();
+                    assert_eq!(e.status(), Status::NotSupported);
+                    assert!(e.message().contains("fabric handle only"), "{}", e.message());
+                }
+            }
+        }
+        // A fabric handle of the wrong length is malformed, not a panic.
+        let h = IpcHandle { kind: HandleKind::Fabric, size: 1, bytes: vec![0; 70] };
+        assert_eq!(device::fd_of(&h).unwrap_err().status(), Status::Mismatch);
+        assert!(device::fabric_handle(&[0; 63]).is_err());
+        // Kinds this build does not know (0, a future 4, anything) are refused with a clear message.
+        for k in [0u8, 4, 9, 255] {
+            let e = load_remote(5, &d, &public_kind(k, &[0; 64])).err().unwrap();
+            assert_eq!(e.status(), Status::Mismatch);
+            assert!(e.message().contains(&format!("handle kind {k}, unknown")), "{}", e.message());
+        }
+        assert_eq!(HandleKind::from_u8(3), Some(HandleKind::Fabric));
     }
 
     struct NoMap;
