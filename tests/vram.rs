@@ -2,6 +2,8 @@
 //! memfd-backed shared memory, IPC handles as descriptors taken with `pidfd_getfd`): the same engine code
 //! that runs over CUDA, minus the driver. The prefill child is this test binary re-run with
 //! `GIXL_CHILD=vram-prefill`; it speaks a line protocol on stdin/stdout.
+//! Fabric handles are emulated too (`GIXL_FAKE_FABRIC=1` in the exporter: a name under /dev/shm that the
+//! importer opens without any descriptor passing).
 //!
 //! What the fake cannot show (copy engines, real IPC handles, contexts, bandwidth) is left to
 //! `scripts/gpu-check.sh` on a machine with a GPU.

@@ -18,6 +18,8 @@
 //! IMEX channel), so the allocation is exported as a POSIX fd, with a log line. Importing a fabric handle
 //! is supported unless `GIXL_FAKE_FABRIC=0` (or [`set_fabric_import`]); where it is not, or where the name
 //! cannot be opened, the importer falls back to the fd part, or fails NOT_SUPPORTED without one.
+//! Two agents of one process exporting the same allocation at once cannot both name it: the second export
+//! goes as a POSIX fd (logged).
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};

@@ -7,7 +7,9 @@
 //!   that, asks the exporter for over its authenticated control socket, which answers with SCM_RIGHTS; the
 //!   importer checks st_dev/st_ino either way; or a fabric handle, preferred where the allocation and device
 //!   allow it, opened without any descriptor, falling back to the fd where the fabric import fails, see
-//!   `crate::device`); the handle travels in the
+//!   `crate::device`; this route stays on one host, as the gate and sentinel it relies on are, so a fabric
+//!   handle's reach across the nodes of an NVLink domain is not used: another host goes over TCP); the
+//!   handle travels in the
 //!   region's metadata; this engine opens it once per remote allocation (shared by every region inside it),
 //!   on first use, and closes it when the last region key holding it goes (remove / invalidate of the peer,
 //!   and the last request built on it released). A region may span several allocations mapped back to back
