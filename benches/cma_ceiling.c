@@ -58,6 +58,25 @@ static int cmp(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+/* Fork `child`, a copy of this process that only waits (same address space layout: a buffer is at the same
+ * address there), and return once it runs; nonzero on failure. */
+static int fork_reader_target(void)
+{
+    int ready[2];
+    if (pipe(ready))
+        return 1;
+    child = fork();
+    if (child == 0) {
+        char c = 1;
+        if (write(ready[1], &c, 1) != 1)
+            _exit(1);
+        pause();
+        _exit(0);
+    }
+    char c;
+    return read(ready[0], &c, 1) != 1;
+}
+
 static double now_us(void)
 {
     struct timespec t;
@@ -79,21 +98,9 @@ static int small(size_t bytes, int iters, pid_t from, unsigned long addr)
         child = from;
         s = (char *)addr;
     } else {
-        int ready[2];
-        if (pipe(ready))
+        if (fork_reader_target())
             return 1;
-        child = fork();
-        if (child == 0) {
-            char c = 1;
-            if (write(ready[1], &c, 1) != 1)
-                _exit(1);
-            pause();
-            _exit(0);
-        }
-        char c;
-        if (read(ready[0], &c, 1) != 1)
-            return 1;
-        memset(s, 0, bytes);
+        memset(s, 0, bytes); /* the parent's copy differs; the child keeps the 7s */
     }
     double *us = calloc(iters, sizeof *us);
     struct iovec l = {d, bytes}, r = {s, bytes};
@@ -133,19 +140,7 @@ int main(int argc, char **argv)
     dst = mmap(NULL, BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     memset(src, 7, BYTES);
     memset(dst, 0, BYTES);
-    int ready[2];
-    if (pipe(ready))
-        return 1;
-    child = fork();
-    if (child == 0) { /* same address space layout: src is at the same address in the child */
-        char c = 1;
-        if (write(ready[1], &c, 1) != 1)
-            _exit(1);
-        pause();
-        _exit(0);
-    }
-    char c;
-    if (read(ready[0], &c, 1) != 1)
+    if (fork_reader_target())
         return 1;
     memset(src, 0, BYTES); /* the parent's copy differs; the child keeps the 7s */
     double *gbps = calloc(reps + 2, sizeof *gbps);

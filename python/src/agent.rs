@@ -224,6 +224,17 @@ impl Agent {
             .ok_or_else(|| bad_handle("prepped descriptor list", handle))
     }
 
+    /// `postXferReq`'s work: an empty `notif_msg` keeps the request's notification.
+    fn post(&self, py: Python<'_>, reqh: u64, notif_msg: Msg) -> PyResult<Status> {
+        let x = self.xfer(reqh)?;
+        let update = if notif_msg.0.is_empty() {
+            NotifUpdate::Keep
+        } else {
+            NotifUpdate::Set(notif_msg.0)
+        };
+        py.detach(|| self.agent.post_xfer_req(&x, update)).py_err()
+    }
+
     fn xfer(&self, handle: u64) -> PyResult<XferReq> {
         self.handles
             .lock()
@@ -540,13 +551,7 @@ impl Agent {
     /// notification; a non-empty one replaces it.
     #[pyo3(signature = (reqh, notif_msg = Msg::default()))]
     fn postXferReq<'py>(&self, py: Python<'py>, reqh: u64, notif_msg: Msg) -> PyResult<Bound<'py, StatusT>> {
-        let x = self.xfer(reqh)?;
-        let update = if notif_msg.0.is_empty() {
-            NotifUpdate::Keep
-        } else {
-            NotifUpdate::Set(notif_msg.0)
-        };
-        let s = py.detach(|| self.agent.post_xfer_req(&x, update)).py_err()?;
+        let s = self.post(py, reqh, notif_msg)?;
         ok_status(py, s)
     }
 
@@ -554,13 +559,7 @@ impl Agent {
     /// wrapper a status object and its comparisons on every post (gixl's own; not in NIXL's bindings).
     #[pyo3(signature = (reqh, notif_msg = Msg::default()))]
     fn _postState<'py>(&self, py: Python<'py>, reqh: u64, notif_msg: Msg) -> PyResult<Bound<'py, PyString>> {
-        let x = self.xfer(reqh)?;
-        let update = if notif_msg.0.is_empty() {
-            NotifUpdate::Keep
-        } else {
-            NotifUpdate::Set(notif_msg.0)
-        };
-        let s = py.detach(|| self.agent.post_xfer_req(&x, update)).py_err()?;
+        let s = self.post(py, reqh, notif_msg)?;
         Ok(state_name(py, s))
     }
 
