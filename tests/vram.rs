@@ -423,7 +423,7 @@ fn vram_peer_killed_with_a_handle_open_then_restarted_at_the_same_address() {
 
 /// The target re-executes itself in place with ASLR off (same pid and start time, a new image, its VRAM at
 /// the same device address): the initiator's next READ and WRITE through the handle it opened before are
-/// REMOTE_DISCONNECT (the probe of the old incarnation's gate faults in the new image), the old allocation
+/// REMOTE_DISCONNECT (the old incarnation's exit/exec sentinel was flipped by the kernel at exec), the old allocation
 /// gets no copy, and the new image's memory is untouched. A pidfd check cannot see this (same process).
 #[test]
 fn vram_peer_exec_in_place_is_a_disconnect() {
