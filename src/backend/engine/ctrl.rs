@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
+use super::net::{epoll_add, epoll_del};
 use super::tcp::{self, TcpProgress, TcpSetup, TcpShared};
 use crate::status::{Error, Result, Status};
 
@@ -228,8 +229,7 @@ impl Ctrl {
 
     /// Stop watching; call before closing the pidfd.
     pub fn unwatch(&self, token: u64, pidfd: RawFd) {
-        // SAFETY: removing a descriptor from our epoll set; errors (already gone) are harmless.
-        unsafe { libc::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_DEL, pidfd, std::ptr::null_mut()) };
+        epoll_del(self.epfd.as_raw_fd(), pidfd);
         self.watches.lock().remove(&token);
     }
 
@@ -648,10 +648,8 @@ impl Local {
 
     fn close(&mut self, token: u64) {
         if let Some(c) = self.conns.remove(&token) {
-            // SAFETY: removing the connection from our epoll set before it is closed.
-            unsafe {
-                libc::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_DEL, c.stream.as_raw_fd(), std::ptr::null_mut())
-            };
+            // Before it is closed.
+            epoll_del(self.epfd.as_raw_fd(), c.stream.as_raw_fd());
         }
     }
 }
@@ -946,15 +944,6 @@ fn local_arm(epfd: RawFd, local: RawFd, op: i32) -> Result<()> {
     let mut ev = libc::epoll_event { events: (libc::EPOLLIN | libc::EPOLLONESHOT) as u32, u64: TOKEN_LISTEN };
     // SAFETY: `ev` is a valid event; both descriptors are open.
     if unsafe { libc::epoll_ctl(epfd, op, local, &mut ev) } < 0 {
-        return Err(Error::os(Status::Backend, "epoll_ctl", io::Error::last_os_error()));
-    }
-    Ok(())
-}
-
-fn epoll_add(epfd: RawFd, fd: RawFd, token: u64) -> Result<()> {
-    let mut ev = libc::epoll_event { events: (libc::EPOLLIN | libc::EPOLLRDHUP) as u32, u64: token };
-    // SAFETY: `ev` is a valid event; both descriptors are open.
-    if unsafe { libc::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, fd, &mut ev) } < 0 {
         return Err(Error::os(Status::Backend, "epoll_ctl", io::Error::last_os_error()));
     }
     Ok(())

@@ -44,7 +44,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
@@ -53,7 +53,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::ctrl::NotifQueue;
 use super::liveness::{DialPlan, LiveCfg, Liveness};
-use super::net::{self, iovec};
+use super::net::{self, epoll_add, epoll_del, iovec};
 use super::vram_tcp::{StagePool, Staged};
 use super::wire::{self, CtrlMsg, Hello, RegionTable, WireSeg};
 use crate::backend::{Seg, XferOp};
@@ -369,15 +369,8 @@ impl TcpShared {
 
     fn remove_out(&self, token: u64) {
         if let Some(o) = self.out.lock().remove(&token) {
-            // SAFETY: removing a descriptor we added; it is still open (`o` holds it).
-            unsafe {
-                libc::epoll_ctl(
-                    self.epfd.as_raw_fd(),
-                    libc::EPOLL_CTL_DEL,
-                    o.conn.stream.as_raw_fd(),
-                    std::ptr::null_mut(),
-                )
-            };
+            // It is still open (`o` holds it).
+            epoll_del(self.epfd.as_raw_fd(), o.conn.stream.as_raw_fd());
         }
     }
 
@@ -728,15 +721,8 @@ impl TcpProgress {
         let c = self.inbound.remove(&token)?;
         self.paused.remove(&token);
         self.freed |= c.held() > 0;
-        // SAFETY: removing a descriptor we added; `c` still owns it.
-        unsafe {
-            libc::epoll_ctl(
-                self.shared.epfd.as_raw_fd(),
-                libc::EPOLL_CTL_DEL,
-                c.stream.as_raw_fd(),
-                std::ptr::null_mut(),
-            )
-        };
+        // `c` still owns it.
+        epoll_del(self.shared.epfd.as_raw_fd(), c.stream.as_raw_fd());
         Some(c)
     }
 
@@ -918,15 +904,8 @@ impl TcpProgress {
     fn pause(&mut self, token: u64, queue_full: bool) {
         let Some(c) = self.inbound.get_mut(&token) else { return };
         if self.paused.insert(token) {
-            // SAFETY: removing a descriptor we added; `c` still owns it.
-            unsafe {
-                libc::epoll_ctl(
-                    self.shared.epfd.as_raw_fd(),
-                    libc::EPOLL_CTL_DEL,
-                    c.stream.as_raw_fd(),
-                    std::ptr::null_mut(),
-                )
-            };
+            // `c` still owns it.
+            epoll_del(self.shared.epfd.as_raw_fd(), c.stream.as_raw_fd());
             c.keep_at = 0;
         }
         self.shared.paused.store(true, Ordering::SeqCst);
@@ -1232,10 +1211,8 @@ impl DataConn {
             sh.regions.release(self.id);
         }
         let _ = self.stream.shutdown(Shutdown::Both);
-        // SAFETY: removing a descriptor we added; `self.stream` still holds it open.
-        unsafe {
-            libc::epoll_ctl(epfd.as_raw_fd(), libc::EPOLL_CTL_DEL, self.stream.as_raw_fd(), std::ptr::null_mut())
-        };
+        // `self.stream` still holds it open.
+        epoll_del(epfd.as_raw_fd(), self.stream.as_raw_fd());
         sh.nserving.fetch_sub(1, Ordering::AcqRel);
     }
 
@@ -2042,15 +2019,6 @@ impl Drop for TcpLink {
     fn drop(&mut self) {
         self.close();
     }
-}
-
-pub fn epoll_add(epfd: RawFd, fd: RawFd, token: u64) -> Result<()> {
-    let mut ev = libc::epoll_event { events: (libc::EPOLLIN | libc::EPOLLRDHUP) as u32, u64: token };
-    // SAFETY: `ev` is a valid event; both descriptors are open.
-    if unsafe { libc::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, fd, &mut ev) } < 0 {
-        return Err(Error::os(Status::Backend, "epoll_ctl", io::Error::last_os_error()));
-    }
-    Ok(())
 }
 
 #[cfg(test)]
