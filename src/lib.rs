@@ -38,6 +38,8 @@ pub use agent::{
 pub use backend::{Params, XferOp};
 pub use mem::{Desc, MemType, RegDList, RegDesc, RemoteDList, RemoteDesc, XferDList};
 pub use status::{Error, Result, Status};
+#[doc(hidden)]
+pub use util::test_skip;
 
 /// NIXL's default listener port.
 pub const DEFAULT_COMM_PORT: u16 = 8888;

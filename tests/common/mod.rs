@@ -13,21 +13,7 @@ use std::time::{Duration, Instant};
 /// `scripts/test-all.sh` sets it, counts the lines per suite, and fails on CI (`CI=true`) when a test of
 /// the must-run kinds (`netns`, `etcd`, `cma`, `io_uring`, `prometheus`) skipped. `kind` names what was missing.
 pub fn skip(kind: &str, why: &str) {
-    let thread = std::thread::current();
-    let test = thread.name().unwrap_or("?");
-    let line = format!("SKIPPED: {test} [{kind}]: {why}");
-    eprintln!("{line}");
-    if let Some(path) = std::env::var_os("GIXL_SKIP_LOG") {
-        // O_APPEND writes of one short line are atomic, so parallel tests and suites share the file.
-        let r = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .and_then(|mut f| f.write_all(format!("{line}\n").as_bytes()));
-        if let Err(e) = r {
-            panic!("cannot record the skip in {}: {e}", std::path::Path::new(&path).display());
-        }
-    }
+    gixl::test_skip(kind, why);
 }
 
 pub fn hex(b: &[u8]) -> String {
