@@ -92,7 +92,8 @@ fn case() -> bool {
     let buf: Vec<u8> = (0..size).map(|i| (i % 249) as u8 + 1).collect();
     let d = Desc::new(buf.as_ptr() as u64, size as u64, 0);
     a.register_mem(&RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: d, meta: vec![] }]), &[]).unwrap();
-    let mut child = Command::new(std::env::current_exe().unwrap())
+    let exe = common::ExeForOthers::new();
+    let mut child = Command::new(&exe.path)
         .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
         .env("GIXL_CHILD", "unprivileged")
         .env("GIXL_MD", hex(&a.local_md().unwrap()))

@@ -47,8 +47,7 @@ fn child_entry() {
     }
 }
 
-fn cmd(ns: Option<&str>, kind: &str, md: &PathBuf) -> Command {
-    let exe = std::env::current_exe().unwrap();
+fn cmd(exe: &std::path::Path, ns: Option<&str>, kind: &str, md: &PathBuf) -> Command {
     let mut c = match ns {
         Some(ns) => {
             let mut c = Command::new("ip");
@@ -88,11 +87,16 @@ impl Drop for Target {
 /// The target in `tns`, the doctor in `dns` (as `uid` when given); the doctor's JSON.
 fn run(setup: &str, tns: Option<&str>, dns: Option<&str>, uid: Option<u32>) -> Option<String> {
     let md = PathBuf::from("/tmp").join(format!("gixl-doctor-{}-{setup}.md", std::process::id()));
-    let mut t = cmd(tns, "doc-target", &md).stdin(Stdio::piped()).spawn().unwrap();
+    let mut t = cmd(&std::env::current_exe().unwrap(), tns, "doc-target", &md).stdin(Stdio::piped()).spawn().unwrap();
     let mut tout = BufReader::new(t.stdout.take().unwrap());
     let target = Target(t);
     assert!(line(&mut tout, "ready").is_some(), "the target did not start");
-    let mut d = cmd(dns, "doctor", &md);
+    // Another user runs a copy it can reach (the checkout may be private).
+    let exe = uid.map(|_| common::ExeForOthers::new());
+    let mut d = match &exe {
+        Some(e) => cmd(&e.path, dns, "doctor", &md),
+        None => cmd(&std::env::current_exe().unwrap(), dns, "doctor", &md),
+    };
     if let Some(u) = uid {
         d.uid(u).gid(u);
     }

@@ -647,7 +647,8 @@ fn vram_ipc_works_where_the_kernel_denies_ptrace() {
     use std::os::unix::process::CommandExt;
     let size = 2 * MIB;
     let mut p = Prefill::start_with(size, 7, true, None, &[("GIXL_ALLOW_UIDS", "65534")]);
-    let out = Command::new(std::env::current_exe().unwrap())
+    let exe = common::ExeForOthers::new();
+    let out = Command::new(&exe.path)
         .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
         .env("GIXL_CHILD", "vram-nobody")
         .env("GIXL_MD", hex(&p.md))

@@ -681,7 +681,8 @@ fn denied_case(allowed: bool) -> bool {
     a.create_backend("UCX", &Params::new()).unwrap();
     reg(&a, MemType::Vram, vram, size, 1);
     let copied = fake::copied_bytes();
-    let out = Command::new(std::env::current_exe().unwrap())
+    let exe = common::ExeForOthers::new();
+    let out = Command::new(&exe.path)
         .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
         .env("GIXL_CHILD", "vram-tcp-nobody")
         .env("GIXL_MD", hex(&a.local_md().unwrap()))

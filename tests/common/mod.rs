@@ -16,6 +16,36 @@ pub fn skip(kind: &str, why: &str) {
     gixl::test_skip(kind, why);
 }
 
+/// This test binary where another user (a test's `nobody` child) can run it: a copy in a fresh directory under
+/// /tmp that everyone may read and enter. The checkout itself may be private (a clone under `mktemp -d` is
+/// mode 0700), and then `nobody` cannot exec the binary in place. The copy goes when this is dropped.
+pub struct ExeForOthers {
+    dir: std::path::PathBuf,
+    pub path: std::path::PathBuf,
+}
+
+impl ExeForOthers {
+    pub fn new() -> ExeForOthers {
+        use std::os::unix::fs::PermissionsExt;
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let exe = std::env::current_exe().unwrap();
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("gixl-exe-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let path = dir.join(exe.file_name().unwrap());
+        std::fs::copy(&exe, &path).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        ExeForOthers { dir, path }
+    }
+}
+
+impl Drop for ExeForOthers {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
