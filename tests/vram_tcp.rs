@@ -542,9 +542,14 @@ fn vram_over_tcp_peer_killed_mid_transfer_is_a_prompt_disconnect() {
             &XferOpts::default(),
         )
         .unwrap();
-    // Post until a READ is seen mid-way (its first bytes in, not done), then kill the target.
+    // Post until a READ is seen mid-way (its first bytes in, not done), then stop the target. Bytes it has
+    // already written to its socket still arrive, and on a fast machine they can be the whole rest of the
+    // READ, which then ends in SUCCESS with every byte right. So the target is killed only once the READ
+    // has stayed in flight for a while with the target stopped: the target then holds bytes it never sent.
     let local = slice(lv, size);
     let mut want = vec![0u8; size];
+    fill(&mut want, 9);
+    let pid = t.child.id() as libc::pid_t;
     let mut tries = 0;
     loop {
         tries += 1;
@@ -560,9 +565,31 @@ fn vram_over_tcp_peer_killed_mid_transfer_is_a_prompt_disconnect() {
                 _ => break false,
             }
         };
-        if caught {
+        if !caught {
+            continue;
+        }
+        // SAFETY: signals our own child, which has not been waited for.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+        let stopped = Instant::now();
+        let mut drained = false;
+        while stopped.elapsed() < Duration::from_millis(200) {
+            match d.xfer_status(&r).unwrap() {
+                Status::InProg => std::thread::sleep(Duration::from_millis(2)),
+                Status::Success => {
+                    drained = true;
+                    break;
+                }
+                s => panic!("READ from a stopped target ended {s:?}"),
+            }
+        }
+        if !drained {
             break;
         }
+        // Everything had been sent before the stop: the bytes must be right; go again.
+        eprintln!("try {tries}: the READ ended SUCCESS with the target stopped (all sent before the stop)");
+        assert!(local[..] == want[..], "a READ that ended SUCCESS brought wrong bytes");
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
     }
     t.child.kill().unwrap();
     let killed = Instant::now();
