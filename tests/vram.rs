@@ -16,17 +16,13 @@ use gixl::device::fake;
 use gixl::*;
 
 mod common;
+use common::dev::{one, reg, run, slice};
 use common::{hex, unhex};
 
 const MIB: usize = 1 << 20;
 
 fn env<T: std::str::FromStr>(k: &str) -> Option<T> {
     std::env::var(k).ok().and_then(|v| v.parse().ok())
-}
-
-fn slice(p: u64, len: usize) -> &'static mut [u8] {
-    // SAFETY: test allocations of `len` bytes that live until the process exits.
-    unsafe { std::slice::from_raw_parts_mut(p as usize as *mut u8, len) }
 }
 
 fn sum(p: u64, len: usize) -> u64 {
@@ -276,25 +272,6 @@ fn decode(name: &str) -> Agent {
     let d = Agent::new(name, AgentConfig::default()).unwrap();
     d.create_backend("UCX", &Params::new()).unwrap();
     d
-}
-
-fn reg(a: &Agent, mem: MemType, addr: u64, len: usize, dev: u64) {
-    let l = RegDList::with_descs(mem, vec![RegDesc { desc: Desc::new(addr, len as u64, dev), meta: vec![] }]);
-    a.register_mem(&l, &[]).unwrap();
-}
-
-fn one(mem: MemType, addr: u64, len: usize, dev: u64) -> XferDList {
-    XferDList::with_descs(mem, vec![Desc::new(addr, len as u64, dev)])
-}
-
-fn run(a: &Agent, r: &XferReq) -> Result<Status> {
-    let mut s = a.post_xfer_req(r, NotifUpdate::Keep)?;
-    let t = Instant::now();
-    while s == Status::InProg && t.elapsed() < Duration::from_secs(20) {
-        std::thread::sleep(Duration::from_micros(100));
-        s = a.xfer_status(r)?;
-    }
-    Ok(s)
 }
 
 #[test]

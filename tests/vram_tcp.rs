@@ -15,6 +15,7 @@ use gixl::device::fake;
 use gixl::*;
 
 mod common;
+use common::dev::{one, reg, run, slice, wait};
 use common::{hex, unhex};
 
 const MIB: usize = 1 << 20;
@@ -28,11 +29,6 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 /// Block size and count of the block tests: 1024 × 16 KiB.
 const BS: usize = 16 << 10;
 const NB: usize = 1024;
-
-fn slice(p: u64, len: usize) -> &'static mut [u8] {
-    // SAFETY: test allocations of at least `len` bytes that live until the process exits.
-    unsafe { std::slice::from_raw_parts_mut(p as usize as *mut u8, len) }
-}
 
 /// Byte `i` of pattern `seed`: position-dependent, so a misplaced block shows.
 fn pat(seed: u8, i: usize) -> u8 {
@@ -318,29 +314,10 @@ fn initiator(name: &str) -> Agent {
     a
 }
 
-fn reg(a: &Agent, mem: MemType, addr: u64, len: usize, dev: u64) {
-    let l = RegDList::with_descs(mem, vec![RegDesc { desc: Desc::new(addr, len as u64, dev), meta: vec![] }]);
-    a.register_mem(&l, &[]).unwrap();
-}
-
-fn one(mem: MemType, addr: u64, len: usize, dev: u64) -> XferDList {
-    XferDList::with_descs(mem, vec![Desc::new(addr, len as u64, dev)])
-}
-
 /// `NB` blocks of `BS` bytes from `base`; reversed: block `i` of the list is block `NB - 1 - i` there.
 fn blocks(mem: MemType, base: u64, dev: u64, reversed: bool) -> XferDList {
     let idx: Vec<usize> = if reversed { (0..NB).rev().collect() } else { (0..NB).collect() };
     XferDList::with_descs(mem, idx.into_iter().map(|i| Desc::new(base + (i * BS) as u64, BS as u64, dev)).collect())
-}
-
-fn wait(a: &Agent, r: &XferReq, limit: Duration) -> Result<Status> {
-    let t = Instant::now();
-    loop {
-        match a.xfer_status(r) {
-            Ok(Status::InProg) if t.elapsed() < limit => std::thread::sleep(Duration::from_micros(100)),
-            other => return other,
-        }
-    }
 }
 
 /// Run `r` to completion (DONE expected), checking where device copies happened: `bytes` must have been
@@ -351,13 +328,6 @@ fn run_staged(a: &Agent, t: &mut Target, r: &XferReq, what: &str, local_vram: bo
     let (here, there) = (fake::copied_bytes() - here, t.stats().0 - there);
     let want = |vram: bool| if vram { bytes as u64 } else { 0 };
     assert_eq!((here, there), (want(local_vram), want(remote_vram)), "{what}: bytes through the device (here, target)");
-}
-
-fn run(a: &Agent, r: &XferReq) -> Result<Status> {
-    match a.post_xfer_req(r, NotifUpdate::Keep)? {
-        Status::InProg => wait(a, r, Duration::from_secs(60)),
-        s => Ok(s),
-    }
 }
 
 /// `NB` blocks of `src` with the block order reversed (what a reversed block transfer makes of it).

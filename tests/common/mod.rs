@@ -2,6 +2,8 @@
 //! joined by a bridge, a throw-away etcd, and the one way a test says it could not run (`skip`).
 #![allow(dead_code)]
 
+pub mod dev;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
