@@ -134,15 +134,17 @@ impl Ctrl {
         let paused = Arc::new(AtomicBool::new(false));
         let offered: Arc<Mutex<HashSet<RawFd>>> = Arc::default();
         let local = Arc::new(Mutex::new(Local {
-            offered: offered.clone(),
             epfd: local_fd,
             listener,
-            incarnation,
-            secret: setup.secret,
             allowed: allowed_uids(),
-            queue: queue.clone(),
-            limits: (QUEUE_MSGS, QUEUE_BYTES),
-            queued: (0, 0),
+            inbox: Inbox {
+                incarnation,
+                secret: setup.secret,
+                queue: queue.clone(),
+                limits: (QUEUE_MSGS, QUEUE_BYTES),
+                queued: (0, 0),
+                offered: offered.clone(),
+            },
             conns: HashMap::new(),
             next_conn: 0,
         }));
@@ -198,7 +200,7 @@ impl Ctrl {
     /// Bound the notification queue (messages, bytes): beyond, no notification socket or control
     /// connection is read until the application takes notifications.
     pub fn set_queue_limits(&self, msgs: usize, bytes: usize) {
-        self.local.lock().limits = (msgs, bytes);
+        self.local.lock().inbox.limits = (msgs, bytes);
         *self.tcp.queue_limits.lock() = (msgs, bytes);
     }
 
@@ -414,19 +416,25 @@ struct Conn {
 
 /// The local notification socket and its connections, shared by the progress thread and `Ctrl::drain`.
 struct Local {
-    offered: Arc<Mutex<HashSet<RawFd>>>,
     epfd: OwnedFd,
     listener: UnixListener,
+    allowed: Vec<u32>,
+    inbox: Inbox,
+    conns: HashMap<u64, Conn>,
+    next_conn: u64,
+}
+
+/// What the frames of every connection are checked against and delivered into.
+struct Inbox {
     incarnation: u128,
     secret: u128,
-    allowed: Vec<u32>,
     queue: Arc<NotifQueue>,
     /// (messages, bytes) the queue may hold before the sockets stop being read.
     limits: (usize, usize),
     /// (messages, bytes) in the queue, as of the current `drain`.
     queued: (usize, usize),
-    conns: HashMap<u64, Conn>,
-    next_conn: u64,
+    /// Descriptors an authenticated peer may ask for.
+    offered: Arc<Mutex<HashSet<RawFd>>>,
 }
 
 struct Progress {
@@ -508,29 +516,21 @@ impl Local {
     /// Accept and read whatever is ready, without blocking. False when it stopped because the queue is full.
     fn drain(&mut self) -> bool {
         {
-            let q = self.queue.lock();
-            self.queued = (q.len(), q.iter().map(|(n, m)| n.len() + m.len()).sum());
+            let q = self.inbox.queue.lock();
+            self.inbox.queued = (q.len(), q.iter().map(|(n, m)| n.len() + m.len()).sum());
         }
-        if self.full() {
+        if self.inbox.full() {
             return false;
         }
         // Frames left unparsed when the queue filled up.
         let waiting: Vec<u64> = self.conns.iter().filter(|(_, c)| c.buf.len() >= 4).map(|(t, _)| *t).collect();
         for t in waiting {
             let Some(c) = self.conns.get_mut(&t) else { continue };
-            if let Err(why) = parse_frames(
-                c,
-                self.incarnation,
-                self.secret,
-                &self.queue,
-                &mut self.queued,
-                self.limits,
-                &self.offered,
-            ) {
+            if let Err(why) = self.inbox.parse(c) {
                 let _ = send_frame_now(&c.stream, KIND_REFUSE, why.as_bytes());
                 self.close(t);
             }
-            if self.full() {
+            if self.inbox.full() {
                 return false;
             }
         }
@@ -549,7 +549,7 @@ impl Local {
                     TOKEN_LISTEN => self.accept(),
                     t => self.read(t),
                 }
-                if self.full() {
+                if self.inbox.full() {
                     return false;
                 }
             }
@@ -557,10 +557,6 @@ impl Local {
                 return true;
             }
         }
-    }
-
-    fn full(&self) -> bool {
-        self.queued.0 >= self.limits.0 || self.queued.1 >= self.limits.1
     }
 
     fn accept(&mut self) {
@@ -614,18 +610,9 @@ impl Local {
                 }
                 Ok(n) => {
                     c.buf.extend_from_slice(&chunk[..n]);
-                    verdict = parse_frames(
-                        c,
-                        self.incarnation,
-                        self.secret,
-                        &self.queue,
-                        &mut self.queued,
-                        self.limits,
-                        &self.offered,
-                    );
-                    let full = self.queued.0 >= self.limits.0 || self.queued.1 >= self.limits.1;
+                    verdict = self.inbox.parse(c);
                     // A short read emptied the socket; epoll (level-triggered) reports anything later.
-                    if verdict.is_err() || full || n < chunk.len() {
+                    if verdict.is_err() || self.inbox.full() || n < chunk.len() {
                         break;
                     }
                 }
@@ -663,102 +650,103 @@ fn send_frame_now(s: &UnixStream, kind: u8, body: &[u8]) -> io::Result<usize> {
     super::net::send_now(s.as_raw_fd(), &f)
 }
 
-/// Consume every complete frame in `c.buf` while the queue has room (`queued` counts what is in it).
-/// `Err(reason)` when the peer broke the protocol or failed to authenticate: the connection is closed.
-fn parse_frames(
-    c: &mut Conn,
-    incarnation: u128,
-    secret: u128,
-    queue: &NotifQueue,
-    queued: &mut (usize, usize),
-    limits: (usize, usize),
-    offered: &Mutex<HashSet<RawFd>>,
-) -> std::result::Result<(), String> {
-    let mut at = 0;
-    let mut verdict = Ok(());
-    while c.buf.len() - at >= 4 {
-        let len = u32::from_le_bytes([c.buf[at], c.buf[at + 1], c.buf[at + 2], c.buf[at + 3]]) as usize;
-        let max = if c.sender.is_some() { MAX_NOTIF + 1 } else { MAX_HELLO };
-        if len == 0 || len > max {
-            verdict = Err(format!("frame of {len} bytes refused"));
-            break;
-        }
-        if c.buf.len() - at - 4 < len {
-            break;
-        }
-        let body = &c.buf[at + 4..at + 4 + len];
-        at += 4 + len;
-        match (body[0], &c.sender) {
-            (KIND_HELLO, None) if body.len() >= HELLO_FIXED => {
-                let u = |r: std::ops::Range<usize>| {
-                    let mut b = [0u8; 16];
-                    b.copy_from_slice(&body[r]);
-                    u128::from_le_bytes(b)
-                };
-                let (target, from_inc) = (u(1..17), u(17..33));
-                let mut nonce = [0u8; 16];
-                nonce.copy_from_slice(&body[33..49]);
-                let mut t = [0u8; 8];
-                t.copy_from_slice(&body[49..57]);
-                let tag = u64::from_le_bytes(t);
-                let Ok(name) = std::str::from_utf8(&body[HELLO_FIXED..]) else {
-                    verdict = Err("sender name is not UTF-8".into());
-                    break;
-                };
-                if target != incarnation {
-                    verdict = Err(format!("this is incarnation {incarnation:032x}, not {target:032x}"));
-                    break;
-                }
-                if name.is_empty()
-                    || !crate::auth::hello_ok(
-                        secret,
-                        TAG_KIND_LOCAL,
-                        incarnation,
-                        &nonce,
-                        &tagged_name(name, from_inc),
-                        tag,
-                    )
-                {
-                    verdict = Err("authentication failed (wrong secret or cluster key)".into());
-                    break;
-                }
-                c.sender = Some(name.to_owned());
-                if send_frame_now(&c.stream, KIND_ACK, &[]).is_err() {
-                    verdict = Err("acknowledgement not sent".into());
-                    break;
-                }
-            }
-            (KIND_FD_REQ, Some(_)) if body.len() == 5 => {
-                let fd = i32::from_le_bytes([body[1], body[2], body[3], body[4]]);
-                // Held across the reply: the owner withdraws a descriptor (under this lock) before closing it.
-                let o = offered.lock();
-                let sent =
-                    if o.contains(&fd) { send_fd_now(&c.stream, fd) } else { send_frame_now(&c.stream, KIND_FD, &[]) };
-                if sent.is_err() {
-                    verdict = Err("descriptor reply not sent".into());
-                    break;
-                }
-            }
-            (KIND_NOTIF, Some(name)) => {
-                queue.lock().push((name.clone(), body[1..].to_vec()));
-                queued.0 += 1;
-                queued.1 += name.len() + body.len() - 1;
-            }
-            (_, None) => {
-                verdict = Err("expected an authenticated hello".into());
-                break;
-            }
-            _ => {
-                verdict = Err("unexpected frame (a connection speaks for one agent only)".into());
-                break;
-            }
-        }
-        if queued.0 >= limits.0 || queued.1 >= limits.1 {
-            break;
-        }
+impl Inbox {
+    fn full(&self) -> bool {
+        self.queued.0 >= self.limits.0 || self.queued.1 >= self.limits.1
     }
-    c.buf.drain(..at);
-    verdict
+
+    /// Consume every complete frame in `c.buf` while the queue has room (`queued` counts what is in it).
+    /// `Err(reason)` when the peer broke the protocol or failed to authenticate: the connection is closed.
+    fn parse(&mut self, c: &mut Conn) -> std::result::Result<(), String> {
+        let mut at = 0;
+        let mut verdict = Ok(());
+        while c.buf.len() - at >= 4 {
+            let len = u32::from_le_bytes([c.buf[at], c.buf[at + 1], c.buf[at + 2], c.buf[at + 3]]) as usize;
+            let max = if c.sender.is_some() { MAX_NOTIF + 1 } else { MAX_HELLO };
+            if len == 0 || len > max {
+                verdict = Err(format!("frame of {len} bytes refused"));
+                break;
+            }
+            if c.buf.len() - at - 4 < len {
+                break;
+            }
+            let body = &c.buf[at + 4..at + 4 + len];
+            at += 4 + len;
+            match (body[0], &c.sender) {
+                (KIND_HELLO, None) if body.len() >= HELLO_FIXED => {
+                    let u = |r: std::ops::Range<usize>| {
+                        let mut b = [0u8; 16];
+                        b.copy_from_slice(&body[r]);
+                        u128::from_le_bytes(b)
+                    };
+                    let (target, from_inc) = (u(1..17), u(17..33));
+                    let mut nonce = [0u8; 16];
+                    nonce.copy_from_slice(&body[33..49]);
+                    let mut t = [0u8; 8];
+                    t.copy_from_slice(&body[49..57]);
+                    let tag = u64::from_le_bytes(t);
+                    let Ok(name) = std::str::from_utf8(&body[HELLO_FIXED..]) else {
+                        verdict = Err("sender name is not UTF-8".into());
+                        break;
+                    };
+                    if target != self.incarnation {
+                        verdict = Err(format!("this is incarnation {:032x}, not {target:032x}", self.incarnation));
+                        break;
+                    }
+                    if name.is_empty()
+                        || !crate::auth::hello_ok(
+                            self.secret,
+                            TAG_KIND_LOCAL,
+                            self.incarnation,
+                            &nonce,
+                            &tagged_name(name, from_inc),
+                            tag,
+                        )
+                    {
+                        verdict = Err("authentication failed (wrong secret or cluster key)".into());
+                        break;
+                    }
+                    c.sender = Some(name.to_owned());
+                    if send_frame_now(&c.stream, KIND_ACK, &[]).is_err() {
+                        verdict = Err("acknowledgement not sent".into());
+                        break;
+                    }
+                }
+                (KIND_FD_REQ, Some(_)) if body.len() == 5 => {
+                    let fd = i32::from_le_bytes([body[1], body[2], body[3], body[4]]);
+                    // Held across the reply: the owner withdraws a descriptor (under this lock) before closing it.
+                    let o = self.offered.lock();
+                    let sent = if o.contains(&fd) {
+                        send_fd_now(&c.stream, fd)
+                    } else {
+                        send_frame_now(&c.stream, KIND_FD, &[])
+                    };
+                    if sent.is_err() {
+                        verdict = Err("descriptor reply not sent".into());
+                        break;
+                    }
+                }
+                (KIND_NOTIF, Some(name)) => {
+                    self.queue.lock().push((name.clone(), body[1..].to_vec()));
+                    self.queued.0 += 1;
+                    self.queued.1 += name.len() + body.len() - 1;
+                }
+                (_, None) => {
+                    verdict = Err("expected an authenticated hello".into());
+                    break;
+                }
+                _ => {
+                    verdict = Err("unexpected frame (a connection speaks for one agent only)".into());
+                    break;
+                }
+            }
+            if self.full() {
+                break;
+            }
+        }
+        c.buf.drain(..at);
+        verdict
+    }
 }
 
 /// The `KIND_FD` reply for descriptor `fd` of this process, the descriptor attached, without blocking.
@@ -900,25 +888,31 @@ pub fn request_fd(
     }
 }
 
-/// For `crate::fuzzing` only: run `parse_frames` over `data` as one read and, again, split in two reads at
-/// `split`, on a connection whose secret is `incarnation`; returns the
-/// notifications queued by the first run.
+/// For `crate::fuzzing` only: run `Inbox::parse` over `data` as one read and, again, split in two reads at
+/// `split`, on a connection whose secret is `incarnation`; returns the notifications queued by the first run.
 pub(crate) fn fuzz_parse_frames(data: &[u8], split: usize, incarnation: u128) -> usize {
-    let queue = NotifQueue::default();
-    let mut queued = (0, 0);
-    let (stream, _other) = UnixStream::pair().expect("socketpair");
-    let _ = stream.set_nonblocking(true);
-    let mut c = Conn { stream, buf: data.to_vec(), sender: None };
-    let offered = Mutex::default();
-    let _ = parse_frames(&mut c, incarnation, incarnation, &queue, &mut queued, (usize::MAX, usize::MAX), &offered);
-    let n = queue.lock().len();
-    let (stream, _other) = UnixStream::pair().expect("socketpair");
-    let _ = stream.set_nonblocking(true);
-    let mut c = Conn { stream, buf: data[..split.min(data.len())].to_vec(), sender: None };
-    let all = (usize::MAX, usize::MAX);
-    if parse_frames(&mut c, incarnation, incarnation, &queue, &mut queued, all, &offered).is_ok() {
-        c.buf.extend_from_slice(&data[split.min(data.len())..]);
-        let _ = parse_frames(&mut c, incarnation, incarnation, &queue, &mut queued, all, &offered);
+    let mut inbox = Inbox {
+        incarnation,
+        secret: incarnation,
+        queue: Arc::default(),
+        limits: (usize::MAX, usize::MAX),
+        queued: (0, 0),
+        offered: Arc::default(),
+    };
+    // The other end stays open while the connection is parsed (the hello is answered on it).
+    let conn = |buf: &[u8]| {
+        let (stream, other) = UnixStream::pair().expect("socketpair");
+        let _ = stream.set_nonblocking(true);
+        (Conn { stream, buf: buf.to_vec(), sender: None }, other)
+    };
+    let (mut c, _other) = conn(data);
+    let _ = inbox.parse(&mut c);
+    let n = inbox.queue.lock().len();
+    let split = split.min(data.len());
+    let (mut c, _other) = conn(&data[..split]);
+    if inbox.parse(&mut c).is_ok() {
+        c.buf.extend_from_slice(&data[split..]);
+        let _ = inbox.parse(&mut c);
     }
     n
 }
