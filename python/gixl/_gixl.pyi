@@ -64,6 +64,7 @@ __all__ = [
     "_doctor",
     "_set_log_sink",
     "_log_detach",
+    "_fake_device_alloc",
 ]
 
 __version__: str
@@ -454,7 +455,7 @@ class nixlAgent:
     def prepMemView(self, dlist: nixlXferDList | nixlRemoteDList, backends: _Backends = ...) -> _Handle: ...
     def releaseMemView(self, mvh: _Handle) -> None: ...
 
-# gixl additions (not in NIXL's module): `gixl doctor` and the log sink.
+# gixl additions (not in NIXL's module): `gixl doctor`, the log sink and a test hook.
 def _doctor(
     peer_md: bytes | None = None,
     peer_name: str | None = None,
@@ -463,3 +464,7 @@ def _doctor(
 ) -> str: ...
 def _set_log_sink(sink: Callable[[int, str], object]) -> bool: ...
 def _log_detach() -> None: ...
+
+# Tests only: emulated device memory (address returned) in a process started with GIXL_FAKE_DEVICE=1;
+# raises nixlNotSupportedError anywhere else.
+def _fake_device_alloc(device: int, size: int) -> int: ...

@@ -34,6 +34,7 @@ fn gixl_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_doctor, m)?)?;
     m.add_function(wrap_pyfunction!(_set_log_sink, m)?)?;
     m.add_function(wrap_pyfunction!(_log_detach, m)?)?;
+    m.add_function(wrap_pyfunction!(_fake_device_alloc, m)?)?;
     Ok(())
 }
 
@@ -87,4 +88,18 @@ fn _set_log_sink(sink: Py<PyAny>) -> bool {
 #[pyfunction]
 fn _log_detach() {
     gixl::telemetry::log::disable_sink();
+}
+
+/// Tests only: `size` bytes of emulated device memory on fake device `device` (shared host memory that the
+/// fake device layer treats as VRAM; never freed), for processes started with `GIXL_FAKE_DEVICE=1`.
+/// Anywhere else it raises NOT_SUPPORTED: with a real driver, a host address is not device memory.
+#[pyfunction]
+fn _fake_device_alloc(device: u32, size: usize) -> PyResult<u64> {
+    if !gixl::device::is_fake() {
+        return Err(errors::to_py(gixl::Error::new(
+            gixl::Status::NotSupported,
+            "the fake device layer is not in use (start the process with GIXL_FAKE_DEVICE=1)",
+        )));
+    }
+    gixl::device::fake::alloc(device, size, false, None).map_err(errors::to_py)
 }

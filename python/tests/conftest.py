@@ -155,8 +155,8 @@ def peers(nixl_impl, tmp_path):
 
     procs = []
 
-    def _spawn(label: str = "peer"):
-        p = PeerProcess(label, nixl_impl.impl, nixl_impl.bindings, tmp_path)
+    def _spawn(label: str = "peer", env: dict | None = None):
+        p = PeerProcess(label, nixl_impl.impl, nixl_impl.bindings, tmp_path, env=env)
         procs.append(p)
         return p
 

@@ -46,7 +46,17 @@ class Peer:
 
     # -- setup -----------------------------------------------------------
     def init(
-        self, name, size=0, fill="zeros", mem="DRAM", telemetry=False, sync_mode=None, fixed_addr=0, listen_port=None, regions=1
+        self,
+        name,
+        size=0,
+        fill="zeros",
+        mem="DRAM",
+        telemetry=False,
+        sync_mode=None,
+        fixed_addr=0,
+        listen_port=None,
+        regions=1,
+        fake_vram_device=None,
     ):
         cfg = {"capture_telemetry": telemetry}
         if listen_port is not None:
@@ -55,8 +65,17 @@ class Peer:
             cfg["sync_mode"] = getattr(api.nixl_thread_sync_t, sync_mode)
         self.agent = api.nixl_agent(name, api.nixl_agent_config(**cfg))
         out = {"name": self.agent.name, "addr": 0, "size": size}
+        dev = 0
         if size:
-            if fixed_addr:
+            if fake_vram_device is not None:
+                # gixl only, in a process started with GIXL_FAKE_DEVICE=1: emulated device memory.
+                from gixl import _gixl
+
+                dev = fake_vram_device
+                at = _gixl._fake_device_alloc(dev, size)
+                self.buf = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(at))
+                self.buf[:] = 0 if fill == "zeros" else int(fill)
+            elif fixed_addr:
                 # the same virtual address in every incarnation (the fault suite's same-VA restart)
                 self.buf = _map_fixed(fixed_addr, size)
                 self.buf[:] = 0 if fill == "zeros" else int(fill)
@@ -65,7 +84,7 @@ class Peer:
             else:
                 self.buf = np.full(size, 0 if fill == "zeros" else int(fill), dtype=np.uint8)
             step = size // regions
-            rows = [(self.buf.ctypes.data + i * step, step, 0, "") for i in range(regions)]
+            rows = [(self.buf.ctypes.data + i * step, step, dev, "") for i in range(regions)]
             self.reg = self.agent.register_memory(rows, mem)
             out["addr"] = int(self.buf.ctypes.data)
         out["md"] = self.agent.get_agent_metadata()
@@ -373,13 +392,13 @@ class Peer:
             return "ERR"
         return self.xfer_outcome(xid, timeout)
 
-    def make_new(self, op, name, local, remote, notif=b""):
+    def make_new(self, op, name, local, remote, notif=b"", mem="DRAM"):
         """initialize_xfer with explicit descriptor rows, as a fresh request id (or the exception name)."""
         try:
             h = self.agent.initialize_xfer(
                 op,
-                self.agent.get_xfer_descs([tuple(int(x) for x in r) for r in local], "DRAM"),
-                self.agent.get_xfer_descs([tuple(int(x) for x in r) for r in remote], "DRAM"),
+                self.agent.get_xfer_descs([tuple(int(x) for x in r) for r in local], mem),
+                self.agent.get_xfer_descs([tuple(int(x) for x in r) for r in remote], mem),
                 name,
                 notif,
             )
