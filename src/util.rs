@@ -78,6 +78,22 @@ pub fn test_skip(kind: &str, why: &str) {
     }
 }
 
+/// `epoll_ctl(op)` for `fd` in the set `epfd`, reporting `events` with `token`.
+pub(crate) fn epoll_ctl(epfd: i32, op: i32, fd: i32, events: u32, token: u64) -> crate::status::Result<()> {
+    let mut ev = libc::epoll_event { events, u64: token };
+    // SAFETY: `ev` is a valid event; the kernel checks both descriptors.
+    if unsafe { libc::epoll_ctl(epfd, op, fd, &mut ev) } < 0 {
+        return Err(crate::status::Error::os(crate::status::Status::Backend, "epoll_ctl", io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// Remove `fd` from the epoll set `epfd` (before it is closed). An fd that is not in the set is no error.
+pub(crate) fn epoll_del(epfd: i32, fd: i32) {
+    // SAFETY: a removal from an epoll set; the kernel checks both descriptors.
+    unsafe { libc::epoll_ctl(epfd, libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -12,7 +12,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -25,7 +25,7 @@ use super::{log, Host};
 use crate::auth::ClusterKey;
 use crate::backend::engine::net::{recv_now, send_now};
 use crate::status::{Error, Result, Status};
-use crate::util::monotonic_ns;
+use crate::util::{epoll_ctl, epoll_del, monotonic_ns};
 
 /// NIXL's connect timeout for metadata peers.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
@@ -100,9 +100,9 @@ impl P2p {
         }
         // SAFETY: a fresh descriptor we own.
         let wake = unsafe { OwnedFd::from_raw_fd(wake) };
-        ctl(epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, wake.as_raw_fd(), libc::EPOLLIN as u32, TOKEN_WAKE)?;
+        epoll_ctl(epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, wake.as_raw_fd(), libc::EPOLLIN as u32, TOKEN_WAKE)?;
         if let Some(l) = &listener {
-            ctl(epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, l.as_raw_fd(), libc::EPOLLIN as u32, TOKEN_LISTEN)?;
+            epoll_ctl(epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, l.as_raw_fd(), libc::EPOLLIN as u32, TOKEN_LISTEN)?;
         }
         let q = Arc::new(Queue { cmds: Mutex::new(VecDeque::new()), wake, stop: AtomicBool::new(false) });
         let mut lp = Loop {
@@ -281,7 +281,9 @@ impl Loop {
                     let mut c = conn(stream, to, true, now);
                     c.connecting = Some(now + CONNECT_TIMEOUT.as_nanos() as u64);
                     let flags = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP) as u32;
-                    if let Err(e) = ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, c.stream.as_raw_fd(), flags, t) {
+                    if let Err(e) =
+                        epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, c.stream.as_raw_fd(), flags, t)
+                    {
                         log!("metadata peer {to}: {e}");
                         return;
                     }
@@ -374,7 +376,7 @@ impl Loop {
                 c.nonce = Some(n);
             }
             let flags = (libc::EPOLLIN | libc::EPOLLRDHUP) as u32;
-            if ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, c.stream.as_raw_fd(), flags, t).is_ok() {
+            if epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, c.stream.as_raw_fd(), flags, t).is_ok() {
                 c.interest = flags;
                 self.conns.insert(t, c);
                 self.flush(t);
@@ -601,7 +603,7 @@ impl Loop {
             want |= libc::EPOLLOUT as u32;
         }
         if want != c.interest
-            && ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_MOD, c.stream.as_raw_fd(), want, token).is_ok()
+            && epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_MOD, c.stream.as_raw_fd(), want, token).is_ok()
         {
             c.interest = want;
         }
@@ -609,10 +611,7 @@ impl Loop {
 
     fn close(&mut self, token: u64) {
         if let Some(c) = self.conns.remove(&token) {
-            // SAFETY: removing a descriptor we added; `c` still owns it.
-            unsafe {
-                libc::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_DEL, c.stream.as_raw_fd(), std::ptr::null_mut())
-            };
+            epoll_del(self.epfd.as_raw_fd(), c.stream.as_raw_fd());
             if c.outbound && self.cache.get(&c.peer) == Some(&token) {
                 self.cache.remove(&c.peer);
             }
@@ -715,15 +714,6 @@ fn handle(host: &dyn Host, peer: SocketAddr, m: Msg<'_>, pushed: bool) -> Option
         }
         Msg::Chal(_) | Msg::Signed(..) => None,
     }
-}
-
-fn ctl(epfd: RawFd, op: i32, fd: RawFd, events: u32, token: u64) -> Result<()> {
-    let mut ev = libc::epoll_event { events, u64: token };
-    // SAFETY: `ev` is a valid event; both descriptors are open.
-    if unsafe { libc::epoll_ctl(epfd, op, fd, &mut ev) } < 0 {
-        return Err(Error::os(Status::Backend, "epoll_ctl", io::Error::last_os_error()));
-    }
-    Ok(())
 }
 
 /// Start a TCP connect without waiting for it; completion shows as EPOLLOUT.

@@ -935,12 +935,7 @@ const POLL_GRACE_NS: u64 = 2_000_000;
 
 /// Arm (add or re-arm) the local epoll set in the progress thread's set, one-shot.
 fn local_arm(epfd: RawFd, local: RawFd, op: i32) -> Result<()> {
-    let mut ev = libc::epoll_event { events: (libc::EPOLLIN | libc::EPOLLONESHOT) as u32, u64: TOKEN_LISTEN };
-    // SAFETY: `ev` is a valid event; both descriptors are open.
-    if unsafe { libc::epoll_ctl(epfd, op, local, &mut ev) } < 0 {
-        return Err(Error::os(Status::Backend, "epoll_ctl", io::Error::last_os_error()));
-    }
-    Ok(())
+    crate::util::epoll_ctl(epfd, op, local, (libc::EPOLLIN | libc::EPOLLONESHOT) as u32, TOKEN_LISTEN)
 }
 
 #[cfg(test)]

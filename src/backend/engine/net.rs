@@ -11,19 +11,10 @@ use std::time::Duration;
 
 /// Add `fd` to the epoll set `epfd`, for input and peer hang-up, reported with `token`.
 pub fn epoll_add(epfd: RawFd, fd: RawFd, token: u64) -> crate::status::Result<()> {
-    let mut ev = libc::epoll_event { events: (libc::EPOLLIN | libc::EPOLLRDHUP) as u32, u64: token };
-    // SAFETY: `ev` is a valid event; both descriptors are open.
-    if unsafe { libc::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, fd, &mut ev) } < 0 {
-        return Err(crate::status::Error::os(crate::status::Status::Backend, "epoll_ctl", io::Error::last_os_error()));
-    }
-    Ok(())
+    crate::util::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, fd, (libc::EPOLLIN | libc::EPOLLRDHUP) as u32, token)
 }
 
-/// Remove `fd` from the epoll set `epfd` (before it is closed). An fd that is not in the set is no error.
-pub fn epoll_del(epfd: RawFd, fd: RawFd) {
-    // SAFETY: a removal from an epoll set; the kernel checks both descriptors.
-    unsafe { libc::epoll_ctl(epfd, libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
-}
+pub(crate) use crate::util::epoll_del;
 
 /// Most iovecs one `sendmsg`/`readv` takes (the kernel's UIO_MAXIOV).
 const IOV_MAX: usize = 1024;

@@ -1023,11 +1023,8 @@ impl ServeLoop {
         }
         // SAFETY: a fresh descriptor we own.
         let wake = unsafe { OwnedFd::from_raw_fd(w) };
-        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: u64::MAX };
-        // SAFETY: valid event, both descriptors open.
-        if unsafe { libc::epoll_ctl(epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, wake.as_raw_fd(), &mut ev) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        crate::util::epoll_ctl(epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, wake.as_raw_fd(), libc::EPOLLIN as u32, u64::MAX)
+            .map_err(|e| io::Error::other(e.message().to_owned()))?;
         Ok(ServeLoop { epfd, wake, inbox: Mutex::new(Vec::new()) })
     }
 
@@ -1075,15 +1072,9 @@ impl ServeLoop {
                 // SAFETY: reading 8 bytes from our eventfd into `v`.
                 unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
                 for (id, stream) in self.inbox.lock().drain(..) {
-                    let mut ev = libc::epoll_event {
-                        events: (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET) as u32,
-                        u64: id,
-                    };
-                    // SAFETY: valid event; the socket is open (we hold it).
-                    if unsafe {
-                        libc::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, stream.as_raw_fd(), &mut ev)
-                    } < 0
-                    {
+                    let edge = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET) as u32;
+                    let fd = stream.as_raw_fd();
+                    if crate::util::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, edge, id).is_err() {
                         shared.nserving.fetch_sub(1, Ordering::AcqRel);
                         continue;
                     }
