@@ -4,7 +4,10 @@
 //!   its query API must return NIXL's metric names with the right values (and gixl's own series);
 //! - the file sink under `NIXL_TELEMETRY_DIR` has NIXL 1.5.1's layout: the same header, size and event
 //!   sequence as the file NIXL itself writes for the same program (NIXL run from `.venv/nixl` when present),
-//!   also with `NIXL_TELEMETRY_ENABLED_METRICS` selecting events.
+//!   also with `NIXL_TELEMETRY_ENABLED_METRICS` selecting events;
+//! - `NIXL_TELEMETRY_EXPORTER=prometheus_mp`: four agents in three processes sharing one directory are served
+//!   by one endpoint, a clean end and a crash leave as NIXL's exporter lets them, a dead owner's lock goes
+//!   to the next process, a file of another user is not served.
 
 mod common;
 
@@ -131,9 +134,53 @@ fn child_file_sink() {
     println!("\n@written");
 }
 
+/// A rank of a `prometheus_mp` run: `GIXL_AGENTS` agents `mp-r<rank>-<k>`, each registering
+/// `(rank + 1) × 4 KiB`; `@up <pid>`, then commands on stdin: `touch` (one more registration event),
+/// `drop` (the agents end cleanly), end of input (exit).
+fn child_mp_rank() {
+    let rank: usize = std::env::var("LOCAL_RANK").unwrap().parse().unwrap();
+    let n: usize = std::env::var("GIXL_AGENTS").unwrap().parse().unwrap();
+    let buf = vec![0u8; (rank + 1) * 4096];
+    let mut agents: Vec<Agent> = (0..n)
+        .map(|k| {
+            let a = Agent::new(&format!("mp-r{rank}-{k}"), AgentConfig::default()).unwrap();
+            a.create_backend("UCX", &Params::new()).unwrap();
+            reg(&a, &buf);
+            a
+        })
+        .collect();
+    println!("\n@up {}", std::process::id());
+    std::io::stdout().flush().unwrap();
+    for line in std::io::stdin().lines() {
+        match line.unwrap().trim() {
+            "touch" => {
+                let extra = vec![0u8; 4096];
+                reg(&agents[0], &extra);
+                println!("\n@touched");
+            }
+            "drop" => {
+                agents.clear();
+                println!("\n@dropped");
+            }
+            _ => {}
+        }
+        std::io::stdout().flush().unwrap();
+    }
+}
+
+/// Agent creation under `prometheus_mp` as configured by the environment: `@created` or `@refused <status>`.
+fn child_mp_refused() {
+    match Agent::new("mp-refused", AgentConfig::default()) {
+        Ok(_) => println!("\n@created"),
+        Err(e) => println!("\n@refused {:?} {}", e.status(), e.message()),
+    }
+}
+
 #[test]
 fn child_entry() {
     match std::env::var("GIXL_CHILD").as_deref() {
+        Ok("mp-rank") => child_mp_rank(),
+        Ok("mp-refused") => child_mp_refused(),
         Ok("tele-target") => child_target(),
         Ok("tele-initiator") => child_initiator(),
         Ok("file-sink") => child_file_sink(),
@@ -452,4 +499,135 @@ fn gixl_run(dir: &Path, metrics: &str) {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// The `agent_memory_registered_total` samples of an exposition: labels → value.
+fn registered(text: &str) -> std::collections::BTreeMap<String, u64> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("agent_memory_registered_total{"))
+        .filter_map(|l| l.split_once("} "))
+        .map(|(labels, v)| (labels.to_owned(), v.trim().parse().unwrap()))
+        .collect()
+}
+
+/// Scrape until `ok(registered samples)` holds, up to 20 s; the last scrape.
+fn scrape_until(port: u16, what: &str, ok: impl Fn(&std::collections::BTreeMap<String, u64>) -> bool) -> String {
+    let t = Instant::now();
+    let mut last = String::new();
+    while t.elapsed() < Duration::from_secs(20) {
+        match http_get(port, "/metrics") {
+            Ok(text) if ok(&registered(&text)) => return text,
+            Ok(text) => last = text,
+            Err(e) => last = e,
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("{what}: not seen in 20 s; last scrape:\n{last}");
+}
+
+#[test]
+fn prometheus_mp_serves_every_process_of_a_directory() {
+    let dir = tmpdir("mp");
+    let port = free_port();
+    let env = |rank: usize, agents: usize| {
+        vec![
+            ("NIXL_TELEMETRY_ENABLE", "y".to_string()),
+            ("NIXL_TELEMETRY_EXPORTER", "prometheus_mp".to_string()),
+            ("NIXL_TELEMETRY_MULTIPROC_DIR", dir.display().to_string()),
+            ("NIXL_TELEMETRY_PROMETHEUS_PORT", port.to_string()),
+            ("NIXL_TELEMETRY_PROMETHEUS_LOCAL", "y".to_string()),
+            ("NIXL_TELEMETRY_MP_STALE_TTL", "3".to_string()),
+            ("LOCAL_RANK", rank.to_string()),
+            ("GIXL_AGENTS", agents.to_string()),
+        ]
+    };
+    let host = gixl::telemetry::hostname();
+    let key = |rank: usize, k: usize, pid: &str| {
+        format!("hostname=\"{host}\",agent_name=\"mp-r{rank}-{k}\",pid=\"{pid}\",agent_instance=\"{k}\",local_rank=\"{rank}\"")
+    };
+    // Rank 0 starts first and wins the lock; ranks 1 and 2 (two agents) only write.
+    let (c0, mut o0) = spawn("mp-rank", &env(0, 1));
+    let mut c0 = Killed(c0);
+    let p0 = expect(&mut o0, "up");
+    let (c1, mut o1) = spawn("mp-rank", &env(1, 1));
+    let mut c1 = Killed(c1);
+    let p1 = expect(&mut o1, "up");
+    let (c2, mut o2) = spawn("mp-rank", &env(2, 2));
+    let mut c2 = Killed(c2);
+    let p2 = expect(&mut o2, "up");
+    let want = [(key(0, 0, &p0), 4096), (key(1, 0, &p1), 8192), (key(2, 0, &p2), 12288), (key(2, 1, &p2), 12288)];
+    let text = scrape_until(port, "all four agents", |r| r.len() == 4);
+    let got = registered(&text);
+    for (k, v) in &want {
+        assert_eq!(got.get(k), Some(v), "{k}:\n{text}");
+    }
+    assert!(text.contains("# TYPE agent_xfer_time_us histogram") && !text.contains("gixl_peer_info"), "{text}");
+    let lock = std::fs::read_to_string(dir.join(format!("nixl-owner.127.0.0.1:{port}.lock"))).unwrap();
+    assert_eq!(lock.trim(), format!("127.0.0.1:{port} pid {p0}"), "rank 0 owns the endpoint");
+
+    // A file of another user in the directory is not served (a co-tenant cannot inject series).
+    let store2 = dir.join(format!("gixl.{p2}.0.store"));
+    let planted = dir.join("gixl.999999.0.store");
+    std::fs::copy(&store2, &planted).unwrap();
+    let mut bytes = std::fs::read(&planted).unwrap();
+    bytes[8..16].copy_from_slice(&999999u64.to_le_bytes());
+    std::fs::write(&planted, &bytes).unwrap();
+    if unsafe { libc::geteuid() } == 0 {
+        std::os::unix::fs::chown(&planted, Some(65534), Some(65534)).unwrap();
+        let text = http_get(port, "/metrics").unwrap();
+        assert!(!text.contains("pid=\"999999\""), "a file of uid 65534 was served:\n{text}");
+        assert_eq!(registered(&text).len(), 4);
+    } else {
+        skip("root", "chown to another uid needs root; the planted file was not tried");
+    }
+    std::fs::remove_file(&planted).unwrap();
+
+    // A clean end: rank 2's agents go, their files and series with them.
+    writeln!(c2.0.stdin.as_mut().unwrap(), "drop").unwrap();
+    expect(&mut o2, "dropped");
+    assert!(!store2.exists() && !dir.join(format!("gixl.{p2}.1.store")).exists());
+    scrape_until(port, "rank 2 gone after a clean end", |r| r.len() == 2);
+
+    // A crash: rank 1 is killed right after an event; its last values stay served while its store is
+    // younger than the TTL (3 s), then the series and the file go.
+    // (Its last update is after `touched_at`: both clocks are CLOCK_MONOTONIC.)
+    let touched_at = Instant::now();
+    writeln!(c1.0.stdin.as_mut().unwrap(), "touch").unwrap();
+    expect(&mut o1, "touched");
+    c1.0.kill().unwrap();
+    c1.0.wait().unwrap();
+    let text = http_get(port, "/metrics").unwrap();
+    if touched_at.elapsed() < Duration::from_millis(2500) {
+        assert_eq!(registered(&text).get(&key(1, 0, &p1)), Some(&12288), "a dead rank within the TTL:\n{text}");
+    }
+    scrape_until(port, "rank 1 reaped after the TTL", |r| r.len() == 1);
+    assert!(touched_at.elapsed() >= Duration::from_secs(3), "reaped before the TTL ({:?})", touched_at.elapsed());
+    assert!(!dir.join(format!("gixl.{p1}.0.store")).exists(), "the dead rank's file is removed");
+
+    // The owner dies: no failover (the endpoint is down), until a new process takes the lock.
+    c0.0.kill().unwrap();
+    c0.0.wait().unwrap();
+    assert!(http_get(port, "/metrics").is_err(), "the endpoint outlived its owner");
+    let (c3, mut o3) = spawn("mp-rank", &env(3, 1));
+    let _c3 = Killed(c3);
+    let p3 = expect(&mut o3, "up");
+    let text = scrape_until(port, "the new owner", |r| r.contains_key(&key(3, 0, &p3)));
+    let lock = std::fs::read_to_string(dir.join(format!("nixl-owner.127.0.0.1:{port}.lock"))).unwrap();
+    assert_eq!(lock.trim(), format!("127.0.0.1:{port} pid {p3}"), "{text}");
+
+    // Refusals, as NIXL's: no directory; more than 32 histogram bounds.
+    let mut no_dir = env(9, 1);
+    no_dir.retain(|(k, _)| *k != "NIXL_TELEMETRY_MULTIPROC_DIR");
+    let (c, mut o) = spawn("mp-refused", &no_dir);
+    let _c = Killed(c);
+    let r = expect(&mut o, "refused");
+    assert!(r.starts_with("Backend") && r.contains("NIXL_TELEMETRY_MULTIPROC_DIR"), "{r}");
+    let mut many = env(9, 1);
+    let bounds: Vec<String> = (1..=33).map(|i| (i * 10).to_string()).collect();
+    many.push(("NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US", bounds.join(",")));
+    let (c, mut o) = spawn("mp-refused", &many);
+    let _c = Killed(c);
+    let r = expect(&mut o, "refused");
+    assert!(r.starts_with("InvalidParam") && r.contains("32"), "{r}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -3,9 +3,10 @@
 //! Configuration (read when an agent is created, as NIXL does):
 //! - `NIXL_TELEMETRY_ENABLE` (`y`/`yes`/`on`/`true`/`1` or `n`/`no`/`off`/`false`/`0`; unset: the agent
 //!   config's `capture_telemetry`): collect events at all.
-//! - `NIXL_TELEMETRY_EXPORTER`: `prometheus` (one scrape endpoint per process, see [`prom`]), `NOP` (collect
-//!   only), or unset/empty: the file sink when `NIXL_TELEMETRY_DIR` is set, else collect only. Any other
-//!   name fails agent creation, as an exporter plugin NIXL cannot load does.
+//! - `NIXL_TELEMETRY_EXPORTER`: `prometheus` (one scrape endpoint per process, see [`prom`]),
+//!   `prometheus_mp` (the processes sharing `NIXL_TELEMETRY_MULTIPROC_DIR` behind one endpoint, see
+//!   [`prom_mp`]), `NOP` (collect only), or unset/empty: the file sink when `NIXL_TELEMETRY_DIR` is set, else
+//!   collect only. Any other name fails agent creation, as an exporter plugin NIXL cannot load does.
 //! - `NIXL_TELEMETRY_DIR`: the file sink, one file per agent named after it, in NIXL's cyclic-buffer layout
 //!   (see [`file`]); `NIXL_TELEMETRY_BUFFER_SIZE` events (default 4096, a power of two).
 //! - `NIXL_TELEMETRY_PROMETHEUS_PORT` (default 9090), `NIXL_TELEMETRY_PROMETHEUS_LOCAL` (bind 127.0.0.1
@@ -25,8 +26,8 @@ pub mod doctor;
 pub mod file;
 pub mod log;
 pub mod prom;
+pub mod prom_mp;
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
@@ -169,10 +170,14 @@ impl Telemetry {
                 let buckets = buckets(std::env::var("NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US").ok().as_deref())?;
                 t.series = prom::attach(&agent, buckets);
             }
+            "prometheus_mp" => {
+                let buckets = buckets(std::env::var("NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US").ok().as_deref())?;
+                t.series = Some(prom_mp::attach(&agent, buckets)?);
+            }
             other => {
                 return Err(Error::backend(format!(
-                    "Failed to load telemetry plugin: {other} (gixl has the exporters prometheus and NOP, and the \
-                     file sink under NIXL_TELEMETRY_DIR)"
+                    "Failed to load telemetry plugin: {other} (gixl has the exporters prometheus, prometheus_mp and \
+                     NOP, and the file sink under NIXL_TELEMETRY_DIR)"
                 )))
             }
         }
@@ -233,7 +238,7 @@ impl Telemetry {
     /// A request refused because its peer was invalidated or replaced (gixl series).
     pub fn stale_refusal(&self) {
         if let Some(s) = &self.series {
-            s.stale.fetch_add(1, Ordering::Relaxed);
+            s.stale_refusal();
         }
     }
 
@@ -338,22 +343,6 @@ pub fn hostname() -> String {
         String::from_utf8_lossy(&b[..n]).into_owned()
     })
     .clone()
-}
-
-/// A counter the exporters share.
-#[derive(Default)]
-pub(crate) struct Counter(AtomicU64);
-
-impl Counter {
-    pub fn add(&self, v: u64) {
-        self.0.fetch_add(v, Ordering::Relaxed);
-    }
-    pub fn get(&self) -> u64 {
-        self.0.load(Ordering::Relaxed)
-    }
-    pub fn set(&self, v: u64) {
-        self.0.store(v, Ordering::Relaxed);
-    }
 }
 
 #[cfg(test)]

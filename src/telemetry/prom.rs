@@ -17,34 +17,146 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::{log, Counter, PeerRow, PeerSource, EVENTS};
+use super::{log, PeerRow, PeerSource, EVENTS};
+
+/// Where one agent's values are, word by word (see [`Layout`]): in this process's memory, or in a
+/// `prometheus_mp` store file that the directory's exporter maps too.
+pub(super) enum Words {
+    Heap(Box<[AtomicU64]>),
+    Mapped(super::prom_mp::Store),
+}
+
+impl Words {
+    fn get(&self) -> &[AtomicU64] {
+        match self {
+            Words::Heap(w) => w,
+            Words::Mapped(m) => m.words(),
+        }
+    }
+}
+
+/// The word offsets of one agent's values with `bounds` histogram bounds: per event type the running sum
+/// (`_total`) and the last value (gauge); the two histograms (`agent_xfer_time`, `agent_xfer_post_time`:
+/// per bound, then +Inf); the stale-handle refusals.
+#[derive(Clone, Copy)]
+pub(super) struct Layout {
+    bounds: usize,
+}
+
+impl Layout {
+    pub(super) fn new(bounds: usize) -> Layout {
+        Layout { bounds }
+    }
+    const fn total(ev: usize) -> usize {
+        ev
+    }
+    const fn last(ev: usize) -> usize {
+        21 + ev
+    }
+    fn hist(&self, h: usize, slot: usize) -> usize {
+        42 + h * (self.bounds + 1) + slot
+    }
+    fn stale(&self) -> usize {
+        42 + 2 * (self.bounds + 1)
+    }
+    pub(super) fn words(&self) -> usize {
+        self.stale() + 1
+    }
+}
 
 /// One agent's series.
 pub struct Series {
     agent: String,
-    /// Per event type: the running sum (`_total`) and the last value (gauge).
-    total: [Counter; 21],
-    last: [Counter; 21],
+    words: Words,
+    layout: Layout,
     bounds: Vec<f64>,
-    /// Histograms of `agent_xfer_time` and `agent_xfer_post_time`: per bound, then +Inf.
-    hist: [Vec<AtomicU64>; 2],
-    pub(super) stale: AtomicU64,
     pub(super) disconnects: Mutex<HashMap<String, (u64, u128)>>,
     pub(super) peers: OnceLock<PeerSource>,
 }
 
 impl Series {
+    pub(super) fn new(agent: &str, bounds: Vec<f64>, words: Option<super::prom_mp::Store>) -> Series {
+        let layout = Layout::new(bounds.len());
+        let words = match words {
+            Some(m) => Words::Mapped(m),
+            None => Words::Heap((0..layout.words()).map(|_| AtomicU64::new(0)).collect()),
+        };
+        Series {
+            agent: agent.to_owned(),
+            words,
+            layout,
+            bounds,
+            disconnects: Mutex::new(HashMap::new()),
+            peers: OnceLock::new(),
+        }
+    }
+
     pub(super) fn record(&self, ev: u32, v: u64) {
+        let w = self.words.get();
         let i = ev as usize;
-        self.total[i].add(v);
-        self.last[i].set(v);
+        w[Layout::total(i)].fetch_add(v, Ordering::Relaxed);
+        w[Layout::last(i)].store(v, Ordering::Relaxed);
         let h = match ev {
-            super::XFER_TIME => &self.hist[0],
-            super::XFER_POST_TIME => &self.hist[1],
-            _ => return,
+            super::XFER_TIME => 0,
+            super::XFER_POST_TIME => 1,
+            _ => return self.touched(),
         };
         let b = self.bounds.iter().position(|&ub| v as f64 <= ub).unwrap_or(self.bounds.len());
-        h[b].fetch_add(1, Ordering::Relaxed);
+        w[self.layout.hist(h, b)].fetch_add(1, Ordering::Relaxed);
+        self.touched();
+    }
+
+    /// A request refused because its peer was invalidated or replaced.
+    pub(super) fn stale_refusal(&self) {
+        self.words.get()[self.layout.stale()].fetch_add(1, Ordering::Relaxed);
+        self.touched();
+    }
+
+    fn touched(&self) {
+        if let Words::Mapped(m) = &self.words {
+            m.touch();
+        }
+    }
+
+    /// Its values now, under these labels (without gixl's peer series when `peers` is false).
+    pub(super) fn row(&self, labels: String, peers: bool) -> Row {
+        let mut r = Row::read(labels, &self.bounds, self.words.get());
+        if peers {
+            r.peers = self.peers.get().map(|f| f()).unwrap_or_default();
+            r.disconnects = self.disconnects.lock().iter().map(|(p, (n, _))| (p.clone(), *n)).collect();
+        }
+        r
+    }
+}
+
+/// One agent's values as an exposition shows them.
+pub(super) struct Row {
+    /// The label pairs every series of the agent carries, formatted.
+    labels: String,
+    total: [u64; 21],
+    last: [u64; 21],
+    bounds: Vec<f64>,
+    hist: [Vec<u64>; 2],
+    stale: u64,
+    peers: Vec<PeerRow>,
+    disconnects: Vec<(String, u64)>,
+}
+
+impl Row {
+    /// From `words` laid out for `bounds` (at least `Layout::words` of them).
+    pub(super) fn read(labels: String, bounds: &[f64], words: &[AtomicU64]) -> Row {
+        let l = Layout::new(bounds.len());
+        let get = |i: usize| words[i].load(Ordering::Relaxed);
+        Row {
+            labels,
+            total: std::array::from_fn(|ev| get(Layout::total(ev))),
+            last: std::array::from_fn(|ev| get(Layout::last(ev))),
+            bounds: bounds.to_vec(),
+            hist: [0, 1].map(|h| (0..=bounds.len()).map(|b| get(l.hist(h, b))).collect()),
+            stale: get(l.stale()),
+            peers: Vec::new(),
+            disconnects: Vec::new(),
+        }
     }
 }
 
@@ -52,22 +164,48 @@ struct Exporter {
     agents: Mutex<Vec<Arc<Series>>>,
 }
 
+/// Where the scrape endpoint binds: `NIXL_TELEMETRY_PROMETHEUS_PORT` (default 9090), `127.0.0.1` with
+/// `NIXL_TELEMETRY_PROMETHEUS_LOCAL`, else `0.0.0.0` (shared by both Prometheus exporters).
+pub(super) fn endpoint() -> (&'static str, u16) {
+    let port: u16 = match std::env::var("NIXL_TELEMETRY_PROMETHEUS_PORT") {
+        Ok(p) => match p.trim().parse() {
+            Ok(p) => p,
+            Err(_) => {
+                log::warn(&format!("NIXL_TELEMETRY_PROMETHEUS_PORT={p:?} is not a port; using 9090"));
+                9090
+            }
+        },
+        Err(_) => 9090,
+    };
+    let local = crate::agent::env_flag("NIXL_TELEMETRY_PROMETHEUS_LOCAL") == Some(true);
+    (if local { "127.0.0.1" } else { "0.0.0.0" }, port)
+}
+
+/// Serve `/metrics` on `l` from a thread of its own, the body made by `body` at each scrape; the thread
+/// blocks in `accept` between scrapes. False if the thread did not start.
+pub(super) fn serve(l: TcpListener, body: Box<dyn Fn() -> String + Send>) -> bool {
+    let spawned = std::thread::Builder::new().name("gixl-prometheus".into()).spawn(move || {
+        for conn in l.incoming() {
+            let Ok(mut c) = conn else { continue };
+            let _ = c.set_read_timeout(Some(Duration::from_secs(5)));
+            let _ = c.set_write_timeout(Some(Duration::from_secs(5)));
+            let _ = answer(&mut c, &*body);
+        }
+    });
+    if let Err(err) = spawned {
+        log::warn(&format!("Prometheus exporter thread did not start ({err}); no telemetry sink"));
+        return false;
+    }
+    true
+}
+
+/// The process's exporter, made when the first agent asks for it.
+static EXPORTER: OnceLock<Option<&'static Exporter>> = OnceLock::new();
+
 /// The process's exporter: None when its port could not be bound (then nothing is exported).
 fn exporter() -> Option<&'static Exporter> {
-    static E: OnceLock<Option<&'static Exporter>> = OnceLock::new();
-    *E.get_or_init(|| {
-        let port: u16 = match std::env::var("NIXL_TELEMETRY_PROMETHEUS_PORT") {
-            Ok(p) => match p.trim().parse() {
-                Ok(p) => p,
-                Err(_) => {
-                    log::warn(&format!("NIXL_TELEMETRY_PROMETHEUS_PORT={p:?} is not a port; using 9090"));
-                    9090
-                }
-            },
-            Err(_) => 9090,
-        };
-        let local = crate::agent::env_flag("NIXL_TELEMETRY_PROMETHEUS_LOCAL") == Some(true);
-        let host = if local { "127.0.0.1" } else { "0.0.0.0" };
+    *EXPORTER.get_or_init(|| {
+        let (host, port) = endpoint();
         let l = match TcpListener::bind((host, port)) {
             Ok(l) => l,
             Err(e) => {
@@ -79,9 +217,16 @@ fn exporter() -> Option<&'static Exporter> {
             }
         };
         let e: &'static Exporter = Box::leak(Box::new(Exporter { agents: Mutex::new(Vec::new()) }));
-        let spawned = std::thread::Builder::new().name("gixl-prometheus".into()).spawn(move || serve(e, l));
-        if let Err(err) = spawned {
-            log::warn(&format!("Prometheus exporter thread did not start ({err}); no telemetry sink"));
+        let host_label = super::hostname();
+        let body = move || {
+            let agents: Vec<Arc<Series>> = e.agents.lock().clone();
+            let rows: Vec<Row> = agents
+                .iter()
+                .map(|s| s.row(format!("agent_name=\"{}\",hostname=\"{}\"", esc(&s.agent), esc(&host_label)), true))
+                .collect();
+            render(&rows, true)
+        };
+        if !serve(l, Box::new(body)) {
             return None;
         }
         log::info(&format!("telemetry: Prometheus exporter on http://{host}:{port}/metrics"));
@@ -91,38 +236,19 @@ fn exporter() -> Option<&'static Exporter> {
 
 pub(super) fn attach(agent: &str, bounds: Vec<f64>) -> Option<Arc<Series>> {
     let e = exporter()?;
-    let n = bounds.len() + 1;
-    let s = Arc::new(Series {
-        agent: agent.to_owned(),
-        total: Default::default(),
-        last: Default::default(),
-        hist: [(0..n).map(|_| AtomicU64::new(0)).collect(), (0..n).map(|_| AtomicU64::new(0)).collect()],
-        bounds,
-        stale: AtomicU64::new(0),
-        disconnects: Mutex::new(HashMap::new()),
-        peers: OnceLock::new(),
-    });
+    let s = Arc::new(Series::new(agent, bounds, None));
     e.agents.lock().push(s.clone());
     Some(s)
 }
 
 /// A destroyed agent's series leave the endpoint.
 pub(super) fn detach(s: &Arc<Series>) {
-    if let Some(e) = exporter() {
+    if let Some(Some(e)) = EXPORTER.get() {
         e.agents.lock().retain(|x| !Arc::ptr_eq(x, s));
     }
 }
 
-fn serve(e: &'static Exporter, l: TcpListener) {
-    for conn in l.incoming() {
-        let Ok(mut c) = conn else { continue };
-        let _ = c.set_read_timeout(Some(Duration::from_secs(5)));
-        let _ = c.set_write_timeout(Some(Duration::from_secs(5)));
-        let _ = answer(e, &mut c);
-    }
-}
-
-fn answer(e: &Exporter, c: &mut TcpStream) -> std::io::Result<()> {
+fn answer(c: &mut TcpStream, body: &dyn Fn() -> String) -> std::io::Result<()> {
     let mut req = Vec::new();
     let mut buf = [0u8; 2048];
     while !req.windows(4).any(|w| w == b"\r\n\r\n") && req.len() < 16384 {
@@ -135,8 +261,7 @@ fn answer(e: &Exporter, c: &mut TcpStream) -> std::io::Result<()> {
     let line = req.split(|&b| b == b'\r').next().unwrap_or(&[]);
     let path = line.split(|&b| b == b' ').nth(1).unwrap_or(b"");
     let (status, body) = if line.starts_with(b"GET ") && (path == b"/metrics" || path.starts_with(b"/metrics?")) {
-        let agents: Vec<Arc<Series>> = e.agents.lock().clone();
-        ("200 OK", render(&agents, &super::hostname()))
+        ("200 OK", body())
     } else {
         ("404 Not Found", String::from("only /metrics is served here\n"))
     };
@@ -150,7 +275,7 @@ fn answer(e: &Exporter, c: &mut TcpStream) -> std::io::Result<()> {
 }
 
 /// Label values escaped as the text format wants.
-fn esc(s: &str) -> String {
+pub(super) fn esc(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 
@@ -162,12 +287,11 @@ fn fmt_bound(b: f64) -> String {
     }
 }
 
-/// The exposition text for these agents.
-pub fn render(agents: &[Arc<Series>], host: &str) -> String {
+/// The exposition text for these agents (gixl's peer series too when `peers`).
+pub(super) fn render(rows: &[Row], peers: bool) -> String {
     let mut o = String::new();
-    let lbl = |s: &Series| format!("agent_name=\"{}\",hostname=\"{}\"", esc(&s.agent), esc(host));
     // Counters (`_total`) of the non-error events, then the error counter, then the last-value gauges.
-    let counters: [(u32, &str, &str); 9] = [
+    let counters: [(usize, &str, &str); 9] = [
         (0, "agent_tx_bytes_total", "Bytes sent by the agent (WRITE requests), cumulative"),
         (1, "agent_rx_bytes_total", "Bytes received by the agent (READ requests), cumulative"),
         (2, "agent_tx_requests_num_total", "Completed WRITE requests, cumulative"),
@@ -180,18 +304,18 @@ pub fn render(agents: &[Arc<Series>], host: &str) -> String {
     ];
     for (ev, name, help) in counters {
         let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter");
-        for s in agents {
-            let _ = writeln!(o, "{name}{{{}}} {}", lbl(s), s.total[ev as usize].get());
+        for r in rows {
+            let _ = writeln!(o, "{name}{{{}}} {}", r.labels, r.total[ev]);
         }
     }
     let _ = writeln!(o, "# HELP agent_errors_total Errors by status, cumulative\n# TYPE agent_errors_total counter");
-    for s in agents {
+    for r in rows {
         for (i, ev) in EVENTS.iter().enumerate().take(20).skip(8) {
             let status = &ev["agent_err_".len()..];
-            let _ = writeln!(o, "agent_errors_total{{{},status=\"{status}\"}} {}", lbl(s), s.total[i].get());
+            let _ = writeln!(o, "agent_errors_total{{{},status=\"{status}\"}} {}", r.labels, r.total[i]);
         }
     }
-    let gauges: [(u32, &str, &str); 6] = [
+    let gauges: [(usize, &str, &str); 6] = [
         (0, "agent_tx_last_bytes", "Bytes of the last WRITE request"),
         (1, "agent_rx_last_bytes", "Bytes of the last READ request"),
         (4, "agent_memory_registered_last_bytes", "Bytes of the last registration"),
@@ -201,60 +325,63 @@ pub fn render(agents: &[Arc<Series>], host: &str) -> String {
     ];
     for (ev, name, help) in gauges {
         let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} gauge");
-        for s in agents {
-            let _ = writeln!(o, "{name}{{{}}} {}", lbl(s), s.last[ev as usize].get());
+        for r in rows {
+            let _ = writeln!(o, "{name}{{{}}} {}", r.labels, r.last[ev]);
         }
     }
-    let hists: [(usize, u32, &str, &str); 2] = [
+    let hists: [(usize, usize, &str, &str); 2] = [
         (0, 6, "agent_xfer_time_us", "Transfer times (post to completion), microseconds"),
         (1, 7, "agent_xfer_post_time_us", "Post times (start to handed to the backend), microseconds"),
     ];
     for (h, ev, name, help) in hists {
         let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} histogram");
-        for s in agents {
-            let l = lbl(s);
+        for r in rows {
+            let l = &r.labels;
             let mut cum = 0;
-            for (i, b) in s.bounds.iter().enumerate() {
-                cum += s.hist[h][i].load(Ordering::Relaxed);
+            for (i, b) in r.bounds.iter().enumerate() {
+                cum += r.hist[h][i];
                 let _ = writeln!(o, "{name}_bucket{{{l},le=\"{}\"}} {cum}", fmt_bound(*b));
             }
-            cum += s.hist[h][s.bounds.len()].load(Ordering::Relaxed);
+            cum += r.hist[h][r.bounds.len()];
             let _ = writeln!(o, "{name}_bucket{{{l},le=\"+Inf\"}} {cum}");
-            let _ = writeln!(o, "{name}_sum{{{l}}} {}", s.total[ev as usize].get());
+            let _ = writeln!(o, "{name}_sum{{{l}}} {}", r.total[ev]);
             let _ = writeln!(o, "{name}_count{{{l}}} {cum}");
         }
     }
     // gixl's own series.
-    let _ = writeln!(
-        o,
-        "# HELP gixl_peer_info Loaded peers: incarnation and the route their data takes (in-process, cma, tcp, \
-         tcp-after-cma-denied)\n# TYPE gixl_peer_info gauge"
-    );
-    let rows: Vec<(String, Vec<PeerRow>)> =
-        agents.iter().map(|s| (lbl(s), s.peers.get().map(|f| f()).unwrap_or_default())).collect();
-    for (l, peers) in &rows {
-        for p in peers {
-            let _ = writeln!(
-                o,
-                "gixl_peer_info{{{l},peer=\"{}\",incarnation=\"{:032x}\",route=\"{}\"}} 1",
-                esc(&p.name),
-                p.incarnation,
-                esc(&p.route)
-            );
+    if peers {
+        let _ = writeln!(
+            o,
+            "# HELP gixl_peer_info Loaded peers: incarnation and the route their data takes (in-process, cma, tcp, \
+             tcp-after-cma-denied)\n# TYPE gixl_peer_info gauge"
+        );
+        for r in rows {
+            for p in &r.peers {
+                let _ = writeln!(
+                    o,
+                    "gixl_peer_info{{{},peer=\"{}\",incarnation=\"{:032x}\",route=\"{}\"}} 1",
+                    r.labels,
+                    esc(&p.name),
+                    p.incarnation,
+                    esc(&p.route)
+                );
+            }
         }
-    }
-    let _ = writeln!(o, "# HELP gixl_peer_connected 1 while a loaded peer is reachable, 0 once it has disconnected");
-    let _ = writeln!(o, "# TYPE gixl_peer_connected gauge");
-    for (l, peers) in &rows {
-        for p in peers {
-            let _ = writeln!(o, "gixl_peer_connected{{{l},peer=\"{}\"}} {}", esc(&p.name), p.connected as u8);
+        let _ =
+            writeln!(o, "# HELP gixl_peer_connected 1 while a loaded peer is reachable, 0 once it has disconnected");
+        let _ = writeln!(o, "# TYPE gixl_peer_connected gauge");
+        for r in rows {
+            for p in &r.peers {
+                let _ =
+                    writeln!(o, "gixl_peer_connected{{{},peer=\"{}\"}} {}", r.labels, esc(&p.name), p.connected as u8);
+            }
         }
-    }
-    let _ = writeln!(o, "# HELP gixl_peer_disconnects_total Peer incarnations seen disconnecting, per peer name");
-    let _ = writeln!(o, "# TYPE gixl_peer_disconnects_total counter");
-    for s in agents {
-        for (peer, (n, _)) in s.disconnects.lock().iter() {
-            let _ = writeln!(o, "gixl_peer_disconnects_total{{{},peer=\"{}\"}} {n}", lbl(s), esc(peer));
+        let _ = writeln!(o, "# HELP gixl_peer_disconnects_total Peer incarnations seen disconnecting, per peer name");
+        let _ = writeln!(o, "# TYPE gixl_peer_disconnects_total counter");
+        for r in rows {
+            for (peer, n) in &r.disconnects {
+                let _ = writeln!(o, "gixl_peer_disconnects_total{{{},peer=\"{}\"}} {n}", r.labels, esc(peer));
+            }
         }
     }
     let _ = writeln!(
@@ -262,8 +389,8 @@ pub fn render(agents: &[Arc<Series>], host: &str) -> String {
         "# HELP gixl_stale_handle_refusals_total Requests refused (NOT_FOUND) because their peer was invalidated \
          or replaced\n# TYPE gixl_stale_handle_refusals_total counter"
     );
-    for s in agents {
-        let _ = writeln!(o, "gixl_stale_handle_refusals_total{{{}}} {}", lbl(s), s.stale.load(Ordering::Relaxed));
+    for r in rows {
+        let _ = writeln!(o, "gixl_stale_handle_refusals_total{{{}}} {}", r.labels, r.stale);
     }
     o
 }
