@@ -20,6 +20,7 @@ pub(crate) mod auth;
 pub mod backend;
 #[cfg(feature = "capi")]
 pub mod capi;
+pub(crate) mod config;
 /// The GPU driver behind a trait: the real one (`cuda` feature) and a fake for tests.
 #[doc(hidden)]
 pub mod device;

@@ -161,7 +161,7 @@ impl Agent {
         if env_flag("GIXL_INVALIDATE_ON_DISCONNECT") == Some(true) {
             cfg.invalidate_on_disconnect = true;
         }
-        let telemetry = match env_flag("NIXL_TELEMETRY_ENABLE") {
+        let telemetry = match crate::config::flag("NIXL_TELEMETRY_ENABLE")? {
             Some(on) => on,
             None => cfg.capture_telemetry,
         };

@@ -526,7 +526,7 @@ pub(crate) mod tests {
 
         // Metadata exchange without an address needs a store (none configured here): INVALID_PARAM, as
         // NIXL. With an address the call succeeds at once; a peer that is not there is only logged.
-        if std::env::var_os("NIXL_ETCD_ENDPOINTS").is_none() {
+        if crate::config::get("NIXL_ETCD_ENDPOINTS", crate::config::Kind::Str).ok().flatten().is_none() {
             assert_eq!(nixl_capi_send_local_md(a, std::ptr::null_mut()), NIXL_CAPI_ERROR_INVALID_PARAM);
             assert_eq!(gixl_last_nixl_status(), Status::InvalidParam as i32);
         }

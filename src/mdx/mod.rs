@@ -69,8 +69,10 @@ impl Mdx {
     /// Reads `NIXL_ETCD_ENDPOINTS`, `NIXL_ETCD_NAMESPACE` and `NIXL_TCPSTORE_ENDPOINT`; with `listen`, binds
     /// the listener (port 0: any free port) and prints the port it got.
     pub fn new(host: Arc<dyn Host>, listen: Option<u16>) -> Result<Mdx> {
-        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
-        let (etcd_eps, tcpstore) = (env("NIXL_ETCD_ENDPOINTS"), env("NIXL_TCPSTORE_ENDPOINT"));
+        let env = |k: &str| -> Result<Option<String>> {
+            Ok(crate::config::get(k, crate::config::Kind::Str)?.filter(|v| !v.trim().is_empty()))
+        };
+        let (etcd_eps, tcpstore) = (env("NIXL_ETCD_ENDPOINTS")?, env("NIXL_TCPSTORE_ENDPOINT")?);
         if etcd_eps.is_some() && tcpstore.is_some() {
             return Err(Error::invalid_param("NIXL_ETCD_ENDPOINTS and NIXL_TCPSTORE_ENDPOINT are mutually exclusive"));
         }
@@ -86,7 +88,7 @@ impl Mdx {
             None => None,
         };
         let etcd = match etcd_eps {
-            Some(eps) => Some(Etcd::start(&eps, env("NIXL_ETCD_NAMESPACE"), host.clone())?),
+            Some(eps) => Some(Etcd::start(&eps, env("NIXL_ETCD_NAMESPACE")?, host.clone())?),
             None => None,
         };
         Ok(Mdx { host, listener, outbound: Mutex::new(None), etcd, tcpstore: tcpstore.is_some() })
@@ -255,7 +257,7 @@ mod tests {
     fn nixl_routing_and_argument_errors() {
         let a = agent("p2p-route", false);
         // No address and no store: INVALID_PARAM, synchronously.
-        if std::env::var_os("NIXL_ETCD_ENDPOINTS").is_none() {
+        if crate::config::get("NIXL_ETCD_ENDPOINTS", crate::config::Kind::Str).ok().flatten().is_none() {
             assert_eq!(a.send_local_md("", 0).unwrap_err().status(), Status::InvalidParam);
             assert_eq!(a.fetch_remote_md("x", "", 0, "").unwrap_err().status(), Status::InvalidParam);
             assert_eq!(a.invalidate_local_md("", 0).unwrap_err().status(), Status::InvalidParam);

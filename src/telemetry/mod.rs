@@ -32,6 +32,7 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
+use crate::config::{self, Kind};
 use crate::status::{Error, Result, Status};
 
 /// NIXL's event types, numbered as in its telemetry stream (file format version 4).
@@ -150,16 +151,17 @@ impl Telemetry {
     fn sinks_from_env(&mut self) -> Result<()> {
         let agent = self.agent.clone();
         let t = self;
-        t.enabled = enabled_metrics(std::env::var("NIXL_TELEMETRY_ENABLED_METRICS").ok().as_deref());
-        let exporter = std::env::var("NIXL_TELEMETRY_EXPORTER").unwrap_or_default();
+        t.enabled = enabled_metrics(config::get("NIXL_TELEMETRY_ENABLED_METRICS", Kind::Str)?.as_deref());
+        let exporter = config::get("NIXL_TELEMETRY_EXPORTER", Kind::Str)?.unwrap_or_default();
+        let buckets = || buckets(config::get("NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US", Kind::Str)?.as_deref());
         match exporter.trim() {
             "" => {
-                if let Some(dir) = std::env::var_os("NIXL_TELEMETRY_DIR").filter(|d| !d.is_empty()) {
-                    let cap = match std::env::var("NIXL_TELEMETRY_BUFFER_SIZE") {
-                        Ok(v) => v.trim().parse::<u64>().map_err(|_| {
+                if let Some(dir) = config::get("NIXL_TELEMETRY_DIR", Kind::Str)?.filter(|d| !d.is_empty()) {
+                    let cap = match config::get("NIXL_TELEMETRY_BUFFER_SIZE", Kind::Int)? {
+                        Some(v) => v.trim().parse::<u64>().map_err(|_| {
                             Error::invalid_param(format!("NIXL_TELEMETRY_BUFFER_SIZE={v:?} is not a number"))
                         })?,
-                        Err(_) => 4096,
+                        None => 4096,
                     };
                     let path = std::path::Path::new(&dir).join(&agent);
                     t.file = Some(Mutex::new(file::Ring::create(&path, cap)?));
@@ -167,12 +169,12 @@ impl Telemetry {
             }
             "NOP" | "nop" => {}
             "prometheus" => {
-                let buckets = buckets(std::env::var("NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US").ok().as_deref())?;
-                t.series = prom::attach(&agent, buckets);
+                let (buckets, at) = (buckets()?, prom::endpoint()?);
+                t.series = prom::attach(&agent, buckets, at);
             }
             "prometheus_mp" => {
-                let buckets = buckets(std::env::var("NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US").ok().as_deref())?;
-                t.series = Some(prom_mp::attach(&agent, buckets)?);
+                let (buckets, at) = (buckets()?, prom::endpoint()?);
+                t.series = Some(prom_mp::attach(&agent, buckets, at)?);
             }
             other => {
                 return Err(Error::backend(format!(

@@ -165,20 +165,22 @@ struct Exporter {
 }
 
 /// Where the scrape endpoint binds: `NIXL_TELEMETRY_PROMETHEUS_PORT` (default 9090), `127.0.0.1` with
-/// `NIXL_TELEMETRY_PROMETHEUS_LOCAL`, else `0.0.0.0` (shared by both Prometheus exporters).
-pub(super) fn endpoint() -> (&'static str, u16) {
-    let port: u16 = match std::env::var("NIXL_TELEMETRY_PROMETHEUS_PORT") {
-        Ok(p) => match p.trim().parse() {
+/// `NIXL_TELEMETRY_PROMETHEUS_LOCAL`, else `0.0.0.0` (shared by both Prometheus exporters; environment or
+/// config file, see `crate::config`).
+pub(super) fn endpoint() -> crate::status::Result<(&'static str, u16)> {
+    use crate::config::{self, Kind};
+    let port: u16 = match config::get("NIXL_TELEMETRY_PROMETHEUS_PORT", Kind::Int)? {
+        Some(p) => match p.trim().parse() {
             Ok(p) => p,
             Err(_) => {
                 log::warn(&format!("NIXL_TELEMETRY_PROMETHEUS_PORT={p:?} is not a port; using 9090"));
                 9090
             }
         },
-        Err(_) => 9090,
+        None => 9090,
     };
-    let local = crate::agent::env_flag("NIXL_TELEMETRY_PROMETHEUS_LOCAL") == Some(true);
-    (if local { "127.0.0.1" } else { "0.0.0.0" }, port)
+    let local = config::flag("NIXL_TELEMETRY_PROMETHEUS_LOCAL")? == Some(true);
+    Ok((if local { "127.0.0.1" } else { "0.0.0.0" }, port))
 }
 
 /// Serve `/metrics` on `l` from a thread of its own, the body made by `body` at each scrape; the thread
@@ -202,10 +204,11 @@ pub(super) fn serve(l: TcpListener, body: Box<dyn Fn() -> String + Send>) -> boo
 /// The process's exporter, made when the first agent asks for it.
 static EXPORTER: OnceLock<Option<&'static Exporter>> = OnceLock::new();
 
-/// The process's exporter: None when its port could not be bound (then nothing is exported).
-fn exporter() -> Option<&'static Exporter> {
+/// The process's exporter, bound at `at` by the first agent that asks: None when that port could not be
+/// bound (then nothing is exported).
+fn exporter(at: (&'static str, u16)) -> Option<&'static Exporter> {
     *EXPORTER.get_or_init(|| {
-        let (host, port) = endpoint();
+        let (host, port) = at;
         let l = match TcpListener::bind((host, port)) {
             Ok(l) => l,
             Err(e) => {
@@ -234,8 +237,8 @@ fn exporter() -> Option<&'static Exporter> {
     })
 }
 
-pub(super) fn attach(agent: &str, bounds: Vec<f64>) -> Option<Arc<Series>> {
-    let e = exporter()?;
+pub(super) fn attach(agent: &str, bounds: Vec<f64>, at: (&'static str, u16)) -> Option<Arc<Series>> {
+    let e = exporter(at)?;
     let s = Arc::new(Series::new(agent, bounds, None));
     e.agents.lock().push(s.clone());
     Some(s)

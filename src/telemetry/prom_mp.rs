@@ -37,6 +37,7 @@ use parking_lot::Mutex;
 
 use super::log;
 use super::prom::{esc, Layout, Row, Series};
+use crate::config::{self, Kind};
 use crate::status::{Error, Result};
 
 /// Most histogram bounds a store holds.
@@ -184,14 +185,14 @@ static MP: OnceLock<Mp> = OnceLock::new();
 
 /// A store for a new agent of this process, in `NIXL_TELEMETRY_MULTIPROC_DIR`; the first one also runs the
 /// owner election. Errors fail agent creation, as NIXL's do.
-pub(super) fn attach(agent: &str, bounds: Vec<f64>) -> Result<Arc<Series>> {
+pub(super) fn attach(agent: &str, bounds: Vec<f64>, at: (&'static str, u16)) -> Result<Arc<Series>> {
     if bounds.len() > MAX_BOUNDS {
         return Err(Error::invalid_param(format!(
             "NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US: prometheus_mp keeps at most {MAX_BOUNDS} bounds, {} given",
             bounds.len()
         )));
     }
-    let dir = match std::env::var_os("NIXL_TELEMETRY_MULTIPROC_DIR").filter(|d| !d.is_empty()) {
+    let dir = match config::get("NIXL_TELEMETRY_MULTIPROC_DIR", Kind::Str)?.filter(|d| !d.is_empty()) {
         Some(d) => PathBuf::from(d),
         None => return Err(Error::backend(
             "Failed to create telemetry exporter: prometheus_mp (it requires NIXL_TELEMETRY_MULTIPROC_DIR to be set)",
@@ -209,7 +210,7 @@ pub(super) fn attach(agent: &str, bounds: Vec<f64>) -> Result<Arc<Series>> {
                 Mp { dir: dir.clone(), next_instance: AtomicU64::new(0) }
             });
             if first {
-                elect(&mp.dir);
+                elect(&mp.dir, at, stale_ttl_ns()?);
             }
             mp
         }
@@ -221,7 +222,7 @@ pub(super) fn attach(agent: &str, bounds: Vec<f64>) -> Result<Arc<Series>> {
             dir.display()
         ));
     }
-    let rank_var = std::env::var("NIXL_TELEMETRY_RANK_ENV").unwrap_or_else(|_| "LOCAL_RANK".into());
+    let rank_var = config::get("NIXL_TELEMETRY_RANK_ENV", Kind::Str)?.unwrap_or_else(|| "LOCAL_RANK".into());
     let rank = std::env::var(rank_var.trim()).unwrap_or_default();
     let host = super::hostname();
     let clip = |s: &str| -> String { s.chars().filter(|&c| c != '\0').take(MAX_LABEL).collect() };
@@ -232,8 +233,7 @@ pub(super) fn attach(agent: &str, bounds: Vec<f64>) -> Result<Arc<Series>> {
 }
 
 /// Race for the directory's lock; the winner binds the endpoint and serves every store file there.
-fn elect(dir: &Path) {
-    let (host, port) = super::prom::endpoint();
+fn elect(dir: &Path, (host, port): (&'static str, u16), ttl_ns: u64) {
     let lock_path = dir.join(format!("nixl-owner.{host}:{port}.lock"));
     let lock = match open_lock(&lock_path) {
         Ok(f) => match flock(&f) {
@@ -275,7 +275,6 @@ fn elect(dir: &Path) {
     }
     let served = dir.to_path_buf();
     let warned = Mutex::new(HashSet::new());
-    let ttl_ns = stale_ttl_ns();
     if super::prom::serve(l, Box::new(move || super::prom::render(&collect(&served, ttl_ns, &warned), false))) {
         // The lock is held for the life of the process.
         std::mem::forget(lock);
@@ -319,17 +318,17 @@ fn flock(f: &std::fs::File) -> std::io::Result<bool> {
     }
 }
 
-fn stale_ttl_ns() -> u64 {
-    match std::env::var("NIXL_TELEMETRY_MP_STALE_TTL") {
-        Ok(v) => match v.trim().parse::<f64>() {
+fn stale_ttl_ns() -> Result<u64> {
+    Ok(match config::get("NIXL_TELEMETRY_MP_STALE_TTL", Kind::Int)? {
+        Some(v) => match v.trim().parse::<f64>() {
             Ok(s) if s.is_finite() && s >= 0.0 => (s * 1e9) as u64,
             _ => {
                 log::warn(&format!("NIXL_TELEMETRY_MP_STALE_TTL={v:?} is not a number of seconds; using 30"));
                 30_000_000_000
             }
         },
-        Err(_) => 30_000_000_000,
-    }
+        None => 30_000_000_000,
+    })
 }
 
 /// One row per store file in `dir` worth serving, in (pid, instance) order; stale ones are removed.
