@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -68,3 +71,25 @@ def make_pair(make_agent, size=8 * 1024, **cfg):
     reg_b = b.register_memory([(addr(dst), size, 0, "")], "DRAM")
     remote = a.add_remote_agent(b.get_agent_metadata())
     return SimpleNamespace(A=a, B=b, src=src, dst=dst, reg_a=reg_a, reg_b=reg_b, remote=remote, size=size)
+
+
+def run_impl_child(code: str, env: dict | None = None, drop=lambda k: False, timeout=60) -> str:
+    """Run ``code`` in a fresh interpreter that has loaded the implementation under test as ``M``; the last
+    line it printed. The child inherits this environment less the variables ``drop`` selects, plus ``env``."""
+    import _impl
+
+    child = _impl.child_env(os.environ["GIXL_TEST_IMPL"], os.environ["GIXL_TEST_BINDINGS"])
+    for k in [k for k in child if drop(k)]:
+        del child[k]
+    child.update(env or {})
+    prelude = "import os, sys, _impl\nM = _impl.load(os.environ['GIXL_TEST_IMPL'], os.environ['GIXL_TEST_BINDINGS'])\n"
+    out = subprocess.run(
+        [sys.executable, "-c", prelude + code],
+        env=child,
+        cwd=_impl.TESTS_DIR,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]

@@ -5,13 +5,9 @@ Each case runs in a fresh process (the file is read once per process)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-import _impl
+from helpers import run_impl_child
 
 CODE = """
 import numpy as np
@@ -32,28 +28,14 @@ def _run(tmp_path, cfg: str | None, env: dict | None = None, named: bool = True)
     tele.mkdir(exist_ok=True)
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
-    child = _impl.child_env(os.environ["GIXL_TEST_IMPL"], os.environ["GIXL_TEST_BINDINGS"])
-    for k in list(child):
-        if k.startswith("NIXL_TELEMETRY_") or k in ("NIXL_CONFIG_FILE", "NIXL_LOG_LEVEL", "NIXL_ETCD_ENDPOINTS"):
-            del child[k]
-    child["HOME"] = str(home)
+    env = {"HOME": str(home), **(env or {})}
     if cfg is not None:
         path = tmp_path / "nixl.cfg" if named else home / ".nixl.cfg"
         path.write_text(cfg.replace("@TELE@", str(tele)))
         if named:
-            child["NIXL_CONFIG_FILE"] = str(path)
-    child.update(env or {})
-    prelude = "import os, sys, _impl\nM = _impl.load(os.environ['GIXL_TEST_IMPL'], os.environ['GIXL_TEST_BINDINGS'])\n"
-    out = subprocess.run(
-        [sys.executable, "-c", prelude + CODE],
-        env=child,
-        cwd=_impl.TESTS_DIR,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout.strip().splitlines()[-1], (tele / "cfgtest").exists()
+            env.setdefault("NIXL_CONFIG_FILE", str(path))
+    drop = lambda k: k.startswith("NIXL_TELEMETRY_") or k in ("NIXL_CONFIG_FILE", "NIXL_LOG_LEVEL", "NIXL_ETCD_ENDPOINTS")  # noqa: E731
+    return run_impl_child(CODE, env, drop), (tele / "cfgtest").exists()
 
 
 TELE = 'NIXL_TELEMETRY_ENABLE = true\nNIXL_TELEMETRY_DIR = "@TELE@"\nNIXL_TELEMETRY_BUFFER_SIZE = 64\n'

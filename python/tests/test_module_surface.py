@@ -6,14 +6,11 @@ import datetime
 import importlib
 import inspect
 import logging
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-import _impl
+from helpers import run_impl_child
 
 # --------------------------------------------------------------------------- enums
 
@@ -328,20 +325,7 @@ def test_xfer_handle_del_failure_is_swallowed(api):
 
 
 def _run_child(code: str, extra_env=None, timeout=30):
-    env = _impl.child_env(os.environ["GIXL_TEST_IMPL"], os.environ["GIXL_TEST_BINDINGS"])
-    env.pop("NIXL_LOG_LEVEL", None)
-    env.update(extra_env or {})
-    prelude = "import os, sys, _impl\nM = _impl.load(os.environ['GIXL_TEST_IMPL'], os.environ['GIXL_TEST_BINDINGS'])\n"
-    out = subprocess.run(
-        [sys.executable, "-c", prelude + code],
-        env=env,
-        cwd=_impl.TESTS_DIR,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout.strip().splitlines()[-1]
+    return run_impl_child(code, extra_env, drop=lambda k: k == "NIXL_LOG_LEVEL", timeout=timeout)
 
 
 def test_import_does_not_import_torch():
