@@ -63,6 +63,21 @@ def test_doctor_json_names_every_route(installed):
     assert human.returncode == 0 and "routes on this host:" in human.stdout and "cma " in human.stdout
 
 
+def test_doctor_says_whether_vram_works(installed):
+    """The wheel has the `cuda` feature: with the fake device layer VRAM works; without a driver (or with one)
+    the report says so, never that VRAM is unsupported by design."""
+    fake = json.loads(_run(["-m", "gixl", "doctor", "--json"], env={**os.environ, "GIXL_FAKE_DEVICE": "1"}).stdout)
+    cu = fake["routes"]["cuda"]
+    assert (cu["works"], cu["layer"], cu["ipc"]) == (True, "fake", True), cu
+    rep = json.loads(_run(["-m", "gixl", "doctor", "--json"]).stdout)
+    assert "cuda" in rep["versions"]["features"]
+    real = rep["routes"]["cuda"]
+    if real["works"]:
+        assert real["layer"] == "cuda" and "CUDA IPC" in real["why"], real
+    else:
+        assert real["layer"] == "none" and real["why"].startswith("VRAM registration fails here"), real
+
+
 def test_doctor_with_a_peer_by_file_and_by_listener(installed, tmp_path):
     md = tmp_path / "peer.md"
     port = _free_port()

@@ -217,6 +217,7 @@ pub fn report(peer: Option<PeerTarget>) -> String {
     let (boot, pidns, netns) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     let rdma = rdma_devices();
     let cuda = libcuda();
+    let device = crate::device::get();
     // SAFETY: getuid/geteuid have no preconditions.
     let (uid, euid) = unsafe { (libc::getuid(), libc::geteuid()) };
     let agents = super::live_agents()
@@ -266,7 +267,8 @@ pub fn report(peer: Option<PeerTarget>) -> String {
         (
             "cuda",
             J::Obj(vec![
-                ("works", J::Bool(false)),
+                ("works", J::Bool(device.is_ok())),
+                ("layer", J::s(device.as_ref().map_or("none", |d| d.kind()))),
                 (
                     "libcuda",
                     J::s(match &cuda {
@@ -274,8 +276,21 @@ pub fn report(peer: Option<PeerTarget>) -> String {
                         Err(e) => format!("not loadable: {e}"),
                     }),
                 ),
-                ("ipc", J::Bool(false)),
-                ("why", J::s("gixl moves DRAM only (VRAM and CUDA IPC are planned behind the `cuda` feature)")),
+                ("ipc", J::Bool(device.is_ok())),
+                (
+                    "why",
+                    J::s(match &device {
+                        Ok(d) if d.kind() == "fake" => {
+                            "the fake device layer (GIXL_FAKE_DEVICE=1, for tests): VRAM emulated in shared host memory"
+                                .to_owned()
+                        }
+                        Ok(_) => "VRAM through the CUDA driver: device copies within a process, CUDA IPC handles \
+                                  (legacy, VMM POSIX fd, fabric) between processes of this host, staged through \
+                                  pinned buffers over TCP between hosts"
+                            .to_owned(),
+                        Err(e) => format!("VRAM registration fails here: {}", e.message()),
+                    }),
+                ),
             ]),
         ),
     ]);
