@@ -384,6 +384,10 @@ fn read_store(path: &Path, ttl_ns: u64) -> std::result::Result<Option<(u64, u64,
         return Err(format!("not a regular file of uid {me}"));
     }
     let len = m.len() as usize;
+    if len == 0 {
+        // Being created (not sized yet).
+        return Ok(None);
+    }
     if !(HEADER * 8..=MAX_FILE).contains(&len) {
         return Err(format!("{len} bytes is no store file"));
     }
