@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use gixl::{BackendId, Desc, MemType, NotifUpdate, Params, PreppedDList, Status, XferOp, XferOpts, XferReq};
 use parking_lot::Mutex;
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 use pyo3::Borrowed;
@@ -274,7 +274,14 @@ impl Agent {
         if name.is_empty() {
             return Err(PyValueError::new_err("Agent needs a non-empty name"));
         }
-        let agent = gixl::Agent::new(name, cfg.to_core()?).py_err()?;
+        // NIXL's agent constructor has no status to return: its failures (a listener port that is taken, a
+        // telemetry exporter that cannot be made, a bad config file) raise RuntimeError, and so do these.
+        let agent = gixl::Agent::new(name, cfg.to_core()?).map_err(|e| {
+            crate::errors::with_note(
+                PyRuntimeError::new_err(e.message().to_owned()),
+                &format!("gixl status: {}", e.status().name()),
+            )
+        })?;
         Ok(Agent {
             agent,
             handles: Mutex::new(Handles::default()),

@@ -209,3 +209,36 @@ def test_query_memory_not_supported_by_ucx(make_agent, bind):
     a = make_agent()
     with pytest.raises(bind.nixlNotSupportedError):
         a.query_memory([(1, 1, 0, "")], "UCX", "DRAM")
+
+
+AGENT_FAILS = {
+    # A listener port that another socket holds.
+    "listener-port-taken": (
+        "import socket\n"
+        "s = socket.socket(); s.bind(('0.0.0.0', 0)); s.listen(); port = s.getsockname()[1]\n"
+        "cfg = M.api.nixl_agent_config(enable_listen_thread=True, listen_port=port)\n",
+        {},
+    ),
+    # A telemetry exporter that cannot be made.
+    "unknown-exporter": (
+        "cfg = M.api.nixl_agent_config()\n",
+        {"NIXL_TELEMETRY_ENABLE": "y", "NIXL_TELEMETRY_EXPORTER": "no-such-exporter"},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(AGENT_FAILS))
+def test_agent_construction_failure_is_a_runtime_error(case):
+    """NIXL's agent constructor raises RuntimeError (its C++ exception) when it fails; code that catches it must
+    keep working after the swap."""
+    from helpers import run_impl_child
+
+    setup, env = AGENT_FAILS[case]
+    code = setup + (
+        "try:\n"
+        "    M.api.nixl_agent('fails', cfg)\n"
+        "    print('created')\n"
+        "except RuntimeError as e:\n"
+        "    print('RuntimeError', bool(str(e)))\n"
+    )
+    assert run_impl_child(code, env, drop=lambda k: k.startswith("NIXL_TELEMETRY_")) == "RuntimeError True"
