@@ -7,6 +7,9 @@
 #include <atomic>
 #include <thread>
 #include <type_traits>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 #include <vector>
 
@@ -188,6 +191,27 @@ main() {
         threw = true;
     }
     CHECK(threw, "an agent with an empty name throws");
+
+    {
+        // A listener port that another socket holds: NIXL's constructor throws std::runtime_error.
+        int s = socket(AF_INET, SOCK_STREAM, 0);
+        sockaddr_in a{};
+        a.sin_family = AF_INET;
+        socklen_t alen = sizeof(a);
+        CHECK(s >= 0 && bind(s, reinterpret_cast<sockaddr *>(&a), sizeof(a)) == 0 && listen(s, 1) == 0 &&
+                  getsockname(s, reinterpret_cast<sockaddr *>(&a), &alen) == 0,
+              "a socket holds a port");
+        nixlAgentConfig lcfg(false, true, ntohs(a.sin_port));
+        bool runtime = false;
+        try {
+            nixlAgent busy("cpp-api-busy", lcfg);
+        } catch (const std::runtime_error &) {
+            runtime = true;
+        } catch (...) {
+        }
+        CHECK(runtime, "a listener port that is taken: the constructor throws std::runtime_error");
+        close(s);
+    }
 
     std::vector<nixl_backend_t> plugins;
     CHECK_ST(NIXL_SUCCESS, A.getAvailPlugins(plugins));

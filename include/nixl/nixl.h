@@ -453,7 +453,7 @@ inline nixlAgent::nixlAgent(const std::string &name, const nixlAgentConfig &cfg)
     c.lthr_delay_us = cfg.lthrDelay;
     c.capture_telemetry = cfg.captureTelemetry;
     if (nixl_capi_create_configured_agent(name.c_str(), &c, &data->agent) != NIXL_CAPI_SUCCESS)
-        throw std::invalid_argument(std::string("nixlAgent: ") + gixl_last_error());
+        throw std::runtime_error(std::string("nixlAgent: ") + gixl_last_error());
 }
 
 inline nixlAgent::~nixlAgent() {
