@@ -204,13 +204,15 @@ pub(super) fn attach(agent: &str, bounds: Vec<f64>, at: (&'static str, u16)) -> 
             std::fs::create_dir_all(&dir).map_err(|e| {
                 Error::os(crate::status::Status::Backend, format!("prometheus_mp: creating {}", dir.display()), e)
             })?;
+            // Read before the process's state is made: an error here must leave the election to the next agent.
+            let ttl_ns = stale_ttl_ns()?;
             let mut first = false;
             let mp = MP.get_or_init(|| {
                 first = true;
                 Mp { dir: dir.clone(), next_instance: AtomicU64::new(0) }
             });
             if first {
-                elect(&mp.dir, at, stale_ttl_ns()?);
+                elect(&mp.dir, at, ttl_ns);
             }
             mp
         }
@@ -225,11 +227,23 @@ pub(super) fn attach(agent: &str, bounds: Vec<f64>, at: (&'static str, u16)) -> 
     let rank_var = config::get("NIXL_TELEMETRY_RANK_ENV", Kind::Str)?.unwrap_or_else(|| "LOCAL_RANK".into());
     let rank = std::env::var(rank_var.trim()).unwrap_or_default();
     let host = super::hostname();
-    let clip = |s: &str| -> String { s.chars().filter(|&c| c != '\0').take(MAX_LABEL).collect() };
-    let labels = [clip(&host), clip(agent), clip(rank.trim())];
+    let labels = [label(&host), label(agent), label(rank.trim())];
     let instance = mp.next_instance.fetch_add(1, Ordering::Relaxed);
     let store = Store::create(&mp.dir, instance, &[&labels[0], &labels[1], &labels[2]], &bounds)?;
     Ok(Arc::new(Series::new(agent, bounds, Some(store))))
+}
+
+/// A label value as a store keeps it: at most `MAX_LABEL` bytes (what a reader accepts), cut at a character
+/// boundary, without NUL (the separator).
+fn label(s: &str) -> String {
+    let mut out = String::new();
+    for c in s.chars().filter(|&c| c != '\0') {
+        if out.len() + c.len_utf8() > MAX_LABEL {
+            break;
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// Race for the directory's lock; the winner binds the endpoint and serves every store file there.
@@ -478,6 +492,21 @@ mod tests {
         let warned = Mutex::new(HashSet::new());
         assert!(collect(&dir, u64::MAX, &warned).is_empty());
         assert_eq!(warned.lock().len(), 1);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn labels_fit_what_a_reader_accepts() {
+        let long = "é".repeat(MAX_LABEL);
+        let l = label(&long);
+        assert_eq!(l.len(), MAX_LABEL);
+        assert!(l.chars().all(|c| c == 'é'));
+        assert_eq!(label("a\0b"), "ab");
+        let dir = std::env::temp_dir().join(format!("gixl-mp-unit3-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let s = Store::create(&dir, 0, &[&l, &l, &l], &[]).unwrap();
+        assert_eq!(collect(&dir, u64::MAX, &Mutex::new(HashSet::new())).len(), 1, "served, not refused");
+        drop(s);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
