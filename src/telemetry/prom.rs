@@ -68,7 +68,6 @@ impl Layout {
 pub struct Series {
     agent: String,
     words: Words,
-    layout: Layout,
     bounds: Vec<f64>,
     pub(super) disconnects: Mutex<HashMap<String, (u64, u128)>>,
     pub(super) peers: OnceLock<PeerSource>,
@@ -76,15 +75,13 @@ pub struct Series {
 
 impl Series {
     pub(super) fn new(agent: &str, bounds: Vec<f64>, words: Option<super::prom_mp::Store>) -> Series {
-        let layout = Layout::new(bounds.len());
         let words = match words {
             Some(m) => Words::Mapped(m),
-            None => Words::Heap((0..layout.words()).map(|_| AtomicU64::new(0)).collect()),
+            None => Words::Heap((0..Layout::new(bounds.len()).words()).map(|_| AtomicU64::new(0)).collect()),
         };
         Series {
             agent: agent.to_owned(),
             words,
-            layout,
             bounds,
             disconnects: Mutex::new(HashMap::new()),
             peers: OnceLock::new(),
@@ -102,14 +99,18 @@ impl Series {
             _ => return self.touched(),
         };
         let b = self.bounds.iter().position(|&ub| v as f64 <= ub).unwrap_or(self.bounds.len());
-        w[self.layout.hist(h, b)].fetch_add(1, Ordering::Relaxed);
+        w[self.layout().hist(h, b)].fetch_add(1, Ordering::Relaxed);
         self.touched();
     }
 
     /// A request refused because its peer was invalidated or replaced.
     pub(super) fn stale_refusal(&self) {
-        self.words.get()[self.layout.stale()].fetch_add(1, Ordering::Relaxed);
+        self.words.get()[self.layout().stale()].fetch_add(1, Ordering::Relaxed);
         self.touched();
+    }
+
+    fn layout(&self) -> Layout {
+        Layout::new(self.bounds.len())
     }
 
     fn touched(&self) {
