@@ -8,8 +8,8 @@
 //! What the fake cannot show (copy engines, real IPC handles, contexts, bandwidth) is left to
 //! `scripts/gpu-check.sh` on a machine with a GPU.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command};
+use std::io::{BufRead, Write};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use gixl::device::fake;
@@ -195,20 +195,10 @@ fn child_entry() {
     }
 }
 
-struct Prefill {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    md: Vec<u8>,
-    vram: u64,
-    dram: u64,
-    ino: u64,
-    /// Every chunk's identity (just `ino` unless GIXL_CHUNKS).
-    inos: Vec<u64>,
-}
+/// The prefill child.
+type Prefill = common::dev::Peer;
 
 impl Prefill {
-    #[allow(clippy::zombie_processes)]
     fn start(size: usize, fill: u8, vmm: bool, at: Option<u64>) -> Prefill {
         Prefill::start_with(size, fill, vmm, at, &[])
     }
@@ -224,11 +214,7 @@ impl Prefill {
         if let Some(at) = at {
             c.env("GIXL_AT", at.to_string());
         }
-        let (child, stdin, stdout, rest) = common::spawn_until_md(c);
-        let f: Vec<&str> = rest.split(' ').collect();
-        let (vram, dram, ino) = (f[1].parse().unwrap(), f[2].parse().unwrap(), f[3].parse().unwrap());
-        let inos = f[3..].iter().map(|x| x.parse().unwrap()).collect();
-        Prefill { child, stdin, stdout, md: unhex(f[0]), vram, dram, ino, inos }
+        Prefill::spawn(c)
     }
 
     /// Have the child exec itself in place; read the new image's `@md` line.
@@ -242,16 +228,7 @@ impl Prefill {
                 break rest.to_owned();
             }
         };
-        let f: Vec<&str> = rest.split(' ').collect();
-        (self.md, self.vram, self.dram, self.ino) =
-            (unhex(f[0]), f[1].parse().unwrap(), f[2].parse().unwrap(), f[3].parse().unwrap());
-    }
-
-    fn ask(&mut self, cmd: &str) -> String {
-        writeln!(self.stdin, "{cmd}").unwrap();
-        let mut l = String::new();
-        assert!(self.stdout.read_line(&mut l).unwrap() > 0);
-        l.trim().to_owned()
+        self.set_md(&rest);
     }
 
     /// (sum of the VRAM buffer, sum of the DRAM buffer)
@@ -259,11 +236,6 @@ impl Prefill {
         let l = self.ask("sum");
         let f: Vec<&str> = l.split(' ').collect();
         (f[1].parse().unwrap(), f[2].parse().unwrap())
-    }
-
-    fn kill(mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
     }
 }
 
@@ -332,16 +304,16 @@ fn vram_cross_process_read_write_blocks_and_dram_both_ways() {
     assert!(slice(lv, size).iter().all(|&b| b == 0x11));
 
     // The peer's allocation was opened once for all those requests.
-    assert_eq!(fake::counts(p.ino).opens, 1);
+    assert_eq!(fake::counts(p.ino()).opens, 1);
 
     // The target deregisters: the gate refuses the old requests before any copy reaches the "driver".
     assert_eq!(p.ask("dereg"), "ok");
-    let before = fake::counts(p.ino);
+    let before = fake::counts(p.ino());
     let r = d.create_xfer_req(XferOp::Read, &one(v, lv, 4096, 0), &one(v, p.vram, 4096, 1), "prefill", &o);
     let e = r.and_then(|r| run(&d, &r)).unwrap_err();
     assert_eq!(e.status(), Status::NotFound, "{e}");
     assert_eq!(run(&d, &wblk).unwrap_err().status(), Status::NotFound);
-    assert_eq!(fake::counts(p.ino).copies, before.copies);
+    assert_eq!(fake::counts(p.ino()).copies, before.copies);
     // Its DRAM is still registered: the staged route still works.
     assert_eq!(run(&d, &w).unwrap(), Status::Success);
     p.kill();
@@ -361,7 +333,7 @@ fn vram_peer_killed_with_a_handle_open_then_restarted_at_the_same_address() {
     let w = d.create_xfer_req(XferOp::Write, &one(v, lv, 4096, 0), &one(v, p.vram, 4096, 1), "prefill", &o).unwrap();
     assert_eq!(run(&d, &r).unwrap(), Status::Success);
     assert!(slice(lv, size).iter().all(|&b| b == 5));
-    let (old_vram, old_ino) = (p.vram, p.ino);
+    let (old_vram, old_ino) = (p.vram, p.ino());
     assert_eq!(fake::counts(old_ino).opens, 1);
 
     // Killed while the handle is open: as with CUDA IPC, the mapping would still accept copies; the gate
@@ -376,7 +348,7 @@ fn vram_peer_killed_with_a_handle_open_then_restarted_at_the_same_address() {
     // Restarted under the same name, its VRAM at the same device address.
     let mut p2 = Prefill::start(size, 9, false, Some(old_vram));
     assert_eq!(p2.vram, old_vram);
-    assert_ne!(p2.ino, old_ino);
+    assert_ne!(p2.ino(), old_ino);
     // Old requests: refused (not reloaded: REMOTE_DISCONNECT; after reload: NOT_FOUND); never a driver call.
     assert_eq!(run(&d, &w).unwrap_err().status(), Status::RemoteDisconnect);
     d.invalidate_remote_md("prefill").unwrap();
@@ -416,12 +388,12 @@ fn vram_peer_exec_in_place_is_a_disconnect() {
     let w = d.create_xfer_req(XferOp::Write, &one(v, lv, size, 0), &one(v, p.vram, size, 1), "prefill", &o).unwrap();
     assert_eq!(run(&d, &r).unwrap(), Status::Success);
     assert!(slice(lv, size).iter().all(|&b| b == 4));
-    let (pid, old_vram, old_ino) = (p.child.id(), p.vram, p.ino);
+    let (pid, old_vram, old_ino) = (p.child.id(), p.vram, p.ino());
 
     p.exec(8);
     assert_eq!(p.child.id(), pid);
     assert_eq!(p.vram, old_vram, "the new image's VRAM is at the old address");
-    assert_ne!(p.ino, old_ino);
+    assert_ne!(p.ino(), old_ino);
     let before = fake::counts(old_ino);
     slice(lv, size).fill(0x66);
     for req in [&w, &r] {
@@ -468,7 +440,7 @@ fn vram_descriptors_come_over_the_control_socket_when_pidfd_getfd_is_refused() {
     assert_eq!(run(&d, &w).unwrap(), Status::Success);
     let want: u64 = (0..size).map(|i| (i % 251) as u64).sum();
     assert_eq!(p.sums().0, want);
-    assert_eq!(fake::counts(p.ino).opens, 1);
+    assert_eq!(fake::counts(p.ino()).opens, 1);
     // Local VRAM → remote DRAM: cross-memory attach through the gate received the same way.
     let s = d.create_xfer_req(XferOp::Write, &one(v, lv, size, 0), &one(dr, p.dram, size, 0), "prefill", &o).unwrap();
     assert_eq!(run(&d, &s).unwrap(), Status::Success);

@@ -8,7 +8,7 @@
 //! digest of what they must hold.
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use gixl::device::fake;
@@ -247,15 +247,8 @@ fn child_entry() {
     }
 }
 
-struct Target {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    md: Vec<u8>,
-    vram: u64,
-    dram: u64,
-    ino: u64,
-}
+/// The target child.
+type Target = common::dev::Peer;
 
 impl Target {
     fn start(size: usize) -> Target {
@@ -277,17 +270,7 @@ impl Target {
         c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
             .env("GIXL_CHILD", "vram-tcp-target")
             .env("GIXL_SIZE", size.to_string());
-        let (child, stdin, stdout, rest) = common::spawn_until_md(c);
-        let f: Vec<&str> = rest.split(' ').collect();
-        let (vram, dram, ino) = (f[1].parse().unwrap(), f[2].parse().unwrap(), f[3].parse().unwrap());
-        Target { child, stdin, stdout, md: unhex(f[0]), vram, dram, ino }
-    }
-
-    fn ask(&mut self, cmd: &str) -> String {
-        writeln!(self.stdin, "{cmd}").unwrap();
-        let mut l = String::new();
-        assert!(self.stdout.read_line(&mut l).unwrap() > 0, "the target exited");
-        l.trim().to_owned()
+        Target::spawn(c)
     }
 
     fn digest(&mut self, which: &str, len: usize) -> u64 {
@@ -299,11 +282,6 @@ impl Target {
         let l = self.ask("stats");
         let f: Vec<&str> = l.split(' ').collect();
         (f[1].parse().unwrap(), f[2].parse().unwrap())
-    }
-
-    fn kill(mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
     }
 }
 
@@ -406,7 +384,7 @@ fn vram_over_tcp_every_pairing_read_write_whole_and_blocks() {
         assert!(local[..NB * BS] == before[..], "{what}: block READ brought wrong bytes");
     }
     // Over TCP nothing of the target's allocation was opened here.
-    assert_eq!(fake::counts(t.ino), fake::Counts::default(), "the target's allocation was opened over TCP");
+    assert_eq!(fake::counts(t.ino()), fake::Counts::default(), "the target's allocation was opened over TCP");
     // Staging memory stays bounded: the target's serving loops hold at most 4 buffers of 2 MiB each (at
     // most 8 loops); the initiator keeps at most 8 buffers of 8 MiB for reuse.
     let (pinned_here, pinned_there) = (fake::pinned_bytes(), t.stats().1);

@@ -1,6 +1,8 @@
 //! Helpers of the device-memory tests (`tests/vram.rs`, `tests/vram_tcp.rs`): (fake) device memory seen as a
-//! slice, one-descriptor lists, and posting a request until it leaves IN_PROG.
+//! slice, one-descriptor lists, posting a request until it leaves IN_PROG, and the peer child process.
 
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command};
 use std::time::{Duration, Instant};
 
 use gixl::*;
@@ -39,5 +41,50 @@ pub fn run(a: &Agent, r: &XferReq) -> Result<Status> {
     match a.post_xfer_req(r, NotifUpdate::Keep)? {
         Status::InProg => wait(a, r, Duration::from_secs(60)),
         s => Ok(s),
+    }
+}
+
+/// A peer process (this test binary re-run) holding device memory, driven a command per line on its stdin.
+/// It begins with `@md <hex metadata> <vram> <dram> <identity>...`: the identity of each of its VRAM chunks.
+pub struct Peer {
+    pub child: Child,
+    pub stdin: ChildStdin,
+    pub stdout: BufReader<ChildStdout>,
+    pub md: Vec<u8>,
+    pub vram: u64,
+    pub dram: u64,
+    pub inos: Vec<u64>,
+}
+
+impl Peer {
+    pub fn spawn(c: Command) -> Peer {
+        let (child, stdin, stdout, rest) = super::spawn_until_md(c);
+        let mut p = Peer { child, stdin, stdout, md: Vec::new(), vram: 0, dram: 0, inos: Vec::new() };
+        p.set_md(&rest);
+        p
+    }
+
+    /// Take the fields of an `@md` line (what follows `@md `).
+    pub fn set_md(&mut self, rest: &str) {
+        let f: Vec<&str> = rest.split(' ').collect();
+        (self.md, self.vram, self.dram) = (super::unhex(f[0]), f[1].parse().unwrap(), f[2].parse().unwrap());
+        self.inos = f[3..].iter().map(|x| x.parse().unwrap()).collect();
+    }
+
+    /// The identity of its (first) VRAM allocation.
+    pub fn ino(&self) -> u64 {
+        self.inos[0]
+    }
+
+    pub fn ask(&mut self, cmd: &str) -> String {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        let mut l = String::new();
+        assert!(self.stdout.read_line(&mut l).unwrap() > 0, "the peer exited");
+        l.trim().to_owned()
+    }
+
+    pub fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
     }
 }
