@@ -233,17 +233,12 @@ impl Prefill {
 
     /// (sum of the VRAM buffer, sum of the DRAM buffer)
     fn sums(&mut self) -> (u64, u64) {
-        let l = self.ask("sum");
-        let f: Vec<&str> = l.split(' ').collect();
-        (f[1].parse().unwrap(), f[2].parse().unwrap())
+        self.ask_pair("sum")
     }
 }
 
 fn decode(name: &str) -> Agent {
-    assert!(gixl::device::select_fake());
-    let d = Agent::new(name, AgentConfig::default()).unwrap();
-    d.create_backend("UCX", &Params::new()).unwrap();
-    d
+    common::dev::agent(name, &Params::new())
 }
 
 #[test]

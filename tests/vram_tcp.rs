@@ -279,17 +279,12 @@ impl Target {
 
     /// (bytes the target's fake driver copied, page-locked bytes it holds)
     fn stats(&mut self) -> (u64, u64) {
-        let l = self.ask("stats");
-        let f: Vec<&str> = l.split(' ').collect();
-        (f[1].parse().unwrap(), f[2].parse().unwrap())
+        self.ask_pair("stats")
     }
 }
 
 fn initiator(name: &str) -> Agent {
-    assert!(gixl::device::select_fake());
-    let a = Agent::new(name, AgentConfig::default()).unwrap();
-    a.create_backend("UCX", &tcp_params()).unwrap();
-    a
+    common::dev::agent(name, &tcp_params())
 }
 
 /// `NB` blocks of `BS` bytes from `base`; reversed: block `i` of the list is block `NB - 1 - i` there.

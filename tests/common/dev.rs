@@ -44,6 +44,14 @@ pub fn run(a: &Agent, r: &XferReq) -> Result<Status> {
     }
 }
 
+/// An agent of this process on the fake device layer, with the UCX backend made with `params`.
+pub fn agent(name: &str, params: &Params) -> Agent {
+    assert!(gixl::device::select_fake());
+    let a = Agent::new(name, AgentConfig::default()).unwrap();
+    a.create_backend("UCX", params).unwrap();
+    a
+}
+
 /// A peer process (this test binary re-run) holding device memory, driven a command per line on its stdin.
 /// It begins with `@md <hex metadata> <vram> <dram> <identity>...`: the identity of each of its VRAM chunks.
 pub struct Peer {
@@ -81,6 +89,13 @@ impl Peer {
         let mut l = String::new();
         assert!(self.stdout.read_line(&mut l).unwrap() > 0, "the peer exited");
         l.trim().to_owned()
+    }
+
+    /// The two numbers after the word of the reply to `cmd` (`<word> <a> <b>`).
+    pub fn ask_pair(&mut self, cmd: &str) -> (u64, u64) {
+        let l = self.ask(cmd);
+        let f: Vec<&str> = l.split(' ').collect();
+        (f[1].parse().unwrap(), f[2].parse().unwrap())
     }
 
     pub fn kill(mut self) {
