@@ -78,6 +78,18 @@ pub fn test_skip(kind: &str, why: &str) {
     }
 }
 
+/// A shared mapping of the first `len` bytes of `fd`, read-write or read-only, where the kernel likes. The
+/// caller unmaps it (`munmap(p, len)`) and decides what may be read or written through it.
+pub(crate) fn map_shared(fd: i32, len: usize, writable: bool) -> io::Result<*mut u8> {
+    let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
+    // SAFETY: a new mapping without a fixed address replaces nothing; the result is checked.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd, 0) };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(p.cast())
+}
+
 /// `epoll_ctl(op)` for `fd` in the set `epfd`, reporting `events` with `token`.
 pub(crate) fn epoll_ctl(epfd: i32, op: i32, fd: i32, events: u32, token: u64) -> crate::status::Result<()> {
     let mut ev = libc::epoll_event { events, u64: token };

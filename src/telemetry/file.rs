@@ -41,21 +41,9 @@ impl Ring {
             .open(path)
             .map_err(|e| Error::os(Status::Backend, format!("telemetry file {}", path.display()), e))?;
         f.set_len(len as u64).map_err(|e| Error::os(Status::Backend, "telemetry file size", e))?;
-        // SAFETY: a fresh shared mapping of a file we just sized to `len`; checked below.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                f.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(Error::os(Status::Backend, "mmap of the telemetry file", std::io::Error::last_os_error()));
-        }
-        let r = Ring { base: p.cast(), len, cap, dropped: 0 };
+        let p = crate::util::map_shared(f.as_raw_fd(), len, true)
+            .map_err(|e| Error::os(Status::Backend, "mmap of the telemetry file", e))?;
+        let r = Ring { base: p, len, cap, dropped: 0 };
         r.put_u32(16, VERSION);
         r.put_u32(20, VERSION);
         r.put_u64(24, cap);

@@ -86,27 +86,10 @@ impl Store {
         let len = ((HEADER + words) * 8 + text.len()).div_ceil(4096) * 4096;
         let path = dir.join(format!("gixl.{pid}.{instance}.store"));
         let fd = create_file(&path, len)?;
-        // SAFETY: a fresh shared mapping of `len` bytes of the file we just sized.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            let e = std::io::Error::last_os_error();
+        let base = crate::util::map_shared(fd.as_raw_fd(), len, true).map_err(|e| {
             let _ = std::fs::remove_file(&path);
-            return Err(Error::os(
-                crate::status::Status::Backend,
-                format!("prometheus_mp: mapping {}", path.display()),
-                e,
-            ));
-        }
-        let base = base as *mut u8;
+            Error::os(crate::status::Status::Backend, format!("prometheus_mp: mapping {}", path.display()), e)
+        })?;
         let s = Store { base, len, words, path };
         for (i, v) in [(H_PID, pid as u64), (H_START, start), (H_INSTANCE, instance), (H_BOUNDS, bounds.len() as u64)] {
             word(base, i).store(v, Ordering::Relaxed);
@@ -405,12 +388,8 @@ fn read_store(path: &Path, ttl_ns: u64) -> std::result::Result<Option<(u64, u64,
     if !(HEADER * 8..=MAX_FILE).contains(&len) {
         return Err(format!("{len} bytes is no store file"));
     }
-    // SAFETY: a read-only shared mapping of the file's current length.
-    let base = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, f.as_raw_fd(), 0) };
-    if base == libc::MAP_FAILED {
-        return Err(std::io::Error::last_os_error().to_string());
-    }
-    let map = ReadMap { base: base as *const u8, len };
+    let base = crate::util::map_shared(f.as_raw_fd(), len, false).map_err(|e| e.to_string())?;
+    let map = ReadMap { base, len };
     let w = |i: usize| word(map.base, i).load(Ordering::Acquire);
     if w(0) != MAGIC {
         // Not written yet (a process creating it) or not ours: nothing to serve.

@@ -193,21 +193,10 @@ impl Gate {
         if seals < 0 || seals & (libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) != libc::F_SEAL_SHRINK | libc::F_SEAL_GROW {
             return Err(gone());
         }
-        // SAFETY: a shared mapping of a sealed object of exactly SIZE bytes.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                SIZE,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(os("mapping the peer's transfer gate", io::Error::last_os_error()));
-        }
-        let g = Gate { base: base.cast(), incarnation, fd, regions: Mutex::default(), sentinel: None };
+        // A sealed object of exactly SIZE bytes.
+        let base = crate::util::map_shared(fd.as_raw_fd(), SIZE, true)
+            .map_err(|e| os("mapping the peer's transfer gate", e))?;
+        let g = Gate { base, incarnation, fd, regions: Mutex::default(), sentinel: None };
         if g.word(OFF_MAGIC).load(Ordering::Acquire) != MAGIC
             || g.word(OFF_VERSION).load(Ordering::Relaxed) != VERSION
             || g.read_incarnation() != incarnation
@@ -432,12 +421,7 @@ fn map_random(fd: RawFd) -> Result<*mut u8> {
             unsafe { libc::munmap(p, SIZE) };
         }
     }
-    // SAFETY: as above, without a hint.
-    let p = unsafe { libc::mmap(std::ptr::null_mut(), SIZE, prot, libc::MAP_SHARED, fd, 0) };
-    if p == libc::MAP_FAILED {
-        return Err(os("mapping the transfer gate", io::Error::last_os_error()));
-    }
-    Ok(p.cast())
+    crate::util::map_shared(fd, SIZE, true).map_err(|e| os("mapping the transfer gate", e))
 }
 
 /// An initiator's claim on a peer's gate: the mapping and its own in-flight slot.
