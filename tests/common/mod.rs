@@ -36,7 +36,10 @@ impl ExeForOthers {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
         let path = dir.join(exe.file_name().unwrap());
-        std::fs::copy(&exe, &path).unwrap();
+        // Copied by `cp`, not here: a child another thread of this process forks while we hold the copy open
+        // for writing inherits that descriptor until it execs, and exec of the copy then fails with ETXTBSY.
+        let cp = Command::new("cp").arg(&exe).arg(&path).status().unwrap();
+        assert!(cp.success(), "cp {} {}: {cp}", exe.display(), path.display());
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
         ExeForOthers { dir, path }
     }
