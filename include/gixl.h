@@ -139,11 +139,34 @@ typedef struct nixl_capi_backend_s *nixl_capi_backend_t;
 
 typedef struct nixl_capi_xfer_dlist_handle_s *nixl_capi_xfer_dlist_handle_t;
 
+// gixl: one descriptor of a bulk call (`gixl_xfer_dlist_add_descs`, `gixl_prep_xfer_dlist_descs`,
+// `gixl_create_xfer_req_descs`). Its layout is that of NIXL's C++ `nixlBasicDesc` (24 bytes on 64-bit
+// targets), so a `nixl_xfer_dlist_t`'s storage can be passed as it is.
+typedef struct gixl_desc_s {
+    uintptr_t addr;
+    size_t len;
+    uint64_t dev_id;
+} gixl_desc_s;
+
+typedef struct gixl_desc_s gixl_desc_t;
+
 typedef struct nixl_capi_mem_view_s *nixl_capi_mem_view_t;
 
 typedef struct nixl_capi_remote_dlist_s *nixl_capi_remote_dlist_t;
 
 typedef struct nixl_capi_param_iter_s *nixl_capi_param_iter_t;
+
+// gixl: one descriptor of `gixl_reg_dlist_add_descs`: a `gixl_desc_t`'s fields and `metadata_len` bytes
+// of metadata at `metadata` (copied; NULL means none, as in `nixl_capi_reg_dlist_add_desc`).
+typedef struct gixl_reg_desc_s {
+    uintptr_t addr;
+    size_t len;
+    uint64_t dev_id;
+    const void *metadata;
+    size_t metadata_len;
+} gixl_reg_desc_s;
+
+typedef struct gixl_reg_desc_s gixl_reg_desc_t;
 
 typedef struct nixl_capi_xfer_req_s *nixl_capi_xfer_req_t;
 
@@ -206,7 +229,8 @@ nixl_capi_status_t nixl_capi_destroy_agent(nixl_capi_agent_t agent);
 // Full metadata of this agent, in a `malloc`'d buffer the caller `free()`s.
 nixl_capi_status_t nixl_capi_get_local_md(nixl_capi_agent_t agent, void **data, size_t *len);
 
-// Metadata for `descs` only, without connection info (the C API cannot ask for it, as in NIXL).
+// Metadata for `descs` only, without connection info (the C API cannot ask for it, as in NIXL), except
+// for an empty `descs`: that blob is the connection info of every remote-capable backend, as in NIXL.
 nixl_capi_status_t nixl_capi_get_local_partial_md(nixl_capi_agent_t agent,
                                                   nixl_capi_reg_dlist_t descs,
                                                   void **data,
@@ -309,8 +333,9 @@ nixl_capi_status_t nixl_capi_get_backend_params(nixl_capi_agent_t agent,
                                                 nixl_capi_mem_list_t *mems,
                                                 nixl_capi_params_t *params);
 
-// gixl: `nixl_capi_get_local_partial_md` with `include_conn_info` (NIXL's `includeConnInfo`): with a
-// non-empty `descs`, also put the connection info of the backends that serve them in the blob.
+// gixl: `nixl_capi_get_local_partial_md` with `include_conn_info` (NIXL's `includeConnInfo`): also put
+// the connection info of the backends that serve `descs` in the blob. An empty `descs` always carries the
+// connection info of every remote-capable backend, whatever `include_conn_info` says (as NIXL).
 nixl_capi_status_t gixl_get_local_partial_md(nixl_capi_agent_t agent,
                                              nixl_capi_reg_dlist_t descs,
                                              bool include_conn_info,
@@ -344,6 +369,18 @@ nixl_capi_status_t nixl_capi_prep_xfer_dlist(nixl_capi_agent_t agent,
                                              nixl_capi_xfer_dlist_t descs,
                                              nixl_capi_xfer_dlist_handle_t *dlist_hndl,
                                              nixl_capi_opt_args_t opt_args);
+
+// gixl: `nixl_capi_prep_xfer_dlist` of `count` descriptors of memory type `mem_type` read in place from
+// `descs` (no list handle is made; the array may be freed once the call returns). Same statuses. On
+// failure `*dlist_hndl` is left as it was, except when registrations were searched and none covered the
+// descriptors: then it is set to NULL, as NIXL's C++ `prepXferDlist` does.
+nixl_capi_status_t gixl_prep_xfer_dlist_descs(nixl_capi_agent_t agent,
+                                              const char *agent_name,
+                                              nixl_capi_mem_type_t mem_type,
+                                              const gixl_desc_t *descs,
+                                              size_t count,
+                                              nixl_capi_xfer_dlist_handle_t *dlist_hndl,
+                                              nixl_capi_opt_args_t opt_args);
 
 // Frees a prepped list. Requests made from it keep working. A second release, or a release through
 // another agent, is INVALID_PARAM (and in the latter case the handle stays live).
@@ -490,6 +527,11 @@ nixl_capi_status_t nixl_capi_destroy_reg_dlist(nixl_capi_reg_dlist_t dlist);
 
 nixl_capi_status_t nixl_capi_reg_dlist_get_type(nixl_capi_reg_dlist_t dlist, nixl_capi_mem_type_t *mem_type);
 
+// gixl: appends `count` registration descriptors in one call. On failure the list is unchanged.
+nixl_capi_status_t gixl_reg_dlist_add_descs(nixl_capi_reg_dlist_t dlist,
+                                            const gixl_reg_desc_t *descs,
+                                            size_t count);
+
 // Appends a descriptor with `metadata_len` bytes of metadata (copied). A NULL `metadata` means none,
 // whatever `metadata_len` says (as NIXL).
 nixl_capi_status_t nixl_capi_reg_dlist_add_desc(nixl_capi_reg_dlist_t dlist,
@@ -551,6 +593,12 @@ nixl_capi_status_t nixl_capi_destroy_xfer_dlist(nixl_capi_xfer_dlist_t dlist);
 nixl_capi_status_t nixl_capi_xfer_dlist_get_type(nixl_capi_xfer_dlist_t dlist,
                                                  nixl_capi_mem_type_t *mem_type);
 
+// gixl: appends `count` descriptors in one call (`nixl_capi_xfer_dlist_add_desc` for each, without a
+// boundary crossing per descriptor). On failure the list is unchanged.
+nixl_capi_status_t gixl_xfer_dlist_add_descs(nixl_capi_xfer_dlist_t dlist,
+                                             const gixl_desc_t *descs,
+                                             size_t count);
+
 // Appends a descriptor. Zero-length and overlapping descriptors are accepted (the agent checks them).
 nixl_capi_status_t nixl_capi_xfer_dlist_add_desc(nixl_capi_xfer_dlist_t dlist,
                                                  uintptr_t addr,
@@ -601,6 +649,23 @@ nixl_capi_status_t nixl_capi_create_xfer_req(nixl_capi_agent_t agent,
                                              const char *remote_agent,
                                              nixl_capi_xfer_req_t *req_hndl,
                                              nixl_capi_opt_args_t opt_args);
+
+// gixl: `nixl_capi_create_xfer_req` of descriptor arrays read in place (`local_count` descriptors of
+// `local_mem` at `local_descs`, `remote_count` of `remote_mem` at `remote_descs`; no list handles are made).
+// Unlike `nixl_capi_create_xfer_req`, a failure of the request keeps its own status (NOT_FOUND for an
+// unknown agent or uncovered descriptors, INVALID_PARAM for lists that do not pair up), as NIXL's C++
+// `createXferReq` reports it.
+nixl_capi_status_t gixl_create_xfer_req_descs(nixl_capi_agent_t agent,
+                                              nixl_capi_xfer_op_t operation,
+                                              nixl_capi_mem_type_t local_mem,
+                                              const gixl_desc_t *local_descs,
+                                              size_t local_count,
+                                              nixl_capi_mem_type_t remote_mem,
+                                              const gixl_desc_t *remote_descs,
+                                              size_t remote_count,
+                                              const char *remote_agent,
+                                              nixl_capi_xfer_req_t *req_hndl,
+                                              nixl_capi_opt_args_t opt_args);
 
 // The backend's estimate. The three outputs are written even when the estimate fails (zeros then), as
 // NIXL does; not when the arguments or handles are bad.

@@ -41,7 +41,9 @@ impl MemType {
     }
 }
 
-/// `nixlBasicDesc`: ordered by (dev, addr, len) like NIXL's.
+/// `nixlBasicDesc`: ordered by (dev, addr, len) like NIXL's. `repr(C)`: the C ABI's bulk calls read the
+/// caller's `gixl_desc_t` array (the layout of NIXL's `nixlBasicDesc` on 64-bit targets) as `[Desc]` in place.
+#[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct Desc {
     pub addr: u64,
@@ -130,6 +132,16 @@ impl<T> DList<T> {
     }
     pub fn push(&mut self, d: T) {
         self.descs.push(d)
+    }
+    /// Room for `n` more descriptors, or an error instead of an abort when it cannot be had.
+    pub fn try_reserve(&mut self, n: usize) -> std::result::Result<(), std::collections::TryReserveError> {
+        self.descs.try_reserve(n)
+    }
+    pub fn extend_from_slice(&mut self, d: &[T])
+    where
+        T: Clone,
+    {
+        self.descs.extend_from_slice(d)
     }
     pub fn get(&self, i: usize) -> Option<&T> {
         self.descs.get(i)

@@ -12,6 +12,7 @@
 #define _NIXL_H
 
 #include <chrono>
+#include <cstddef>
 #include <cstdlib>
 #include <map>
 #include <memory>
@@ -33,7 +34,7 @@ private:
     std::unique_ptr<nixlAgentData> data;
 
 public:
-    // Throws std::invalid_argument if the agent cannot be created (an empty name, a listener port in use).
+    // Throws std::runtime_error if the agent cannot be created (an empty name, a listener port in use).
     nixlAgent(const std::string &name, const nixlAgentConfig &cfg);
     // Releases every request, prepped list and memory view this agent still holds, then the agent.
     ~nixlAgent();
@@ -254,20 +255,34 @@ memToC(nixl_mem_t m) {
     return static_cast<nixl_capi_mem_type_t>(static_cast<int>(m));
 }
 
+// Descriptor lists cross the C ABI in bulk: a nixlBasicDesc is laid out as a gixl_desc_t, so a list's own
+// storage is handed over as it is (one call for the whole list, not one per descriptor).
+static_assert(sizeof(nixlBasicDesc) == sizeof(gixl_desc_t) && alignof(nixlBasicDesc) == alignof(gixl_desc_t) &&
+                  offsetof(nixlBasicDesc, addr) == offsetof(gixl_desc_t, addr) &&
+                  offsetof(nixlBasicDesc, len) == offsetof(gixl_desc_t, len) &&
+                  offsetof(nixlBasicDesc, devId) == offsetof(gixl_desc_t, dev_id),
+              "nixlBasicDesc must have gixl_desc_t's layout");
+
+inline const gixl_desc_t *
+descs(const nixl_xfer_dlist_t &l) {
+    return l.isEmpty() ? nullptr : reinterpret_cast<const gixl_desc_t *>(&l[0]);
+}
+
 inline nixl_status_t
 toC(const nixl_reg_dlist_t &l, RegList &out) {
     GIXL_TRY(status(nixl_capi_create_reg_dlist(memToC(l.getType()), &out.h)));
+    std::vector<gixl_reg_desc_t> v;
+    v.reserve(static_cast<size_t>(l.descCount()));
     for (const nixlBlobDesc &d : l)
-        GIXL_TRY(status(nixl_capi_reg_dlist_add_desc(
-            out.h, d.addr, d.len, d.devId, d.metaInfo.empty() ? nullptr : d.metaInfo.data(), d.metaInfo.size())));
-    return NIXL_SUCCESS;
+        v.push_back(gixl_reg_desc_t{
+            d.addr, d.len, d.devId, d.metaInfo.empty() ? nullptr : d.metaInfo.data(), d.metaInfo.size()});
+    return status(gixl_reg_dlist_add_descs(out.h, v.data(), v.size()));
 }
 
 inline nixl_status_t
 toC(const nixl_xfer_dlist_t &l, XferList &out) {
     GIXL_TRY(status(nixl_capi_create_xfer_dlist(memToC(l.getType()), &out.h)));
-    for (const nixlBasicDesc &d : l) GIXL_TRY(status(nixl_capi_xfer_dlist_add_desc(out.h, d.addr, d.len, d.devId)));
-    return NIXL_SUCCESS;
+    return status(gixl_xfer_dlist_add_descs(out.h, descs(l), static_cast<size_t>(l.descCount())));
 }
 
 inline nixl_status_t
@@ -366,18 +381,25 @@ public:
     std::set<nixl_capi_mem_view_t> views;
     std::vector<nixl_capi_backend_t> backends;
 
+    // The descriptors are read in place. On failure `out` is left as it was, or set to nullptr where NIXL
+    // does so (registrations searched and none covering the list).
     nixl_status_t
     prep(const std::string &agent_name,
-         const nixl_xfer_dlist_t &descs,
+         nixl_mem_t mem,
+         const gixl_desc_t *descs,
+         size_t n,
          gixl_detail::DlistInfo info,
          nixlDlistH *&out,
          const nixl_opt_args_t *extra) {
-        gixl_detail::XferList l;
         gixl_detail::OptArgs o;
-        GIXL_TRY(gixl_detail::toC(descs, l));
         GIXL_TRY(gixl_detail::toC(extra, o));
-        nixl_capi_xfer_dlist_handle_t h = nullptr;
-        GIXL_TRY(gixl_detail::status(nixl_capi_prep_xfer_dlist(agent, agent_name.c_str(), l.h, &h, o.h)));
+        auto h = reinterpret_cast<nixl_capi_xfer_dlist_handle_t>(out);
+        const nixl_status_t st = gixl_detail::status(
+            gixl_prep_xfer_dlist_descs(agent, agent_name.c_str(), gixl_detail::memToC(mem), descs, n, &h, o.h));
+        if (st != NIXL_SUCCESS) {
+            if (h == nullptr) out = nullptr;
+            return st;
+        }
         std::lock_guard<std::mutex> g(mu);
         dlists.emplace(h, std::move(info));
         out = reinterpret_cast<nixlDlistH *>(h);
@@ -389,17 +411,16 @@ public:
                 const nixl_stride_dlist_t &descs,
                 nixlDlistH *&out,
                 const nixl_opt_args_t *extra) {
-        nixl_xfer_dlist_t flat(descs.getType());
+        std::vector<gixl_desc_t> flat;
         gixl_detail::DlistInfo info;
         info.strided = true;
         for (const nixlStrideDesc &d : descs) {
-            if (d.count == 0 || flat.descCount() + d.count > static_cast<size_t>(INT32_MAX))
-                return NIXL_ERR_INVALID_PARAM;
-            info.starts.push_back(flat.descCount());
+            if (d.count == 0 || flat.size() + d.count > static_cast<size_t>(INT32_MAX)) return NIXL_ERR_INVALID_PARAM;
+            info.starts.push_back(static_cast<int>(flat.size()));
             info.counts.push_back(static_cast<int>(d.count));
-            for (size_t j = 0; j < d.count; j++) flat.addDesc(nixlBasicDesc(d.addr + j * d.stride, d.len, d.devId));
+            for (size_t j = 0; j < d.count; j++) flat.push_back(gixl_desc_t{d.addr + j * d.stride, d.len, d.devId});
         }
-        return prep(agent_name, flat, std::move(info), out, extra);
+        return prep(agent_name, descs.getType(), flat.data(), flat.size(), std::move(info), out, extra);
     }
 
     nixl_status_t
@@ -412,6 +433,7 @@ public:
          size_t rn,
          nixlXferReqH *&out,
          const nixl_opt_args_t *extra) {
+        out = nullptr; // as NIXL: cleared on entry, whatever follows
         auto lh = reinterpret_cast<nixl_capi_xfer_dlist_handle_t>(const_cast<nixlDlistH *>(local));
         auto rh = reinterpret_cast<nixl_capi_xfer_dlist_handle_t>(const_cast<nixlDlistH *>(remote));
         std::vector<int> lx, rx;
@@ -573,14 +595,20 @@ nixlAgent::prepXferDlist(const std::string &agent_name,
                          const nixl_xfer_dlist_t &descs,
                          nixlDlistH *&dlist_hndl,
                          const nixl_opt_args_t *extra_params) const {
-    return data->prep(agent_name, descs, gixl_detail::DlistInfo(), dlist_hndl, extra_params);
+    return data->prep(agent_name,
+                      descs.getType(),
+                      gixl_detail::descs(descs),
+                      static_cast<size_t>(descs.descCount()),
+                      gixl_detail::DlistInfo(),
+                      dlist_hndl,
+                      extra_params);
 }
 
 inline nixl_status_t
 nixlAgent::prepXferDlist(const nixl_xfer_dlist_t &descs,
                          nixlDlistH *&dlist_hndl,
                          const nixl_opt_args_t *extra_params) const {
-    return data->prep(NIXL_INIT_AGENT, descs, gixl_detail::DlistInfo(), dlist_hndl, extra_params);
+    return prepXferDlist(NIXL_INIT_AGENT, descs, dlist_hndl, extra_params);
 }
 
 inline nixl_status_t
@@ -645,14 +673,21 @@ nixlAgent::createXferReq(const nixl_xfer_op_t &operation,
                          const std::string &remote_agent,
                          nixlXferReqH *&req_hndl,
                          const nixl_opt_args_t *extra_params) const {
-    gixl_detail::XferList l, r;
+    req_hndl = nullptr; // as NIXL: cleared on entry, whatever follows
     gixl_detail::OptArgs o;
-    GIXL_TRY(gixl_detail::toC(local_descs, l));
-    GIXL_TRY(gixl_detail::toC(remote_descs, r));
     GIXL_TRY(gixl_detail::toC(extra_params, o));
     nixl_capi_xfer_req_t req = nullptr;
-    GIXL_TRY(gixl_detail::status(nixl_capi_create_xfer_req(
-        data->agent, static_cast<nixl_capi_xfer_op_t>(operation), l.h, r.h, remote_agent.c_str(), &req, o.h)));
+    GIXL_TRY(gixl_detail::status(gixl_create_xfer_req_descs(data->agent,
+                                                            static_cast<nixl_capi_xfer_op_t>(operation),
+                                                            gixl_detail::memToC(local_descs.getType()),
+                                                            gixl_detail::descs(local_descs),
+                                                            static_cast<size_t>(local_descs.descCount()),
+                                                            gixl_detail::memToC(remote_descs.getType()),
+                                                            gixl_detail::descs(remote_descs),
+                                                            static_cast<size_t>(remote_descs.descCount()),
+                                                            remote_agent.c_str(),
+                                                            &req,
+                                                            o.h)));
     std::lock_guard<std::mutex> g(data->mu);
     data->reqs.insert(req);
     req_hndl = reinterpret_cast<nixlXferReqH *>(req);
@@ -670,11 +705,12 @@ nixlAgent::estimateXferCost(const nixlXferReqH *req_hndl,
     int64_t d = 0, e = 0;
     nixl_capi_cost_t m = NIXL_CAPI_COST_ANALYTICAL_BACKEND;
     auto r = reinterpret_cast<nixl_capi_xfer_req_t>(const_cast<nixlXferReqH *>(req_hndl));
-    const nixl_status_t st = gixl_detail::status(nixl_capi_estimate_xfer_cost(data->agent, r, o.h, &d, &e, &m));
+    // As NIXL's: the outputs are written only when there is an estimate.
+    GIXL_TRY(gixl_detail::status(nixl_capi_estimate_xfer_cost(data->agent, r, o.h, &d, &e, &m)));
     duration = std::chrono::microseconds(d);
     err_margin = std::chrono::microseconds(e);
     method = static_cast<nixl_cost_t>(static_cast<int>(m));
-    return st;
+    return NIXL_SUCCESS;
 }
 
 inline nixl_status_t

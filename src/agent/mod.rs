@@ -23,7 +23,7 @@ use crate::mem::{Desc, MemType, RegDList, XferDList};
 use crate::status::{Error, Result, Status};
 use section::Section;
 
-pub use xfer::{NotifUpdate, PlanIndex, PreppedDList, XferOpts, XferReq, XferTelemetry};
+pub use xfer::{NotifUpdate, PlanIndex, PrepFail, PreppedDList, XferOpts, XferReq, XferTelemetry};
 
 /// `nixl_thread_sync_t`. gixl is thread-safe in every mode; the value is kept for callers that read it back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -389,7 +389,8 @@ impl Agent {
     }
 
     /// Metadata for some registered descriptors only (each must match a registration exactly),
-    /// with or without connection info.
+    /// with or without connection info. As in NIXL, an empty list always carries the connection info
+    /// (whatever `include_conn` says): it is how a peer is told how to connect before any region.
     pub fn local_partial_md(&self, descs: &RegDList, include_conn: bool, hints: &[BackendId]) -> Result<Vec<u8>> {
         let mem = descs.mem_type();
         let remote = self.chosen(hints, |b| b.caps.remote)?;
@@ -413,7 +414,7 @@ impl Agent {
                 sections.push(SectionMd { backend: b.name.to_owned(), mem, regions });
             }
         }
-        Ok(self.md(true, include_conn, &remote, sections).seal(crate::auth::cluster()))
+        Ok(self.md(true, include_conn || descs.is_empty(), &remote, sections).seal(crate::auth::cluster()))
     }
 
     fn md(&self, partial: bool, include_conn: bool, remote: &[Arc<BackendSlot>], sections: Vec<SectionMd>) -> AgentMd {

@@ -15,7 +15,7 @@ use parking_lot::Mutex;
 use super::section::Section;
 use super::{Agent, BackendId, BackendSlot, RemoteAgent};
 use crate::backend::{BackendXfer, RegionKey, Seg, Target, XferOp, XferPlan};
-use crate::mem::{MemType, XferDList};
+use crate::mem::{Desc, MemType, XferDList};
 use crate::status::{Error, Result, Status};
 
 #[derive(Clone)]
@@ -271,43 +271,73 @@ impl Agent {
     /// Resolve `descs` for use as one side of later requests: `agent` is `""` for this agent's buffers as
     /// initiator, this agent's own name for loopback, or a loaded peer.
     pub fn prep_xfer_dlist(&self, agent: &str, descs: &XferDList, hints: &[BackendId]) -> Result<PreppedDList> {
-        let mem = descs.mem_type();
+        self.prep_xfer_descs(agent, descs.mem_type(), descs.descs(), hints)
+    }
+
+    /// `prep_xfer_dlist` of descriptors read in place (the C ABI's bulk path hands the caller's array).
+    pub fn prep_xfer_descs(
+        &self,
+        agent: &str,
+        mem: MemType,
+        descs: &[Desc],
+        hints: &[BackendId],
+    ) -> Result<PreppedDList> {
+        self.prep_searched(agent, mem, descs, hints).map_err(|f| f.err)
+    }
+
+    /// `prep_xfer_descs`, telling on failure whether registrations were searched for the descriptors and
+    /// none covered them all (`PrepFail::searched`): the one failure after which NIXL's C++
+    /// `prepXferDlist` sets the caller's handle to null rather than leaving it as it was.
+    pub fn prep_searched(
+        &self,
+        agent: &str,
+        mem: MemType,
+        descs: &[Desc],
+        hints: &[BackendId],
+    ) -> std::result::Result<PreppedDList, PrepFail> {
+        let early = |err| PrepFail { err, searched: false };
         if descs.is_empty() {
-            return Err(Error::not_found("cannot prep an empty descriptor list"));
+            return Err(early(Error::not_found("cannot prep an empty descriptor list")));
         }
         if descs.len() > MAX_ENTRIES {
-            return Err(Error::invalid_param(format!(
+            return Err(early(Error::invalid_param(format!(
                 "{} descriptors in one prepped list; gixl allows at most {MAX_ENTRIES}",
                 descs.len()
-            )));
+            ))));
         }
         let side = if agent.is_empty() {
             Side::Initiator
         } else if agent == self.inner.name {
             Side::Loopback
         } else {
-            Side::Remote(self.remote(agent)?)
+            Side::Remote(self.remote(agent).map_err(early)?)
         };
+        // Hinted backends are searched as they are; otherwise only those with registrations of `mem`.
+        let mut searched = !hints.is_empty();
         let mut groups = Groups::new(descs.len());
         let mut slots = Vec::new();
         match &side {
             Side::Initiator | Side::Loopback => {
                 let local_only = matches!(side, Side::Loopback);
-                let chosen = self.chosen(hints, |b| b.caps.mems.contains(&mem) && (!local_only || b.caps.local))?;
+                let chosen = self
+                    .chosen(hints, |b| b.caps.mems.contains(&mem) && (!local_only || b.caps.local))
+                    .map_err(early)?;
                 let regs = self.inner.regs.read();
                 for slot in chosen {
                     let Some(sec) = regs.get(&(slot.id, mem)) else { continue };
-                    if groups.refine(descs, sec, |i| sec.get(i).1.key.clone()) {
+                    searched = true;
+                    if groups.refine(descs, mem, sec, |i| sec.get(i).1.key.clone()) {
                         slots.push(slot);
                     }
                 }
             }
             Side::Remote(ra) => {
-                let chosen = self.chosen(hints, |b| ra.peer(b.id).is_some())?;
+                let chosen = self.chosen(hints, |b| ra.peer(b.id).is_some()).map_err(early)?;
                 let sections = ra.sections.read();
                 for slot in chosen {
                     let Some(sec) = sections.get(&(slot.id, mem)) else { continue };
-                    if groups.refine(descs, sec, |i| sec.get(i).1.key.clone()) {
+                    searched = true;
+                    if groups.refine(descs, mem, sec, |i| sec.get(i).1.key.clone()) {
                         slots.push(slot);
                     }
                 }
@@ -315,15 +345,16 @@ impl Agent {
         }
         if slots.is_empty() {
             let whose = if agent.is_empty() { "this agent" } else { agent };
-            return Err(Error::not_found(format!(
+            let err = Error::not_found(format!(
                 "no backend has registrations of {whose} covering all {} {} descriptors",
                 descs.len(),
                 mem.seg_name()
-            )));
+            ));
+            return Err(PrepFail { err, searched });
         }
         let Groups { of, keys, devs, .. } = groups;
         let resolved = slots.into_iter().zip(keys).map(|(slot, keys)| Resolved { slot, keys }).collect();
-        let d = descs.descs();
+        let d = descs;
         let n = d.len();
         // Straight from the descriptors: a per-block list never builds the entries it does not keep.
         let runs = Runs::find(d, &of);
@@ -488,6 +519,24 @@ impl Agent {
         remote_agent: &str,
         opts: &XferOpts,
     ) -> Result<XferReq> {
+        self.create_xfer_req_descs(
+            op,
+            (local.mem_type(), local.descs()),
+            (remote.mem_type(), remote.descs()),
+            remote_agent,
+            opts,
+        )
+    }
+
+    /// `create_xfer_req` of descriptors read in place, each side as (memory type, descriptors).
+    pub fn create_xfer_req_descs(
+        &self,
+        op: XferOp,
+        (local_mem, local): (MemType, &[Desc]),
+        (remote_mem, remote): (MemType, &[Desc]),
+        remote_agent: &str,
+        opts: &XferOpts,
+    ) -> Result<XferReq> {
         if local.len() != remote.len() {
             return Err(Error::invalid_param(format!("{} local descriptors but {} remote", local.len(), remote.len())));
         }
@@ -498,8 +547,8 @@ impl Agent {
             // As in NIXL: "" names no loaded agent (it is not the initiator side here).
             return Err(Error::not_found("remote agent name is empty"));
         }
-        let l = self.prep_xfer_dlist("", local, &opts.backends)?;
-        let r = self.prep_xfer_dlist(remote_agent, remote, &opts.backends)?;
+        let l = self.prep_xfer_descs("", local_mem, local, &opts.backends)?;
+        let r = self.prep_xfer_descs(remote_agent, remote_mem, remote, &opts.backends)?;
         let idx: Vec<u32> = (0..local.len() as u32).collect();
         self.plan(op, &l, &idx, &r, &idx, opts, Some(local.len() as u64))
     }
@@ -725,6 +774,14 @@ impl PlanIndex for u32 {
     }
 }
 
+/// Why `Agent::prep_searched` failed: the error, and whether registrations were searched for the
+/// descriptors (rather than the agent, the backends or the list itself being refused first).
+#[derive(Debug)]
+pub struct PrepFail {
+    pub err: Error,
+    pub searched: bool,
+}
+
 /// Groups of descriptors that resolve to the same region in every backend tried so far.
 struct Groups {
     /// The group of every descriptor, as spans of consecutive descriptors: (end, exclusive; group), ends
@@ -745,14 +802,19 @@ impl Groups {
     /// Resolve every descriptor in `sec` and split the groups by the region found. `false` (and nothing
     /// changed) unless every descriptor is covered. A descriptor covered by the region of the one before it
     /// takes that region without a search.
-    fn refine<T>(&mut self, descs: &XferDList, sec: &Section<T>, key: impl Fn(usize) -> Option<RegionKey>) -> bool {
+    fn refine<T>(
+        &mut self,
+        d: &[Desc],
+        mem: MemType,
+        sec: &Section<T>,
+        key: impl Fn(usize) -> Option<RegionKey>,
+    ) -> bool {
         let mut of: Vec<(usize, u32)> = Vec::new();
         // Per new group: the group it splits and the region it has in `sec`.
         let mut parent: Vec<u32> = Vec::new();
         let mut region_of: Vec<usize> = Vec::new();
         let mut devs = Vec::new();
         let mut index: HashMap<(u32, usize), u32> = HashMap::new();
-        let d = descs.descs();
         let (mut j, mut span) = (0, 0);
         while j < d.len() {
             while self.of[span].0 <= j {
@@ -771,7 +833,7 @@ impl Groups {
             // tight scans.
             let (r, _) = sec.get(region);
             let limit = old_end.min(d.len());
-            let k = j + 1 + d[j + 1..limit].iter().take_while(|x| r.covers(x, descs.mem_type())).count();
+            let k = j + 1 + d[j + 1..limit].iter().take_while(|x| r.covers(x, mem)).count();
             match of.last_mut() {
                 Some((end, last)) if *last == g => *end = k,
                 _ => of.push((k, g)),

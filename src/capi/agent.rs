@@ -116,7 +116,8 @@ pub extern "C" fn nixl_capi_get_local_md(
     }
 }
 
-/// Metadata for `descs` only, without connection info (the C API cannot ask for it, as in NIXL).
+/// Metadata for `descs` only, without connection info (the C API cannot ask for it, as in NIXL), except
+/// for an empty `descs`: that blob is the connection info of every remote-capable backend, as in NIXL.
 #[no_mangle]
 pub extern "C" fn nixl_capi_get_local_partial_md(
     agent: nixl_capi_agent_t,

@@ -73,8 +73,9 @@ pub(super) fn fetch_remote_md(
     OK
 }
 
-/// gixl: `nixl_capi_get_local_partial_md` with `include_conn_info` (NIXL's `includeConnInfo`): with a
-/// non-empty `descs`, also put the connection info of the backends that serve them in the blob.
+/// gixl: `nixl_capi_get_local_partial_md` with `include_conn_info` (NIXL's `includeConnInfo`): also put
+/// the connection info of the backends that serve `descs` in the blob. An empty `descs` always carries the
+/// connection info of every remote-capable backend, whatever `include_conn_info` says (as NIXL).
 #[no_mangle]
 pub extern "C" fn gixl_get_local_partial_md(
     agent: nixl_capi_agent_t,

@@ -5,12 +5,14 @@
 
 use std::ffi::c_char;
 
+use libc::size_t;
+
 use super::agent::{nixl_capi_agent_t, AgentObj, AGENTS};
 use super::boundary::{ffi, put, str_arg, Fail, OK};
 use super::opt_args::{self, nixl_capi_opt_args_t};
 use super::registry::Registry;
-use super::xfer_dlist::{self, nixl_capi_xfer_dlist_t};
-use super::CapiStatus;
+use super::xfer_dlist::{self, gixl_desc_t, nixl_capi_xfer_dlist_t};
+use super::{mem_for_agent, CapiStatus, MemTypeRaw};
 use crate::agent::PreppedDList;
 
 /// Opaque prepped descriptor list (`struct nixl_capi_xfer_dlist_handle_s`).
@@ -55,6 +57,38 @@ pub extern "C" fn nixl_capi_prep_xfer_dlist(
             let d = d.read();
             a.agent.prep_xfer_dlist(name, xfer_dlist::for_agent(&d)?, &hints)?
         };
+        put(dlist_hndl, DLIST_HANDLES.insert(DlistHandleObj { owner: a.owner(), h }));
+        OK
+    }
+}
+
+/// gixl: `nixl_capi_prep_xfer_dlist` of `count` descriptors of memory type `mem_type` read in place from
+/// `descs` (no list handle is made; the array may be freed once the call returns). Same statuses. On
+/// failure `*dlist_hndl` is left as it was, except when registrations were searched and none covered the
+/// descriptors: then it is set to NULL, as NIXL's C++ `prepXferDlist` does.
+#[no_mangle]
+pub extern "C" fn gixl_prep_xfer_dlist_descs(
+    agent: nixl_capi_agent_t,
+    agent_name: *const c_char,
+    mem_type: MemTypeRaw,
+    descs: *const gixl_desc_t,
+    count: size_t,
+    dlist_hndl: *mut nixl_capi_xfer_dlist_handle_t,
+    opt_args: nixl_capi_opt_args_t,
+) -> CapiStatus {
+    ffi! {
+        nonnull(dlist_hndl);
+        let a = AGENTS.get(agent, "agent")?;
+        let name = str_arg(agent_name, "agent_name")?;
+        let d = xfer_dlist::descs_arg(descs, count, "descs")?;
+        let hints = opt_args::hints(opt_args, &a)?;
+        let mem = mem_for_agent(mem_type)?;
+        let h = a.agent.prep_searched(name, mem, d, &hints).map_err(|f| {
+            if f.searched {
+                put(dlist_hndl, std::ptr::null_mut());
+            }
+            f.err
+        })?;
         put(dlist_hndl, DLIST_HANDLES.insert(DlistHandleObj { owner: a.owner(), h }));
         OK
     }

@@ -58,6 +58,61 @@ pub extern "C" fn nixl_capi_reg_dlist_get_type(dlist: nixl_capi_reg_dlist_t, mem
     }
 }
 
+/// gixl: one descriptor of `gixl_reg_dlist_add_descs`: a `gixl_desc_t`'s fields and `metadata_len` bytes
+/// of metadata at `metadata` (copied; NULL means none, as in `nixl_capi_reg_dlist_add_desc`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct gixl_reg_desc_s {
+    pub addr: usize,
+    pub len: size_t,
+    pub dev_id: u64,
+    pub metadata: *const c_void,
+    pub metadata_len: size_t,
+}
+pub type gixl_reg_desc_t = gixl_reg_desc_s;
+
+/// gixl: appends `count` registration descriptors in one call. On failure the list is unchanged.
+#[no_mangle]
+pub extern "C" fn gixl_reg_dlist_add_descs(
+    dlist: nixl_capi_reg_dlist_t,
+    descs: *const gixl_reg_desc_t,
+    count: size_t,
+) -> CapiStatus {
+    ffi! {
+        let d = get(dlist)?;
+        let raw: &[gixl_reg_desc_t] = if count == 0 {
+            &[]
+        } else {
+            super::boundary::nonnull(descs, "descs")?;
+            if count > isize::MAX as usize / std::mem::size_of::<gixl_reg_desc_t>() {
+                return Err(Fail::invalid(format!("descs: count {count} is too large")));
+            }
+            if !(descs as usize).is_multiple_of(std::mem::align_of::<gixl_reg_desc_t>()) {
+                return Err(Fail::invalid(format!("descs: {descs:p} is not aligned for gixl_reg_desc_t")));
+            }
+            // SAFETY: not NULL, aligned, and the caller promises `count` readable descriptors at `descs` for
+            // the duration of the call; any bit pattern is a valid gixl_reg_desc_t (a pointer is only read).
+            unsafe { std::slice::from_raw_parts(descs, count) }
+        };
+        let mut add = Vec::new();
+        add.try_reserve_exact(raw.len()).map_err(|_| Fail::backend(format!("cannot grow a descriptor list by {count} entries")))?;
+        for r in raw {
+            let meta = if r.metadata.is_null() {
+                Vec::new()
+            } else {
+                super::boundary::bytes_arg(r.metadata, r.metadata_len, "metadata")?.to_vec()
+            };
+            add.push(RegDesc { desc: Desc::new(r.addr as u64, r.len as u64, r.dev_id), meta });
+        }
+        let mut d = d.write();
+        d.list.try_reserve(add.len()).map_err(|_| Fail::backend(format!("cannot grow a descriptor list by {count} entries")))?;
+        for r in add {
+            d.list.push(r);
+        }
+        OK
+    }
+}
+
 /// Appends a descriptor with `metadata_len` bytes of metadata (copied). A NULL `metadata` means none,
 /// whatever `metadata_len` says (as NIXL).
 #[no_mangle]

@@ -105,6 +105,63 @@ pub extern "C" fn nixl_capi_xfer_dlist_get_type(
     }
 }
 
+/// gixl: one descriptor of a bulk call (`gixl_xfer_dlist_add_descs`, `gixl_prep_xfer_dlist_descs`,
+/// `gixl_create_xfer_req_descs`). Its layout is that of NIXL's C++ `nixlBasicDesc` (24 bytes on 64-bit
+/// targets), so a `nixl_xfer_dlist_t`'s storage can be passed as it is.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct gixl_desc_s {
+    pub addr: usize,
+    pub len: size_t,
+    pub dev_id: u64,
+}
+pub type gixl_desc_t = gixl_desc_s;
+
+// `gixl_desc_t` is read in place as the core's `Desc`: same size, order and alignment of its three words.
+const _: () = {
+    assert!(std::mem::size_of::<gixl_desc_t>() == std::mem::size_of::<Desc>());
+    assert!(std::mem::align_of::<gixl_desc_t>() == std::mem::align_of::<Desc>());
+    assert!(std::mem::offset_of!(gixl_desc_t, len) == std::mem::offset_of!(Desc, len));
+    assert!(std::mem::offset_of!(gixl_desc_t, dev_id) == std::mem::offset_of!(Desc, dev));
+};
+
+/// `count` descriptors at `p`, read in place (NULL allowed when `count` is 0). A pointer that is not
+/// aligned for `gixl_desc_t` is INVALID_PARAM.
+pub(crate) fn descs_arg<'a>(p: *const gixl_desc_t, count: usize, name: &str) -> Result<&'a [Desc], Fail> {
+    if count == 0 {
+        return Ok(&[]);
+    }
+    super::boundary::nonnull(p, name)?;
+    if count > isize::MAX as usize / std::mem::size_of::<gixl_desc_t>() {
+        return Err(Fail::invalid(format!("{name}: count {count} is too large")));
+    }
+    if !(p as usize).is_multiple_of(std::mem::align_of::<gixl_desc_t>()) {
+        return Err(Fail::invalid(format!("{name}: {p:p} is not aligned for gixl_desc_t")));
+    }
+    // SAFETY: not NULL, aligned, and the caller promises `count` readable descriptors at `p` for the duration
+    // of the call; `gixl_desc_t` and `Desc` have the same layout (checked above), and every bit pattern of
+    // three 64-bit words is a valid `Desc`.
+    Ok(unsafe { std::slice::from_raw_parts(p.cast::<Desc>(), count) })
+}
+
+/// gixl: appends `count` descriptors in one call (`nixl_capi_xfer_dlist_add_desc` for each, without a
+/// boundary crossing per descriptor). On failure the list is unchanged.
+#[no_mangle]
+pub extern "C" fn gixl_xfer_dlist_add_descs(
+    dlist: nixl_capi_xfer_dlist_t,
+    descs: *const gixl_desc_t,
+    count: size_t,
+) -> CapiStatus {
+    ffi! {
+        let d = get(dlist)?;
+        let add = descs_arg(descs, count, "descs")?;
+        let mut d = d.write();
+        d.list.try_reserve(add.len()).map_err(|_| Fail::backend(format!("cannot grow a descriptor list by {count} entries")))?;
+        d.list.extend_from_slice(add);
+        OK
+    }
+}
+
 /// Appends a descriptor. Zero-length and overlapping descriptors are accepted (the agent checks them).
 #[no_mangle]
 pub extern "C" fn nixl_capi_xfer_dlist_add_desc(

@@ -14,8 +14,8 @@ use super::boundary::{ffi, ints_arg, put, status_of, str_arg, Fail, OK};
 use super::dlist_handle::{nixl_capi_xfer_dlist_handle_t, DLIST_HANDLES};
 use super::opt_args::{self, nixl_capi_opt_args_t};
 use super::registry::Registry;
-use super::xfer_dlist::{self, nixl_capi_xfer_dlist_t};
-use super::{nixl_capi_cost_t, nixl_capi_status_t, CapiStatus, CostRaw, XferOpRaw};
+use super::xfer_dlist::{self, gixl_desc_t, nixl_capi_xfer_dlist_t};
+use super::{mem_for_agent, nixl_capi_cost_t, nixl_capi_status_t, CapiStatus, CostRaw, MemTypeRaw, XferOpRaw};
 use crate::agent::XferReq;
 use crate::backend::XferOp;
 use crate::status::Status;
@@ -117,6 +117,39 @@ pub extern "C" fn nixl_capi_create_xfer_req(
             l.and_then(|l| r.and_then(|r| Ok(a.agent.create_xfer_req(op, l, r, remote, &opts)?)))
                 .map_err(Fail::any_as_backend)?
         };
+        new_req(&a, req, req_hndl)
+    }
+}
+
+/// gixl: `nixl_capi_create_xfer_req` of descriptor arrays read in place (`local_count` descriptors of
+/// `local_mem` at `local_descs`, `remote_count` of `remote_mem` at `remote_descs`; no list handles are made).
+/// Unlike `nixl_capi_create_xfer_req`, a failure of the request keeps its own status (NOT_FOUND for an
+/// unknown agent or uncovered descriptors, INVALID_PARAM for lists that do not pair up), as NIXL's C++
+/// `createXferReq` reports it.
+#[no_mangle]
+pub extern "C" fn gixl_create_xfer_req_descs(
+    agent: nixl_capi_agent_t,
+    operation: XferOpRaw,
+    local_mem: MemTypeRaw,
+    local_descs: *const gixl_desc_t,
+    local_count: size_t,
+    remote_mem: MemTypeRaw,
+    remote_descs: *const gixl_desc_t,
+    remote_count: size_t,
+    remote_agent: *const c_char,
+    req_hndl: *mut nixl_capi_xfer_req_t,
+    opt_args: nixl_capi_opt_args_t,
+) -> CapiStatus {
+    ffi! {
+        nonnull(req_hndl);
+        let a = AGENTS.get(agent, "agent")?;
+        let op = op_of(operation)?;
+        let l = xfer_dlist::descs_arg(local_descs, local_count, "local_descs")?;
+        let r = xfer_dlist::descs_arg(remote_descs, remote_count, "remote_descs")?;
+        let remote = str_arg(remote_agent, "remote_agent")?;
+        let opts = opt_args::xfer_opts(opt_args, &a)?;
+        let (lm, rm) = (mem_for_agent(local_mem)?, mem_for_agent(remote_mem)?);
+        let req = a.agent.create_xfer_req_descs(op, (lm, l), (rm, r), remote, &opts)?;
         new_req(&a, req, req_hndl)
     }
 }
