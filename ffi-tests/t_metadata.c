@@ -165,6 +165,26 @@ static void test_metadata(void)
      * agent that never saw A. */
     CHECK_ST(-6, nixl_capi_load_remote_md(c, pmd, pmd_len, &name));
     CHECK_ST(-6, nixl_capi_check_remote_md(c, "md-A", NULL));
+    /* Partial metadata of an empty list carries the connection info (NIXL's rule, although the C API
+     * cannot ask for it): C learns A from it, then takes the region-only blob. */
+    nixl_capi_reg_dlist_t nothing = ft_reg_list(NULL, 0);
+    void *cmd = NULL;
+    size_t cmd_len = 0;
+    CHECK_ST(0, nixl_capi_get_local_partial_md(a, nothing, &cmd, &cmd_len, NULL));
+    CHECK(cmd_len > 0, "partial metadata of an empty list is non-empty");
+    CHECK_ST(0, nixl_capi_load_remote_md(c, cmd, cmd_len, &name));
+    CHECK(name && strcmp(name, "md-A") == 0, "connection-only load returns \"md-A\"");
+    free(name);
+    name = NULL;
+    CHECK_ST(0, nixl_capi_check_remote_md(c, "md-A", NULL));
+    CHECK_ST(-6, nixl_capi_check_remote_md(c, "md-A", outside));
+    CHECK_ST(0, nixl_capi_load_remote_md(c, pmd, pmd_len, &name));
+    free(name);
+    name = NULL;
+    CHECK_ST(0, nixl_capi_check_remote_md(c, "md-A", outside));
+    CHECK_ST(0, nixl_capi_invalidate_remote_md(c, "md-A"));
+    CHECK_ST(0, nixl_capi_destroy_reg_dlist(nothing));
+    free(cmd);
     /* ... and accepted (merged) by one that already has A's connection info. */
     CHECK_ST(0, nixl_capi_load_remote_md(b, pmd, pmd_len, &name));
     CHECK(name && strcmp(name, "md-A") == 0, "partial load returns \"md-A\"");

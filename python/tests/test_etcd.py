@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 
@@ -25,29 +26,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
+def start_etcd(data):
+    """A fresh etcd on free loopback ports with its data in ``data``: (process, client URL); skips the test
+    when etcd is missing or does not come up."""
     exe = shutil.which("etcd")
     if exe is None:
         pytest.skip("etcd is not installed (apt-get install etcd-server)")
     client, peer = free_port(), free_port()
     url = f"http://127.0.0.1:{client}"
-    data = tmp_path_factory.mktemp("etcd")
     proc = subprocess.Popen(
         [exe, "--data-dir", str(data), "--listen-client-urls", url, "--advertise-client-urls", url,
          "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
          "--initial-cluster", f"default=http://127.0.0.1:{peer}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1).read()
+            return proc, url
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                proc.wait()
+                pytest.skip("etcd did not start")
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    proc, url = start_etcd(tmp_path_factory.mktemp("etcd"))
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1).read()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    pytest.skip("etcd did not start")
-                time.sleep(0.1)
         yield url
     finally:
         proc.kill()
@@ -92,3 +100,78 @@ def test_partial_metadata_needs_a_label(etcd_env, bind, make_agent):
     b = make_agent("eq")
     b.fetch_remote_metadata(a.name, label="blocks")
     wait_until(lambda: b.check_remote_metadata(a.name), timeout=15, what="labelled partial metadata")
+
+
+# The child: fetch a peer through etcd, fetch it again (twice), remove and fetch it once more, then report
+# and wait; the parent stops etcd and lets the child run on for a moment before it exits.
+_WATCH_CHILD = """
+import sys, time
+import numpy as np
+api = M.api
+a = api.nixl_agent("wa", api.nixl_agent_config(backends=["UCX"]))
+b = api.nixl_agent("wb", api.nixl_agent_config(backends=["UCX"]))
+buf = np.zeros(4096, dtype=np.uint8)
+b.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+b.send_local_metadata()
+
+def fetched():
+    a.fetch_remote_metadata("wb")
+    t = time.monotonic()
+    while not a.check_remote_metadata("wb"):
+        assert time.monotonic() - t < 15, "metadata not fetched"
+        time.sleep(0.01)
+
+fetched()
+a.fetch_remote_metadata("wb")
+a.fetch_remote_metadata("wb")
+time.sleep(0.5)
+a.remove_remote_agent("wb")
+fetched()
+time.sleep(0.5)
+print("READY", flush=True)
+sys.stdin.readline()
+time.sleep(1.5)
+print("loaded at the end:", a.check_remote_metadata("wb"), flush=True)
+"""
+
+
+@pytest.mark.gixl_only
+def test_etcd_watch_warns_only_when_it_really_ends(tmp_path):
+    """One prefix watch per loaded peer: fetching it again or removing it ends the old watch quietly (it logged
+    a warning on every refetch); the warning comes when etcd goes away while the peer is loaded, once."""
+    import _impl
+
+    proc, url = start_etcd(tmp_path / "etcd")
+    try:
+        env = _impl.child_env(os.environ["GIXL_TEST_IMPL"], os.environ["GIXL_TEST_BINDINGS"])
+        env.update(NIXL_ETCD_ENDPOINTS=url, NIXL_ETCD_NAMESPACE=f"/nixl/watch-{os.getpid()}/")
+        prelude = "import os, sys, _impl\nM = _impl.load(os.environ['GIXL_TEST_IMPL'], os.environ['GIXL_TEST_BINDINGS'])\n"
+        err_path = tmp_path / "child.err"
+        with open(err_path, "w") as err:
+            child = subprocess.Popen([sys.executable, "-c", prelude + _WATCH_CHILD], env=env, cwd=_impl.TESTS_DIR,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+            try:
+                line = child.stdout.readline()
+                while line and line.strip() != "READY":  # the API's own log lines come first
+                    line = child.stdout.readline()
+                assert line.strip() == "READY", err_path.read_text()[-3000:]
+                time.sleep(0.3)
+                before = [l for l in err_path.read_text().splitlines() if "watch of agent" in l]
+                assert before == [], f"watch warnings in the normal flow: {before}"
+                proc.kill()
+                proc.wait()
+                child.stdin.write("go\n")
+                child.stdin.flush()
+                out, _ = child.communicate(timeout=60)
+            finally:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
+        assert child.returncode == 0, err_path.read_text()[-3000:]
+        assert "loaded at the end: True" in out
+        after = [l for l in err_path.read_text().splitlines() if "watch of agent" in l]
+        assert len(after) == 1 and "'wb'" in after[0] and "WARN" in after[0], after
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -135,6 +137,37 @@ def test_partial_metadata(make_agent, bind):
     assert not a.check_remote_metadata(b.name, a.get_xfer_descs([(addr(buf, 4096), 4096, 0)], "DRAM"))
     with pytest.raises(bind.nixlNotFoundError):
         b.get_partial_agent_metadata(b.get_reg_descs([(addr(buf), 100, 0, "")], "DRAM"), True)
+    b.deregister_memory(reg)
+
+
+def test_partial_metadata_of_an_empty_list_carries_connection_info(make_agent, bind):
+    # NIXL's rule: connection info goes into partial metadata when asked for, or when the list is empty.
+    a = make_agent("A")
+    b = make_agent("B")
+    buf = np.arange(8192, dtype=np.uint8)
+    reg = b.register_memory([(addr(buf), 8192, 0, "")], "DRAM")
+    regs = b.get_reg_descs([(addr(buf), 8192, 0, "")], "DRAM")
+    regions_only = b.get_partial_agent_metadata(regs, False, ["UCX"])
+    with pytest.raises(bind.nixlNotFoundError):
+        a.add_remote_agent(regions_only)
+    empty = bind.nixlRegDList(bind.DRAM_SEG)
+    conn_only = b.get_partial_agent_metadata(empty, False, ["UCX"])
+    assert len(conn_only) == len(b.get_partial_agent_metadata(empty))
+    assert a.add_remote_agent(conn_only) == b.name.encode()
+    descs = a.get_xfer_descs([(addr(buf), 8192, 0)], "DRAM")
+    assert not a.check_remote_metadata(b.name, descs)
+    assert a.add_remote_agent(regions_only) == b.name.encode()
+    assert a.check_remote_metadata(b.name, descs)
+    dst = np.zeros(8192, dtype=np.uint8)
+    a.register_memory([(addr(dst), 8192, 0, "")], "DRAM")
+    h = a.initialize_xfer("READ", a.get_xfer_descs([(addr(dst), 8192, 0)], "DRAM"), descs, b.name)
+    assert a.transfer(h) in ("DONE", "PROC")
+    deadline = time.monotonic() + 10
+    while a.check_xfer_state(h) == "PROC" and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert a.check_xfer_state(h) == "DONE"
+    assert (dst == buf).all()
+    a.release_xfer_handle(h)
     b.deregister_memory(reg)
 
 

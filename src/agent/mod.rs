@@ -543,6 +543,9 @@ impl Agent {
             .remove(name)
             .ok_or_else(|| Error::not_found(format!("agent '{name}' is not loaded")))?;
         self.retire(&ra);
+        if let Some(m) = &self.mdx {
+            m.forget(name);
+        }
         Ok(())
     }
 

@@ -69,9 +69,38 @@ struct Queue {
     stop: AtomicBool,
 }
 
+/// The watch of one loaded peer's prefix: its stream (shut down to end it), its reader thread, the
+/// incarnation it guards, and whether it was ended on purpose (then its end is not worth a warning).
 struct Watch {
     stream: TcpStream,
     thread: JoinHandle<()>,
+    inc: u128,
+    retired: Arc<AtomicBool>,
+}
+
+impl Watch {
+    /// End the watch on purpose: its thread sees the stream close and leaves without a word.
+    fn retire(&self) {
+        self.retired.store(true, Ordering::Release);
+        let _ = self.stream.shutdown(Shutdown::Both);
+    }
+}
+
+/// Every watch: at most one live per loaded peer, and those ended on purpose whose threads are still to be
+/// joined (by the next `watch_peer` once they have finished, or by `shutdown`).
+#[derive(Default)]
+struct Watches {
+    live: HashMap<String, Watch>,
+    ended: Vec<Watch>,
+}
+
+impl Watches {
+    fn retire(&mut self, name: &str) {
+        if let Some(w) = self.live.remove(name) {
+            w.retire();
+            self.ended.push(w);
+        }
+    }
 }
 
 pub(crate) struct Etcd {
@@ -79,7 +108,7 @@ pub(crate) struct Etcd {
     me: String,
     q: Arc<Queue>,
     worker: Mutex<Option<JoinHandle<()>>>,
-    watches: Arc<Mutex<HashMap<String, Watch>>>,
+    watches: Arc<Mutex<Watches>>,
 }
 
 impl Etcd {
@@ -98,7 +127,7 @@ impl Etcd {
         let me = host.name();
         let q = Arc::new(Queue { jobs: Mutex::new(VecDeque::new()), cv: Condvar::new(), stop: AtomicBool::new(false) });
         q.jobs.lock().push_back(Job::Put { key: prefix(&ns, &me), value: Vec::new() });
-        let watches: Arc<Mutex<HashMap<String, Watch>>> = Arc::default();
+        let watches: Arc<Mutex<Watches>> = Arc::default();
         let mut w = Worker { client: Client { eps }, ns: ns.clone(), host, q: q.clone(), watches: watches.clone() };
         let worker = std::thread::Builder::new()
             .name("gixl-md-etcd".into())
@@ -124,6 +153,11 @@ impl Etcd {
         self.push(Job::DeletePrefix { prefix: prefix(&self.ns, &self.me) });
     }
 
+    /// The peer `name` is no longer loaded here: end its watch quietly.
+    pub fn forget(&self, name: &str) {
+        self.watches.lock().retire(name);
+    }
+
     /// Finish queued requests (for up to two seconds), then stop the worker and every watch.
     pub fn shutdown(&self) {
         self.q.stop.store(true, Ordering::Release);
@@ -131,9 +165,14 @@ impl Etcd {
         if let Some(t) = self.worker.lock().take() {
             let _ = t.join();
         }
-        let ws: Vec<Watch> = self.watches.lock().drain().map(|(_, w)| w).collect();
+        let ws: Vec<Watch> = {
+            let mut g = self.watches.lock();
+            let mut ws: Vec<Watch> = g.live.drain().map(|(_, w)| w).collect();
+            ws.append(&mut g.ended);
+            ws
+        };
         for w in &ws {
-            let _ = w.stream.shutdown(Shutdown::Both);
+            w.retire();
         }
         for w in ws {
             let _ = w.thread.join();
@@ -280,7 +319,7 @@ struct Worker {
     ns: String,
     host: Arc<dyn Host>,
     q: Arc<Queue>,
-    watches: Arc<Mutex<HashMap<String, Watch>>>,
+    watches: Arc<Mutex<Watches>>,
 }
 
 impl Worker {
@@ -365,21 +404,39 @@ impl Worker {
         }
     }
 
-    /// Invalidate `name` when its keys are deleted, if incarnation `inc` is still the one loaded then.
+    /// Invalidate `name` when its keys are deleted, if incarnation `inc` is still the one loaded then. A
+    /// fetch of the incarnation already watched keeps that watch (one per loaded peer); another incarnation
+    /// replaces it. Watches of peers no longer loaded (invalidated by a peer's message, say) end here.
     fn watch_peer(&mut self, name: &str, inc: u128, rev: i64) -> std::result::Result<(), String> {
         let p = prefix(&self.ns, name);
         let mut ws = self.watches.lock();
-        if let Some(old) = ws.remove(name) {
-            let _ = old.stream.shutdown(Shutdown::Both);
+        let stale: Vec<String> = ws
+            .live
+            .iter()
+            .filter(|(n, w)| w.thread.is_finished() || self.host.loaded_incarnation(n) != Some(w.inc))
+            .map(|(n, _)| n.clone())
+            .collect();
+        for n in stale {
+            ws.retire(&n);
         }
-        ws.retain(|_, w| !w.thread.is_finished());
-        if ws.len() >= MAX_WATCHES {
+        let (done, running): (Vec<Watch>, Vec<Watch>) = ws.ended.drain(..).partition(|w| w.thread.is_finished());
+        ws.ended = running;
+        for w in done {
+            let _ = w.thread.join();
+        }
+        if ws.live.get(name).is_some_and(|w| w.inc == inc) {
+            return Ok(());
+        }
+        ws.retire(name);
+        if ws.live.len() >= MAX_WATCHES {
             return Err(format!("too many etcd watches ({MAX_WATCHES}); agent '{name}' is not watched"));
         }
         let mut stream = self.client.watch(p.as_bytes(), Some(&prefix_end(p.as_bytes())), rev)?;
         let sock = stream.reader.stream.try_clone().map_err(|e| e.to_string())?;
         let host = self.host.clone();
         let who = name.to_owned();
+        let retired = Arc::new(AtomicBool::new(false));
+        let ended_on_purpose = retired.clone();
         let thread = std::thread::Builder::new()
             .name("gixl-md-watch".into())
             .spawn(move || loop {
@@ -394,15 +451,21 @@ impl Worker {
                     }
                     Ok(_) => {}
                     Err(e) => {
-                        if !host.closing() {
-                            log!("etcd: watch of agent '{who}' stopped: {e}");
+                        // Worth a warning only when nobody ended it and the peer it guards is still loaded:
+                        // a deletion of its keys would then go unseen.
+                        let quiet = ended_on_purpose.load(Ordering::Acquire) || host.closing();
+                        if !quiet && host.loaded_incarnation(&who) == Some(inc) {
+                            log!(
+                                "etcd: watch of agent '{who}' ended while it is loaded ({e}); a deletion of its keys \
+                                 will go unseen until it is fetched again"
+                            );
                         }
                         return;
                     }
                 }
             })
             .map_err(|e| e.to_string())?;
-        ws.insert(name.to_owned(), Watch { stream: sock, thread });
+        ws.live.insert(name.to_owned(), Watch { stream: sock, thread, inc, retired });
         Ok(())
     }
 }

@@ -165,6 +165,13 @@ impl Mdx {
         Ok(())
     }
 
+    /// The peer `name` is no longer loaded: end what watches it (etcd's prefix watch).
+    pub fn forget(&self, name: &str) {
+        if let Some(e) = &self.etcd {
+            e.forget(name);
+        }
+    }
+
     /// Deliver what is queued (bounded), then stop every thread.
     pub fn shutdown(&self) {
         if let Some(l) = &self.listener {
