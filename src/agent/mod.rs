@@ -348,13 +348,10 @@ impl Agent {
                 return Err(Error::not_found(format!("{:?} is not registered", d.desc)));
             }
         }
-        for d in descs.iter() {
-            for b in &chosen {
-                if let Some(s) = regs.get_mut(&(b.id, mem)) {
-                    if let Some(i) = s.find_exact(&d.desc) {
-                        let (desc, e) = s.remove(i);
-                        b.be.deregister(mem, &desc, e.key.as_ref());
-                    }
+        for b in &chosen {
+            if let Some(s) = regs.get_mut(&(b.id, mem)) {
+                for (desc, e) in s.remove_exact_many(descs.iter().map(|d| &d.desc)) {
+                    b.be.deregister(mem, &desc, e.key.as_ref());
                 }
             }
         }
