@@ -65,11 +65,17 @@ const RUN_GAIN: usize = 8;
 
 impl Runs {
     /// Equal-length, same-group, evenly spaced runs of one common size, if the list `d` (whose groups are
-    /// the spans `spans`, see [`Groups`]) is made of them.
-    fn find(d: &[crate::mem::Desc], spans: &[(usize, u32)]) -> Option<Runs> {
+    /// the spans `spans`, see [`Groups`]) is made of them. With the list's `Breaks` (found while the list
+    /// was resolved) nothing but the first descriptor of each run is read again.
+    fn find(d: &[crate::mem::Desc], spans: &[(usize, u32)], breaks: Option<&Breaks>) -> Option<Runs> {
         let n = d.len();
         if n < 2 || spans.is_empty() {
             return None;
+        }
+        match breaks {
+            Some(b) if b.over => return None,
+            Some(b) => return Runs::from_breaks(d, spans, b),
+            None => {}
         }
         let len32 = |x: &crate::mem::Desc| u32::try_from(x.len).ok().filter(|&l| l != LONG);
         // Descriptors `from + 1 .. to` continue the run that `d[from]` starts with `stride`, one length.
@@ -117,6 +123,153 @@ impl Runs {
             from += take;
         }
         Some(Runs { runs, per })
+    }
+
+    /// `find` without a pass over the list: a run `[from, to)` continues unbroken when no length break lies
+    /// in `from + 1 .. to` and no stride break in `from + 2 .. to` (see [`Breaks`]).
+    fn from_breaks(d: &[crate::mem::Desc], spans: &[(usize, u32)], b: &Breaks) -> Option<Runs> {
+        let n = d.len();
+        let len32 = |x: &crate::mem::Desc| u32::try_from(x.len).ok().filter(|&l| l != LONG);
+        len32(&d[0])?;
+        let first_span = spans[0].0.min(n);
+        let first_len = b.lens.first().copied().unwrap_or(usize::MAX);
+        let first_stride = b.strides.first().copied().unwrap_or(usize::MAX);
+        let per = first_span.min(first_len).min(first_stride);
+        if per < RUN_GAIN * 2
+            || n.div_ceil(per) * std::mem::size_of::<Run>() * RUN_GAIN > n * std::mem::size_of::<Entry>()
+        {
+            return None;
+        }
+        let mut runs = Vec::with_capacity(n.div_ceil(per));
+        let (mut from, mut span, mut li, mut si) = (0, 0, 0, 0);
+        while from < n {
+            let take = per.min(n - from);
+            while spans[span].0 <= from {
+                span += 1;
+            }
+            let (end, group) = spans[span];
+            let e = &d[from];
+            let len = len32(e)?;
+            let stride = if take > 1 { d[from + 1].addr.wrapping_sub(e.addr) } else { 0 };
+            // Breaks at or before this run's first descriptor (+1 for strides) do not concern it.
+            while li < b.lens.len() && b.lens[li] <= from {
+                li += 1;
+            }
+            while si < b.strides.len() && b.strides[si] <= from + 1 {
+                si += 1;
+            }
+            let broken =
+                b.lens.get(li).is_some_and(|&i| i < from + take) || b.strides.get(si).is_some_and(|&i| i < from + take);
+            if end < from + take || broken {
+                return None;
+            }
+            runs.push(Run { addr: e.addr, stride, len, group });
+            from += take;
+        }
+        Some(Runs { runs, per })
+    }
+}
+
+/// Where a descriptor list stops being one arithmetic progression, found in the same pass that resolves it:
+/// `lens` holds every `i` whose length differs from descriptor `i - 1`'s, `strides` every `i ≥ 2` whose
+/// distance from `i - 1` differs from that of `i - 1` from `i - 2` (wrapping), both increasing. At most
+/// `limit` of each are kept: a list with more cannot be runs of `RUN_GAIN * 2` or more (each run adds at most
+/// one length and two stride breaks), and then there are none.
+struct Breaks {
+    lens: Vec<usize>,
+    strides: Vec<usize>,
+    limit: usize,
+    /// The list ended up with too many: no runs.
+    over: bool,
+    prev: Option<(u64, u64, u64)>,
+}
+
+impl Breaks {
+    fn new(n: usize) -> Breaks {
+        Breaks { lens: Vec::new(), strides: Vec::new(), limit: n / RUN_GAIN + 4, over: false, prev: None }
+    }
+
+    /// Descriptor `i` (the descriptors come in order, each once).
+    #[inline(always)]
+    fn see(&mut self, i: usize, d: &crate::mem::Desc) {
+        if let Some((addr, len, stride)) = self.prev {
+            let s = d.addr.wrapping_sub(addr);
+            if d.len != len {
+                self.lens.push(i);
+            }
+            if i >= 2 && s != stride {
+                self.strides.push(i);
+            }
+            self.prev = Some((d.addr, d.len, s));
+        } else {
+            self.prev = Some((d.addr, d.len, 0));
+        }
+    }
+
+    /// `see` every descriptor from `from` on (up to `limit`) that region `r` covers; the index of the first
+    /// one it does not. `Desc::covers` and `see`, with the region's bounds and the last descriptor held in
+    /// registers: this loop reads every descriptor of a list once, so it is the cost of a prep.
+    #[inline(always)]
+    fn scan(&mut self, d: &[crate::mem::Desc], from: usize, limit: usize, r: &crate::mem::Desc, mem: MemType) -> usize {
+        let unbounded = r.len == 0 && mem.zero_len_is_unbounded();
+        let Some(hi) = (if unbounded { Some(u64::MAX) } else { r.end() }) else { return from };
+        let (lo, dev) = (r.addr, r.dev);
+        let Some((mut pa, mut pl, mut ps)) = self.prev else { return from };
+        let mut k = from;
+        while k < limit {
+            // A stretch that continues the progression (same length, same step, same device) needs no break
+            // noted, and needs no bounds check of its own: it is cut where the progression leaves `r`.
+            if k >= 2 {
+                let next = pa.wrapping_add(ps);
+                let step = ps as i64;
+                let inside = next >= lo && next.checked_add(pl).is_some_and(|e| e <= hi);
+                // How many terms next, next + step, ... stay inside [lo, hi - pl] (no wrapping among them).
+                let room = match (inside, step.signum()) {
+                    (false, _) => 0,
+                    (true, 1) => (hi - pl - next) / step as u64 + 1,
+                    (true, -1) => (next - lo) / step.unsigned_abs() + 1,
+                    (true, _) => u64::MAX,
+                };
+                let cap = limit.min(k.saturating_add(usize::try_from(room).unwrap_or(usize::MAX)));
+                let mut end = k;
+                let mut want = next;
+                while end < cap && d[end].addr == want && d[end].len == pl && d[end].dev == dev {
+                    want = want.wrapping_add(ps);
+                    end += 1;
+                }
+                if end > k {
+                    pa = d[end - 1].addr;
+                    k = end;
+                    continue;
+                }
+            }
+            let x = &d[k];
+            let Some(end) = x.addr.checked_add(x.len) else { break };
+            if x.dev != dev || x.addr < lo || end > hi {
+                break;
+            }
+            let s = x.addr.wrapping_sub(pa);
+            if x.len != pl {
+                self.lens.push(k);
+            }
+            if s != ps && k >= 2 {
+                self.strides.push(k);
+            }
+            (pa, pl, ps) = (x.addr, x.len, s);
+            k += 1;
+        }
+        self.prev = Some((pa, pl, ps));
+        k
+    }
+
+    /// Give up once either list is past its limit (checked between spans, so a list of many short spans
+    /// stops early enough).
+    fn check(&mut self) {
+        if self.lens.len() > self.limit || self.strides.len() > self.limit {
+            self.over = true;
+            self.lens = Vec::new();
+            self.strides = Vec::new();
+        }
     }
 }
 
@@ -352,12 +505,12 @@ impl Agent {
             ));
             return Err(PrepFail { err, searched });
         }
-        let Groups { of, keys, devs, .. } = groups;
+        let Groups { of, keys, devs, breaks } = groups;
         let resolved = slots.into_iter().zip(keys).map(|(slot, keys)| Resolved { slot, keys }).collect();
         let d = descs;
         let n = d.len();
         // Straight from the descriptors: a per-block list never builds the entries it does not keep.
-        let runs = Runs::find(d, &of);
+        let runs = Runs::find(d, &of, breaks.as_ref());
         let mut entries: Vec<Entry> = Vec::new();
         let mut long = Vec::new();
         if runs.is_none() {
@@ -792,11 +945,13 @@ struct Groups {
     keys: Vec<Vec<Option<RegionKey>>>,
     /// Per group, the device id.
     devs: Vec<u64>,
+    /// Filled by the first `refine`, which reads every descriptor in order.
+    breaks: Option<Breaks>,
 }
 
 impl Groups {
     fn new(n: usize) -> Groups {
-        Groups { of: vec![(n, 0)], keys: Vec::new(), devs: Vec::new() }
+        Groups { of: vec![(n, 0)], keys: Vec::new(), devs: Vec::new(), breaks: None }
     }
 
     /// Resolve every descriptor in `sec` and split the groups by the region found. `false` (and nothing
@@ -815,6 +970,8 @@ impl Groups {
         let mut region_of: Vec<usize> = Vec::new();
         let mut devs = Vec::new();
         let mut index: HashMap<(u32, usize), u32> = HashMap::new();
+        // The first call (one span over the whole list) also notes where the list breaks its progression.
+        let mut breaks = (self.keys.is_empty() && self.breaks.is_none()).then(|| Breaks::new(d.len()));
         let (mut j, mut span) = (0, 0);
         while j < d.len() {
             while self.of[span].0 <= j {
@@ -833,7 +990,15 @@ impl Groups {
             // tight scans.
             let (r, _) = sec.get(region);
             let limit = old_end.min(d.len());
-            let k = j + 1 + d[j + 1..limit].iter().take_while(|x| r.covers(x, mem)).count();
+            let k = match breaks.as_mut().filter(|b| !b.over) {
+                Some(b) => {
+                    b.see(j, &d[j]);
+                    let k = b.scan(d, j + 1, limit, r, mem);
+                    b.check();
+                    k
+                }
+                None => j + 1 + d[j + 1..limit].iter().take_while(|x| r.covers(x, mem)).count(),
+            };
             match of.last_mut() {
                 Some((end, last)) if *last == g => *end = k,
                 _ => of.push((k, g)),
@@ -843,7 +1008,8 @@ impl Groups {
         let mut keys: Vec<Vec<Option<RegionKey>>> =
             self.keys.iter().map(|old| parent.iter().map(|&p| old[p as usize].clone()).collect()).collect();
         keys.push(region_of.iter().map(|&r| key(r)).collect());
-        *self = Groups { of, keys, devs };
+        let breaks = breaks.or(self.breaks.take());
+        *self = Groups { of, keys, devs, breaks };
         true
     }
 }
@@ -1028,6 +1194,74 @@ fn ceil_us(d: std::time::Duration) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `Runs::find` from the breaks seen in one pass gives what the two scans give, on lists that are runs,
+    /// almost runs (one descriptor off anywhere), and not runs at all, with several group spans.
+    #[test]
+    fn runs_from_breaks_match_the_scans() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rnd = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        let key = |r: &Option<Runs>| {
+            r.as_ref().map(|r| (r.per, r.runs.iter().map(|u| (u.addr, u.stride, u.len, u.group)).collect::<Vec<_>>()))
+        };
+        let (mut some, mut none) = (0, 0);
+        for case in 0..400 {
+            let regions = 1 + rnd(8);
+            let per = 16 + rnd(48);
+            let n = (regions * per) as usize - rnd(per) as usize;
+            let len = if case % 7 == 0 { 1 + rnd(3) } else { 64 };
+            let mut d: Vec<Desc> = (0..n as u64)
+                .map(|i| {
+                    let region = regions - 1 - i / per;
+                    Desc::new(
+                        0x10_0000 + region * per * 4096 + (i % per) * if case % 5 == 0 { 64 } else { 128 },
+                        len,
+                        0,
+                    )
+                })
+                .collect();
+            match case % 4 {
+                1 => {
+                    let i = rnd(n as u64) as usize;
+                    d[i].addr += 8;
+                }
+                2 => {
+                    let i = rnd(n as u64) as usize;
+                    d[i].len += 1;
+                }
+                3 if case % 8 == 3 => d.iter_mut().for_each(|e| e.addr = rnd(1 << 30)),
+                _ => {}
+            }
+            let mut spans = Vec::new();
+            let mut end = 0;
+            while end < n {
+                end = (end + 1 + rnd(3 * per) as usize).min(n);
+                spans.push((end, spans.len() as u32));
+            }
+            if case % 3 == 0 {
+                spans = vec![(n, 0)];
+            }
+            let mut b = Breaks::new(n);
+            for (i, e) in d.iter().enumerate() {
+                b.see(i, e);
+            }
+            b.check();
+            let scanned = Runs::find(&d, &spans, None);
+            let from_breaks = Runs::find(&d, &spans, Some(&b));
+            assert_eq!(key(&scanned), key(&from_breaks), "case {case}: n {n}, per {per}, {} spans", spans.len());
+            if scanned.is_some() {
+                some += 1;
+            } else {
+                none += 1;
+            }
+        }
+        assert!(some > 50 && none > 50, "{some} lists of runs, {none} not: the cases must cover both");
+    }
     use crate::backend::Params;
     use crate::mem::{Desc, RegDList, RegDesc};
     use crate::AgentConfig;
@@ -1173,6 +1407,51 @@ mod tests {
             }
             assert_eq!(group_region.len(), edges.len() - 1, "one group per registration (cuts {cuts:?})");
         }
+    }
+
+    /// Progressions that cross registration boundaries, run backwards, or overhang a registration: every
+    /// descriptor gets the registration that holds it, and one that lies across two is refused.
+    #[test]
+    fn progressions_are_cut_at_registration_edges() {
+        let buf = vec![5u8; 64 * B as usize];
+        let base = buf.as_ptr() as u64;
+        let a = Agent::new("pc", AgentConfig::default()).unwrap();
+        a.create_backend("UCX", &Params::new()).unwrap();
+        // Eight adjacent registrations of 8 blocks each.
+        let regs: Vec<RegDesc> =
+            (0..8).map(|r| RegDesc { desc: Desc::new(base + r * 8 * B, 8 * B, 0), meta: vec![] }).collect();
+        a.register_mem(&RegDList::with_descs(MemType::Dram, regs), &[]).unwrap();
+        let region = |addr: u64| (addr - base) / (8 * B);
+        let check = |addrs: Vec<u64>, len: u64| {
+            let list = XferDList::with_descs(MemType::Dram, addrs.iter().map(|&x| Desc::new(x, len, 0)).collect());
+            let p = a.prep_xfer_dlist("", &list, &[]).unwrap();
+            let idx: Vec<i64> = (0..addrs.len() as i64).collect();
+            let (segs, _) = plan_segs(&p.0, &idx, &p.0, &idx, false).unwrap();
+            let mut group_region = HashMap::new();
+            for (s, &x) in segs.iter().zip(&addrs) {
+                assert_eq!(s.local, x);
+                let r = region(x);
+                assert_eq!(*group_region.entry(s.lreg).or_insert(r), r, "group {} spans two registrations", s.lreg);
+            }
+        };
+        // Forwards over all eight, in blocks and in half blocks; backwards; with a step of three blocks.
+        check((0..64).map(|i| base + i * B).collect(), B);
+        check((0..128).map(|i| base + i * B / 2).collect(), B / 2);
+        check((0..64).rev().map(|i| base + i * B).collect(), B);
+        check((0..21).map(|i| base + i * 3 * B).collect(), B);
+        // A block-sized step from half a block in: the 8th descriptor lies across the first edge.
+        let across =
+            XferDList::with_descs(MemType::Dram, (0..16).map(|i| Desc::new(base + B / 2 + i * B, B, 0)).collect());
+        let e = a.prep_xfer_dlist("", &across, &[]).unwrap_err();
+        assert_eq!(e.status(), Status::NotFound, "{e}");
+        // The same backwards, and one that runs past the end of the buffer.
+        let back = XferDList::with_descs(
+            MemType::Dram,
+            (0..16).rev().map(|i| Desc::new(base + B / 2 + i * B, B, 0)).collect(),
+        );
+        assert_eq!(a.prep_xfer_dlist("", &back, &[]).unwrap_err().status(), Status::NotFound);
+        let past = XferDList::with_descs(MemType::Dram, (60..65).map(|i| Desc::new(base + i * B, B, 0)).collect());
+        assert_eq!(a.prep_xfer_dlist("", &past, &[]).unwrap_err().status(), Status::NotFound);
     }
 
     #[test]
