@@ -353,22 +353,13 @@ fn collect(dir: &Path, ttl_ns: u64, warned: &Mutex<HashSet<PathBuf>>) -> Vec<Row
     rows.into_iter().map(|r| r.2).collect()
 }
 
-/// A mapping for reading, unmapped when dropped.
-struct ReadMap {
-    base: *const u8,
-    len: usize,
-}
-
-impl Drop for ReadMap {
-    fn drop(&mut self) {
-        // SAFETY: our own mapping.
-        unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
-    }
-}
-
 /// The row of one store file: None when it is stale (then removed), Err when it is not to be trusted.
+///
+/// The file is read into a buffer (`pread`), never mapped: a store that another process truncates or regrows
+/// while it is read gives a short or inconsistent snapshot (skipped with a log line), where a mapping read past
+/// the new end would kill this process with SIGBUS.
 fn read_store(path: &Path, ttl_ns: u64) -> std::result::Result<Option<(u64, u64, Row)>, String> {
-    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
     let f = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
@@ -388,9 +379,17 @@ fn read_store(path: &Path, ttl_ns: u64) -> std::result::Result<Option<(u64, u64,
     if !(HEADER * 8..=MAX_FILE).contains(&len) {
         return Err(format!("{len} bytes is no store file"));
     }
-    let base = crate::util::map_shared(f.as_raw_fd(), len, false).map_err(|e| e.to_string())?;
-    let map = ReadMap { base, len };
-    let w = |i: usize| word(map.base, i).load(Ordering::Acquire);
+    let mut buf = vec![0u8; len];
+    let mut got = 0;
+    while got < len {
+        match f.read_at(&mut buf[got..], got as u64) {
+            Ok(0) => return Err(format!("truncated while read ({got} of {len} bytes)")),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    let w = |i: usize| u64::from_ne_bytes(buf[i * 8..i * 8 + 8].try_into().unwrap_or_default());
     if w(0) != MAGIC {
         // Not written yet (a process creating it) or not ours: nothing to serve.
         return Ok(None);
@@ -415,9 +414,8 @@ fn read_store(path: &Path, ttl_ns: u64) -> std::result::Result<Option<(u64, u64,
     if bounds.iter().any(|b| !b.is_finite()) || bounds.windows(2).any(|p| p[0] >= p[1]) {
         return Err("bad histogram bounds".into());
     }
-    // SAFETY: `text_len` bytes at `text_at`, inside the mapping (checked above).
-    let text = unsafe { std::slice::from_raw_parts(map.base.add(text_at), text_len) };
-    let text = std::str::from_utf8(text).map_err(|_| "labels are not UTF-8".to_string())?;
+    let text =
+        std::str::from_utf8(&buf[text_at..text_at + text_len]).map_err(|_| "labels are not UTF-8".to_string())?;
     let mut it = text.split('\0');
     let (host, agent, rank) = (it.next().unwrap_or(""), it.next().unwrap_or(""), it.next().unwrap_or(""));
     let mut labels =
@@ -425,14 +423,62 @@ fn read_store(path: &Path, ttl_ns: u64) -> std::result::Result<Option<(u64, u64,
     if !rank.is_empty() {
         labels.push_str(&format!(",local_rank=\"{}\"", esc(rank)));
     }
-    // SAFETY: `words` atomics after the header, inside the mapping (checked above), read while it lives.
-    let values = unsafe { std::slice::from_raw_parts(map.base.add(HEADER * 8) as *const AtomicU64, words) };
-    Ok(Some((pid, instance, Row::read(labels, &bounds, values))))
+    let values: Vec<AtomicU64> = (0..words).map(|i| AtomicU64::new(w(HEADER + i))).collect();
+    Ok(Some((pid, instance, Row::read(labels, &bounds, &values))))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Another process's store truncated and regrown again and again while it is scraped: every read gives its
+    /// row or a skip, never SIGBUS (a mapping read past the truncated end killed the exporting process).
+    #[test]
+    fn a_store_truncated_during_scrapes_is_skipped_not_fatal() {
+        let dir = std::env::temp_dir().join(format!("gixl-mp-trunc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let s = Store::create(&dir, 7, &["h", "a", ""], &[10.0]).unwrap();
+        let series = Series::new("a", vec![10.0], Some(s));
+        series.record(super::super::MEM_REGISTERED, 512);
+        let pid = std::process::id();
+        let bytes = std::fs::read(dir.join(format!("gixl.{pid}.7.store"))).unwrap();
+        drop(series);
+        let _ = std::fs::remove_file(dir.join(format!("gixl.{pid}.7.store"))); // a clean end removes it already
+                                                                               // A copy stands for another process's file: this process never maps it.
+        let other = dir.join(format!("gixl.{pid}.8.store"));
+        std::fs::write(&other, &bytes).unwrap();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let churn = {
+            let (stop, other, bytes) = (stop.clone(), other.clone(), bytes.clone());
+            std::thread::spawn(move || {
+                use std::os::unix::fs::FileExt;
+                let f = std::fs::OpenOptions::new().write(true).open(&other).unwrap();
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    f.set_len([0, 8, 100, HEADER as u64 * 8 + 16][n as usize % 4]).unwrap();
+                    f.write_all_at(&bytes, 0).unwrap();
+                    n += 1;
+                }
+                n
+            })
+        };
+        let warned = Mutex::new(HashSet::new());
+        let (mut rows, mut skips) = (0, 0);
+        let until = std::time::Instant::now() + std::time::Duration::from_millis(500);
+        while std::time::Instant::now() < until {
+            match collect(&dir, u64::MAX, &warned).len() {
+                1 => rows += 1,
+                _ => skips += 1,
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        let cycles = churn.join().unwrap();
+        assert!(cycles > 10, "the file was truncated and regrown {cycles} times");
+        assert!(rows + skips > 10, "{rows} rows, {skips} skips");
+        // Whole again: served.
+        assert_eq!(collect(&dir, u64::MAX, &warned).len(), 1);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn a_store_is_read_back_and_a_dead_stale_one_is_reaped() {
