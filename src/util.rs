@@ -106,9 +106,115 @@ pub(crate) fn epoll_del(epfd: i32, fd: i32) {
     unsafe { libc::epoll_ctl(epfd, libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
 }
 
+/// Connect to the abstract Unix socket `name`, waiting at most `wait` for room in its backlog: a plain
+/// `connect` blocks for as long as the listener (a stopped process, or a stranger who owns the name) leaves
+/// its backlog full. A full backlog past `wait` is `TimedOut`. The stream returned is blocking.
+pub(crate) fn connect_abstract(name: &[u8], wait: std::time::Duration) -> io::Result<std::os::unix::net::UnixStream> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    // SAFETY: an all-zero sockaddr_un is valid.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    if name.len() + 1 > addr.sun_path.len() {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "socket name too long"));
+    }
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (i, b) in name.iter().enumerate() {
+        addr.sun_path[i + 1] = *b as libc::c_char;
+    }
+    let len = (std::mem::offset_of!(libc::sockaddr_un, sun_path) + 1 + name.len()) as libc::socklen_t;
+    // SAFETY: plain syscall.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor that nothing else owns.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    let deadline = std::time::Instant::now() + wait;
+    let mut pause = std::time::Duration::from_millis(1);
+    loop {
+        // SAFETY: `addr` is a sockaddr_un of which `len` bytes are used.
+        let r = unsafe { libc::connect(sock.as_raw_fd(), (&addr as *const libc::sockaddr_un).cast(), len) };
+        if r == 0 {
+            break;
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            // A Unix stream socket answers a full backlog at once; it never connects in the background.
+            Some(libc::EAGAIN) => {
+                let now = std::time::Instant::now();
+                if now >= deadline {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("the listener's backlog stayed full for {wait:?}"),
+                    ));
+                }
+                std::thread::sleep(pause.min(deadline - now));
+                pause = (pause * 2).min(std::time::Duration::from_millis(20));
+            }
+            _ => return Err(e),
+        }
+    }
+    // SAFETY: plain fcntl on our descriptor.
+    let flags = unsafe { libc::fcntl(sock.as_raw_fd(), libc::F_GETFL) };
+    // SAFETY: as above.
+    if flags < 0 || unsafe { libc::fcntl(sock.as_raw_fd(), libc::F_SETFL, flags & !libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(std::os::unix::net::UnixStream::from(sock))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A listener that never accepts and has a full backlog: the connect gives up after its wait (a plain
+    /// `connect` would block until the listener goes away), and connects at once once there is room.
+    #[test]
+    fn connect_abstract_waits_for_a_full_backlog_only_so_long() {
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        let name = format!("gixl-test-backlog-{}-{}", std::process::id(), random_u128());
+        // SAFETY: plain syscalls on a descriptor this test owns; `addr` is a valid sockaddr_un.
+        let listener = unsafe {
+            let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+            assert!(fd >= 0);
+            let l = OwnedFd::from_raw_fd(fd);
+            let mut addr: libc::sockaddr_un = std::mem::zeroed();
+            addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+            for (i, b) in name.bytes().enumerate() {
+                addr.sun_path[i + 1] = b as libc::c_char;
+            }
+            let len = (std::mem::offset_of!(libc::sockaddr_un, sun_path) + 1 + name.len()) as libc::socklen_t;
+            assert_eq!(libc::bind(fd, (&addr as *const libc::sockaddr_un).cast(), len), 0);
+            assert_eq!(libc::listen(fd, 0), 0);
+            l
+        };
+        let short = std::time::Duration::from_millis(200);
+        let mut held = Vec::new();
+        let full = loop {
+            match connect_abstract(name.as_bytes(), short) {
+                Ok(s) => held.push(s),
+                Err(e) => break e,
+            }
+            assert!(held.len() < 64, "the backlog never filled");
+        };
+        assert_eq!(full.kind(), io::ErrorKind::TimedOut, "{full}");
+        let t = std::time::Instant::now();
+        let e = connect_abstract(name.as_bytes(), short).unwrap_err();
+        let took = t.elapsed();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert!(took >= short && took < short * 10, "gave up after {took:?}");
+        // SAFETY: accept on our listener; the accepted descriptor is closed at once.
+        let fd = unsafe { libc::accept(listener.as_raw_fd(), std::ptr::null_mut(), std::ptr::null_mut()) };
+        assert!(fd >= 0);
+        // SAFETY: the accepted descriptor is ours.
+        unsafe { libc::close(fd) };
+        let s = connect_abstract(name.as_bytes(), short).expect("room after one accept");
+        assert!(!s.as_raw_fd().is_negative());
+        assert_eq!(
+            connect_abstract(b"gixl-test-nobody-listens-here", short).unwrap_err().kind(),
+            io::ErrorKind::ConnectionRefused
+        );
+    }
 
     #[test]
     fn randomness_differs() {

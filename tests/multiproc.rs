@@ -265,3 +265,82 @@ fn forged_metadata_over_cma_writes_nothing() {
     assert!(src[..4096].iter().all(|&b| b == 4));
     p.kill();
 }
+
+/// A target that is stopped (SIGSTOP) and whose control socket's backlog someone has filled: loading its
+/// metadata gives up on the socket within its bound instead of blocking until the target runs again (it
+/// blocked for as long as the target stayed stopped), and once the target runs again a READ works.
+#[test]
+fn loading_a_stopped_target_with_a_full_backlog_is_bounded() {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let size = MIB;
+    let p = Prefill::start(size, 9);
+    let pid = p.child.id() as i32;
+    // The socket name: learnt the way any peer learns it, from the metadata.
+    let scout = Agent::new("scout", AgentConfig::default()).unwrap();
+    scout.create_backend("UCX", &Params::new()).unwrap();
+    scout.load_remote_md(&p.md).unwrap();
+    let inc = scout.remote_incarnation("prefill").unwrap();
+    drop(scout);
+    let name = format!("gixl.{pid}.{inc:032x}");
+    // SAFETY: signals to our own child.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    // Fill the backlog: non-blocking connects until the kernel says it is full.
+    let mut fillers: Vec<OwnedFd> = Vec::new();
+    loop {
+        // SAFETY: plain syscalls on descriptors this test owns; `addr` is a valid sockaddr_un.
+        let full = unsafe {
+            let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0);
+            assert!(fd >= 0);
+            let s = OwnedFd::from_raw_fd(fd);
+            let mut addr: libc::sockaddr_un = std::mem::zeroed();
+            addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+            for (i, b) in name.bytes().enumerate() {
+                addr.sun_path[i + 1] = b as libc::c_char;
+            }
+            let len = (std::mem::offset_of!(libc::sockaddr_un, sun_path) + 1 + name.len()) as libc::socklen_t;
+            let r = libc::connect(s.as_raw_fd(), (&addr as *const libc::sockaddr_un).cast(), len);
+            let err = std::io::Error::last_os_error().raw_os_error();
+            if r == 0 {
+                fillers.push(s);
+                false
+            } else {
+                assert_eq!(err, Some(libc::EAGAIN), "connect to {name}");
+                true
+            }
+        };
+        if full {
+            break;
+        }
+        assert!(fillers.len() < 100_000, "the backlog never filled");
+    }
+    let d = std::sync::Arc::new(Agent::new("decode-stopped", AgentConfig::default()).unwrap());
+    d.create_backend("UCX", &Params::new()).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (d2, md) = (d.clone(), p.md.clone());
+    let t = Instant::now();
+    std::thread::spawn(move || tx.send(d2.load_remote_md(&md).map(|_| ())).unwrap());
+    let got = rx.recv_timeout(Duration::from_secs(20));
+    let took = t.elapsed();
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    drop(fillers);
+    let loaded = got.unwrap_or_else(|_| panic!("load_remote_md still blocked after {took:?}"));
+    eprintln!("load_remote_md of a stopped target with a full backlog: {loaded:?} after {took:?}");
+    assert!(took < Duration::from_secs(10), "{took:?}");
+    // Running again: reachable once loaded afresh (a peer whose socket could not be reached is taken for
+    // gone, as one whose pid does not listen on it).
+    if loaded.is_ok() {
+        d.invalidate_remote_md("prefill").unwrap();
+    }
+    d.load_remote_md(&p.md).unwrap();
+    let dst = vec![0u8; size];
+    let dd = Desc::new(dst.as_ptr() as u64, size as u64, 0);
+    d.register_mem(&RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: dd, meta: vec![] }]), &[]).unwrap();
+    let x = d
+        .create_xfer_req(XferOp::Read, &one(dd.addr, size), &one(p.addr, size), "prefill", &XferOpts::default())
+        .unwrap();
+    d.post_xfer_req(&x, NotifUpdate::Keep).unwrap();
+    assert_eq!(wait(&d, &x, Duration::from_secs(10)).unwrap(), Status::Success);
+    assert!(dst.iter().all(|&b| b == 9));
+    p.kill();
+}

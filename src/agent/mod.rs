@@ -434,16 +434,51 @@ impl Agent {
         let backends: Vec<Arc<BackendSlot>> = self.inner.backends.read().clone();
         let by_name = |n: &str| backends.iter().find(|b| b.name == n && b.caps.remote).cloned();
 
+        // A peer not loaded yet is connected to (sockets, pidfds: I/O that may wait) before the table is
+        // locked, so a slow or hostile peer never holds up calls about other peers.
+        let fresh = if self.inner.remotes.read().contains_key(&md.name) {
+            None
+        } else {
+            if md.conns.is_empty() {
+                return Err(Error::not_found(format!(
+                    "agent '{}' is not loaded and its metadata has no connection info",
+                    md.name
+                )));
+            }
+            let mut peers = Vec::new();
+            let mut last_err = None;
+            for (bname, info) in &md.conns {
+                let Some(b) = by_name(bname) else { continue };
+                match b.be.load_peer(&md.name, md.incarnation, info) {
+                    Ok(p) => peers.push((b.id, p)),
+                    Err(e) => last_err = Some(e),
+                }
+            }
+            if peers.is_empty() {
+                return Err(last_err
+                    .unwrap_or_else(|| Error::backend(format!("no backend in common with agent '{}'", md.name))));
+            }
+            Some(Arc::new(RemoteAgent {
+                name: md.name.clone(),
+                incarnation: md.incarnation,
+                invalidated: AtomicBool::new(false),
+                conns: md.conns.clone(),
+                peers,
+                sections: RwLock::new(HashMap::new()),
+            }))
+        };
+
         let mut remotes = self.inner.remotes.write();
         let existing = remotes.get(&md.name).cloned();
-        let ra = match existing {
-            Some(ra) if ra.incarnation != md.incarnation => {
+        let ra = match (existing, fresh) {
+            (Some(ra), _) if ra.incarnation != md.incarnation => {
                 return Err(Error::not_allowed(format!(
                     "agent '{}' is loaded with incarnation {:032x}; metadata is for {:032x} (a restarted peer): invalidate it first",
                     md.name, ra.incarnation, md.incarnation
                 )));
             }
-            Some(ra) => {
+            // Loaded already (possibly by another thread while this one connected: its connection wins).
+            (Some(ra), _) => {
                 if !md.conns.is_empty() && md.conns != ra.conns {
                     return Err(Error::not_allowed(format!(
                         "agent '{}' sent different connection info for the same incarnation",
@@ -452,34 +487,12 @@ impl Agent {
                 }
                 ra
             }
-            None => {
-                if md.conns.is_empty() {
-                    return Err(Error::not_found(format!(
-                        "agent '{}' is not loaded and its metadata has no connection info",
-                        md.name
-                    )));
-                }
-                let mut peers = Vec::new();
-                let mut last_err = None;
-                for (bname, info) in &md.conns {
-                    let Some(b) = by_name(bname) else { continue };
-                    match b.be.load_peer(&md.name, md.incarnation, info) {
-                        Ok(p) => peers.push((b.id, p)),
-                        Err(e) => last_err = Some(e),
-                    }
-                }
-                if peers.is_empty() {
-                    return Err(last_err
-                        .unwrap_or_else(|| Error::backend(format!("no backend in common with agent '{}'", md.name))));
-                }
-                Arc::new(RemoteAgent {
-                    name: md.name.clone(),
-                    incarnation: md.incarnation,
-                    invalidated: AtomicBool::new(false),
-                    conns: md.conns.clone(),
-                    peers,
-                    sections: RwLock::new(HashMap::new()),
-                })
+            (None, Some(fresh)) => fresh,
+            (None, None) => {
+                return Err(Error::not_found(format!(
+                    "agent '{}' was removed while its metadata was being loaded; load it again",
+                    md.name
+                )))
             }
         };
 

@@ -62,6 +62,9 @@ pub const QUEUE_MSGS: usize = 1 << 16;
 pub const QUEUE_BYTES: usize = 256 << 20;
 /// How long a sender waits for the handshake and for room in the peer's socket.
 const SEND_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a connect to a peer's socket waits for room in its backlog (a stopped peer, or a stranger who
+/// holds the name and never accepts, would otherwise block `add_remote_agent` for as long as they like).
+const CONNECT_WAIT: Duration = Duration::from_secs(1);
 
 const TOKEN_WAKE: u64 = 0;
 /// In the progress thread's epoll set: the local epoll set (`Local::epfd`); inside that set: the listener.
@@ -271,9 +274,7 @@ impl Sender {
         from: &str,
         from_incarnation: u128,
     ) -> Result<Sender> {
-        let addr =
-            SocketAddr::from_abstract_name(sock_name).map_err(|e| Error::os(Status::Backend, "peer socket name", e))?;
-        let stream = UnixStream::connect_addr(&addr)
+        let stream = crate::util::connect_abstract(sock_name, CONNECT_WAIT)
             .map_err(|e| Error::os(Status::RemoteDisconnect, "connecting to the peer's notification socket", e))?;
         let opt = |e| Error::os(Status::Backend, "socket option", e);
         stream.set_write_timeout(Some(SEND_TIMEOUT)).map_err(opt)?;
@@ -392,8 +393,7 @@ fn allowed_uids() -> Vec<u32> {
 /// The pid of the process listening on the abstract socket `sock_name`, if one does: how a peer that
 /// claims to run on this host proves it (only then does the engine open a pidfd for it).
 pub fn listener_pid(sock_name: &[u8]) -> Option<i32> {
-    let addr = SocketAddr::from_abstract_name(sock_name).ok()?;
-    let s = UnixStream::connect_addr(&addr).ok()?;
+    let s = crate::util::connect_abstract(sock_name, CONNECT_WAIT).ok()?;
     peer_cred(s.as_raw_fd()).map(|c| c.pid)
 }
 
