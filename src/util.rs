@@ -106,6 +106,49 @@ pub(crate) fn epoll_del(epfd: i32, fd: i32) {
     unsafe { libc::epoll_ctl(epfd, libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
 }
 
+/// Whether an `accept` failed because this process (EMFILE) or the system (ENFILE) is out of descriptors
+/// (or the kernel of memory for one): the connection stays in the backlog, so the listener stays readable
+/// and a loop that just returns is woken again at once, spinning for as long as the limit lasts.
+pub(crate) fn out_of_fds(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM))
+}
+
+/// One descriptor kept open in reserve for `shed_one`.
+static RESERVE: parking_lot::Mutex<Option<std::os::fd::OwnedFd>> = parking_lot::Mutex::new(None);
+
+fn open_reserve() -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // SAFETY: plain syscall; the descriptor is owned below.
+    let r = unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    // SAFETY: a fresh descriptor that nothing else owns.
+    (r >= 0).then(|| unsafe { OwnedFd::from_raw_fd(r) })
+}
+
+/// Keep a descriptor in reserve for `shed_one` (called when a listener starts, while descriptors are left).
+pub(crate) fn reserve_fd_for_shedding() {
+    let mut reserve = RESERVE.lock();
+    if reserve.is_none() {
+        *reserve = open_reserve();
+    }
+}
+
+/// After `out_of_fds`: take the oldest pending connection off `listener`'s backlog and close it at once,
+/// through the descriptor kept in reserve for this (closed first, reopened after), so that a listener at the
+/// descriptor limit sheds what it cannot serve instead of spinning. `false` when nothing could be shed (no
+/// reserve, and no descriptor free): the caller should pause before it tries again.
+pub(crate) fn shed_one(listener: std::os::fd::RawFd) -> bool {
+    let mut reserve = RESERVE.lock();
+    drop(reserve.take());
+    // SAFETY: plain syscall; the descriptor, if any, is closed at once.
+    let fd = unsafe { libc::accept4(listener, std::ptr::null_mut(), std::ptr::null_mut(), libc::SOCK_CLOEXEC) };
+    if fd >= 0 {
+        // SAFETY: ours, just accepted.
+        unsafe { libc::close(fd) };
+    }
+    *reserve = open_reserve();
+    fd >= 0
+}
+
 /// Connect to the abstract Unix socket `name`, waiting at most `wait` for room in its backlog: a plain
 /// `connect` blocks for as long as the listener (a stopped process, or a stranger who owns the name) leaves
 /// its backlog full. A full backlog past `wait` is `TimedOut`. The stream returned is blocking.

@@ -99,9 +99,45 @@ impl Prefill {
 
 #[test]
 fn child_entry() {
-    if std::env::var("GIXL_CHILD").as_deref() == Ok("prefill") {
-        prefill_child();
+    match std::env::var("GIXL_CHILD").as_deref() {
+        Ok("prefill") => prefill_child(),
+        Ok("fdlimit") => fd_limit_child(),
+        _ => {}
     }
+}
+
+/// CPU time this process has used (user + system).
+fn cpu_time() -> Duration {
+    // SAFETY: a zeroed rusage to fill.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: plain syscall into `u`.
+    assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) }, 0);
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(u.ru_utime) + tv(u.ru_stime)
+}
+
+/// An agent with a metadata listener, then at its descriptor limit: prints its listener port and its control
+/// socket's name, waits for `measure`, then prints the CPU time it used over the next two seconds.
+fn fd_limit_child() {
+    let cfg = AgentConfig { listen_thread: true, listen_port: 0, ..AgentConfig::default() };
+    let a = Agent::new("fdlimit", cfg).unwrap();
+    a.create_backend("UCX", &Params::new()).unwrap();
+    let open = std::fs::read_dir("/proc/self/fd").unwrap().count() as u64;
+    let lim = libc::rlimit { rlim_cur: open + 4, rlim_max: open + 64 };
+    // SAFETY: plain syscall.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
+    let out = std::io::stdout();
+    let mut out = out.lock();
+    let sock = format!("gixl.{}.{:032x}", std::process::id(), a.incarnation());
+    writeln!(out, "\n@md {} {sock}", a.listen_port().unwrap()).unwrap();
+    out.flush().unwrap();
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).unwrap();
+    let t0 = cpu_time();
+    std::thread::sleep(Duration::from_secs(2));
+    writeln!(out, "cpu {}", (cpu_time() - t0).as_micros()).unwrap();
+    out.flush().unwrap();
+    drop(a);
 }
 
 fn wait(a: &Agent, r: &XferReq, limit: Duration) -> Result<Status> {
@@ -343,4 +379,43 @@ fn loading_a_stopped_target_with_a_full_backlog_is_bounded() {
     assert_eq!(wait(&d, &x, Duration::from_secs(10)).unwrap(), Status::Success);
     assert!(dst.iter().all(|&b| b == 9));
     p.kill();
+}
+
+/// An agent at its descriptor limit while strangers keep connecting to its metadata listener and its control
+/// socket: the connections it cannot take are shed, and it stays idle (it spun on the level-triggered
+/// listeners, a core's worth of CPU for as long as the limit lasted).
+#[test]
+fn an_agent_at_its_descriptor_limit_does_not_spin() {
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"]).env("GIXL_CHILD", "fdlimit");
+    let (mut child, mut stdin, mut stdout, rest) = common::spawn_until_md(c);
+    let mut it = rest.split(' ');
+    let port: u16 = it.next().unwrap().parse().unwrap();
+    let sock = it.next().unwrap().to_owned();
+    let mut held = Vec::new();
+    for _ in 0..40 {
+        if let Ok(s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            held.push(s);
+        }
+    }
+    let mut unix = Vec::new();
+    for _ in 0..40 {
+        use std::os::linux::net::SocketAddrExt;
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(sock.as_bytes()).unwrap();
+        if let Ok(s) = std::os::unix::net::UnixStream::connect_addr(&addr) {
+            unix.push(s);
+        }
+    }
+    assert!(held.len() >= 20 && unix.len() >= 20, "{} TCP, {} local connections", held.len(), unix.len());
+    writeln!(stdin, "measure").unwrap();
+    let mut line = String::new();
+    while !line.starts_with("cpu ") {
+        line.clear();
+        assert!(stdout.read_line(&mut line).unwrap() > 0, "the child exited");
+    }
+    let us: u64 = line.trim()[4..].parse().unwrap();
+    eprintln!("CPU of an agent at its descriptor limit over 2 s: {us} us");
+    assert!(us < 500_000, "{us} us of CPU in 2 s: the listeners spin");
+    drop(stdin);
+    let _ = child.wait();
 }

@@ -71,6 +71,7 @@ pub(crate) struct P2p {
 impl P2p {
     /// Start the thread; with `listen`, bind `0.0.0.0:port` first (0: any free port), failing if it cannot.
     pub fn start(host: Arc<dyn Host>, listen: Option<u16>) -> Result<P2p> {
+        crate::util::reserve_fd_for_shedding();
         let listener = match listen {
             None => None,
             Some(port) => {
@@ -335,6 +336,15 @@ impl Loop {
             match l.accept() {
                 Ok(x) => fresh.push(x),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                // At the descriptor limit the connection stays queued and the listener readable: shed it
+                // rather than be woken for it again and again.
+                Err(e) if crate::util::out_of_fds(&e) => {
+                    if crate::util::shed_one(l.as_raw_fd()) {
+                        continue;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                    break;
+                }
                 Err(_) => break,
             }
             if fresh.len() >= 64 {

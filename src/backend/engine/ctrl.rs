@@ -98,6 +98,7 @@ pub struct Ctrl {
 impl Ctrl {
     /// Bind the notification socket `\0gixl.<pid>.<incarnation>` and start the progress thread.
     pub fn start(incarnation: u128, queue: Arc<NotifQueue>, setup: TcpSetup) -> Result<Ctrl> {
+        crate::util::reserve_fd_for_shedding();
         let sock_name = format!("gixl.{}.{incarnation:032x}", std::process::id()).into_bytes();
         let addr = SocketAddr::from_abstract_name(&sock_name)
             .map_err(|e| Error::os(Status::Backend, "notification socket name", e))?;
@@ -560,7 +561,21 @@ impl Local {
     }
 
     fn accept(&mut self) {
-        while let Ok((stream, _)) = self.listener.accept() {
+        loop {
+            let stream = match self.listener.accept() {
+                Ok((s, _)) => s,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                // At the descriptor limit the connection stays queued and the listener readable: shed it
+                // rather than be woken for it again and again.
+                Err(e) if crate::util::out_of_fds(&e) => {
+                    if crate::util::shed_one(self.listener.as_raw_fd()) {
+                        continue;
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                    return;
+                }
+                Err(_) => return,
+            };
             // Another user's process is refused before it can say anything (root and GIXL_ALLOW_UIDS aside).
             // SAFETY: plain syscall.
             let me = unsafe { libc::geteuid() };
