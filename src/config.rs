@@ -48,9 +48,33 @@ fn choose(named: Option<PathBuf>, home: Option<PathBuf>, exists: impl Fn(&Path) 
     home.into_iter().chain([PathBuf::from("/etc/nixl.cfg")]).find(|p| exists(p))
 }
 
+/// Largest config file read (NIXL's are a few lines).
+const MAX_FILE: u64 = 1 << 20;
+
+/// Read and parse a config file: a regular file of at most `MAX_FILE` bytes. Opened without blocking, so a
+/// FIFO or a device named by `NIXL_CONFIG_FILE` is refused at once instead of hanging agent creation (a FIFO)
+/// or reading without end (`/dev/zero`).
 fn load(path: &Path) -> std::result::Result<toml::Table, String> {
-    let text =
-        std::fs::read_to_string(path).map_err(|e| format!("the config file {} cannot be read: {e}", path.display()))?;
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let cannot = |e: std::io::Error| format!("the config file {} cannot be read: {e}", path.display());
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(cannot)?;
+    let m = f.metadata().map_err(cannot)?;
+    if !m.file_type().is_file() {
+        return Err(format!("the config file {} is not a regular file", path.display()));
+    }
+    if m.len() > MAX_FILE {
+        return Err(format!("the config file {} is {} bytes; at most {MAX_FILE} are read", path.display(), m.len()));
+    }
+    let mut text = String::new();
+    f.take(MAX_FILE + 1).read_to_string(&mut text).map_err(cannot)?;
+    if text.len() as u64 > MAX_FILE {
+        return Err(format!("the config file {} grew past {MAX_FILE} bytes while read", path.display()));
+    }
     text.parse::<toml::Table>().map_err(|e| format!("the config file {} is not valid TOML: {e}", path.display()))
 }
 
@@ -106,6 +130,30 @@ pub(crate) fn flag(name: &str) -> Result<Option<bool>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Only a regular file of a sane size is read: a FIFO is refused at once (it hung agent creation until a
+    /// writer came), `/dev/zero` too (it was read for 4 GiB), and so is a file of 2 MiB.
+    #[test]
+    fn only_a_small_regular_file_is_read() {
+        let dir = std::env::temp_dir().join(format!("gixl-cfg-unit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("fifo.cfg");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let e = load(&fifo).unwrap_err();
+        assert!(e.contains("not a regular file"), "{e}");
+        let e = load(Path::new("/dev/zero")).unwrap_err();
+        assert!(e.contains("not a regular file"), "{e}");
+        let big = dir.join("big.cfg");
+        std::fs::write(&big, vec![b'#'; 2 << 20]).unwrap();
+        let e = load(&big).unwrap_err();
+        assert!(e.contains("at most"), "{e}");
+        let good = dir.join("good.cfg");
+        std::fs::write(&good, "NIXL_TELEMETRY_ENABLE = true\n").unwrap();
+        assert_eq!(load(&good).unwrap().get("NIXL_TELEMETRY_ENABLE").and_then(|v| v.as_bool()), Some(true));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn the_file_is_chosen_in_nixls_order() {
