@@ -324,9 +324,14 @@ impl Agent {
                 return Err(Error::new(status, format!("no backend accepted {:?}: {why}", d.desc)));
             }
         }
-        let mut regs = self.inner.regs.write();
+        // One sorted merge per table, whatever order the regions came in.
+        let mut by_backend: HashMap<BackendId, Vec<(Desc, LocalEntry)>> = HashMap::new();
         for (id, desc, e) in done {
-            regs.entry((id, mem)).or_insert_with(|| Section::new(mem)).insert(desc, e);
+            by_backend.entry(id).or_default().push((desc, e));
+        }
+        let mut regs = self.inner.regs.write();
+        for (id, new) in by_backend {
+            regs.entry((id, mem)).or_insert_with(|| Section::new(mem)).extend(new);
         }
         drop(regs);
         self.inner.tele.registered(descs.iter().map(|d| d.desc.len).sum());
