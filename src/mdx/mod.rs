@@ -280,6 +280,69 @@ mod tests {
         assert_eq!(bare.send_local_md("127.0.0.1", 1).unwrap_err().status(), Status::InvalidParam);
     }
 
+    /// A listener that answers a fetch with another agent's metadata, answers twice, or does not answer: it
+    /// loads nothing it was not asked for, once, and the connection is left within the reply deadline.
+    #[test]
+    fn a_fetch_loads_only_the_agent_asked_for_once_and_waits_so_long() {
+        use super::wire::{self, Msg};
+        let rogue = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = rogue.local_addr().unwrap().port();
+        let wanted = agent("p2p-wanted", false);
+        let other = agent("p2p-other", false);
+        let (wmd, omd) = (wanted.local_md().unwrap(), other.local_md().unwrap());
+        let a = agent("p2p-fetcher", false);
+        // Read one frame (a request) off `s`.
+        let request = |s: &mut TcpStream| -> Vec<u8> {
+            let mut buf = Vec::new();
+            let mut chunk = [0u8; 4096];
+            loop {
+                if let Ok(Some((_, n))) = wire::parse(&buf) {
+                    buf.truncate(n);
+                    return buf;
+                }
+                let n = s.read(&mut chunk).unwrap();
+                assert!(n > 0, "closed before a request came");
+                buf.extend_from_slice(&chunk[..n]);
+            }
+        };
+        // 1. Asked for p2p-wanted, answers with p2p-other: nothing loaded, the connection is closed.
+        a.fetch_remote_md("p2p-wanted", "127.0.0.1", port, "").unwrap();
+        let (mut s, _) = rogue.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        assert!(matches!(wire::parse(&request(&mut s)), Ok(Some((Msg::Send("p2p-wanted"), _)))));
+        s.write_all(&wire::encode(&Msg::Load(&omd))).unwrap();
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+        assert!(a.check_remote_md("p2p-other", &XferDList::new(MemType::Dram)).is_err(), "not asked for: not loaded");
+        // 2. Answers with p2p-wanted twice and p2p-other after: the first loads, the rest close the connection.
+        a.fetch_remote_md("p2p-wanted", "127.0.0.1", port, "").unwrap();
+        let (mut s, _) = rogue.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        request(&mut s);
+        s.write_all(&wire::encode(&Msg::Load(&wmd))).unwrap();
+        until("the answer asked for", || a.check_remote_md("p2p-wanted", &XferDList::new(MemType::Dram)).is_ok());
+        a.invalidate_remote_md("p2p-wanted").unwrap();
+        let _ = s.write_all(&wire::encode(&Msg::Load(&wmd)));
+        let _ = s.write_all(&wire::encode(&Msg::Load(&omd)));
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+        assert!(
+            a.check_remote_md("p2p-wanted", &XferDList::new(MemType::Dram)).is_err(),
+            "a second answer loads nothing"
+        );
+        assert!(a.check_remote_md("p2p-other", &XferDList::new(MemType::Dram)).is_err());
+        // 3. Never answers: the fetching side leaves within the reply deadline (10 s), not never.
+        a.fetch_remote_md("p2p-wanted", "127.0.0.1", port, "").unwrap();
+        let (mut s, _) = rogue.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        request(&mut s);
+        let t = Instant::now();
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+        let took = t.elapsed();
+        assert!(took >= Duration::from_secs(5) && took < Duration::from_secs(25), "left after {took:?}");
+    }
+
     #[test]
     fn a_wrong_name_loads_nothing_and_garbage_closes_only_its_connection() {
         let b = agent("p2p-named", true);

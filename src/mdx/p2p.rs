@@ -172,6 +172,9 @@ struct Conn {
     frame_since: Option<u64>,
     /// Refused: send what is queued (the ERR), then close; read nothing more.
     closing: bool,
+    /// Outbound: the agents asked for (SEND) and not answered yet; a LOAD that answers none of them is
+    /// refused (a listener answers what it was asked, once).
+    asked: VecDeque<String>,
     /// The epoll events registered now.
     interest: u32,
 }
@@ -265,6 +268,12 @@ impl Loop {
                     );
                 } else if c.connecting.is_some() {
                     log!("could not connect to metadata peer {} within {CONNECT_TIMEOUT:?}", c.peer);
+                } else if c.outbound && !c.asked.is_empty() {
+                    log!(
+                        "metadata peer {} did not answer the request for agent '{}' within {FRAME_DEADLINE:?}",
+                        c.peer,
+                        c.asked[0]
+                    );
                 }
             }
             self.close(t);
@@ -300,6 +309,13 @@ impl Loop {
             },
         };
         if let Some(c) = self.conns.get_mut(&token) {
+            if let Ok(Some((Msg::Send(name), _))) = wire::parse(&frame) {
+                if c.asked.is_empty() {
+                    // The reply's deadline runs from the oldest request unanswered.
+                    c.last = monotonic_ns();
+                }
+                c.asked.push_back(name.to_owned());
+            }
             c.outq.push_back(frame);
         }
         self.pump(token);
@@ -495,7 +511,30 @@ impl Loop {
                     );
                     break false;
                 }
-                (true, m @ (Msg::Load(_) | Msg::Err(_)), _, _) => m,
+                // A reply: metadata of an agent asked for on this connection (once each), or an error.
+                (true, Msg::Load(blob), _, _) => {
+                    let name = match crate::md::AgentMd::open(blob, crate::auth::cluster()) {
+                        Ok(md) => md.name,
+                        Err(e) => {
+                            log!("metadata peer {} answered with metadata that does not open ({e})", c.peer);
+                            break false;
+                        }
+                    };
+                    let Some(i) = c.asked.iter().position(|n| n.is_empty() || *n == name) else {
+                        log!(
+                            "metadata peer {} answered with agent '{name}', which this connection did not ask for; \
+                             nothing loaded, connection closed",
+                            c.peer
+                        );
+                        break false;
+                    };
+                    c.asked.remove(i);
+                    Msg::Load(blob)
+                }
+                (true, m @ Msg::Err(_), _, _) => {
+                    c.asked.pop_front();
+                    m
+                }
                 (false, Msg::Signed(kind, body, t), Some(k), Some(n)) => {
                     match wire::verify(kind, body, t, k, &n, c.seq) {
                         Ok(m) => {
@@ -648,6 +687,7 @@ fn conn(stream: TcpStream, peer: SocketAddr, outbound: bool, now: u64) -> Conn {
         frame_since: None,
         closing: false,
         interest: 0,
+        asked: VecDeque::new(),
     }
 }
 
@@ -656,11 +696,11 @@ fn deadline(c: &Conn) -> Option<u64> {
     if let Some(d) = c.connecting {
         return Some(d);
     }
-    if c.outbound {
-        return None;
-    }
     let frame = c.frame_since.map(|t| t + FRAME_DEADLINE.as_nanos() as u64);
-    let idle = c.last + IDLE.as_nanos() as u64;
+    // Outbound: a listener that was asked for metadata answers within `FRAME_DEADLINE`; one that keeps the
+    // connection open without a word is left after `IDLE`, as an idle inbound one is.
+    let quiet = if c.outbound && !c.asked.is_empty() { FRAME_DEADLINE } else { IDLE };
+    let idle = c.last + quiet.as_nanos() as u64;
     Some(frame.map_or(idle, |f| f.min(idle)))
 }
 
