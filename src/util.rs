@@ -47,6 +47,23 @@ pub fn process_start_time(pid: i32) -> io::Result<u64> {
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "malformed /proc stat"))
 }
 
+/// Is `pid` the process that started at `start`, and not yet dead? A zombie (exited, not reaped by its
+/// parent) keeps its `/proc` entry and start time, but will never run again.
+pub fn process_alive_as(pid: i32, start: u64) -> bool {
+    if pid <= 0 {
+        return false;
+    }
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
+    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else { return false };
+    let mut f = rest.split_whitespace();
+    let state = f.next().unwrap_or("");
+    if matches!(state, "Z" | "X" | "x") {
+        return false;
+    }
+    // The start time is field 22: the 20th after the state.
+    f.nth(18).and_then(|s| s.parse::<u64>().ok()) == Some(start)
+}
+
 /// What two processes must share to reach each other by pid and abstract socket: the same boot of the
 /// same kernel, the same pid namespace and the same network namespace.
 pub fn host_id() -> String {
@@ -209,6 +226,29 @@ pub(crate) fn connect_abstract(name: &[u8], wait: std::time::Duration) -> io::Re
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A child that has exited but is not reaped keeps its pid and start time: it is not alive.
+    #[test]
+    fn a_zombie_is_not_alive() {
+        let mut c = std::process::Command::new("sleep").arg("0.3").spawn().unwrap();
+        let pid = c.id() as i32;
+        let start = process_start_time(pid).unwrap();
+        assert!(process_alive_as(pid, start));
+        assert!(!process_alive_as(pid, start + 1), "another start time is another process");
+        let t = std::time::Instant::now();
+        loop {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+            if stat.rsplit(')').next().unwrap().trim_start().starts_with('Z') {
+                break;
+            }
+            assert!(t.elapsed() < std::time::Duration::from_secs(10), "the child never exited");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(process_start_time(pid).unwrap(), start, "a zombie keeps its start time");
+        assert!(!process_alive_as(pid, start), "but it is not alive");
+        c.wait().unwrap();
+        assert!(!process_alive_as(pid, start));
+    }
 
     /// A listener that never accepts and has a full backlog: the connect gives up after its wait (a plain
     /// `connect` would block until the listener goes away), and connects at once once there is room.

@@ -102,7 +102,32 @@ fn child_entry() {
     match std::env::var("GIXL_CHILD").as_deref() {
         Ok("prefill") => prefill_child(),
         Ok("fdlimit") => fd_limit_child(),
+        Ok("reader") => reader_child(),
         _ => {}
+    }
+}
+
+/// An initiator that READs the whole of a target's region again and again: the target's metadata and the
+/// region come in GIXL_MD (hex), GIXL_ADDR and GIXL_LEN; prints `reading` once the first READ is posted.
+fn reader_child() {
+    let md = unhex(&std::env::var("GIXL_MD").unwrap());
+    let addr: u64 = std::env::var("GIXL_ADDR").unwrap().parse().unwrap();
+    let len: usize = std::env::var("GIXL_LEN").unwrap().parse().unwrap();
+    let a = Agent::new("reader", AgentConfig::default()).unwrap();
+    a.create_backend("UCX", &Params::new()).unwrap();
+    let buf = vec![0u8; len];
+    let d = Desc::new(buf.as_ptr() as u64, len as u64, 0);
+    a.register_mem(&RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: d, meta: vec![] }]), &[]).unwrap();
+    let target = a.load_remote_md(&md).unwrap();
+    let x = a.create_xfer_req(XferOp::Read, &one(d.addr, len), &one(addr, len), &target, &XferOpts::default()).unwrap();
+    let mut told = false;
+    loop {
+        a.post_xfer_req(&x, NotifUpdate::Keep).unwrap();
+        if !told {
+            println!("\n@md reading");
+            told = true;
+        }
+        let _ = wait(&a, &x, Duration::from_secs(60));
     }
 }
 
@@ -418,4 +443,84 @@ fn an_agent_at_its_descriptor_limit_does_not_spin() {
     assert!(us < 500_000, "{us} us of CPU in 2 s: the listeners spin");
     drop(stdin);
     let _ = child.wait();
+}
+
+/// A target deregisters 16 regions at once while an initiator is stopped (SIGSTOP) inside the transfer gate:
+/// one bounded wait in all, not one per region (it took 16 disconnect timeouts); and once that initiator is
+/// killed but not yet reaped (a zombie), its count is reclaimed at once instead of waited out.
+#[test]
+fn deregistering_many_regions_waits_once_for_a_stopped_initiator_and_not_for_a_zombie() {
+    let timeout = Duration::from_millis(1500);
+    let t = Agent::new("dereg-target", AgentConfig::default()).unwrap();
+    let mut params = Params::new();
+    params.insert("disconnect_timeout_ms".into(), timeout.as_millis().to_string());
+    t.create_backend("UCX", &params).unwrap();
+    let len = 64 * MIB;
+    let big = vec![5u8; len];
+    let bd = Desc::new(big.as_ptr() as u64, len as u64, 0);
+    t.register_mem(&RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: bd, meta: vec![] }]), &[]).unwrap();
+    let small: Vec<Vec<u8>> = (0..16).map(|_| vec![1u8; 4096]).collect();
+    let small_list = RegDList::with_descs(
+        MemType::Dram,
+        small.iter().map(|b| RegDesc { desc: Desc::new(b.as_ptr() as u64, 4096, 0), meta: vec![] }).collect(),
+    );
+    t.register_mem(&small_list, &[]).unwrap();
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+        .env("GIXL_CHILD", "reader")
+        .env("GIXL_MD", hex(&t.local_md().unwrap()))
+        .env("GIXL_ADDR", bd.addr.to_string())
+        .env("GIXL_LEN", len.to_string());
+    let (mut child, _stdin, _stdout, _) = common::spawn_until_md(c);
+    let pid = child.id() as i32;
+    let probe = vec![2u8; 4096];
+    let probe_list = RegDList::with_descs(
+        MemType::Dram,
+        vec![RegDesc { desc: Desc::new(probe.as_ptr() as u64, 4096, 0), meta: vec![] }],
+    );
+    // Stop the reader until a probe deregistration shows it stopped inside the gate (a READ is mostly copies).
+    let mut inside = false;
+    for _ in 0..40 {
+        // SAFETY: signals to our own child.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+        std::thread::sleep(Duration::from_millis(20));
+        t.register_mem(&probe_list, &[]).unwrap();
+        let t0 = Instant::now();
+        t.deregister_mem(&probe_list, &[]).unwrap();
+        if t0.elapsed() >= timeout / 2 {
+            inside = true;
+            break;
+        }
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+        std::thread::sleep(Duration::from_millis(37));
+    }
+    assert!(inside, "the reader was never caught inside the gate");
+    let t0 = Instant::now();
+    t.deregister_mem(&small_list, &[]).unwrap();
+    let stopped = t0.elapsed();
+    eprintln!("16 regions deregistered with a stopped initiator inside the gate: {stopped:?} (timeout {timeout:?})");
+    assert!(stopped < timeout * 3, "{stopped:?}: one wait per region");
+    // Killed, not reaped: a zombie, whose count can never drop.
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .unwrap()
+        .rsplit(')')
+        .next()
+        .unwrap()
+        .trim_start()
+        .starts_with('Z')
+    {
+        assert!(Instant::now() < deadline, "the reader did not die");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    t.register_mem(&small_list, &[]).unwrap();
+    let t0 = Instant::now();
+    t.deregister_mem(&small_list, &[]).unwrap();
+    let zombie = t0.elapsed();
+    eprintln!("16 regions deregistered with a zombie initiator's count in the gate: {zombie:?}");
+    assert!(zombie < timeout / 2, "{zombie:?}: the zombie's count was waited out");
+    child.wait().unwrap();
 }

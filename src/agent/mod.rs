@@ -355,9 +355,9 @@ impl Agent {
         }
         for b in &chosen {
             if let Some(s) = regs.get_mut(&(b.id, mem)) {
-                for (desc, e) in s.remove_exact_many(descs.iter().map(|d| &d.desc)) {
-                    b.be.deregister(mem, &desc, e.key.as_ref());
-                }
+                let gone: Vec<_> =
+                    s.remove_exact_many(descs.iter().map(|d| &d.desc)).into_iter().map(|(d, e)| (d, e.key)).collect();
+                b.be.deregister_many(mem, &gone);
             }
         }
         drop(regs);

@@ -136,6 +136,13 @@ pub trait Backend: Send + Sync + 'static {
 
     fn register(&self, mem: MemType, desc: &RegDesc) -> Result<LocalRegion>;
     fn deregister(&self, _mem: MemType, _desc: &Desc, _key: Option<&RegionKey>) {}
+    /// `deregister` of every region of one `deregister_memory` call: a backend that waits for peers (bounded)
+    /// waits once for all of them, not once per region.
+    fn deregister_many(&self, mem: MemType, regions: &[(Desc, Option<RegionKey>)]) {
+        for (d, k) in regions {
+            self.deregister(mem, d, k.as_ref());
+        }
+    }
 
     /// Connection info for metadata; only remote-capable backends are asked.
     fn conn_info(&self) -> Vec<u8> {

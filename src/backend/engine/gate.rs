@@ -277,6 +277,24 @@ impl Gate {
         self.regions.lock().free.push(t.slot);
     }
 
+    /// `retire` for many regions at once: every one refuses new batches first, then one drain (bounded by
+    /// `limit` in all, not per region) waits for the batches inside.
+    pub fn retire_many(&self, tickets: &[RegionTicket], limit: Duration) {
+        let flipped: Vec<u32> = tickets
+            .iter()
+            .filter(|t| {
+                let off = REGION_BASE + t.slot as usize * REGION_BYTES;
+                self.word(off).compare_exchange(t.state, t.state & !1, Ordering::SeqCst, Ordering::SeqCst).is_ok()
+            })
+            .map(|t| t.slot)
+            .collect();
+        if flipped.is_empty() {
+            return;
+        }
+        self.drain(limit);
+        self.regions.lock().free.extend(flipped);
+    }
+
     /// The incarnation ends: refuse every later batch and wait for those inside.
     pub fn close(&self, limit: Duration) {
         if self.word(OFF_LIVE).swap(0, Ordering::SeqCst) == 1 {
@@ -381,9 +399,9 @@ impl Gate {
     }
 }
 
-/// Is `pid` still the process that started at `start`?
+/// Is `pid` still the process that started at `start`, and alive (a zombie's count can never drop)?
 fn process_is(pid: i32, start: u64) -> bool {
-    pid > 0 && crate::util::process_start_time(pid).ok() == Some(start)
+    crate::util::process_alive_as(pid, start)
 }
 
 /// This process's start time, read once.

@@ -596,6 +596,22 @@ impl Backend for Engine {
         self.shared.regions.remove(desc.addr, desc.len);
     }
 
+    fn deregister_many(&self, mem: MemType, regions: &[(Desc, Option<RegionKey>)]) {
+        if mem != MemType::Dram {
+            for (d, k) in regions {
+                self.deregister(mem, d, k.as_ref());
+            }
+            return;
+        }
+        // Every region refuses new batches first; then one bounded wait for same-host peers inside the gate
+        // and one for TCP requests being served, however many regions go.
+        let tickets: Vec<_> =
+            regions.iter().filter_map(|(_, k)| k.as_ref()?.downcast_ref::<LocalGateRegion>().map(|t| t.0)).collect();
+        self.shared.gate.retire_many(&tickets, self.shared.tcp_opts.timeout);
+        let ranges: Vec<(u64, u64)> = regions.iter().map(|(d, _)| (d.addr, d.len)).collect();
+        self.shared.regions.remove_many(&ranges);
+    }
+
     fn load_remote_region(
         &self,
         peer: &Arc<dyn Peer>,

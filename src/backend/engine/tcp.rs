@@ -128,6 +128,29 @@ impl Regions {
         self.remove_locked(self.st.lock(), (addr, len));
     }
 
+    /// `remove` for many ranges: one wait (bounded in all) for the requests being served from any of them.
+    pub fn remove_many(&self, ranges: &[(u64, u64)]) {
+        let mut st = self.st.lock();
+        let mut gone = Vec::new();
+        for &k in ranges {
+            let Some(n) = st.table.get_mut(&k) else { continue };
+            *n -= 1;
+            if *n == 0 {
+                st.table.remove(&k);
+                gone.push(k);
+            }
+        }
+        if gone.is_empty() {
+            return;
+        }
+        gone.sort_unstable();
+        let bound = match self.bound_ns.load(Ordering::Relaxed) {
+            0 => Duration::from_secs(1),
+            ns => Duration::from_nanos(ns),
+        };
+        self.wait_leases(st, bound, |held| held.iter().any(|k| gone.binary_search(k).is_ok()));
+    }
+
     fn remove_locked(&self, mut st: parking_lot::MutexGuard<'_, RegionState>, k: (u64, u64)) {
         let Some(n) = st.table.get_mut(&k) else { return };
         *n -= 1;
