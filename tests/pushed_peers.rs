@@ -65,3 +65,43 @@ fn pushed_loads_add_at_most_the_cap() {
     push(port, &md[4..6]);
     assert_eq!((0..6).map(loaded).collect::<Vec<_>>(), [false, true, true, true, true, false]);
 }
+
+/// Pushed LOADs of one agent that keep adding regions (partial metadata, same incarnation) merge only up to
+/// the region cap (`GIXL_MAX_PUSHED_REGIONS`, 1000 here): the LOAD that would pass it is refused whole, and
+/// the application's own load of the same blob is not capped.
+#[test]
+fn pushed_merges_add_at_most_the_region_cap() {
+    std::env::set_var("GIXL_MAX_PUSHED_REGIONS", "1000");
+    let cfg = AgentConfig { listen_thread: true, listen_port: 0, ..Default::default() };
+    let victim = agent("regions-victim", cfg);
+    let port = victim.listen_port().unwrap();
+    let peer = agent("regions-peer", AgentConfig::default());
+    let buf = vec![0u8; 4 * 600 * 64];
+    let part = |k: usize| {
+        let list = RegDList::with_descs(
+            MemType::Dram,
+            (0..600)
+                .map(|i| RegDesc {
+                    desc: Desc::new(buf.as_ptr() as u64 + ((k * 600 + i) * 64) as u64, 64, 0),
+                    meta: vec![],
+                })
+                .collect(),
+        );
+        peer.register_mem(&list, &[]).unwrap();
+        peer.local_partial_md(&list, true, &[]).unwrap()
+    };
+    let (p0, p1) = (part(0), part(1));
+    let count = |k: usize| {
+        let x =
+            XferDList::with_descs(MemType::Dram, vec![Desc::new(buf.as_ptr() as u64 + (k * 600 * 64) as u64, 64, 0)]);
+        victim.check_remote_md("regions-peer", &x).is_ok()
+    };
+    push(port, &[p0.clone()]);
+    assert!(count(0), "600 regions: under the cap");
+    push(port, &[p1.clone()]);
+    assert!(!count(1), "600 more would make 1200: refused");
+    push(port, &[p0]);
+    assert!(count(0), "the same 600 again add nothing: still loaded");
+    victim.load_remote_md(&p1).unwrap();
+    assert!(count(1), "the application's own load is not capped");
+}

@@ -432,6 +432,12 @@ impl Agent {
     /// and keeps every handle valid; another incarnation under a loaded name is NOT_ALLOWED until the old
     /// one is invalidated.
     pub fn load_remote_md(&self, blob: &[u8]) -> Result<String> {
+        self.load_md(blob, None)
+    }
+
+    /// `load_remote_md`, refused (NOT_ALLOWED, nothing changed) when the peer would then have more than
+    /// `region_cap` regions here: what metadata pushed to the listener by anyone may add.
+    fn load_md(&self, blob: &[u8], region_cap: Option<usize>) -> Result<String> {
         let md = AgentMd::open(blob, crate::auth::cluster())?;
         if md.name == self.inner.name {
             return Err(Error::invalid_param("cannot load this agent's own metadata"));
@@ -529,6 +535,17 @@ impl Agent {
                     let key = b.be.load_remote_region(peer, s.mem, d, public)?;
                     adds.push(((b.id, s.mem), *d, RemoteEntry { public: public.clone(), key }));
                 }
+            }
+        }
+        if let Some(cap) = region_cap {
+            let have: usize = ra.sections.read().values().map(|s| s.len()).sum();
+            if have + adds.len() > cap {
+                return Err(Error::not_allowed(format!(
+                    "agent '{}' would have {} regions here, past the {cap} that metadata pushed to the listener may \
+                     bring (GIXL_MAX_PUSHED_REGIONS); load it with load_remote_md / fetch_remote_md instead",
+                    md.name,
+                    have + adds.len()
+                )));
             }
         }
         if !adds.is_empty() {
@@ -780,6 +797,14 @@ struct AgentHost {
 /// costs. Peers the application loads itself (`load_remote_md`, `fetch_remote_md`) do not count, nor do
 /// pushes that refresh an agent already loaded.
 const MAX_PUSHED_PEERS: usize = 1024;
+/// Regions one agent may have through pushed LOADs (`GIXL_MAX_PUSHED_REGIONS`): a LOAD frame may carry 2.5
+/// million, each about 100 bytes here, and merges into a loaded incarnation would otherwise add up unbounded.
+const MAX_PUSHED_REGIONS: usize = 1 << 16;
+
+/// Regions one agent may have here through metadata pushed to the listener (merges included).
+fn max_pushed_regions() -> usize {
+    std::env::var("GIXL_MAX_PUSHED_REGIONS").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(MAX_PUSHED_REGIONS)
+}
 
 fn max_pushed_peers() -> usize {
     std::env::var("GIXL_MAX_PUSHED_PEERS").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(MAX_PUSHED_PEERS)
@@ -815,7 +840,7 @@ impl Host for AgentHost {
                     )));
                 }
             }
-            let loaded = a.load_remote_md(blob)?;
+            let loaded = a.load_md(blob, Some(max_pushed_regions()))?;
             pushed.insert(loaded.clone());
             Ok(loaded)
         })

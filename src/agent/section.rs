@@ -46,6 +46,10 @@ impl<T> Section<T> {
         self.regions.is_empty()
     }
 
+    pub fn len(&self) -> usize {
+        self.regions.len()
+    }
+
     pub fn iter(&self) -> impl Iterator<Item = &(Desc, T)> {
         self.regions.iter()
     }
