@@ -96,9 +96,9 @@ fn pushed_merges_add_at_most_the_region_cap() {
             XferDList::with_descs(MemType::Dram, vec![Desc::new(buf.as_ptr() as u64 + (k * 600 * 64) as u64, 64, 0)]);
         victim.check_remote_md("regions-peer", &x).is_ok()
     };
-    push(port, &[p0.clone()]);
+    push(port, std::slice::from_ref(&p0));
     assert!(count(0), "600 regions: under the cap");
-    push(port, &[p1.clone()]);
+    push(port, std::slice::from_ref(&p1));
     assert!(!count(1), "600 more would make 1200: refused");
     push(port, &[p0]);
     assert!(count(0), "the same 600 again add nothing: still loaded");
