@@ -62,6 +62,14 @@ pub const QUEUE_MSGS: usize = 1 << 16;
 pub const QUEUE_BYTES: usize = 256 << 20;
 /// How long a sender waits for the handshake and for room in the peer's socket.
 const SEND_TIMEOUT: Duration = Duration::from_secs(5);
+/// Frames above this many bytes are read only with a reservation in `LOCAL_BUDGET`.
+const RESERVE_ABOVE: usize = 64 * 1024;
+/// Every large frame in progress on the local socket together: a frame's length is reserved when its header
+/// arrives, and a connection whose frame does not fit is not read until room frees up.
+const LOCAL_BUDGET: usize = 128 << 20;
+/// A connection holding a reservation that sends nothing for this long is cut off.
+const LOCAL_STALL: Duration = Duration::from_secs(5);
+
 /// How long a connect to a peer's socket waits for room in its backlog (a stopped peer, or a stranger who
 /// holds the name and never accepts, would otherwise block `add_remote_agent` for as long as they like).
 const CONNECT_WAIT: Duration = Duration::from_secs(1);
@@ -137,6 +145,7 @@ impl Ctrl {
         let last_poll = Arc::new(AtomicU64::new(0));
         let paused = Arc::new(AtomicBool::new(false));
         let offered: Arc<Mutex<HashSet<RawFd>>> = Arc::default();
+        let reserving = Arc::new(AtomicU64::new(0));
         let local = Arc::new(Mutex::new(Local {
             epfd: local_fd,
             listener,
@@ -151,6 +160,10 @@ impl Ctrl {
             },
             conns: HashMap::new(),
             next_conn: 0,
+            reserved: 0,
+            reserving: reserving.clone(),
+            parked: std::collections::VecDeque::new(),
+            stall: LOCAL_STALL,
         }));
         let tcp = TcpProgress::new(setup, incarnation, queue.clone(), epfd.clone(), wake.clone())?;
         let tcp_shared = tcp.shared.clone();
@@ -168,6 +181,8 @@ impl Ctrl {
             rearm_at: None,
             watches: watches.clone(),
             tcp,
+            reserving,
+            swept: 0,
         };
         let thread = std::thread::Builder::new()
             .name("gixl-progress".into())
@@ -411,6 +426,12 @@ fn peer_cred(fd: RawFd) -> Option<libc::ucred> {
 struct Conn {
     stream: UnixStream,
     buf: Vec<u8>,
+    /// Bytes of `Local::reserved` held for the large frame in progress (0: none).
+    reserved: usize,
+    /// When bytes last arrived (monotonic ns).
+    since: u64,
+    /// Out of the epoll set, waiting for room in the budget.
+    parked: bool,
     /// Set by an accepted hello; every notification on the connection is this sender's.
     sender: Option<String>,
 }
@@ -423,6 +444,13 @@ struct Local {
     inbox: Inbox,
     conns: HashMap<u64, Conn>,
     next_conn: u64,
+    /// Bytes reserved by the large frames in progress (at most `LOCAL_BUDGET`), mirrored in `reserving` for
+    /// the progress thread, which then sweeps for stalled senders.
+    reserved: usize,
+    reserving: Arc<AtomicU64>,
+    /// Connections whose frame did not fit, out of the epoll set until it does, oldest first.
+    parked: std::collections::VecDeque<u64>,
+    stall: Duration,
 }
 
 /// What the frames of every connection are checked against and delivered into.
@@ -450,6 +478,10 @@ struct Progress {
     rearm_at: Option<u64>,
     watches: Arc<Mutex<HashMap<u64, Arc<AtomicBool>>>>,
     tcp: TcpProgress,
+    /// Bytes reserved on the local socket (see `Local::reserved`); while any are, stalled senders are swept
+    /// once a second.
+    reserving: Arc<AtomicU64>,
+    swept: u64,
 }
 
 impl Progress {
@@ -458,6 +490,14 @@ impl Progress {
         while !self.stop.load(Ordering::Acquire) {
             // -1 (sleep until an event) unless heartbeats or handshake deadlines are pending.
             let mut timeout = self.tcp.tick();
+            if self.reserving.load(Ordering::Acquire) > 0 {
+                let now = crate::util::monotonic_ns();
+                if now.saturating_sub(self.swept) >= 1_000_000_000 {
+                    self.swept = now;
+                    self.local.lock().sweep(now);
+                }
+                timeout = if timeout < 0 { 1000 } else { timeout.min(1000) };
+            }
             if let Some(at) = self.rearm_at {
                 let now = crate::util::monotonic_ns();
                 if at <= now {
@@ -607,17 +647,34 @@ impl Local {
             let token = TOKEN_CONN + self.next_conn;
             self.next_conn += 1;
             if epoll_add(self.epfd.as_raw_fd(), stream.as_raw_fd(), token).is_ok() {
-                self.conns.insert(token, Conn { stream, buf: Vec::new(), sender: None });
+                let since = crate::util::monotonic_ns();
+                self.conns
+                    .insert(token, Conn { stream, buf: Vec::new(), sender: None, reserved: 0, since, parked: false });
             }
         }
     }
 
     fn read(&mut self, token: u64) {
         let Some(c) = self.conns.get_mut(&token) else { return };
+        if c.parked {
+            return;
+        }
         let mut chunk = [0u8; 64 * 1024];
         let mut closed = false;
         let mut verdict = Ok(());
+        let mut park = false;
         loop {
+            // A large frame is read only within the budget: its length is reserved once its header is in.
+            if c.reserved == 0 {
+                if let Some(need) = large_frame(&c.buf) {
+                    if self.reserved + need > LOCAL_BUDGET {
+                        park = true;
+                        break;
+                    }
+                    self.reserved += need;
+                    c.reserved = need;
+                }
+            }
             match c.stream.read(&mut chunk) {
                 Ok(0) => {
                     closed = true;
@@ -625,7 +682,11 @@ impl Local {
                 }
                 Ok(n) => {
                     c.buf.extend_from_slice(&chunk[..n]);
+                    c.since = crate::util::monotonic_ns();
                     verdict = self.inbox.parse(c);
+                    // What was reserved is taken again at the top for the frame still in progress, if any.
+                    self.reserved -= c.reserved;
+                    c.reserved = 0;
                     // A short read emptied the socket; epoll (level-triggered) reports anything later.
                     if verdict.is_err() || self.inbox.full() || n < chunk.len() {
                         break;
@@ -645,15 +706,86 @@ impl Local {
         }
         if closed {
             self.close(token);
+            return;
+        }
+        if !park && c.reserved == 0 {
+            if let Some(need) = large_frame(&c.buf) {
+                if self.reserved + need <= LOCAL_BUDGET {
+                    self.reserved += need;
+                    c.reserved = need;
+                } else {
+                    park = true;
+                }
+            }
+        }
+        if park {
+            // Out of the set until room frees up (no spinning on a readable socket left unread).
+            epoll_del(self.epfd.as_raw_fd(), c.stream.as_raw_fd());
+            c.parked = true;
+            self.parked.push_back(token);
+        }
+        self.unpark();
+    }
+
+    /// Give parked connections whose frame now fits their reservation back to the epoll set, oldest first.
+    fn unpark(&mut self) {
+        while let Some(&t) = self.parked.front() {
+            let Some(c) = self.conns.get_mut(&t) else {
+                self.parked.pop_front();
+                continue;
+            };
+            let need = large_frame(&c.buf).unwrap_or(0);
+            if self.reserved + need > LOCAL_BUDGET {
+                break;
+            }
+            self.parked.pop_front();
+            self.reserved += need;
+            c.reserved = need;
+            c.parked = false;
+            c.since = crate::util::monotonic_ns();
+            if epoll_add(self.epfd.as_raw_fd(), c.stream.as_raw_fd(), t).is_err() {
+                self.close(t);
+            }
+        }
+        self.reserving.store(self.reserved as u64, Ordering::Release);
+    }
+
+    /// Cut off every connection that holds a reservation and has sent nothing for `stall`.
+    fn sweep(&mut self, now: u64) {
+        let stall = self.stall.as_nanos() as u64;
+        let late: Vec<u64> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.reserved > 0 && !c.parked && now.saturating_sub(c.since) > stall)
+            .map(|(t, _)| *t)
+            .collect();
+        for t in late {
+            if let Some(c) = self.conns.get(&t) {
+                let _ = send_frame_now(&c.stream, KIND_REFUSE, b"frame stalled: nothing arrived for too long");
+            }
+            self.close(t);
         }
     }
 
     fn close(&mut self, token: u64) {
         if let Some(c) = self.conns.remove(&token) {
-            // Before it is closed.
-            epoll_del(self.epfd.as_raw_fd(), c.stream.as_raw_fd());
+            self.reserved -= c.reserved;
+            if c.parked {
+                self.parked.retain(|&t| t != token);
+            } else {
+                // Before it is closed.
+                epoll_del(self.epfd.as_raw_fd(), c.stream.as_raw_fd());
+            }
+            self.unpark();
         }
     }
+}
+
+/// The bytes to reserve for the frame at the front of `buf` (header included) when it is a large one whose
+/// header has arrived and which is not complete yet.
+fn large_frame(buf: &[u8]) -> Option<usize> {
+    let len = u32::from_le_bytes(buf.get(..4)?.try_into().ok()?) as usize;
+    (len > RESERVE_ABOVE && buf.len() < 4 + len).then_some(4 + len)
 }
 
 /// One small frame, without blocking (handshake frames into a socket with room for them).
@@ -918,7 +1050,7 @@ pub(crate) fn fuzz_parse_frames(data: &[u8], split: usize, incarnation: u128) ->
     let conn = |buf: &[u8]| {
         let (stream, other) = UnixStream::pair().expect("socketpair");
         let _ = stream.set_nonblocking(true);
-        (Conn { stream, buf: buf.to_vec(), sender: None }, other)
+        (Conn { stream, buf: buf.to_vec(), sender: None, reserved: 0, since: 0, parked: false }, other)
     };
     let (mut c, _other) = conn(data);
     let _ = inbox.parse(&mut c);
@@ -968,6 +1100,45 @@ mod tests {
         };
         let ctrl = Ctrl::start(inc, q.clone(), setup).unwrap();
         (q, ctrl)
+    }
+
+    /// Authenticated senders that start 60 MiB frames and stop: two fit the 128 MiB budget, the third waits
+    /// out of the epoll set (not read, nothing buffered past its header), small notifications still arrive,
+    /// and once the stalled two are cut off the third is read and delivered.
+    #[test]
+    fn large_frames_in_progress_stay_within_the_local_budget() {
+        let inc = 93u128;
+        let (q, ctrl) = start_ctrl(inc, 3);
+        ctrl.local.lock().stall = Duration::from_millis(300);
+        let big = 60usize << 20;
+        let start = |who: &str, k: u128| {
+            let mut s = Sender::connect(&ctrl.sock_name, inc, 3, who, k).unwrap();
+            let mut head = ((big + 1) as u32).to_le_bytes().to_vec();
+            head.push(KIND_NOTIF);
+            head.extend_from_slice(&[9u8; 1000]);
+            s.stream.write_all(&head).unwrap();
+            s
+        };
+        let (_a, _b) = (start("stall-a", 1), start("stall-b", 2));
+        let wait = |what: &str, f: &dyn Fn() -> bool| {
+            let t = std::time::Instant::now();
+            while !f() {
+                assert!(t.elapsed() < Duration::from_secs(10), "timed out waiting for {what}");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        };
+        wait("two reservations", &|| ctrl.local.lock().reserved == 2 * (big + 5));
+        let mut c = start("late-c", 3);
+        wait("the third parked", &|| ctrl.local.lock().parked.len() == 1);
+        assert_eq!(ctrl.local.lock().reserved, 2 * (big + 5), "nothing reserved past the budget");
+        let mut d = Sender::connect(&ctrl.sock_name, inc, 3, "small-d", 4).unwrap();
+        d.notif(b"small").unwrap();
+        wait("a small notification meanwhile", &|| q.lock().iter().any(|(n, m)| n == "small-d" && m == b"small"));
+        // The two stall past 300 ms and are cut; the third is read on.
+        wait("the stalled two cut off", &|| ctrl.local.lock().parked.is_empty());
+        c.stream.write_all(&vec![9u8; big - 1000]).unwrap();
+        wait("the third's frame", &|| q.lock().iter().any(|(n, m)| n == "late-c" && m.len() == big));
+        assert_eq!(ctrl.local.lock().reserved, 0);
     }
 
     #[test]
