@@ -750,8 +750,19 @@ impl Local {
         self.reserving.store(self.reserved as u64, Ordering::Release);
     }
 
-    /// Cut off every connection that holds a reservation and has sent nothing for `stall`.
+    /// Cut off every connection that holds a reservation and has sent nothing for `stall`. Not while the
+    /// queue is full: then nothing is read, and the stall window starts again once reading resumes.
     fn sweep(&mut self, now: u64) {
+        {
+            let q = self.inbox.queue.lock();
+            self.inbox.queued = (q.len(), q.iter().map(|(n, m)| n.len() + m.len()).sum());
+        }
+        if self.inbox.full() {
+            for c in self.conns.values_mut().filter(|c| c.reserved > 0) {
+                c.since = now;
+            }
+            return;
+        }
         let stall = self.stall.as_nanos() as u64;
         let late: Vec<u64> = self
             .conns
