@@ -130,6 +130,22 @@ pub(crate) fn out_of_fds(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM))
 }
 
+/// After an `accept` on `listener` failed with `e`: whether to try again at once (interrupted, or a connection
+/// shed at the descriptor limit, see `shed_one`). At the limit with nothing to shed it pauses 10 ms first, so
+/// the caller's loop never spins on a listener it cannot serve.
+pub(crate) fn accept_again(e: &io::Error, listener: std::os::fd::RawFd) -> bool {
+    if e.kind() == io::ErrorKind::Interrupted {
+        return true;
+    }
+    if out_of_fds(e) {
+        if shed_one(listener) {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    false
+}
+
 /// One descriptor kept open in reserve for `shed_one`.
 static RESERVE: parking_lot::Mutex<Option<std::os::fd::OwnedFd>> = parking_lot::Mutex::new(None);
 

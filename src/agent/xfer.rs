@@ -77,7 +77,6 @@ impl Runs {
             Some(b) => return Runs::from_breaks(d, spans, b),
             None => {}
         }
-        let len32 = |x: &crate::mem::Desc| u32::try_from(x.len).ok().filter(|&l| l != LONG);
         // Descriptors `from + 1 .. to` continue the run that `d[from]` starts with `stride`, one length.
         let follow = |from: usize, to: usize, stride: u64| {
             let (len, mut at) = (d[from].len, d[from].addr);
@@ -88,7 +87,6 @@ impl Runs {
         };
         // The first run's length fixes `per` (at most the first group's span); every other run must have it
         // (the last at most it).
-        len32(&d[0])?;
         let stride0 = d[1].addr.wrapping_sub(d[0].addr);
         let first_span = spans[0].0.min(n);
         let (len0, mut at) = (d[0].len, d[0].addr);
@@ -99,11 +97,45 @@ impl Runs {
                 x.len == len0 && x.addr == at
             })
             .count();
+        Runs::build(d, spans, per, |from, take, stride| follow(from, from + take, stride))
+    }
+
+    /// `find` without a pass over the list: a run `[from, to)` continues unbroken when no length break lies
+    /// in `from + 1 .. to` and no stride break in `from + 2 .. to` (see [`Breaks`]).
+    fn from_breaks(d: &[crate::mem::Desc], spans: &[(usize, u32)], b: &Breaks) -> Option<Runs> {
+        let n = d.len();
+        let first_span = spans[0].0.min(n);
+        let first_len = b.lens.first().copied().unwrap_or(usize::MAX);
+        let first_stride = b.strides.first().copied().unwrap_or(usize::MAX);
+        let per = first_span.min(first_len).min(first_stride);
+        let (mut li, mut si) = (0, 0);
+        Runs::build(d, spans, per, |from, take, _| {
+            // Breaks at or before this run's first descriptor (+1 for strides) do not concern it.
+            while li < b.lens.len() && b.lens[li] <= from {
+                li += 1;
+            }
+            while si < b.strides.len() && b.strides[si] <= from + 1 {
+                si += 1;
+            }
+            !(b.lens.get(li).is_some_and(|&i| i < from + take) || b.strides.get(si).is_some_and(|&i| i < from + take))
+        })
+    }
+
+    /// Runs of `per` descriptors (the last may have fewer), each inside one group span, each checked by
+    /// `continues(from, take, stride)`; None as soon as one is not a run.
+    fn build(
+        d: &[crate::mem::Desc],
+        spans: &[(usize, u32)],
+        per: usize,
+        mut continues: impl FnMut(usize, usize, u64) -> bool,
+    ) -> Option<Runs> {
+        let n = d.len();
         if per < RUN_GAIN * 2
             || n.div_ceil(per) * std::mem::size_of::<Run>() * RUN_GAIN > n * std::mem::size_of::<Entry>()
         {
             return None;
         }
+        let len32 = |x: &crate::mem::Desc| u32::try_from(x.len).ok().filter(|&l| l != LONG);
         let mut runs = Vec::with_capacity(n.div_ceil(per));
         let (mut from, mut span) = (0, 0);
         while from < n {
@@ -116,51 +148,7 @@ impl Runs {
             let e = &d[from];
             let len = len32(e)?;
             let stride = if take > 1 { d[from + 1].addr.wrapping_sub(e.addr) } else { 0 };
-            if end < from + take || !follow(from, from + take, stride) {
-                return None;
-            }
-            runs.push(Run { addr: e.addr, stride, len, group });
-            from += take;
-        }
-        Some(Runs { runs, per })
-    }
-
-    /// `find` without a pass over the list: a run `[from, to)` continues unbroken when no length break lies
-    /// in `from + 1 .. to` and no stride break in `from + 2 .. to` (see [`Breaks`]).
-    fn from_breaks(d: &[crate::mem::Desc], spans: &[(usize, u32)], b: &Breaks) -> Option<Runs> {
-        let n = d.len();
-        let len32 = |x: &crate::mem::Desc| u32::try_from(x.len).ok().filter(|&l| l != LONG);
-        len32(&d[0])?;
-        let first_span = spans[0].0.min(n);
-        let first_len = b.lens.first().copied().unwrap_or(usize::MAX);
-        let first_stride = b.strides.first().copied().unwrap_or(usize::MAX);
-        let per = first_span.min(first_len).min(first_stride);
-        if per < RUN_GAIN * 2
-            || n.div_ceil(per) * std::mem::size_of::<Run>() * RUN_GAIN > n * std::mem::size_of::<Entry>()
-        {
-            return None;
-        }
-        let mut runs = Vec::with_capacity(n.div_ceil(per));
-        let (mut from, mut span, mut li, mut si) = (0, 0, 0, 0);
-        while from < n {
-            let take = per.min(n - from);
-            while spans[span].0 <= from {
-                span += 1;
-            }
-            let (end, group) = spans[span];
-            let e = &d[from];
-            let len = len32(e)?;
-            let stride = if take > 1 { d[from + 1].addr.wrapping_sub(e.addr) } else { 0 };
-            // Breaks at or before this run's first descriptor (+1 for strides) do not concern it.
-            while li < b.lens.len() && b.lens[li] <= from {
-                li += 1;
-            }
-            while si < b.strides.len() && b.strides[si] <= from + 1 {
-                si += 1;
-            }
-            let broken =
-                b.lens.get(li).is_some_and(|&i| i < from + take) || b.strides.get(si).is_some_and(|&i| i < from + take);
-            if end < from + take || broken {
+            if end < from + take || !continues(from, take, stride) {
                 return None;
             }
             runs.push(Run { addr: e.addr, stride, len, group });

@@ -351,16 +351,7 @@ impl Loop {
         loop {
             match l.accept() {
                 Ok(x) => fresh.push(x),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                // At the descriptor limit the connection stays queued and the listener readable: shed it
-                // rather than be woken for it again and again.
-                Err(e) if crate::util::out_of_fds(&e) => {
-                    if crate::util::shed_one(l.as_raw_fd()) {
-                        continue;
-                    }
-                    std::thread::sleep(std::time::Duration::from_millis(10));
-                    break;
-                }
+                Err(e) if crate::util::accept_again(&e, l.as_raw_fd()) => continue,
                 Err(_) => break,
             }
             if fresh.len() >= 64 {

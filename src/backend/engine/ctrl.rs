@@ -604,16 +604,7 @@ impl Local {
         loop {
             let stream = match self.listener.accept() {
                 Ok((s, _)) => s,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                // At the descriptor limit the connection stays queued and the listener readable: shed it
-                // rather than be woken for it again and again.
-                Err(e) if crate::util::out_of_fds(&e) => {
-                    if crate::util::shed_one(self.listener.as_raw_fd()) {
-                        continue;
-                    }
-                    std::thread::sleep(Duration::from_millis(10));
-                    return;
-                }
+                Err(e) if crate::util::accept_again(&e, self.listener.as_raw_fd()) => continue,
                 Err(_) => return,
             };
             // Another user's process is refused before it can say anything (root and GIXL_ALLOW_UIDS aside).

@@ -682,16 +682,7 @@ impl TcpProgress {
         loop {
             let (stream, from) = match self.listener.accept() {
                 Ok(x) => x,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                // At the descriptor limit the connection stays queued and the listener readable: shed it
-                // rather than be woken for it again and again.
-                Err(e) if crate::util::out_of_fds(&e) => {
-                    if crate::util::shed_one(self.listener.as_raw_fd()) {
-                        continue;
-                    }
-                    std::thread::sleep(Duration::from_millis(10));
-                    return;
-                }
+                Err(e) if crate::util::accept_again(&e, self.listener.as_raw_fd()) => continue,
                 Err(_) => return,
             };
             if self.shared.closed.load(Ordering::Acquire) || stream.set_nonblocking(true).is_err() {
