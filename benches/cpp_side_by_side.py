@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """C++ descriptor-list costs side by side: NIXL 1.5.1's libnixl.so and gixl's nixl.h, and gixl's Python path.
 
-Builds benches/cpp_dlist.cpp twice (against gixl: target/capi, from scripts/build-capi.sh --release; against
+Builds benches/cpp_dlist.cpp twice (against gixl: target/capi, rebuilt with scripts/build-capi.sh --release; against
 NIXL: the libraries of .venv/nixl's nixl-cu12 wheel, with -DGIXL_NIXL_ORACLE), runs the two programs in
 alternating rounds, measures the same lists through gixl's Python `prep_xfer_dlist` in .venv/gixl, and prints
 one Markdown table: per case the medians over rounds (ms), NIXL / gixl (above 1: gixl faster), the issue's
@@ -95,8 +95,8 @@ def build():
     src = os.path.join(ROOT, "benches", "cpp_dlist.cpp")
     flags = ["-std=c++17", "-O2", "-g", "-Wall", "-Wextra", "-Werror"]
     capi = os.path.join(ROOT, "target", "capi")
-    if not os.path.exists(os.path.join(capi, "libgixl.so")):
-        run([os.path.join(ROOT, "scripts", "build-capi.sh"), "--release"])
+    # Always: target/capi may hold a debug build (scripts/valgrind.sh puts one there), 10-20x slower.
+    run([os.path.join(ROOT, "scripts", "build-capi.sh"), "--release"])
     gixl = os.path.join(BUILD, "cpp_dlist_gixl")
     run(["c++", *flags, "-I", os.path.join(capi, "include"), src, "-o", gixl, "-L", capi, "-lgixl",
          f"-Wl,-rpath,{capi}"])
