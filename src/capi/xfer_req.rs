@@ -287,6 +287,89 @@ pub(crate) mod tests {
         s
     }
 
+    /// The bulk calls: arrays appended in one call (NULL only with a count of 0, misaligned refused, nothing
+    /// appended on failure), prep and create read in place (an unknown memory type is NOT_FOUND, lists that do
+    /// not pair up INVALID_PARAM, an unknown peer NOT_FOUND), and a READ made that way moves the bytes.
+    #[test]
+    fn bulk_descriptor_calls() {
+        use super::super::dlist_handle::gixl_prep_xfer_dlist_descs;
+        use super::super::reg_dlist::{
+            gixl_reg_desc_t, gixl_reg_dlist_add_descs, nixl_capi_create_reg_dlist, nixl_capi_destroy_reg_dlist,
+            nixl_capi_reg_dlist_desc_count,
+        };
+        use super::super::xfer_dlist::{gixl_xfer_dlist_add_descs, nixl_capi_xfer_dlist_desc_count};
+        let (a, ba) = ucx_agent(c"capi-bulk-A");
+        let (b, bb) = ucx_agent(c"capi-bulk-B");
+        let src: Vec<u8> = (0..16384u32).map(|i| (i % 253) as u8).collect();
+        let dst = vec![0u8; 16384];
+        let blocks = |buf: &[u8]| -> Vec<gixl_desc_t> {
+            (0..16).map(|i| gixl_desc_t { addr: buf.as_ptr() as usize + i * 1024, len: 1024, dev_id: 0 }).collect()
+        };
+        let (sd, dd) = (blocks(&src), blocks(&dst));
+        // Appending: all or nothing.
+        let mut x = std::ptr::null_mut();
+        assert_eq!(nixl_capi_create_xfer_dlist(0, &mut x), NIXL_CAPI_SUCCESS);
+        assert_eq!(gixl_xfer_dlist_add_descs(x, std::ptr::null(), 0), NIXL_CAPI_SUCCESS);
+        assert_eq!(gixl_xfer_dlist_add_descs(x, std::ptr::null(), 3), NIXL_CAPI_ERROR_INVALID_PARAM);
+        let misaligned = (sd.as_ptr() as usize + 4) as *const gixl_desc_t;
+        assert_eq!(gixl_xfer_dlist_add_descs(x, misaligned, 1), NIXL_CAPI_ERROR_INVALID_PARAM);
+        assert_eq!(gixl_xfer_dlist_add_descs(x, sd.as_ptr(), sd.len()), NIXL_CAPI_SUCCESS);
+        let mut n = 0;
+        assert_eq!(nixl_capi_xfer_dlist_desc_count(x, &mut n), NIXL_CAPI_SUCCESS);
+        assert_eq!(n, 16);
+        assert_eq!(nixl_capi_destroy_xfer_dlist(x), NIXL_CAPI_SUCCESS);
+        let mut r = std::ptr::null_mut();
+        assert_eq!(nixl_capi_create_reg_dlist(0, &mut r), NIXL_CAPI_SUCCESS);
+        let meta = *b"path";
+        let regs = [
+            gixl_reg_desc_t {
+                addr: src.as_ptr() as usize,
+                len: src.len(),
+                dev_id: 0,
+                metadata: std::ptr::null(),
+                metadata_len: 9,
+            },
+            gixl_reg_desc_t { addr: 1, len: 1, dev_id: 0, metadata: meta.as_ptr().cast(), metadata_len: 4 },
+        ];
+        assert_eq!(gixl_reg_dlist_add_descs(r, regs.as_ptr(), 2), NIXL_CAPI_SUCCESS);
+        assert_eq!(gixl_reg_dlist_add_descs(r, std::ptr::null(), 1), NIXL_CAPI_ERROR_INVALID_PARAM);
+        assert_eq!(nixl_capi_reg_dlist_desc_count(r, &mut n), NIXL_CAPI_SUCCESS);
+        assert_eq!(n, 2, "the failed call appended nothing");
+        assert_eq!(nixl_capi_destroy_reg_dlist(r), NIXL_CAPI_SUCCESS);
+        // Prep and create in place.
+        assert_eq!(reg(a, &src), NIXL_CAPI_SUCCESS);
+        assert_eq!(reg(b, &dst), NIXL_CAPI_SUCCESS);
+        assert_eq!(exchange(a, b), "capi-bulk-A");
+        let none = std::ptr::null_mut();
+        let mut h = std::ptr::null_mut();
+        assert_eq!(gixl_prep_xfer_dlist_descs(b, c"".as_ptr(), 0, dd.as_ptr(), 16, &mut h, none), NIXL_CAPI_SUCCESS);
+        assert_eq!(nixl_capi_release_xfer_dlist_handle(b, h), NIXL_CAPI_SUCCESS);
+        let mut h2 = std::ptr::null_mut();
+        assert_eq!(
+            gixl_prep_xfer_dlist_descs(b, c"capi-bulk-A".as_ptr(), 99, sd.as_ptr(), 16, &mut h2, none),
+            NIXL_CAPI_ERROR_NOT_FOUND,
+            "unknown memory type"
+        );
+        assert!(h2.is_null());
+        let mut q = std::ptr::null_mut();
+        let create = |l: &[gixl_desc_t], r: &[gixl_desc_t], peer: &std::ffi::CStr, q: &mut nixl_capi_xfer_req_t| {
+            gixl_create_xfer_req_descs(b, 0, 0, l.as_ptr(), l.len(), 0, r.as_ptr(), r.len(), peer.as_ptr(), q, none)
+        };
+        assert_eq!(create(&dd, &sd[..15], c"capi-bulk-A", &mut q), NIXL_CAPI_ERROR_INVALID_PARAM);
+        assert_eq!(create(&dd, &sd, c"capi-bulk-nobody", &mut q), NIXL_CAPI_ERROR_NOT_FOUND);
+        assert!(q.is_null());
+        assert_eq!(create(&dd, &sd, c"capi-bulk-A", &mut q), NIXL_CAPI_SUCCESS);
+        let s = nixl_capi_post_xfer_req(b, q, none);
+        assert_eq!(wait(b, q, s), NIXL_CAPI_SUCCESS);
+        assert!(dst == src, "READ in 16 blocks");
+        assert_eq!(nixl_capi_release_xfer_req(b, q), NIXL_CAPI_SUCCESS);
+        assert_eq!(nixl_capi_destroy_xfer_req(q), NIXL_CAPI_SUCCESS);
+        nixl_capi_destroy_backend(ba);
+        nixl_capi_destroy_backend(bb);
+        assert_eq!(nixl_capi_destroy_agent(b), NIXL_CAPI_SUCCESS);
+        assert_eq!(nixl_capi_destroy_agent(a), NIXL_CAPI_SUCCESS);
+    }
+
     #[test]
     fn write_lifecycle_stale_and_foreign() {
         let (a, ba) = ucx_agent(c"capi-x-A");
