@@ -80,3 +80,15 @@ def test_a_named_file_that_does_not_exist_fails_agent_creation(tmp_path):
 
 def test_only_top_level_keys_are_options(tmp_path):
     assert _run(tmp_path, "[telemetry]\n" + TELE) == ("created", False)
+
+
+@pytest.mark.parametrize("port", ["70000", "-1", "abc"])
+def test_a_prometheus_port_out_of_range_fails_agent_creation(tmp_path, port):
+    env = {"NIXL_TELEMETRY_ENABLE": "y", "NIXL_TELEMETRY_EXPORTER": "prometheus", "NIXL_TELEMETRY_PROMETHEUS_PORT": port}
+    outcome, _ = _run(tmp_path, None, env)
+    assert outcome.startswith("raised"), outcome
+
+
+def test_a_telemetry_buffer_of_zero_events_fails_agent_creation(tmp_path):
+    outcome, made = _run(tmp_path, TELE.replace("= 64", "= 0"))
+    assert outcome.startswith("raised") and not made, outcome

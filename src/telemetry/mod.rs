@@ -158,9 +158,16 @@ impl Telemetry {
             "" => {
                 if let Some(dir) = config::get("NIXL_TELEMETRY_DIR", Kind::Str)?.filter(|d| !d.is_empty()) {
                     let cap = match config::get("NIXL_TELEMETRY_BUFFER_SIZE", Kind::Int)? {
-                        Some(v) => v.trim().parse::<u64>().map_err(|_| {
-                            Error::invalid_param(format!("NIXL_TELEMETRY_BUFFER_SIZE={v:?} is not a number"))
-                        })?,
+                        Some(v) => match v.trim().parse::<u64>() {
+                            // As NIXL: a buffer of no events fails agent creation.
+                            Ok(0) => return Err(Error::invalid_param("NIXL_TELEMETRY_BUFFER_SIZE cannot be 0")),
+                            Ok(n) => n,
+                            Err(_) => {
+                                return Err(Error::invalid_param(format!(
+                                    "NIXL_TELEMETRY_BUFFER_SIZE={v:?} is not a number"
+                                )))
+                            }
+                        },
                         None => 4096,
                     };
                     let path = std::path::Path::new(&dir).join(&agent);

@@ -170,14 +170,11 @@ struct Exporter {
 /// config file, see `crate::config`).
 pub(super) fn endpoint() -> crate::status::Result<(&'static str, u16)> {
     use crate::config::{self, Kind};
+    // A value that is not a port fails the exporter, and so agent creation, as in NIXL (it used 9090).
     let port: u16 = match config::get("NIXL_TELEMETRY_PROMETHEUS_PORT", Kind::Int)? {
-        Some(p) => match p.trim().parse() {
-            Ok(p) => p,
-            Err(_) => {
-                log::warn(&format!("NIXL_TELEMETRY_PROMETHEUS_PORT={p:?} is not a port; using 9090"));
-                9090
-            }
-        },
+        Some(p) => p.trim().parse().map_err(|_| {
+            crate::status::Error::invalid_param(format!("NIXL_TELEMETRY_PROMETHEUS_PORT={p:?} is not a port (0-65535)"))
+        })?,
         None => 9090,
     };
     let local = config::flag("NIXL_TELEMETRY_PROMETHEUS_LOCAL")? == Some(true);
