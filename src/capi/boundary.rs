@@ -208,20 +208,28 @@ pub(crate) fn bytes_arg<'a>(data: *const c_void, len: usize, name: &str) -> Resu
     Ok(unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) })
 }
 
-/// `count` C ints at `p` (NULL allowed when `count` is 0).
-pub(crate) fn ints_arg<'a>(p: *const std::ffi::c_int, count: usize, name: &str) -> Result<&'a [std::ffi::c_int], Fail> {
+/// `count` values of `T` (called `ty` in errors) at `p`, read in place (NULL allowed when `count` is 0); a
+/// pointer not aligned for `T` is INVALID_PARAM. `T` must be valid for any bit pattern (plain integers, C
+/// structs of them and of pointers that are only read).
+pub(crate) fn slice_arg<'a, T>(p: *const T, count: usize, name: &str, ty: &str) -> Result<&'a [T], Fail> {
     if count == 0 {
         return Ok(&[]);
     }
     nonnull(p, name)?;
-    if count > isize::MAX as usize / std::mem::size_of::<std::ffi::c_int>() {
+    if count > isize::MAX as usize / std::mem::size_of::<T>().max(1) {
         return Err(Fail::invalid(format!("{name}: count {count} is too large")));
     }
     if !p.is_aligned() {
-        return Err(Fail::invalid(format!("{name} is not aligned for int")));
+        return Err(Fail::invalid(format!("{name}: {p:p} is not aligned for {ty}")));
     }
-    // SAFETY: not NULL, aligned, and the caller promises `count` ints at `p` for the duration of the call.
+    // SAFETY: not NULL, aligned, and the caller promises `count` readable values at `p` for the duration of
+    // the call; every bit pattern is a valid `T` (see above).
     Ok(unsafe { std::slice::from_raw_parts(p, count) })
+}
+
+/// `count` C ints at `p` (NULL allowed when `count` is 0).
+pub(crate) fn ints_arg<'a>(p: *const std::ffi::c_int, count: usize, name: &str) -> Result<&'a [std::ffi::c_int], Fail> {
+    slice_arg(p, count, name, "int")
 }
 
 /// Write an output the caller asked for. Callers check `p` with `nonnull` before doing any work, so

@@ -80,20 +80,7 @@ pub extern "C" fn gixl_reg_dlist_add_descs(
 ) -> CapiStatus {
     ffi! {
         let d = get(dlist)?;
-        let raw: &[gixl_reg_desc_t] = if count == 0 {
-            &[]
-        } else {
-            super::boundary::nonnull(descs, "descs")?;
-            if count > isize::MAX as usize / std::mem::size_of::<gixl_reg_desc_t>() {
-                return Err(Fail::invalid(format!("descs: count {count} is too large")));
-            }
-            if !(descs as usize).is_multiple_of(std::mem::align_of::<gixl_reg_desc_t>()) {
-                return Err(Fail::invalid(format!("descs: {descs:p} is not aligned for gixl_reg_desc_t")));
-            }
-            // SAFETY: not NULL, aligned, and the caller promises `count` readable descriptors at `descs` for
-            // the duration of the call; any bit pattern is a valid gixl_reg_desc_t (a pointer is only read).
-            unsafe { std::slice::from_raw_parts(descs, count) }
-        };
+        let raw = super::boundary::slice_arg(descs, count, "descs", "gixl_reg_desc_t")?;
         let mut add = Vec::new();
         add.try_reserve_exact(raw.len()).map_err(|_| Fail::backend(format!("cannot grow a descriptor list by {count} entries")))?;
         for r in raw {

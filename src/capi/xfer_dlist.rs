@@ -128,20 +128,9 @@ const _: () = {
 /// `count` descriptors at `p`, read in place (NULL allowed when `count` is 0). A pointer that is not
 /// aligned for `gixl_desc_t` is INVALID_PARAM.
 pub(crate) fn descs_arg<'a>(p: *const gixl_desc_t, count: usize, name: &str) -> Result<&'a [Desc], Fail> {
-    if count == 0 {
-        return Ok(&[]);
-    }
-    super::boundary::nonnull(p, name)?;
-    if count > isize::MAX as usize / std::mem::size_of::<gixl_desc_t>() {
-        return Err(Fail::invalid(format!("{name}: count {count} is too large")));
-    }
-    if !(p as usize).is_multiple_of(std::mem::align_of::<gixl_desc_t>()) {
-        return Err(Fail::invalid(format!("{name}: {p:p} is not aligned for gixl_desc_t")));
-    }
-    // SAFETY: not NULL, aligned, and the caller promises `count` readable descriptors at `p` for the duration
-    // of the call; `gixl_desc_t` and `Desc` have the same layout (checked above), and every bit pattern of
-    // three 64-bit words is a valid `Desc`.
-    Ok(unsafe { std::slice::from_raw_parts(p.cast::<Desc>(), count) })
+    // `gixl_desc_t` and `Desc` have the same layout (checked above), and every bit pattern of three 64-bit
+    // words is a valid `Desc`.
+    super::boundary::slice_arg(p.cast::<Desc>(), count, name, "gixl_desc_t")
 }
 
 /// gixl: appends `count` descriptors in one call (`nixl_capi_xfer_dlist_add_desc` for each, without a

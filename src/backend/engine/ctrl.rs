@@ -656,15 +656,9 @@ impl Local {
         let mut park = false;
         loop {
             // A large frame is read only within the budget: its length is reserved once its header is in.
-            if c.reserved == 0 {
-                if let Some(need) = large_frame(&c.buf) {
-                    if self.reserved + need > LOCAL_BUDGET {
-                        park = true;
-                        break;
-                    }
-                    self.reserved += need;
-                    c.reserved = need;
-                }
+            if !reserve(&mut self.reserved, c) {
+                park = true;
+                break;
             }
             match c.stream.read(&mut chunk) {
                 Ok(0) => {
@@ -699,15 +693,8 @@ impl Local {
             self.close(token);
             return;
         }
-        if !park && c.reserved == 0 {
-            if let Some(need) = large_frame(&c.buf) {
-                if self.reserved + need <= LOCAL_BUDGET {
-                    self.reserved += need;
-                    c.reserved = need;
-                } else {
-                    park = true;
-                }
-            }
+        if !park && !reserve(&mut self.reserved, c) {
+            park = true;
         }
         if park {
             // Out of the set until room frees up (no spinning on a readable socket left unread).
@@ -725,13 +712,10 @@ impl Local {
                 self.parked.pop_front();
                 continue;
             };
-            let need = large_frame(&c.buf).unwrap_or(0);
-            if self.reserved + need > LOCAL_BUDGET {
+            if !reserve(&mut self.reserved, c) {
                 break;
             }
             self.parked.pop_front();
-            self.reserved += need;
-            c.reserved = need;
             c.parked = false;
             c.since = crate::util::monotonic_ns();
             if epoll_add(self.epfd.as_raw_fd(), c.stream.as_raw_fd(), t).is_err() {
@@ -781,6 +765,21 @@ impl Local {
             self.unpark();
         }
     }
+}
+
+/// Reserve (in `total`, at most `LOCAL_BUDGET`) for the large frame at the front of `c`'s buffer, unless `c`
+/// holds a reservation already or has no such frame; false when it does not fit.
+fn reserve(total: &mut usize, c: &mut Conn) -> bool {
+    if c.reserved == 0 {
+        if let Some(need) = large_frame(&c.buf) {
+            if *total + need > LOCAL_BUDGET {
+                return false;
+            }
+            *total += need;
+            c.reserved = need;
+        }
+    }
+    true
 }
 
 /// The bytes to reserve for the frame at the front of `buf` (header included) when it is a large one whose

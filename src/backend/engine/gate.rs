@@ -269,12 +269,7 @@ impl Gate {
     /// Retire a registration: from now on no batch passes the gate for it; returns once none that passed
     /// is still copying (or after `limit`, logged).
     pub fn retire(&self, t: RegionTicket, limit: Duration) {
-        let off = REGION_BASE + t.slot as usize * REGION_BYTES;
-        if self.word(off).compare_exchange(t.state, t.state & !1, Ordering::SeqCst, Ordering::SeqCst).is_err() {
-            return;
-        }
-        self.drain(limit);
-        self.regions.lock().free.push(t.slot);
+        self.retire_many(std::slice::from_ref(&t), limit);
     }
 
     /// `retire` for many regions at once: every one refuses new batches first, then one drain (bounded by

@@ -119,18 +119,21 @@ impl Regions {
                 st.vram.remove(&k);
             }
         }
-        self.remove_locked(st, k);
+        self.remove_locked(st, &[k]);
     }
 
     /// One registration fewer. When it was the last of that range, wait for requests holding a lease on it
     /// (bounded, see the type's comment).
     pub fn remove(&self, addr: u64, len: u64) {
-        self.remove_locked(self.st.lock(), (addr, len));
+        self.remove_locked(self.st.lock(), &[(addr, len)]);
     }
 
     /// `remove` for many ranges: one wait (bounded in all) for the requests being served from any of them.
     pub fn remove_many(&self, ranges: &[(u64, u64)]) {
-        let mut st = self.st.lock();
+        self.remove_locked(self.st.lock(), ranges);
+    }
+
+    fn remove_locked(&self, mut st: parking_lot::MutexGuard<'_, RegionState>, ranges: &[(u64, u64)]) {
         let mut gone = Vec::new();
         for &k in ranges {
             let Some(n) = st.table.get_mut(&k) else { continue };
@@ -149,20 +152,6 @@ impl Regions {
             ns => Duration::from_nanos(ns),
         };
         self.wait_leases(st, bound, |held| held.iter().any(|k| gone.binary_search(k).is_ok()));
-    }
-
-    fn remove_locked(&self, mut st: parking_lot::MutexGuard<'_, RegionState>, k: (u64, u64)) {
-        let Some(n) = st.table.get_mut(&k) else { return };
-        *n -= 1;
-        if *n > 0 {
-            return;
-        }
-        st.table.remove(&k);
-        let bound = match self.bound_ns.load(Ordering::Relaxed) {
-            0 => Duration::from_secs(1),
-            ns => Duration::from_nanos(ns),
-        };
-        self.wait_leases(st, bound, |ranges| ranges.contains(&k));
     }
 
     /// The engine is going away: refuse everything from now on, cut every serving connection off at once
