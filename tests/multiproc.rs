@@ -103,6 +103,7 @@ fn child_entry() {
         Ok("prefill") => prefill_child(),
         Ok("fdlimit") => fd_limit_child(),
         Ok("reader") => reader_child(),
+        Ok("read_once") => read_once_child(),
         _ => {}
     }
 }
@@ -128,6 +129,29 @@ fn reader_child() {
             told = true;
         }
         let _ = wait(&a, &x, Duration::from_secs(60));
+    }
+}
+
+/// One READ of a target's region (GIXL_MD, GIXL_ADDR, GIXL_LEN as for `reader_child`): prints `@md <status
+/// or error> <sum of the bytes read>`.
+fn read_once_child() {
+    let md = unhex(&std::env::var("GIXL_MD").unwrap());
+    let addr: u64 = std::env::var("GIXL_ADDR").unwrap().parse().unwrap();
+    let len: usize = std::env::var("GIXL_LEN").unwrap().parse().unwrap();
+    let a = Agent::new("read-once", AgentConfig::default()).unwrap();
+    a.create_backend("UCX", &Params::new()).unwrap();
+    let buf = vec![0u8; len];
+    let d = Desc::new(buf.as_ptr() as u64, len as u64, 0);
+    a.register_mem(&RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: d, meta: vec![] }]), &[]).unwrap();
+    let outcome = a.load_remote_md(&md).and_then(|target| {
+        let x = a.create_xfer_req(XferOp::Read, &one(d.addr, len), &one(addr, len), &target, &XferOpts::default())?;
+        a.post_xfer_req(&x, NotifUpdate::Keep)?;
+        wait(&a, &x, Duration::from_secs(10))
+    });
+    let sum: u64 = buf.iter().map(|&b| b as u64).sum();
+    match outcome {
+        Ok(s) => println!("\n@md {s} {sum}"),
+        Err(e) => println!("\n@md {} {sum}", e.status()),
     }
 }
 
@@ -538,4 +562,94 @@ fn deregistering_many_regions_waits_once_for_a_stopped_initiator_and_not_for_a_z
     eprintln!("16 regions deregistered with a zombie initiator's count in the gate: {zombie:?}");
     assert!(zombie < timeout / 2, "{zombie:?}: the zombie's count was waited out");
     child.wait().unwrap();
+}
+
+/// A listener frame: "GXMD" | kind | length u32 LE | payload.
+fn frame(kind: u8, payload: &[u8]) -> Vec<u8> {
+    let mut f = b"GXMD".to_vec();
+    f.push(kind);
+    f.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// Push `blobs` to a metadata listener as LOADs, as a raw-socket stranger would, then a SEND whose answer
+/// says every LOAD before it was acted on.
+fn push(port: u16, blobs: impl IntoIterator<Item = Vec<u8>>) {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    for b in blobs {
+        s.write_all(&frame(1, &b)).unwrap();
+    }
+    s.write_all(&frame(2, b"")).unwrap();
+    let mut head = [0u8; 9];
+    s.read_exact(&mut head).unwrap();
+    assert_eq!(&head[..5], b"GXMD\x01");
+}
+
+/// Descriptors of this process that are pidfds or transfer gates (others tests of this binary open a few).
+fn peer_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|l| {
+            let l = l.to_string_lossy();
+            l.contains("pidfd") || l.contains("gixl-gate")
+        })
+        .count()
+}
+
+/// Renamed copies of real peers' metadata pushed to an agent's listener (anyone who reaches it may push
+/// without a cluster key): 300 names of another process and 300 of the agent itself. Each name held a pidfd,
+/// a gate descriptor and an initiator slot in that process's gate, so 256 names of the agent itself left no
+/// slot for any other process ("no free initiator slot"). Now what a process proved is shared by every name
+/// claiming it: a handful of descriptors in all, a new process still reads from the agent, and the agent
+/// reads from the other process under any of the names.
+#[test]
+fn renamed_copies_of_real_peers_cost_no_slots_or_descriptors() {
+    let mut p = Prefill::start(MIB, 3);
+    let cfg = AgentConfig { listen_thread: true, listen_port: 0, ..AgentConfig::default() };
+    let t = Agent::new("renamed-victim", cfg).unwrap();
+    t.create_backend("UCX", &Params::new()).unwrap();
+    let port = t.listen_port().unwrap();
+    let buf = vec![5u8; MIB];
+    let bd = Desc::new(buf.as_ptr() as u64, MIB as u64, 0);
+    t.register_mem(&RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: bd, meta: vec![] }]), &[]).unwrap();
+    let own = t.local_md().unwrap();
+    let renamed = |blob: &[u8], i: usize| {
+        let mut m = gixl::md::AgentMd::decode(blob).unwrap();
+        m.name = format!("ghost-{i}");
+        m.encode()
+    };
+    let before = peer_fds();
+    push(port, (0..300).map(|i| renamed(&p.md, i)));
+    push(port, (300..600).map(|i| renamed(&own, i)));
+    assert!(t.remote_incarnation("ghost-299").is_ok() && t.remote_incarnation("ghost-599").is_ok());
+    let grew = peer_fds().saturating_sub(before);
+    eprintln!("600 renamed names loaded: {grew} more pidfds and gate descriptors");
+    assert!(grew < 50, "{grew} descriptors for 600 names of two processes");
+
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+        .env("GIXL_CHILD", "read_once")
+        .env("GIXL_MD", hex(&own))
+        .env("GIXL_ADDR", bd.addr.to_string())
+        .env("GIXL_LEN", MIB.to_string());
+    let (mut child, _stdin, _stdout, rest) = common::spawn_until_md(c);
+    child.wait().unwrap();
+    assert_eq!(rest, format!("NIXL_SUCCESS {}", 5 * MIB), "a new process reading from the agent");
+
+    let dst = vec![0u8; MIB];
+    let dd = Desc::new(dst.as_ptr() as u64, MIB as u64, 0);
+    t.register_mem(&RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: dd, meta: vec![] }]), &[]).unwrap();
+    for name in ["ghost-7", "ghost-250"] {
+        let r = t.create_xfer_req(XferOp::Read, &one(dd.addr, MIB), &one(p.addr, MIB), name, &XferOpts::default());
+        let r = r.unwrap();
+        t.post_xfer_req(&r, NotifUpdate::Keep).unwrap();
+        assert_eq!(wait(&t, &r, Duration::from_secs(10)).unwrap(), Status::Success);
+        assert!(dst.iter().all(|&b| b == 3));
+    }
+    assert_eq!(p.sum(), 3 * MIB as u64);
+    p.kill();
 }

@@ -445,6 +445,34 @@ pub struct Attached {
     token: u64,
 }
 
+/// Who a gate belongs to: the owner's pid, its start time and the engine incarnation. One process takes one
+/// initiator slot per key, however many names or agents of its own reach that incarnation.
+pub type Owner = (i32, u64, u128);
+
+/// This process's claims, by the gate they are on (weak: a claim ends with the last peer holding it).
+fn claims() -> &'static Mutex<std::collections::HashMap<Owner, std::sync::Weak<Attached>>> {
+    static CLAIMS: std::sync::OnceLock<Mutex<std::collections::HashMap<Owner, std::sync::Weak<Attached>>>> =
+        std::sync::OnceLock::new();
+    CLAIMS.get_or_init(Default::default)
+}
+
+/// This process's claim on the gate of `owner`: the live one if this process has it already (`gate` is then
+/// not used), else a new claim on `gate`. A renamed copy of a peer's metadata, or a second agent of this
+/// process loading the same peer, costs no slot in that peer's gate.
+pub fn attach_shared(
+    owner: Owner,
+    gate: impl FnOnce() -> Result<std::sync::Arc<Gate>>,
+) -> Result<std::sync::Arc<Attached>> {
+    let mut map = claims().lock();
+    if let Some(a) = map.get(&owner).and_then(std::sync::Weak::upgrade) {
+        return Ok(a);
+    }
+    let a = std::sync::Arc::new(Attached::new(gate()?)?);
+    map.retain(|_, w| w.strong_count() > 0);
+    map.insert(owner, std::sync::Arc::downgrade(&a));
+    Ok(a)
+}
+
 impl Attached {
     pub fn new(gate: std::sync::Arc<Gate>) -> Result<Attached> {
         let (slot, token) = gate.claim(std::process::id() as i32, own_start()?).ok_or_else(|| {

@@ -131,6 +131,8 @@ struct Shared {
     tcp_pool: Pool,
     /// Registered VRAM's exported allocations (see `vram`; its regions hold slots in `gate`).
     vram: vram::Vram,
+    /// Same-host peer processes proven so far, by process incarnation (see [`Proof`]).
+    proofs: Mutex<HashMap<gate::Owner, Weak<Proof>>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -216,6 +218,7 @@ impl Engine {
             pool: Pool::new(threads),
             tcp_pool: Pool::new((2 * conns).clamp(4, 64)),
             vram: Default::default(),
+            proofs: Mutex::default(),
         });
         registry().lock().insert(init.incarnation, Arc::downgrade(&shared));
         Ok(Engine { shared })
@@ -229,6 +232,66 @@ impl Drop for Engine {
 }
 
 impl Shared {
+    /// The proof that `ci`'s process runs here as `incarnation` (see [`Proof`]): the one this engine holds
+    /// already, else a new one. None when the process does not prove it (nothing listens on its socket as its
+    /// pid, it has exited, or the kernel gave neither its gate nor a reason).
+    /// Errors only when this side runs out (no initiator slot in the peer's gate, no epoll entry).
+    fn prove(self: &Arc<Shared>, ci: &ConnInfo, incarnation: u128) -> Result<Option<Arc<Proof>>> {
+        let key: gate::Owner = (ci.pid, ci.start_time, incarnation);
+        let known = |p: &Arc<Proof>| !p.exited.load(Ordering::Acquire);
+        if let Some(p) = self.proofs.lock().get(&key).and_then(Weak::upgrade).filter(known) {
+            return Ok(Some(p));
+        }
+        // A pidfd only for a peer that proves it runs here: its pid listens on its socket, named for this
+        // incarnation (forged metadata costs no descriptor). Opened first, checked second: if the start time
+        // still matches, the pidfd is that process.
+        let named = ci.sock == format!("gixl.{}.{incarnation:032x}", ci.pid).into_bytes();
+        let Some(pidfd) =
+            (named && ctrl::listener_pid(&ci.sock) == Some(ci.pid)).then(|| pidfd_open(ci.pid).ok()).flatten()
+        else {
+            return Ok(None);
+        };
+        if crate::util::process_start_time(ci.pid).ok() != Some(ci.start_time) {
+            return Ok(None);
+        }
+        // The peer's gate, taken from that very process through the pidfd: if the kernel refuses, it would refuse
+        // cross-memory attach too, and TCP carries the data. Received over the peer's control socket instead (the
+        // kernel refused `pidfd_getfd` alone, or the peer is another uid it allows), one probe of the gate tells at
+        // once whether cross-memory attach is allowed.
+        let peer_sock = (ci.sock.as_slice(), ci.secret, incarnation, ci.pid);
+        let probe = copy::Probe { addr: ci.gate_addr, incarnation };
+        let taken =
+            take_peer_fd(self, pidfd.as_fd(), peer_sock, ci.gate_fd).and_then(|g| Gate::from_fd(g, incarnation));
+        let (gate, denied) = match taken {
+            Ok(g) => match copy::probe(ci.pid, &probe, &mut false) {
+                Ok(()) => (Some(g), None),
+                // The gate is kept (VRAM through IPC handles needs no cross-memory attach, see `vram`); DRAM
+                // goes over TCP.
+                Err(e) if cma_denied(&e) => (Some(g), Some(e.to_string())),
+                Err(_) => return Ok(None),
+            },
+            Err(e) if cma_denied(&e) => (None, Some(e.to_string())),
+            Err(_) => return Ok(None),
+        };
+        let gate = match gate {
+            Some(g) => Some(gate::attach_shared(key, || Ok(Arc::new(g)))?),
+            None => None,
+        };
+        let exited = Arc::new(AtomicBool::new(false));
+        let watch = self.ctrl.watch(pidfd.as_raw_fd(), exited.clone())?;
+        let p = Arc::new(Proof { pidfd, watch, exited, gate, denied, owner: Arc::downgrade(self) });
+        let mut proofs = self.proofs.lock();
+        proofs.retain(|_, w| w.strong_count() > 0);
+        // Two loads that proved the same process at once keep the first proof.
+        match proofs.get(&key).and_then(Weak::upgrade).filter(known) {
+            Some(first) => Ok(Some(first)),
+            None => {
+                proofs.insert(key, Arc::downgrade(&p));
+                Ok(Some(p))
+            }
+        }
+    }
+
     /// Stop serving peers (same-host ones find the gate closed, TCP ones lose their connections and the region
     /// table) and stop the threads. Requests that outlive this fail with BACKEND. Idempotent.
     fn shutdown(&self) {
@@ -257,16 +320,15 @@ fn copy_threads(init: &BackendInit) -> usize {
 enum PeerKind {
     /// Another agent in this process, found in `registry()` by its incarnation; `gate` is None when no engine
     /// of that incarnation lives here (destroyed, or metadata that only claims to be from this process).
-    InProcess { target: Weak<Shared>, gate: Option<Attached> },
+    InProcess { target: Weak<Shared>, gate: Option<Arc<Attached>> },
     /// Another process on this host. `tcp` carries the data instead once the kernel has denied
     /// cross-memory attach (`denied`).
     Cma {
         pid: i32,
         /// None when the peer did not prove it runs here (nothing listens on its socket as its pid).
-        pidfd: Option<OwnedFd>,
-        watch: Option<u64>,
+        proof: Option<Arc<Proof>>,
         /// The peer's gate (None when the kernel denied taking it: then `denied` is set and TCP carries data).
-        gate: Option<Attached>,
+        gate: Option<Arc<Attached>>,
         probe: copy::Probe,
         sock: Vec<u8>,
         /// The peer's engine secret and our incarnation: the notification handshake's inputs.
@@ -287,8 +349,32 @@ struct EnginePeer {
     name: String,
     incarnation: u128,
     kind: PeerKind,
+    /// This name's route has failed for good (its metadata's gate address faulted, its link gave up): per
+    /// name, so a forged copy of a peer's metadata can only break itself. The process's exit is `Proof::exited`.
     dead: Arc<AtomicBool>,
+}
+
+/// What a same-host peer process proved once, shared by every name whose metadata claims that process
+/// incarnation (`Owner`): its pid listens on the socket named for the incarnation, the pidfd watched for its
+/// exit, and this process's claim on its gate. Renamed copies of a peer's metadata cost neither descriptors
+/// nor gate slots (each name used to hold a pidfd, a gate descriptor and an initiator slot).
+struct Proof {
+    pidfd: OwnedFd,
+    watch: u64,
+    /// Set by the progress thread when the process exits.
+    exited: Arc<AtomicBool>,
+    gate: Option<Arc<Attached>>,
+    /// Why the kernel refused cross-memory attach to it, if it did when proven.
+    denied: Option<String>,
     owner: Weak<Shared>,
+}
+
+impl Drop for Proof {
+    fn drop(&mut self) {
+        if let Some(owner) = self.owner.upgrade() {
+            owner.ctrl.unwatch(self.watch, self.pidfd.as_raw_fd());
+        }
+    }
 }
 
 impl Peer for EnginePeer {
@@ -298,9 +384,7 @@ impl Peer for EnginePeer {
     fn disconnected(&self) -> bool {
         match &self.kind {
             PeerKind::InProcess { gate, .. } => gate.as_ref().is_none_or(|g| !g.gate.live()),
-            PeerKind::Cma { gate, .. } => {
-                self.dead.load(Ordering::Acquire) || gate.as_ref().is_some_and(|g| !g.gate.live())
-            }
+            PeerKind::Cma { gate, .. } => self.gone() || gate.as_ref().is_some_and(|g| !g.gate.live()),
             PeerKind::Tcp { link } => link.down(),
         }
     }
@@ -320,17 +404,13 @@ impl Peer for EnginePeer {
     }
 }
 
-impl Drop for EnginePeer {
-    fn drop(&mut self) {
-        if let PeerKind::Cma { pidfd: Some(pidfd), watch: Some(token), .. } = &self.kind {
-            if let Some(owner) = self.owner.upgrade() {
-                owner.ctrl.unwatch(*token, pidfd.as_raw_fd());
-            }
-        }
-    }
-}
-
 impl EnginePeer {
+    /// This name's route is dead, or the process behind it has exited.
+    fn gone(&self) -> bool {
+        self.dead.load(Ordering::Acquire)
+            || matches!(&self.kind, PeerKind::Cma { proof: Some(p), .. } if p.exited.load(Ordering::Acquire))
+    }
+
     fn send_notif(&self, from: &str, msg: &[u8]) -> Result<()> {
         match &self.kind {
             PeerKind::InProcess { target, .. } => {
@@ -340,7 +420,7 @@ impl EnginePeer {
                 Ok(())
             }
             PeerKind::Cma { sock, sender, secret, from_inc, local_refused, tcp, .. } => {
-                if self.dead.load(Ordering::Acquire) {
+                if self.gone() {
                     return Err(Error::disconnected(format!("agent '{}' has exited", self.name)));
                 }
                 if local_refused.load(Ordering::Acquire) {
@@ -661,13 +741,7 @@ impl Backend for Engine {
                 "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route tcp ({why})",
                 s.agent
             ));
-            return Ok(Arc::new(EnginePeer {
-                name: agent.to_owned(),
-                incarnation,
-                kind,
-                dead,
-                owner: Arc::downgrade(s),
-            }));
+            return Ok(Arc::new(EnginePeer { name: agent.to_owned(), incarnation, kind, dead }));
         }
         // In process only to an engine that lives here under that incarnation, whatever the connection info
         // says; an incarnation of this process that is not in the registry was destroyed (or never existed).
@@ -675,61 +749,23 @@ impl Backend for Engine {
         // Why the kernel refused the peer's gate (so cross-memory attach): its data goes over TCP.
         let mut fallback = None;
         let kind = if let Some(t) = local {
-            let gate = Some(Attached::new(t.gate.clone())?);
+            let gate = Some(gate::attach_shared((s.pid, s.start_time, incarnation), || Ok(t.gate.clone()))?);
             PeerKind::InProcess { target: Arc::downgrade(&t), gate }
         } else if ci.pid == s.pid && ci.start_time == s.start_time {
             PeerKind::InProcess { target: Weak::new(), gate: None }
         } else {
-            // A pidfd only for a peer that proves it runs here: its pid listens on its socket, named for
-            // this incarnation (forged metadata costs no descriptor). Opened first, checked second: if the
-            // start time still matches, the pidfd is that process.
-            let named = ci.sock == format!("gixl.{}.{incarnation:032x}", ci.pid).into_bytes();
-            let pidfd =
-                (named && ctrl::listener_pid(&ci.sock) == Some(ci.pid)).then(|| pidfd_open(ci.pid).ok()).flatten();
-            let alive = pidfd.is_some() && crate::util::process_start_time(ci.pid).ok() == Some(ci.start_time);
-            // The peer's gate, taken from that very process through the pidfd: if the kernel refuses, it would
-            // refuse cross-memory attach too, and TCP carries the data. Received over the peer's control socket
-            // instead (the kernel refused `pidfd_getfd` alone, or the peer is another uid it allows), one probe
-            // of the gate tells at once whether cross-memory attach is allowed.
-            let mut denied = None;
-            let peer_sock = (ci.sock.as_slice(), ci.secret, incarnation, ci.pid);
-            let probe = copy::Probe { addr: ci.gate_addr, incarnation };
-            let gate = match pidfd.as_ref().filter(|_| alive).map(|fd| {
-                take_peer_fd(s, fd.as_fd(), peer_sock, ci.gate_fd).and_then(|g| Gate::from_fd(g, incarnation))
-            }) {
-                Some(Ok(g)) => match copy::probe(ci.pid, &probe, &mut false) {
-                    Ok(()) => Some(Attached::new(Arc::new(g))?),
-                    // The gate is kept (VRAM through IPC handles needs no cross-memory attach, see `vram`);
-                    // DRAM goes over TCP.
-                    Err(e) if cma_denied(&e) => {
-                        denied = Some(e.to_string());
-                        Some(Attached::new(Arc::new(g))?)
-                    }
-                    Err(_) => None,
-                },
-                Some(Err(e)) if cma_denied(&e) => {
-                    denied = Some(e.to_string());
-                    None
-                }
-                _ => None,
-            };
-            let watch = match &pidfd {
-                Some(fd) if alive && (gate.is_some() || denied.is_some()) => {
-                    Some(s.ctrl.watch(fd.as_raw_fd(), dead.clone())?)
-                }
-                _ => {
-                    dead.store(true, Ordering::Release);
-                    None
-                }
-            };
+            let proof = s.prove(&ci, incarnation)?;
+            if proof.is_none() {
+                dead.store(true, Ordering::Release);
+            }
+            let denied = proof.as_ref().and_then(|p| p.denied.clone());
             let tcp = link(&dead);
             fallback.clone_from(&denied);
             PeerKind::Cma {
                 pid: ci.pid,
-                pidfd,
-                watch,
-                gate,
-                probe,
+                gate: proof.as_ref().and_then(|p| p.gate.clone()),
+                proof,
+                probe: copy::Probe { addr: ci.gate_addr, incarnation },
                 sock: ci.sock.clone(),
                 secret: ci.secret,
                 from_inc: s.incarnation,
@@ -753,7 +789,7 @@ impl Backend for Engine {
                 ));
             }
         }
-        Ok(Arc::new(EnginePeer { name: agent.to_owned(), incarnation, kind, dead, owner: Arc::downgrade(s) }))
+        Ok(Arc::new(EnginePeer { name: agent.to_owned(), incarnation, kind, dead }))
     }
 
     fn connect(&self, peer: &Arc<dyn Peer>) -> Result<()> {
@@ -956,7 +992,7 @@ impl Core {
                     gate.as_ref().ok_or_else(|| Error::disconnected(format!("agent '{}' is not reachable", p.name)))?;
                 let mut gone = false;
                 let r = copy::for_batches(segs, copy::BATCH_SEGS, copy::BATCH_BYTES, &mut |b| {
-                    if run.abort.load(Ordering::Relaxed) || p.dead.load(Ordering::Relaxed) {
+                    if run.abort.load(Ordering::Relaxed) || p.gone() {
                         return Err(stopped());
                     }
                     // Identity is checked inside the call itself: its first iovec is the incarnation's gate
@@ -986,7 +1022,7 @@ impl Core {
                 if gone {
                     p.dead.store(true, Ordering::Release);
                 }
-                if r.is_err() && p.dead.load(Ordering::Acquire) {
+                if r.is_err() && p.gone() {
                     return Err(Error::disconnected(format!("agent '{}' exited during the transfer", p.name)));
                 }
                 r

@@ -413,7 +413,7 @@ fn in_peer_gate<T>(
         p.dead.store(true, Ordering::Release);
         Error::disconnected(format!("agent '{}' exited or exec'd (it no longer runs that incarnation)", p.name))
     };
-    if p.dead.load(Ordering::Acquire) {
+    if p.gone() {
         return Err(gone());
     }
     let gate = gate.as_ref().ok_or_else(|| Error::disconnected(format!("agent '{}' is not reachable", p.name)))?;
@@ -449,7 +449,7 @@ fn in_peer_gate<T>(
 /// IPC handles if its gate came over the control socket and it has a live sentinel (the identity check then
 /// needs no ptrace permission); its DRAM (the staged route) is not. Otherwise the request goes over TCP
 /// (see `vram_tcp::tcp_link`).
-pub(super) fn ipc_despite_denial(gate: &Option<super::gate::Attached>, remote_is_vram: bool) -> bool {
+pub(super) fn ipc_despite_denial(gate: &Option<Arc<super::gate::Attached>>, remote_is_vram: bool) -> bool {
     remote_is_vram
         && gate.as_ref().is_some_and(|g| matches!(sentinel::read(g.gate.sentinel()), sentinel::Word::Alive(_)))
 }
@@ -477,7 +477,7 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
             target.upgrade().ok_or_else(|| Error::disconnected(format!("agent '{}' has been destroyed", ep.name)))?;
             Far::InProcess
         }
-        Some((ep, PeerKind::Cma { pidfd, gate, denied, .. })) => {
+        Some((ep, PeerKind::Cma { proof, gate, denied, .. })) => {
             // The engine sends a denied peer's requests over TCP unless this says they can stay here (see
             // `ipc_despite_denial`); refused if one comes anyway.
             if denied.load(Ordering::Acquire) && !ipc_despite_denial(gate, remote_is_vram) {
@@ -489,7 +489,7 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
                 )));
             }
             // No pidfd or no gate: the peer did not prove it runs here, or has exited (see `load_peer`).
-            if pidfd.is_none() || gate.is_none() {
+            if proof.is_none() || gate.is_none() {
                 return Err(Error::disconnected(format!("agent '{}' is not reachable as a local process", ep.name)));
             }
             Far::Process
@@ -522,7 +522,7 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
             gated.push(r.gated());
             match (&far, peer) {
                 (Far::Process, Some(ep)) => {
-                    let PeerKind::Cma { pidfd: Some(pidfd), sock, secret, pid, .. } = &ep.kind else {
+                    let PeerKind::Cma { proof: Some(proof), sock, secret, pid, .. } = &ep.kind else {
                         return Err(Error::backend("peer without a pidfd"));
                     };
                     // The gate and the probe first: a stale handle never reaches the driver.
@@ -534,7 +534,7 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
                                 let take = || {
                                     let (num, want) = device::fd_of(&c.handle)?;
                                     let peer = (sock.as_slice(), *secret, ep.incarnation, *pid);
-                                    let f = super::take_peer_fd(shared, pidfd.as_fd(), peer, num)?;
+                                    let f = super::take_peer_fd(shared, proof.pidfd.as_fd(), peer, num)?;
                                     device::same_object(f, want)
                                 };
                                 let op = open_alloc(device, r, c, dev, &take)?;
@@ -622,7 +622,7 @@ impl VramPlan {
         let cma = |staged: &[Seg]| -> Result<()> {
             let mut gone = false;
             let r = copy::for_batches(staged, copy::BATCH_SEGS, copy::BATCH_BYTES, &mut |b| {
-                if run.abort.load(Ordering::Relaxed) || peer.dead.load(Ordering::Relaxed) {
+                if run.abort.load(Ordering::Relaxed) || peer.gone() {
                     return Err(Error::new(Status::Canceled, "transfer stopped"));
                 }
                 let inside = cma_gate.enter(core.gate_regions());
