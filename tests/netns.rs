@@ -847,6 +847,17 @@ fn connect_from(src: std::net::Ipv4Addr, to: std::net::SocketAddr) -> std::io::R
     }
 }
 
+/// Make closing `s` send a reset (SO_LINGER 0): a churning client leaves no TIME_WAIT behind.
+fn reset_on_close(s: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    let l = libc::linger { l_onoff: 1, l_linger: 0 };
+    let len = std::mem::size_of::<libc::linger>() as u32;
+    // SAFETY: a plain setsockopt on a descriptor we own, with a fully initialised struct.
+    unsafe {
+        libc::setsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_LINGER, (&l as *const libc::linger).cast(), len)
+    };
+}
+
 /// Open descriptors and resident memory (KiB) of this process.
 fn fds_and_rss() -> (usize, u64) {
     let fds = std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0);
@@ -939,6 +950,68 @@ fn idle_connection_flood_does_not_starve_a_real_peer() {
         assert!(took < Duration::from_secs(2), "{what}: READ took {took:?}");
     }
     assert!(dst[..4096].iter().all(|&x| x == 0x5A));
+}
+
+/// Strangers churn connections to the engine's port from 1000 source addresses (each holds one open, and a
+/// new one from the next source closes the oldest, as fast as two threads can), so that every pending slot is
+/// always full and no source ever holds more than one or two: fresh initiators still complete their handshakes and READs. Per-source quotas cannot help here; the
+/// oldest pending connection was evicted to make room, and under churn that was the real peer whose HELLO had
+/// arrived but not been read (0 of 7 handshakes in the run). Now a pending connection is read before it
+/// is evicted, and the accept loop yields to ready connections.
+#[test]
+fn connection_churn_from_a_thousand_sources_does_not_starve_handshakes() {
+    let _g = SERIAL.lock();
+    let src = vec![0x3Cu8; 1 << 16];
+    let b = tcp_agent("churn-target", 1000);
+    b.register_mem(&reg_list(&src), &[]).unwrap();
+    let md = b.local_md().unwrap();
+    let (to, _, _) = endpoint_of(&b);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let connects = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let churners: Vec<_> = (0..2u32)
+        .map(|k| {
+            let (stop, connects) = (stop.clone(), connects.clone());
+            std::thread::spawn(move || {
+                // Each thread keeps its newest 500 connections open (one per source), closing the oldest.
+                let mut held = std::collections::VecDeque::new();
+                let mut i = k;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let ip = std::net::Ipv4Addr::new(127, 1, (i / 250) as u8, (i % 250) as u8 + 1);
+                    if let Ok(c) = connect_from(ip, to) {
+                        connects.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        reset_on_close(&c);
+                        held.push_back(c);
+                    }
+                    if held.len() > 500 {
+                        held.pop_front();
+                    }
+                    i = (i + 2) % 1000;
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let t0 = Instant::now();
+    let mut ok = 0;
+    let tries = 8;
+    for n in 0..tries {
+        let a = tcp_agent(&format!("churn-initiator-{n}"), 1000);
+        let dst = vec![0u8; 4096];
+        a.register_mem(&reg_list(&dst), &[]).unwrap();
+        a.load_remote_md(&md).unwrap();
+        let (r, took) = read_once(&a, "churn-target", &dst, src.as_ptr() as u64, 4096);
+        eprintln!("churn: initiator {n}: READ {:?} in {took:?}", r.as_ref().map_err(|e| e.status()));
+        if r.is_ok_and(|s| s == Status::Success) && dst.iter().all(|&x| x == 0x3C) {
+            ok += 1;
+        }
+    }
+    let rate = connects.load(std::sync::atomic::Ordering::Relaxed) as f64 / (t0.elapsed().as_secs_f64() + 0.3);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for c in churners {
+        c.join().unwrap();
+    }
+    eprintln!("churn from 1000 sources at {rate:.0} connects/s: {ok} of {tries} fresh initiators read");
+    assert_eq!(ok, tries, "real initiators starved by connection churn");
 }
 
 /// Read a byte that another thread (the engine, through the kernel) may be writing.

@@ -239,6 +239,8 @@ pub enum Leased {
 const MAX_PENDING: usize = 256;
 /// Pending connections one source address may hold; its oldest is closed to make room for its newest.
 const PER_SOURCE: usize = 16;
+/// Connections taken from the listener before the progress thread serves other ready connections.
+const ACCEPT_BURST: usize = 64;
 /// Authenticated inbound control connections kept at once.
 const MAX_CTRL_IN: usize = 1024;
 /// Data connections served at once.
@@ -668,7 +670,9 @@ impl TcpProgress {
     }
 
     fn accept(&mut self) {
-        loop {
+        // A bounded burst: connections arriving as fast as they are taken must not keep this thread from the
+        // HELLOs already waiting (the listener is level-triggered, so the rest come on the next round).
+        for _ in 0..ACCEPT_BURST {
             let (stream, from) = match self.listener.accept() {
                 Ok(x) => x,
                 Err(e) if crate::util::accept_again(&e, self.listener.as_raw_fd()) => continue,
@@ -707,7 +711,9 @@ impl TcpProgress {
     }
 
     /// Before taking a pending connection from `src`: close the oldest pending one of `src` if it holds
-    /// `PER_SOURCE`, else, when every slot is taken, the oldest of the source holding the most.
+    /// `PER_SOURCE`, else, when every slot is taken, the oldest of the source holding the most. The one chosen
+    /// is read first: a real peer's HELLO that arrived while this thread was busy accepting authenticates it
+    /// (no longer pending, so room is made all the same) instead of losing it to a stranger's churn.
     fn make_room(&mut self, src: IpAddr) {
         let mut per: HashMap<IpAddr, (usize, u64, u64)> = HashMap::new();
         let mut pending = 0;
@@ -725,7 +731,10 @@ impl TcpProgress {
             _ => None,
         };
         if let Some(t) = victim {
-            self.drop_in(t);
+            self.on_in(t);
+            if self.inbound.get(&t).is_some_and(|c| c.name.is_none()) {
+                self.drop_in(t);
+            }
         }
     }
 
@@ -2027,6 +2036,78 @@ impl Drop for TcpLink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The progress thread's TCP side, driven by hand (no thread): `accept` and `on_in` run when the test says.
+    fn progress(inc: u128, secret: u128) -> TcpProgress {
+        // SAFETY: plain syscalls; the descriptors are checked and owned at once.
+        let (ep, ev) = unsafe { (libc::epoll_create1(libc::EPOLL_CLOEXEC), libc::eventfd(0, libc::EFD_CLOEXEC)) };
+        assert!(ep >= 0 && ev >= 0);
+        // SAFETY: fresh descriptors we own.
+        let (ep, ev) = unsafe { (OwnedFd::from_raw_fd(ep), OwnedFd::from_raw_fd(ev)) };
+        let setup = TcpSetup {
+            bind: "127.0.0.1:0".parse().unwrap(),
+            opts: TcpOpts { conns: 1, timeout: Duration::from_secs(1) },
+            secret,
+            regions: Arc::default(),
+        };
+        TcpProgress::new(setup, inc, Arc::default(), Arc::new(ep), Arc::new(ev)).unwrap()
+    }
+
+    /// A connection to `to` from the loopback source address `src`.
+    fn connect_from(src: std::net::Ipv4Addr, to: SocketAddr) -> TcpStream {
+        let SocketAddr::V4(to) = to else { panic!("IPv4 only") };
+        let sin = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
+            sin_family: libc::AF_INET as u16,
+            sin_port: port.to_be(),
+            sin_addr: libc::in_addr { s_addr: u32::from(ip).to_be() },
+            sin_zero: [0; 8],
+        };
+        let len = std::mem::size_of::<libc::sockaddr_in>() as u32;
+        let (a, b) = (sin(src, 0), sin(*to.ip(), to.port()));
+        // SAFETY: plain socket calls on a descriptor we own; the address structs are fully initialised.
+        unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+            assert!(fd >= 0);
+            let s = TcpStream::from_raw_fd(fd);
+            assert_eq!(libc::bind(fd, (&a as *const libc::sockaddr_in).cast(), len), 0);
+            assert_eq!(libc::connect(fd, (&b as *const libc::sockaddr_in).cast(), len), 0);
+            s
+        }
+    }
+
+    /// A real peer's HELLO arrives while the progress thread is busy accepting a stranger's churn from many
+    /// source addresses (one pending connection each, every slot full): the eviction that would take the peer's
+    /// connection, the oldest, reads it first and authenticates it. It was closed unread.
+    #[test]
+    fn a_waiting_hello_is_read_before_its_connection_is_evicted() {
+        use std::io::{Read, Write};
+        let (inc, secret) = (0x77u128, 0x1234u128);
+        let mut p = progress(inc, secret);
+        let to = p.listener.local_addr().unwrap();
+        let mut real = TcpStream::connect(to).unwrap();
+        real.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        p.accept();
+        let mut c = [0u8; wire::CHALLENGE_BYTES];
+        real.read_exact(&mut c).unwrap();
+        let nonce = wire::parse_challenge(&c).unwrap();
+        let tag = wire::hello_tag(secret, wire::KIND_CTRL, inc, &nonce, "real");
+        let h = wire::Hello { kind: wire::KIND_CTRL, incarnation: inc, tag, name: "real".into() };
+        real.write_all(&wire::encode_hello(&h)).unwrap();
+        // Strangers, one connection per source address, taken in bursts as the listener's backlog allows.
+        let mut strangers = Vec::new();
+        for i in 0..MAX_PENDING as u32 + 8 {
+            strangers.push(connect_from(std::net::Ipv4Addr::new(127, 1, (i / 250) as u8, (i % 250) as u8 + 1), to));
+            if strangers.len() % 32 == 0 {
+                p.accept();
+            }
+        }
+        p.accept();
+        let mut ack = [0u8; 1];
+        real.read_exact(&mut ack).expect("the real peer's connection was closed unread");
+        assert_eq!(ack[0], wire::ACK);
+        let pending = p.inbound.values().filter(|c| c.name.is_none()).count();
+        assert!(pending <= MAX_PENDING, "{pending} pending");
+    }
 
     #[test]
     fn vram_registrations_lease_as_device_and_never_mixed_with_host() {
