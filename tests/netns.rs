@@ -1014,6 +1014,88 @@ fn connection_churn_from_a_thousand_sources_does_not_starve_handshakes() {
     assert_eq!(ok, tries, "real initiators starved by connection churn");
 }
 
+/// Complete a data-connection handshake on `s` as anyone holding the target's metadata can: true if the target
+/// answered ACK (it closes a connection it will not serve without a word).
+fn data_handshake(mut s: TcpStream, inc: u128, secret: u128) -> Option<TcpStream> {
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    let mut c = [0u8; wire::CHALLENGE_BYTES];
+    s.read_exact(&mut c).ok()?;
+    let nonce = wire::parse_challenge(&c).ok()?;
+    let tag = wire::hello_tag(secret, wire::KIND_DATA, inc, &nonce, "holder");
+    let h = wire::Hello { kind: wire::KIND_DATA, incarnation: inc, tag, name: "holder".into() };
+    s.write_all(&wire::encode_hello(&h)).ok()?;
+    let mut ack = [0u8; 1];
+    s.read_exact(&mut ack).ok()?;
+    (ack[0] == wire::ACK).then_some(s)
+}
+
+/// Let this process open as many descriptors as its hard limit allows.
+fn raise_fd_limit() {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: plain syscalls on a struct we own.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
+}
+
+/// Strangers holding the target's metadata (so its secret: NIXL's trust model) open data connections from 200
+/// source addresses until every serving slot is taken, and leave them idle. New data connections were dropped
+/// and nothing was ever evicted, so a fresh initiator got REMOTE_DISCONNECT for as long as they held. Now a
+/// newcomer replaces a connection that has waited a second or more for a request (of the source holding the
+/// most): a fresh initiator reads, and so does one whose pooled connection was replaced (it sees the hang-up
+/// before reuse and dials again).
+#[test]
+fn idle_authenticated_data_connections_cannot_lock_out_real_peers() {
+    let _g = SERIAL.lock();
+    raise_fd_limit();
+    let src = vec![0x6Bu8; 1 << 16];
+    let b = tcp_agent("idle-target", 1000);
+    b.register_mem(&reg_list(&src), &[]).unwrap();
+    let md = b.local_md().unwrap();
+    let initiator = |name: &str| {
+        let a = tcp_agent(name, 1000);
+        let dst = vec![0u8; 4096];
+        a.register_mem(&reg_list(&dst), &[]).unwrap();
+        a.load_remote_md(&md).unwrap();
+        (a, dst)
+    };
+    let (early, early_dst) = initiator("idle-early");
+    let (r, _) = read_once(&early, "idle-target", &early_dst, src.as_ptr() as u64, 4096);
+    assert_eq!(r.map_err(|e| e.status()), Ok(Status::Success));
+    let (to, inc, secret) = endpoint_of(&b);
+    std::thread::sleep(Duration::from_millis(1200));
+    let mut held = Vec::new();
+    let mut refused = 0;
+    for i in 0..1100u32 {
+        let ip = std::net::Ipv4Addr::new(127, 2, 0, (i % 200) as u8 + 1);
+        match connect_from(ip, to).ok().and_then(|s| data_handshake(s, inc, secret)) {
+            Some(s) => held.push(s),
+            None => refused += 1,
+        }
+    }
+    eprintln!("idle data connections: {} held, {refused} refused", held.len());
+    assert!(held.len() >= 1000, "the target served only {} connections", held.len());
+    std::thread::sleep(Duration::from_millis(1200));
+    let (fresh, fresh_dst) = initiator("idle-fresh");
+    let (r, took) = read_once(&fresh, "idle-target", &fresh_dst, src.as_ptr() as u64, 4096);
+    eprintln!(
+        "a fresh initiator with every serving slot held: READ {:?} in {took:?}",
+        r.as_ref().map_err(|e| e.status())
+    );
+    assert_eq!(r.map_err(|e| e.status()), Ok(Status::Success), "a fresh initiator was locked out");
+    assert!(fresh_dst.iter().all(|&x| x == 0x6B));
+    let (r, took) = read_once(&early, "idle-target", &early_dst, src.as_ptr() as u64, 4096);
+    eprintln!(
+        "the early initiator (its idle connection replaced): READ {:?} in {took:?}",
+        r.as_ref().map_err(|e| e.status())
+    );
+    assert_eq!(r.map_err(|e| e.status()), Ok(Status::Success), "an initiator whose connection was replaced");
+    assert!(early_dst.iter().all(|&x| x == 0x6B));
+}
+
 /// Read a byte that another thread (the engine, through the kernel) may be writing.
 fn peek(buf: &[u8], i: usize) -> u8 {
     assert!(i < buf.len());

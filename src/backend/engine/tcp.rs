@@ -243,8 +243,15 @@ const PER_SOURCE: usize = 16;
 const ACCEPT_BURST: usize = 64;
 /// Authenticated inbound control connections kept at once.
 const MAX_CTRL_IN: usize = 1024;
-/// Data connections served at once.
+/// Data connections served at once. When all are taken, a newcomer replaces an idle one (see
+/// `TcpProgress::make_serving_room`).
 const MAX_SERVING: usize = 1024;
+/// How long a data connection must have waited for a request before a newcomer may replace it: a burst of fresh
+/// connections cannot push out each other, and a peer's connection is not cut while its next request is on the way.
+const REPLACE_IDLE: Duration = Duration::from_secs(1);
+/// A data connection that has waited this long for a request is closed (the initiator dials again when it
+/// needs one: it checks a pooled connection for a hang-up before using it).
+pub const IDLE_DATA: Duration = Duration::from_secs(300);
 /// Bytes the authenticated inbound control connections may hold at once, together (a frame being received
 /// reserves its whole length when its header arrives; frames waiting for room in the notification queue
 /// count too), plus at most one read chunk each. A connection that would exceed it is not read until
@@ -325,7 +332,9 @@ pub struct TcpShared {
     wake: Arc<OwnedFd>,
     out: Mutex<HashMap<u64, Out>>,
     next_out: AtomicU64,
-    serving: Mutex<Vec<Weak<TcpStream>>>,
+    /// Authenticated data connections being served, by id: shut at teardown, replaced when `MAX_SERVING` is
+    /// reached.
+    serving: Mutex<HashMap<u64, Served>>,
     nserving: AtomicUsize,
     loops: OnceLock<Vec<Arc<ServeLoop>>>,
     next_serve: AtomicU64,
@@ -392,7 +401,7 @@ impl TcpShared {
     /// requests being served, so nothing touches memory after this returns.
     pub fn close(&self) {
         self.closed.store(true, Ordering::Release);
-        for s in self.serving.lock().drain(..).filter_map(|w| w.upgrade()) {
+        for s in self.serving.lock().drain().filter_map(|(_, s)| s.stream.upgrade()) {
             let _ = s.shutdown(Shutdown::Both);
         }
         for l in self.loops.get().into_iter().flatten() {
@@ -549,6 +558,14 @@ impl In {
     }
 }
 
+/// A data connection as the progress thread sees it once a serving loop has it.
+struct Served {
+    src: IpAddr,
+    stream: Weak<TcpStream>,
+    /// Since when (ns) it has waited for a request; 0 while a request is in progress.
+    idle: Arc<AtomicU64>,
+}
+
 pub const TOKEN_LISTEN: u64 = 2;
 pub const TOKEN_IN: u64 = 3 << 32;
 pub const TOKEN_OUT: u64 = 4 << 32;
@@ -580,7 +597,7 @@ impl TcpProgress {
             wake,
             out: Mutex::new(HashMap::new()),
             next_out: AtomicU64::new(0),
-            serving: Mutex::new(Vec::new()),
+            serving: Mutex::new(HashMap::new()),
             nserving: AtomicUsize::new(0),
             loops: OnceLock::new(),
             next_serve: AtomicU64::new(0),
@@ -818,14 +835,14 @@ impl TcpProgress {
         }
         // A data connection leaves the epoll set for its own thread.
         let Some(c) = self.drop_in(token) else { return false };
-        self.serve_data(c.stream);
+        self.serve_data(c.stream, c.src);
         true
     }
 
     /// Hand an authenticated data connection to a serving loop (started on first use).
-    fn serve_data(&mut self, stream: TcpStream) {
+    fn serve_data(&mut self, stream: TcpStream, src: IpAddr) {
         let sh = &self.shared;
-        if sh.nserving.load(Ordering::Acquire) >= MAX_SERVING {
+        if sh.nserving.load(Ordering::Acquire) >= MAX_SERVING && !self.make_serving_room() {
             return;
         }
         let loops = sh.loops.get_or_init(|| start_loops(sh));
@@ -838,16 +855,42 @@ impl TcpProgress {
             return;
         }
         let stream = Arc::new(stream);
-        {
-            let mut serving = sh.serving.lock();
-            serving.retain(|w| w.strong_count() > 0);
-            serving.push(Arc::downgrade(&stream));
-        }
-        sh.nserving.fetch_add(1, Ordering::AcqRel);
         let id = sh.next_serve.fetch_add(1, Ordering::Relaxed);
+        let idle = Arc::new(AtomicU64::new(0));
+        sh.serving.lock().insert(id, Served { src, stream: Arc::downgrade(&stream), idle: idle.clone() });
+        sh.nserving.fetch_add(1, Ordering::AcqRel);
         let l = &loops[id as usize % loops.len()];
-        l.inbox.lock().push((id, stream));
+        l.inbox.lock().push((id, stream, idle));
         l.wake();
+    }
+
+    /// Every serving slot is taken: cut one data connection that has waited for a request for at least
+    /// `REPLACE_IDLE`, of the source address holding the most, the longest idle of those. False when none
+    /// qualifies (every connection busy or freshly idle): the newcomer is refused. Authenticated strangers
+    /// (the secret comes with the metadata) holding every slot can so no longer lock real peers out; a peer whose
+    /// idle connection is cut sees the hang-up before it reuses it and dials again.
+    fn make_serving_room(&self) -> bool {
+        let now = monotonic_ns();
+        let long = REPLACE_IDLE.as_nanos() as u64;
+        let mut serving = self.shared.serving.lock();
+        let mut per: HashMap<IpAddr, usize> = HashMap::new();
+        for s in serving.values() {
+            *per.entry(s.src).or_default() += 1;
+        }
+        let victim = serving
+            .iter()
+            .filter_map(|(&id, s)| {
+                let since = s.idle.load(Ordering::Acquire);
+                (since != 0 && since + long <= now).then(|| (per[&s.src], u64::MAX - since, id))
+            })
+            .max()
+            .map(|(_, _, id)| id);
+        let Some(s) = victim.and_then(|id| serving.remove(&id)) else { return false };
+        // Its serving loop sees the hang-up and closes it (the count drops then).
+        if let Some(stream) = s.stream.upgrade() {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+        true
     }
 
     /// An authenticated inbound control connection is readable (or is being resumed): queue its
@@ -1024,8 +1067,9 @@ const MAX_LOOPS: usize = 8;
 struct ServeLoop {
     epfd: OwnedFd,
     wake: OwnedFd,
-    /// Connections handed over by the progress thread, taken on the next wake-up.
-    inbox: Mutex<Vec<(u64, Arc<TcpStream>)>>,
+    /// Connections handed over by the progress thread (with their idle word, see `Served`), taken on the next
+    /// wake-up.
+    inbox: Mutex<Vec<(u64, Arc<TcpStream>, Arc<AtomicU64>)>>,
 }
 
 impl ServeLoop {
@@ -1075,7 +1119,7 @@ impl ServeLoop {
             let now = monotonic_ns();
             let timeout = conns
                 .values()
-                .filter_map(|c| c.deadline(stall))
+                .filter_map(|c| c.deadline(stall).or(c.idle_deadline()))
                 .map(|d| d.saturating_sub(now).div_ceil(1_000_000).min(i32::MAX as u64) as i32)
                 .min()
                 .unwrap_or(-1);
@@ -1092,14 +1136,15 @@ impl ServeLoop {
                 let mut v = 0u64;
                 // SAFETY: reading 8 bytes from our eventfd into `v`.
                 unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
-                for (id, stream) in self.inbox.lock().drain(..) {
+                for (id, stream, idle) in self.inbox.lock().drain(..) {
                     let edge = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET) as u32;
                     let fd = stream.as_raw_fd();
                     if crate::util::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, edge, id).is_err() {
+                        shared.serving.lock().remove(&id);
                         shared.nserving.fetch_sub(1, Ordering::AcqRel);
                         continue;
                     }
-                    conns.insert(id, Box::new(DataConn::new(id, stream)));
+                    conns.insert(id, Box::new(DataConn::new(id, stream, idle)));
                     ready.push(id);
                 }
             }
@@ -1114,11 +1159,15 @@ impl ServeLoop {
                     waiting.push_back(id);
                 }
             }
-            // Connections stuck mid-request for longer than the stall bound are given up.
+            // Connections stuck mid-request for longer than the stall bound are given up, and so are those that
+            // have waited `IDLE_DATA` for a request.
             let stall = shared.opts.stall().as_nanos() as u64;
             let now = monotonic_ns();
-            let late: Vec<u64> =
-                conns.values().filter(|c| c.deadline(stall).is_some_and(|d| d <= now)).map(|c| c.id).collect();
+            let late: Vec<u64> = conns
+                .values()
+                .filter(|c| c.deadline(stall).or(c.idle_deadline()).is_some_and(|d| d <= now))
+                .map(|c| c.id)
+                .collect();
             for id in late {
                 if let Some(mut c) = conns.remove(&id) {
                     c.close(&shared, &self.epfd, &mut pool);
@@ -1183,6 +1232,8 @@ struct DataConn {
     staged: Option<Box<Staged>>,
     /// In its loop's queue of connections waiting for a staging buffer.
     queued: bool,
+    /// Shared with the progress thread (see `Served`): since when it has waited for a request, 0 while busy.
+    idle: Arc<AtomicU64>,
 }
 
 // SAFETY: the iovecs point into registered memory leased by this connection, or at `reply` (re-pointed
@@ -1190,7 +1241,7 @@ struct DataConn {
 unsafe impl Send for DataConn {}
 
 impl DataConn {
-    fn new(id: u64, stream: Arc<TcpStream>) -> DataConn {
+    fn new(id: u64, stream: Arc<TcpStream>, idle: Arc<AtomicU64>) -> DataConn {
         DataConn {
             id,
             stream,
@@ -1207,12 +1258,18 @@ impl DataConn {
             last: monotonic_ns(),
             staged: None,
             queued: false,
+            idle,
         }
     }
 
     /// When this connection must have made progress by: None while it waits for a request (idle).
     fn deadline(&self, stall: u64) -> Option<u64> {
         (self.phase != Phase::Header || self.got > 0).then(|| self.last.saturating_add(stall))
+    }
+
+    /// When this connection, waiting for a request, is closed: None while a request is in progress.
+    fn idle_deadline(&self) -> Option<u64> {
+        (self.phase == Phase::Header && self.got == 0).then(|| self.last.saturating_add(IDLE_DATA.as_nanos() as u64))
     }
 
     fn close(&mut self, sh: &TcpShared, epfd: &OwnedFd, pool: &mut StagePool) {
@@ -1225,6 +1282,7 @@ impl DataConn {
         let _ = self.stream.shutdown(Shutdown::Both);
         // `self.stream` still holds it open.
         epoll_del(epfd.as_raw_fd(), self.stream.as_raw_fd());
+        sh.serving.lock().remove(&self.id);
         sh.nserving.fetch_sub(1, Ordering::AcqRel);
     }
 
@@ -1261,9 +1319,19 @@ impl DataConn {
             let n = match r {
                 Ok(0) => return false,
                 Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    // Waiting for a request from here: the progress thread may replace it once it has waited
+                    // `REPLACE_IDLE`.
+                    if self.idle_deadline().is_some() {
+                        self.idle.store(self.last.max(1), Ordering::Release);
+                    }
+                    return true;
+                }
                 Err(_) => return false,
             };
+            if self.phase == Phase::Header && self.got == 0 {
+                self.idle.store(0, Ordering::Release);
+            }
             self.last = monotonic_ns();
             match self.phase {
                 Phase::Header => {
@@ -1869,6 +1937,13 @@ impl TcpLink {
             self.usable()?;
             let epoch = self.epoch.load(Ordering::Acquire);
             if let Some(s) = g.idle.pop() {
+                // The target closes data connections that waited long for a request (`IDLE_DATA`), or that
+                // it replaced when all its serving slots were taken: dial a fresh one instead.
+                if net::hung_up(s.as_raw_fd()) {
+                    g.open -= 1;
+                    let _ = s.shutdown(Shutdown::Both);
+                    continue;
+                }
                 return Ok((s, epoch));
             }
             if g.open < self.opts.conns {
