@@ -1064,12 +1064,15 @@ fn ctrl_frames(
 const MIN_LOOPS: usize = 4;
 const MAX_LOOPS: usize = 8;
 
+/// A data connection handed to a serving loop: its id, the socket, and its idle word (see `Served`).
+type Handed = (u64, Arc<TcpStream>, Arc<AtomicU64>);
+
 struct ServeLoop {
     epfd: OwnedFd,
     wake: OwnedFd,
     /// Connections handed over by the progress thread (with their idle word, see `Served`), taken on the next
     /// wake-up.
-    inbox: Mutex<Vec<(u64, Arc<TcpStream>, Arc<AtomicU64>)>>,
+    inbox: Mutex<Vec<Handed>>,
 }
 
 impl ServeLoop {
