@@ -92,10 +92,17 @@ impl AgentMd {
     /// `decode` a blob that must be signed with the cluster key when one is given, and may not be signed
     /// when none is (the error then says which side lacks the key).
     pub fn open(buf: &[u8], key: Option<&crate::auth::ClusterKey>) -> Result<AgentMd> {
+        Self::open_within(buf, key, usize::MAX)
+    }
+
+    /// `open`, refused with NOT_ALLOWED as soon as the section headers announce more than `max_regions`
+    /// regions in all, before any of them is decoded: what a stranger's LOAD may cost is bounded by the cap,
+    /// not by the size of the LOAD.
+    pub fn open_within(buf: &[u8], key: Option<&crate::auth::ClusterKey>, max_regions: usize) -> Result<AgentMd> {
         let at = MAGIC.len() + 2;
         let signed = buf.len() > at && buf[..MAGIC.len()] == MAGIC[..] && buf[at] & FLAG_SIGNED != 0;
         match (key, signed) {
-            (None, false) => Self::decode(buf),
+            (None, false) => Self::decode_within(buf, max_regions),
             (None, true) => Err(Error::not_allowed(
                 "metadata is signed with a cluster key, and this agent has none (set GIXL_CLUSTER_KEY)",
             )),
@@ -112,12 +119,27 @@ impl AgentMd {
                 }
                 let mut plain = body.to_vec();
                 plain[at] &= !FLAG_SIGNED;
-                Self::decode(&plain)
+                Self::decode_within(&plain, max_regions)
             }
         }
     }
 
     pub fn decode(buf: &[u8]) -> Result<AgentMd> {
+        Self::decode_within(buf, usize::MAX)
+    }
+
+    /// The agent name a blob claims, read from its header alone (nothing verified: `open` does that).
+    pub fn peek_name(buf: &[u8]) -> Result<String> {
+        let mut r = Reader { buf, pos: 0 };
+        if r.take(MAGIC.len())? != MAGIC {
+            return Err(Error::mismatch("not gixl metadata (bad magic)"));
+        }
+        r.take(3)?;
+        r.string(MAX_NAME)
+    }
+
+    /// `decode`, refused with NOT_ALLOWED once the sections announce more than `max_regions` regions.
+    pub fn decode_within(buf: &[u8], max_regions: usize) -> Result<AgentMd> {
         let mut r = Reader { buf, pos: 0 };
         if r.take(MAGIC.len())? != MAGIC {
             return Err(Error::mismatch("not gixl metadata (bad magic)"));
@@ -143,6 +165,7 @@ impl AgentMd {
             conns.push((backend, info));
         }
         let nsections = r.count(MAX_SECTIONS)?;
+        let mut announced = 0usize;
         let mut sections = Vec::with_capacity(nsections.min(r.left()).min(RESERVE));
         for _ in 0..nsections {
             let backend = r.string(MAX_NAME)?;
@@ -152,6 +175,12 @@ impl AgentMd {
                 .ok_or_else(|| Error::mismatch("metadata names an unknown memory type"))?;
             // Each region takes at least 4 bytes, which bounds the count by the input left.
             let n = r.count((r.left() / 4).max(1))?;
+            announced = announced.saturating_add(n);
+            if announced > max_regions {
+                return Err(Error::not_allowed(format!(
+                    "metadata of agent '{name}' brings more than the {max_regions} regions allowed here"
+                )));
+            }
             let mut regions = Vec::with_capacity(n.min(RESERVE));
             let mut prev_end = 0u64;
             for _ in 0..n {

@@ -105,3 +105,82 @@ fn pushed_merges_add_at_most_the_region_cap() {
     victim.load_remote_md(&p1).unwrap();
     assert!(count(1), "the application's own load is not capped");
 }
+
+/// This process's peak resident memory (VmHWM), in bytes.
+fn peak_rss() -> u64 {
+    let st = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib: u64 =
+        st.lines().find(|l| l.starts_with("VmHWM:")).unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
+    kib << 10
+}
+
+/// The child of `a_pushed_load_costs_at_most_four_times_its_size`: a victim with a listener, and a stranger's
+/// LOAD of a new name carrying a real peer's connection info and region bytes, `GIXL_REGIONS` regions of 64
+/// bytes each. Prints `@hwm <blob bytes> <peak RSS growth in bytes> <loaded: 0|1>`.
+fn hwm_child() {
+    let n: usize = std::env::var("GIXL_REGIONS").unwrap().parse().unwrap();
+    let cfg = AgentConfig { listen_thread: true, listen_port: 0, ..Default::default() };
+    let victim = agent("hwm-victim", cfg);
+    let port = victim.listen_port().unwrap();
+    let peer = agent("hwm-peer", AgentConfig::default());
+    let buf = vec![0u8; 4096];
+    let one = RegDList::with_descs(
+        MemType::Dram,
+        vec![RegDesc { desc: Desc::new(buf.as_ptr() as u64, 64, 0), meta: vec![] }],
+    );
+    peer.register_mem(&one, &[]).unwrap();
+    let mut md = gixl::md::AgentMd::decode(&peer.local_md().unwrap()).unwrap();
+    let (d, public) = md.sections[0].regions[0].clone();
+    md.name = "hwm-big".into();
+    md.sections[0].regions = (0..n as u64).map(|i| (Desc::new(d.addr + 64 * i, 64, 0), public.clone())).collect();
+    let blob = md.encode();
+    drop(md);
+    // Building the blob raised the peak: start it again from what is resident now.
+    std::fs::write("/proc/self/clear_refs", "5").unwrap();
+    let before = peak_rss();
+    push(port, std::slice::from_ref(&blob));
+    let grew = peak_rss().saturating_sub(before);
+    let loaded = victim.remote_incarnation("hwm-big").is_ok() as u8;
+    println!("\n@hwm {} {grew} {loaded}", blob.len());
+}
+
+#[test]
+fn child_entry() {
+    if std::env::var("GIXL_CHILD").as_deref() == Ok("hwm") {
+        hwm_child();
+    }
+}
+
+/// What a stranger's LOAD costs the listener's process at its peak. One of 2.5 million regions (15 MB, past
+/// `GIXL_MAX_PUSHED_REGIONS`) is refused from its section headers, before a region is decoded: about its own size
+/// (it cost 42 times its size, 620 MiB, decoded and resolved in full before the cap was checked). One of 60,000
+/// regions is loaded: what it costs is bounded per region (the decoded blob, moved into the peer's table), so the
+/// cap bounds it. Run in a child each, so that nothing else moves the peak.
+#[test]
+fn a_pushed_load_costs_its_size_when_refused_and_a_bounded_amount_per_region_when_loaded() {
+    for (n, want_loaded) in [(2_500_000u64, false), (60_000, true)] {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+            .env("GIXL_CHILD", "hwm")
+            .env("GIXL_REGIONS", n.to_string())
+            .env_remove("GIXL_MAX_PUSHED_REGIONS")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let line = text.lines().find_map(|l| l.strip_prefix("@hwm ")).unwrap_or_else(|| panic!("child said: {text}"));
+        let v: Vec<u64> = line.split(' ').map(|x| x.parse().unwrap()).collect();
+        let (blob, grew, loaded) = (v[0], v[1], v[2] == 1);
+        eprintln!(
+            "pushed LOAD of {n} regions, {blob} bytes: peak RSS +{} KiB ({:.1}x its size, {} bytes a region), loaded: {loaded}",
+            grew >> 10,
+            grew as f64 / blob as f64,
+            grew / n
+        );
+        assert_eq!(loaded, want_loaded);
+        if loaded {
+            assert!(grew <= 320 * n, "{n} regions loaded: {grew} bytes at peak");
+        } else {
+            assert!(grew <= 2 * blob, "{n} regions refused: {grew} bytes at peak for a {blob}-byte LOAD");
+        }
+    }
+}

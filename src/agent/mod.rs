@@ -438,7 +438,7 @@ impl Agent {
     /// `load_remote_md`, refused (NOT_ALLOWED, nothing changed) when the peer would then have more than
     /// `region_cap` regions here: what metadata pushed to the listener by anyone may add.
     fn load_md(&self, blob: &[u8], region_cap: Option<usize>) -> Result<String> {
-        let md = AgentMd::open(blob, crate::auth::cluster())?;
+        let mut md = AgentMd::open_within(blob, crate::auth::cluster(), region_cap.unwrap_or(usize::MAX))?;
         if md.name == self.inner.name {
             return Err(Error::invalid_param("cannot load this agent's own metadata"));
         }
@@ -507,11 +507,13 @@ impl Agent {
             }
         };
 
-        // Resolve every region before changing anything, so a bad section leaves the cache as it was.
-        let mut adds: Vec<((BackendId, MemType), Desc, RemoteEntry)> = Vec::new();
+        // Resolve every region before changing anything, so a bad section leaves the cache as it was. Grouped
+        // per table as they come, each region's bytes moved, not copied, out of the decoded metadata.
+        let mut by_table: HashMap<(BackendId, MemType), Vec<(Desc, RemoteEntry)>> = HashMap::new();
+        let mut nadds = 0usize;
         {
             let sections = ra.sections.read();
-            for s in &md.sections {
+            for s in std::mem::take(&mut md.sections) {
                 let Some(b) = by_name(&s.backend) else { continue };
                 let Some(peer) = ra.peer(b.id) else { continue };
                 if s.regions.is_empty() {
@@ -522,9 +524,11 @@ impl Agent {
                     )));
                 }
                 let cur = sections.get(&(b.id, s.mem));
-                for (d, public) in &s.regions {
-                    if let Some(i) = cur.and_then(|c| c.find_exact(d)) {
-                        if cur.map(|c| &c.get(i).1.public) != Some(public) {
+                let adds = by_table.entry((b.id, s.mem)).or_default();
+                adds.reserve(s.regions.len());
+                for (d, public) in s.regions {
+                    if let Some(i) = cur.and_then(|c| c.find_exact(&d)) {
+                        if cur.map(|c| &c.get(i).1.public) != Some(&public) {
                             return Err(Error::not_allowed(format!(
                                 "agent '{}' changed the access data of region {d:?}",
                                 md.name
@@ -532,30 +536,27 @@ impl Agent {
                         }
                         continue;
                     }
-                    let key = b.be.load_remote_region(peer, s.mem, d, public)?;
-                    adds.push(((b.id, s.mem), *d, RemoteEntry { public: public.clone(), key }));
+                    let key = b.be.load_remote_region(peer, s.mem, &d, &public)?;
+                    adds.push((d, RemoteEntry { public, key }));
+                    nadds += 1;
                 }
             }
         }
         if let Some(cap) = region_cap {
             let have: usize = ra.sections.read().values().map(|s| s.len()).sum();
-            if have + adds.len() > cap {
+            if have + nadds > cap {
                 return Err(Error::not_allowed(format!(
                     "agent '{}' would have {} regions here, past the {cap} that metadata pushed to the listener may \
                      bring (GIXL_MAX_PUSHED_REGIONS); load it with load_remote_md / fetch_remote_md instead",
                     md.name,
-                    have + adds.len()
+                    have + nadds
                 )));
             }
         }
-        if !adds.is_empty() {
-            // Grouped per table and inserted with one sort each: O(n log n) under the lock, in any order.
-            let mut by_table: HashMap<(BackendId, MemType), Vec<(Desc, RemoteEntry)>> = HashMap::new();
-            for (k, d, e) in adds {
-                by_table.entry(k).or_default().push((d, e));
-            }
+        if nadds > 0 {
+            // Inserted with one sort per table: O(n log n) under the lock, in any order.
             let mut sections = ra.sections.write();
-            for (k, v) in by_table {
+            for (k, v) in by_table.into_iter().filter(|(_, v)| !v.is_empty()) {
                 sections.entry(k).or_insert_with(|| Section::new(k.1)).extend(v);
             }
         }
@@ -828,8 +829,8 @@ impl Host for AgentHost {
     fn load_pushed(&self, blob: &[u8]) -> Result<String> {
         self.with(|a| {
             let mut pushed = self.pushed.lock();
-            // Only a new name counts (decoding twice costs little next to a LOAD's network round trip).
-            let name = AgentMd::open(blob, crate::auth::cluster())?.name;
+            // Only a new name counts (`load_md` verifies the blob).
+            let name = AgentMd::peek_name(blob)?;
             if a.remote_incarnation(&name).is_err() {
                 pushed.retain(|n| a.remote_incarnation(n).is_ok());
                 let max = max_pushed_peers();

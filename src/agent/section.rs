@@ -100,6 +100,8 @@ impl<T> Section<T> {
     /// table's tail every time: quadratic for regions that arrive in descending order). Equal descriptors keep
     /// their order, new ones after the old, as with `insert`.
     pub fn extend(&mut self, new: impl IntoIterator<Item = (Desc, T)>) {
+        let new = new.into_iter();
+        self.regions.reserve_exact(new.size_hint().0);
         self.regions.extend(new);
         self.regions.sort_by_key(|r| r.0);
         self.update_reach(0);
