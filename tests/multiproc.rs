@@ -484,11 +484,18 @@ fn an_agent_at_its_descriptor_limit_does_not_spin() {
     let _ = child.wait();
 }
 
-/// A target deregisters 16 regions at once while an initiator is stopped (SIGSTOP) inside the transfer gate:
-/// one bounded wait in all, not one per region (it took 16 disconnect timeouts); and once that initiator is
-/// killed but not yet reaped (a zombie), its count is reclaimed at once instead of waited out.
+/// A target deregisters regions while an initiator is stopped (SIGSTOP) inside the transfer gate, in the middle
+/// of a READ of one large region. Sixteen regions it does not touch: no wait at all (each waited for it: 16
+/// disconnect timeouts, then one in all, whichever region the READ was on). Those sixteen with one it may touch:
+/// one bounded wait in all. And once that initiator is killed but not yet reaped (a zombie), its count is
+/// reclaimed at once instead of waited out.
+///
+/// The target is fresh, so its registrations take gate slots 0, 1, 2, … in order: the large region slot 0, 39
+/// fillers slots 1–39, and the probe slot 40, which shares the large region's bit in an initiator's mask (slot
+/// modulo 40): deregistering the probe waits exactly when the READ is inside the gate, which is how the test
+/// knows the stop landed there.
 #[test]
-fn deregistering_many_regions_waits_once_for_a_stopped_initiator_and_not_for_a_zombie() {
+fn deregistering_regions_waits_only_for_a_stopped_initiator_touching_them_and_not_for_a_zombie() {
     let timeout = Duration::from_millis(1500);
     let t = Agent::new("dereg-target", AgentConfig::default()).unwrap();
     let mut params = Params::new();
@@ -498,12 +505,27 @@ fn deregistering_many_regions_waits_once_for_a_stopped_initiator_and_not_for_a_z
     let big = vec![5u8; len];
     let bd = Desc::new(big.as_ptr() as u64, len as u64, 0);
     t.register_mem(&RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: bd, meta: vec![] }]), &[]).unwrap();
-    let small: Vec<Vec<u8>> = (0..16).map(|_| vec![1u8; 4096]).collect();
-    let small_list = RegDList::with_descs(
+    let list = |bufs: &[Vec<u8>]| {
+        RegDList::with_descs(
+            MemType::Dram,
+            bufs.iter().map(|b| RegDesc { desc: Desc::new(b.as_ptr() as u64, 4096, 0), meta: vec![] }).collect(),
+        )
+    };
+    let fillers: Vec<Vec<u8>> = (0..39).map(|_| vec![1u8; 4096]).collect();
+    let fill_list = list(&fillers);
+    t.register_mem(&fill_list, &[]).unwrap();
+    let probe = vec![vec![2u8; 4096]];
+    let probe_list = list(&probe);
+    t.register_mem(&probe_list, &[]).unwrap();
+    let small_list = list(&fillers[..16]);
+    let with_probe = RegDList::with_descs(
         MemType::Dram,
-        small.iter().map(|b| RegDesc { desc: Desc::new(b.as_ptr() as u64, 4096, 0), meta: vec![] }).collect(),
+        fillers[..16]
+            .iter()
+            .chain(&probe)
+            .map(|b| RegDesc { desc: Desc::new(b.as_ptr() as u64, 4096, 0), meta: vec![] })
+            .collect(),
     );
-    t.register_mem(&small_list, &[]).unwrap();
     let mut c = Command::new(std::env::current_exe().unwrap());
     c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
         .env("GIXL_CHILD", "reader")
@@ -512,20 +534,15 @@ fn deregistering_many_regions_waits_once_for_a_stopped_initiator_and_not_for_a_z
         .env("GIXL_LEN", len.to_string());
     let (mut child, _stdin, _stdout, _) = common::spawn_until_md(c);
     let pid = child.id() as i32;
-    let probe = vec![2u8; 4096];
-    let probe_list = RegDList::with_descs(
-        MemType::Dram,
-        vec![RegDesc { desc: Desc::new(probe.as_ptr() as u64, 4096, 0), meta: vec![] }],
-    );
-    // Stop the reader until a probe deregistration shows it stopped inside the gate (a READ is mostly copies).
+    // Stop the reader until deregistering the probe shows it stopped inside the gate (a READ is mostly copies).
     let mut inside = false;
     for _ in 0..40 {
         // SAFETY: signals to our own child.
         assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
         std::thread::sleep(Duration::from_millis(20));
-        t.register_mem(&probe_list, &[]).unwrap();
         let t0 = Instant::now();
         t.deregister_mem(&probe_list, &[]).unwrap();
+        t.register_mem(&probe_list, &[]).unwrap();
         if t0.elapsed() >= timeout / 2 {
             inside = true;
             break;
@@ -537,9 +554,16 @@ fn deregistering_many_regions_waits_once_for_a_stopped_initiator_and_not_for_a_z
     assert!(inside, "the reader was never caught inside the gate");
     let t0 = Instant::now();
     t.deregister_mem(&small_list, &[]).unwrap();
-    let stopped = t0.elapsed();
-    eprintln!("16 regions deregistered with a stopped initiator inside the gate: {stopped:?} (timeout {timeout:?})");
-    assert!(stopped < timeout * 3, "{stopped:?}: one wait per region");
+    let untouched = t0.elapsed();
+    eprintln!("16 regions the stopped initiator does not touch deregistered: {untouched:?} (timeout {timeout:?})");
+    assert!(untouched < timeout / 2, "{untouched:?}: waited for an initiator that does not touch them");
+    t.register_mem(&small_list, &[]).unwrap();
+    let t0 = Instant::now();
+    t.deregister_mem(&with_probe, &[]).unwrap();
+    let touched = t0.elapsed();
+    eprintln!("those 16 and one it may touch: {touched:?}");
+    assert!(touched >= timeout / 2 && touched < timeout * 3, "{touched:?}: not one bounded wait");
+    t.register_mem(&probe_list, &[]).unwrap();
     // Killed, not reaped: a zombie, whose count can never drop.
     // SAFETY: as above.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
@@ -557,7 +581,7 @@ fn deregistering_many_regions_waits_once_for_a_stopped_initiator_and_not_for_a_z
     }
     t.register_mem(&small_list, &[]).unwrap();
     let t0 = Instant::now();
-    t.deregister_mem(&small_list, &[]).unwrap();
+    t.deregister_mem(&with_probe, &[]).unwrap();
     let zombie = t0.elapsed();
     eprintln!("16 regions deregistered with a zombie initiator's count in the gate: {zombie:?}");
     assert!(zombie < timeout / 2, "{zombie:?}: the zombie's count was waited out");

@@ -8,7 +8,9 @@
 //! - one slot per registration: a state word (`generation << 1 | live`), the registered address and length.
 //!   The slot and state travel in the region's public metadata bytes;
 //! - one slot per initiator (another engine of this host that reaches this one): its owner (pid and start
-//!   time, so a dead owner's slot is reclaimed) and its count of batches in flight.
+//!   time, so a dead owner's slot is reclaimed), its count of batches in flight, and a second word holding the
+//!   same count beside a mask of the region slots those batches touch (`OFF_MASKED`), so that retiring a
+//!   region waits only for initiators whose batches may touch it.
 //!
 //! An initiator maps the same object (taken from the target with `pidfd_getfd(2)`, which needs the very ptrace
 //! permission cross-memory attach needs, or, where the kernel refuses that call alone — a container's
@@ -44,6 +46,15 @@ const PAGE: usize = 4096;
 /// Initiator slots: one per engine of this host that reaches this one (64 bytes each).
 pub const INIT_SLOTS: usize = 256;
 const INIT_BYTES: usize = 64;
+/// In an initiator slot: its batches in flight (every gixl writes it; a drain by an older gixl reads only this).
+const OFF_COUNT: usize = 24;
+/// In an initiator slot: `count << MASK_BITS | mask`, changed in one atomic step on entering and leaving, the
+/// mask cleared when the count drops to zero. Bit `slot % MASK_BITS` is set for every region slot a batch
+/// inside may touch (collisions only make a drain wait for more, never less). An initiator of an older gixl
+/// leaves it zero, and `OFF_COUNT` above it says so.
+const OFF_MASKED: usize = 32;
+const MASK_BITS: u32 = 40;
+const MASK: u64 = (1 << MASK_BITS) - 1;
 /// Registrations one incarnation can hold at once (32 bytes each; untouched pages cost nothing).
 pub const REGION_SLOTS: usize = 1 << 16;
 const REGION_BYTES: usize = 32;
@@ -286,26 +297,28 @@ impl Gate {
         if flipped.is_empty() {
             return;
         }
-        self.drain(limit);
+        let want = flipped.iter().fold(0, |m, &slot| m | region_bit(slot));
+        self.drain(limit, want);
         self.regions.lock().free.extend(flipped);
     }
 
     /// The incarnation ends: refuse every later batch and wait for those inside.
     pub fn close(&self, limit: Duration) {
         if self.word(OFF_LIVE).swap(0, Ordering::SeqCst) == 1 {
-            self.drain(limit);
+            self.drain(limit, MASK);
         }
     }
 
-    /// Wait until no initiator has a batch in flight. Dead initiators' counts are reclaimed. Sleeps on a
-    /// futex that leaving initiators wake; rechecks every 2 ms for dead owners.
-    fn drain(&self, limit: Duration) {
+    /// Wait until no initiator has a batch in flight that may touch a region slot in `want` (a mask of
+    /// `region_bit`s; `MASK` for all). Dead initiators' counts are reclaimed. Sleeps on a futex that leaving
+    /// initiators wake; rechecks every 2 ms for dead owners.
+    fn drain(&self, limit: Duration, want: u64) {
         let deadline = Instant::now() + limit;
         self.word(OFF_DRAINING).fetch_add(1, Ordering::SeqCst);
         let seq = self.word32(OFF_DRAIN_SEQ);
         loop {
             let seen = seq.load(Ordering::SeqCst);
-            if self.busy_slots() == 0 {
+            if self.busy_slots(want) == 0 {
                 break;
             }
             let now = Instant::now();
@@ -330,21 +343,31 @@ impl Gate {
         (self.word(OFF_CLAIMED).load(Ordering::SeqCst) as usize).min(INIT_SLOTS)
     }
 
-    fn busy_slots(&self) -> usize {
-        (0..self.claimed()).filter(|&i| self.word(init_off(i) + 24).load(Ordering::SeqCst) != 0).count()
+    /// Initiator slots with a batch in flight that may touch `want`. An initiator raises `OFF_COUNT` before
+    /// `OFF_MASKED` and lowers it after, so a count above the masked word's is a batch whose regions are not
+    /// (or no longer) published, or one of an older gixl: waited for whatever it touches.
+    fn busy_slots(&self, want: u64) -> usize {
+        (0..self.claimed())
+            .filter(|&i| {
+                let count = self.word(init_off(i) + OFF_COUNT).load(Ordering::SeqCst);
+                let masked = self.word(init_off(i) + OFF_MASKED).load(Ordering::SeqCst);
+                count > masked >> MASK_BITS || (masked >> MASK_BITS != 0 && masked & want != 0)
+            })
+            .count()
     }
 
     /// Zero the counts of initiators whose process has exited (they can never leave).
     fn reclaim_dead(&self) {
         for i in 0..self.claimed() {
             let o = init_off(i);
-            if self.word(o + 24).load(Ordering::SeqCst) == 0 || self.word(o).load(Ordering::SeqCst) == 0 {
+            if self.word(o + OFF_COUNT).load(Ordering::SeqCst) == 0 || self.word(o).load(Ordering::SeqCst) == 0 {
                 continue;
             }
             let pid = self.word(o + 8).load(Ordering::Relaxed) as i32;
             let start = self.word(o + 16).load(Ordering::Relaxed);
             if !process_is(pid, start) {
-                self.word(o + 24).store(0, Ordering::SeqCst);
+                self.word(o + OFF_COUNT).store(0, Ordering::SeqCst);
+                self.word(o + OFF_MASKED).store(0, Ordering::SeqCst);
                 self.word(o).store(0, Ordering::SeqCst);
             }
         }
@@ -363,7 +386,8 @@ impl Gate {
             }
             self.word(o + 8).store(pid as u64, Ordering::Relaxed);
             self.word(o + 16).store(start, Ordering::Relaxed);
-            self.word(o + 24).store(0, Ordering::SeqCst);
+            self.word(o + OFF_MASKED).store(0, Ordering::SeqCst);
+            self.word(o + OFF_COUNT).store(0, Ordering::SeqCst);
             self.word(OFF_CLAIMED).fetch_max(i as u64 + 1, Ordering::SeqCst);
             true
         };
@@ -408,6 +432,11 @@ fn own_start() -> Result<u64> {
     let s = crate::util::process_start_time(std::process::id() as i32)
         .map_err(|e| os("reading own process start time", e))?;
     Ok(*START.get_or_init(|| s))
+}
+
+/// A region slot's bit in an initiator's mask (see `OFF_MASKED`).
+fn region_bit(slot: u32) -> u64 {
+    1 << (slot % MASK_BITS)
 }
 
 fn init_off(i: usize) -> usize {
@@ -483,9 +512,17 @@ impl Attached {
 
     /// Enter the gate for one batch touching `regions` (slot, state, address, length as the metadata says):
     /// Ok(guard) if the incarnation is live and every region still registered there, covering the range.
-    pub fn enter<'a>(&'a self, regions: impl IntoIterator<Item = (u32, u64, u64, u64)>) -> Result<Inside<'a>> {
-        let count = self.gate.word(init_off(self.slot as usize) + 24);
-        count.fetch_add(1, Ordering::SeqCst);
+    pub fn enter<'a, I>(&'a self, regions: I) -> Result<Inside<'a>>
+    where
+        I: IntoIterator<Item = (u32, u64, u64, u64)>,
+        I::IntoIter: Clone,
+    {
+        let regions = regions.into_iter();
+        let mask = regions.clone().fold(0, |m, (slot, ..)| m | region_bit(slot));
+        let o = init_off(self.slot as usize);
+        self.gate.word(o + OFF_COUNT).fetch_add(1, Ordering::SeqCst);
+        let masked = self.gate.word(o + OFF_MASKED);
+        let _ = masked.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |w| Some((w + (1 << MASK_BITS)) | mask));
         let inside = Inside { a: self };
         if !self.gate.live() {
             return Err(Error::disconnected(format!(
@@ -521,7 +558,12 @@ pub struct Inside<'a> {
 impl Drop for Inside<'_> {
     fn drop(&mut self) {
         let g = &self.a.gate;
-        g.word(init_off(self.a.slot as usize) + 24).fetch_sub(1, Ordering::SeqCst);
+        let o = init_off(self.a.slot as usize);
+        let _ = g.word(o + OFF_MASKED).fetch_update(Ordering::SeqCst, Ordering::SeqCst, |w| {
+            let left = (w >> MASK_BITS).saturating_sub(1);
+            Some(if left == 0 { 0 } else { left << MASK_BITS | (w & MASK) })
+        });
+        g.word(o + OFF_COUNT).fetch_sub(1, Ordering::SeqCst);
         if g.word(OFF_DRAINING).load(Ordering::SeqCst) != 0 {
             let seq = g.word32(OFF_DRAIN_SEQ);
             seq.fetch_add(1, Ordering::SeqCst);
@@ -581,6 +623,41 @@ mod tests {
         assert_eq!(e.status(), Status::RemoteDisconnect);
     }
 
+    /// Retiring regions waits only for batches that may touch them: a batch inside on region A does not hold up
+    /// the retirement of region B (it held every retirement for the full limit: one stopped initiator made
+    /// every `deregister_memory` of its target take the disconnect timeout), but does hold up A's until it
+    /// leaves; a batch that published no regions (an older gixl: only the count) holds up everything.
+    #[test]
+    fn a_retirement_waits_only_for_batches_that_touch_its_regions() {
+        let g = Arc::new(Gate::create(0x5a).unwrap());
+        let a = g.register(0x1000, 0x1000).unwrap();
+        let b = g.register(0x2000, 0x1000).unwrap();
+        let c = g.register(0x3000, 0x1000).unwrap();
+        let at = Attached::new(g.clone()).unwrap();
+        let inside = at.enter([(a.slot, a.state, 0x1000, 16)]).unwrap();
+        let limit = Duration::from_millis(400);
+        let t0 = Instant::now();
+        g.retire(b, limit);
+        assert!(t0.elapsed() < limit / 2, "waited {:?} for a batch on another region", t0.elapsed());
+        let t0 = Instant::now();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(100));
+                drop(inside);
+            });
+            g.retire(a, Duration::from_secs(10));
+        });
+        let waited = t0.elapsed();
+        assert!(waited >= Duration::from_millis(90) && waited < Duration::from_secs(5), "{waited:?}");
+        // An older initiator: its count only.
+        let o = init_off(at.slot as usize);
+        g.word(o + OFF_COUNT).fetch_add(1, Ordering::SeqCst);
+        let t0 = Instant::now();
+        g.retire(c, limit);
+        assert!(t0.elapsed() >= limit, "an unpublished batch was not waited for");
+        g.word(o + OFF_COUNT).fetch_sub(1, Ordering::SeqCst);
+    }
+
     #[test]
     fn slots_of_exited_initiators_are_reclaimed() {
         let g = Arc::new(Gate::create(8).unwrap());
@@ -589,7 +666,7 @@ mod tests {
         // Pretend slot 7's owner was a process that has exited (pid max is at most 2^22).
         let o = init_off(7);
         g.word(o + 8).store((1 << 23) as u64, Ordering::Relaxed);
-        g.word(o + 24).store(3, Ordering::SeqCst);
+        g.word(o + OFF_COUNT).store(3, Ordering::SeqCst);
         let t = g.register(0, 1).unwrap();
         g.retire(t, Duration::from_secs(10)); // the drain reclaims the dead owner's count instead of waiting
         let again = Attached::new(g.clone()).unwrap();

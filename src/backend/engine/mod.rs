@@ -939,7 +939,7 @@ impl Core {
     }
 
     /// The remote regions this request may touch, as (gate slot, state, address, length).
-    fn gate_regions(&self) -> impl Iterator<Item = (u32, u64, u64, u64)> + '_ {
+    fn gate_regions(&self) -> impl Iterator<Item = (u32, u64, u64, u64)> + Clone + '_ {
         self.plan.remote_keys.iter().map(|k| {
             match k.as_ref().and_then(|k| k.downcast_ref::<RemoteRegion>()) {
                 Some(r) => (r.ticket.slot, r.ticket.state, r.addr, r.len),
