@@ -56,7 +56,16 @@ impl Prefill {
     // The child is kept in the returned `Prefill`; the test ends it through `kill` (or the harness reaps it).
     #[allow(clippy::zombie_processes)]
     fn start(size: usize, fill: u8) -> Prefill {
-        let mut c = Command::new(std::env::current_exe().unwrap());
+        Prefill::start_as(size, fill, None)
+    }
+
+    /// `start`, the child running as `user` (exe, uid) when given: a copy of this binary that user may run.
+    fn start_as(size: usize, fill: u8, user: Option<(&std::path::Path, u32)>) -> Prefill {
+        use std::os::unix::process::CommandExt;
+        let mut c = Command::new(user.map_or_else(|| std::env::current_exe().unwrap(), |(exe, _)| exe.to_owned()));
+        if let Some((_, uid)) = user {
+            c.uid(uid).gid(uid);
+        }
         c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
             .env("GIXL_CHILD", "prefill")
             .env("GIXL_SIZE", size.to_string())
@@ -356,9 +365,27 @@ fn forged_metadata_over_cma_writes_nothing() {
 /// blocked for as long as the target stayed stopped), and once the target runs again a READ works.
 #[test]
 fn loading_a_stopped_target_with_a_full_backlog_is_bounded() {
+    stopped_target_with_a_full_backlog(None);
+}
+
+/// The same with the target a process of another uid (65534): a socket a stranger owns holds up the load no
+/// longer than one of the same uid (it blocked as long as its owner liked: 20 s, 40 s in the runs).
+/// Needs root to start the child as another user; skipped otherwise.
+#[test]
+fn loading_a_stopped_target_of_another_uid_with_a_full_backlog_is_bounded() {
+    // SAFETY: plain syscall.
+    if unsafe { libc::geteuid() } != 0 {
+        common::skip("root", "starting a child as uid 65534 needs root");
+        return;
+    }
+    let exe = common::ExeForOthers::new();
+    stopped_target_with_a_full_backlog(Some((&exe.path, 65534)));
+}
+
+fn stopped_target_with_a_full_backlog(user: Option<(&std::path::Path, u32)>) {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     let size = MIB;
-    let p = Prefill::start(size, 9);
+    let p = Prefill::start_as(size, 9, user);
     let pid = p.child.id() as i32;
     // The socket name: learnt the way any peer learns it, from the metadata.
     let scout = Agent::new("scout", AgentConfig::default()).unwrap();
@@ -425,7 +452,10 @@ fn loading_a_stopped_target_with_a_full_backlog_is_bounded() {
     assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
     drop(fillers);
     let loaded = got.unwrap_or_else(|_| panic!("load_remote_md still blocked after {took:?}"));
-    eprintln!("load_remote_md of a stopped target with a full backlog: {loaded:?} after {took:?}");
+    eprintln!(
+        "load_remote_md of a stopped target (uid {:?}) with a full backlog: {loaded:?} after {took:?}",
+        user.map(|u| u.1)
+    );
     assert!(took < Duration::from_secs(10), "{took:?}");
     // Running again: reachable once loaded afresh (a peer whose socket could not be reached is taken for
     // gone, as one whose pid does not listen on it).
