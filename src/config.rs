@@ -31,7 +31,11 @@ type Loaded = (PathBuf, toml::Table);
 fn file() -> &'static std::result::Result<Option<Loaded>, String> {
     static FILE: OnceLock<std::result::Result<Option<Loaded>, String>> = OnceLock::new();
     FILE.get_or_init(|| {
-        let named = std::env::var_os("NIXL_CONFIG_FILE").filter(|v| !v.is_empty()).map(PathBuf::from);
+        let named = std::env::var_os("NIXL_CONFIG_FILE").map(PathBuf::from);
+        // Set but empty names no file, and NIXL does not look further: it fails to open "".
+        if named.as_ref().is_some_and(|p| p.as_os_str().is_empty()) {
+            return Err("the config file \"\" (NIXL_CONFIG_FILE is set and empty) cannot be read".to_owned());
+        }
         let home = std::env::var_os("HOME").filter(|v| !v.is_empty()).map(|h| Path::new(&h).join(".nixl.cfg"));
         match choose(named, home, |p| p.is_file()) {
             Some(path) => load(&path).map(|t| Some((path, t))),
@@ -115,16 +119,43 @@ fn from_table(table: &toml::Table, path: &Path, name: &str, kind: Kind) -> Resul
 }
 
 /// A yes/no option: NIXL's words (`y`, `yes`, `on`, `1`, `true`, `enable` and `n`, `no`, `off`, `0`,
-/// `false`, `disable`, any case); anything else is refused, as NIXL refuses it.
+/// `false`, `disable`, any case, nothing around them); anything else is refused, as NIXL refuses it.
 pub(crate) fn flag(name: &str) -> Result<Option<bool>> {
     let Some(v) = get(name, Kind::Bool)? else { return Ok(None) };
-    match v.trim().to_ascii_lowercase().as_str() {
+    match v.to_ascii_lowercase().as_str() {
         "y" | "yes" | "1" | "true" | "on" | "enable" => Ok(Some(true)),
         "n" | "no" | "0" | "false" | "off" | "disable" => Ok(Some(false)),
         _ => Err(Error::invalid_param(format!(
             "{name}={v:?} is not a yes/no value (y, yes, on, 1, true, enable; n, no, off, 0, false, disable)"
         ))),
     }
+}
+
+/// An unsigned integer as NIXL reads one (`std::from_chars`): decimal digits, or `0x`/`0X` and hex digits; no
+/// sign, no spaces, nothing after; at most `max`.
+pub(crate) fn parse_unsigned(v: &str, max: u64) -> Option<u64> {
+    let n = match v.strip_prefix("0x").or_else(|| v.strip_prefix("0X")) {
+        Some(hex) if !hex.is_empty() && hex.bytes().all(|b| b.is_ascii_hexdigit()) => u64::from_str_radix(hex, 16).ok(),
+        Some(_) => None,
+        None if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) => v.parse().ok(),
+        None => None,
+    };
+    n.filter(|&n| n <= max)
+}
+
+/// A signed integer as NIXL reads one (`long`): an optional `-`, then decimal digits, nothing around them.
+pub(crate) fn parse_signed(v: &str) -> Option<i64> {
+    let digits = v.strip_prefix('-').unwrap_or(v);
+    (!digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit())).then(|| v.parse().ok()).flatten()
+}
+
+/// Option `name` as an unsigned integer of at most `max` (environment or config file), refused as NIXL refuses
+/// it when it is not one.
+pub(crate) fn unsigned(name: &str, max: u64) -> Result<Option<u64>> {
+    let Some(v) = get(name, Kind::Int)? else { return Ok(None) };
+    parse_unsigned(&v, max)
+        .map(Some)
+        .ok_or_else(|| Error::invalid_param(format!("{name}={v:?} is not a whole number from 0 to {max}")))
 }
 
 #[cfg(test)]
@@ -153,6 +184,23 @@ mod tests {
         std::fs::write(&good, "NIXL_TELEMETRY_ENABLE = true\n").unwrap();
         assert_eq!(load(&good).unwrap().get("NIXL_TELEMETRY_ENABLE").and_then(|v| v.as_bool()), Some(true));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Numbers as NIXL's `std::from_chars` reads them.
+    #[test]
+    fn numbers_are_read_as_nixl_reads_them() {
+        for (v, want) in [("64", Some(64)), ("0x40", Some(64)), ("0X40", Some(64)), ("064", Some(64)), ("0", Some(0))] {
+            assert_eq!(parse_unsigned(v, u64::MAX), want, "{v:?}");
+        }
+        for v in ["", " 64", "64 ", "+64", "-1", "0x", "abc", "1.5", "18446744073709551616", "0x1g"] {
+            assert_eq!(parse_unsigned(v, u64::MAX), None, "{v:?}");
+        }
+        assert_eq!(parse_unsigned("65536", 65535), None);
+        assert_eq!(parse_signed("-1"), Some(-1));
+        assert_eq!(parse_signed("0"), Some(0));
+        for v in ["", "-", "abc", " 1", "+1", "1 "] {
+            assert_eq!(parse_signed(v), None, "{v:?}");
+        }
     }
 
     #[test]

@@ -65,14 +65,44 @@ pub(crate) struct Mdx {
     tcpstore: bool,
 }
 
+/// NIXL's checks of its TCPStore settings, made when an agent is created: `host:port` with a port from 1 to
+/// 65535, and the two timeouts (milliseconds) whole numbers. gixl does not implement the store itself (a route
+/// through it is NOT_SUPPORTED), but refuses what NIXL refuses.
+fn check_tcpstore(endpoint: &str) -> Result<()> {
+    let bad = |why: String| Err(Error::invalid_param(why));
+    let Some((_, port)) = endpoint.rsplit_once(':').filter(|(h, p)| !h.is_empty() && !p.is_empty()) else {
+        return bad(format!("NIXL_TCPSTORE_ENDPOINT must be host:port, got: {endpoint}"));
+    };
+    if !port.bytes().all(|b| b.is_ascii_digit()) || !port.parse::<u32>().is_ok_and(|p| (1..=65535).contains(&p)) {
+        return bad(format!("NIXL_TCPSTORE_ENDPOINT has invalid port: {port}"));
+    }
+    for k in ["NIXL_TCPSTORE_TIMEOUT_MS", "NIXL_TCPSTORE_OP_TIMEOUT_MS"] {
+        if let Some(v) = crate::config::get(k, crate::config::Kind::Int)? {
+            if crate::config::parse_signed(&v).is_none() {
+                return bad(format!("{k}={v:?} is not a whole number of milliseconds"));
+            }
+        }
+    }
+    Ok(())
+}
+
 impl Mdx {
     /// Reads `NIXL_ETCD_ENDPOINTS`, `NIXL_ETCD_NAMESPACE` and `NIXL_TCPSTORE_ENDPOINT`; with `listen`, binds
     /// the listener (port 0: any free port) and prints the port it got.
     pub fn new(host: Arc<dyn Host>, listen: Option<u16>) -> Result<Mdx> {
         let env = |k: &str| -> Result<Option<String>> {
-            Ok(crate::config::get(k, crate::config::Kind::Str)?.filter(|v| !v.trim().is_empty()))
+            match crate::config::get(k, crate::config::Kind::Str)? {
+                // As NIXL: set, it must say something.
+                Some(v) if v.is_empty() => {
+                    Err(Error::invalid_param(format!("Config parameter '{k}' needs non-empty value")))
+                }
+                v => Ok(v.filter(|v| !v.trim().is_empty())),
+            }
         };
         let (etcd_eps, tcpstore) = (env("NIXL_ETCD_ENDPOINTS")?, env("NIXL_TCPSTORE_ENDPOINT")?);
+        if let Some(ep) = crate::config::get("NIXL_TCPSTORE_ENDPOINT", crate::config::Kind::Str)? {
+            check_tcpstore(&ep)?;
+        }
         if etcd_eps.is_some() && tcpstore.is_some() {
             return Err(Error::invalid_param("NIXL_ETCD_ENDPOINTS and NIXL_TCPSTORE_ENDPOINT are mutually exclusive"));
         }

@@ -154,27 +154,30 @@ impl Telemetry {
         t.enabled = enabled_metrics(config::get("NIXL_TELEMETRY_ENABLED_METRICS", Kind::Str)?.as_deref());
         let exporter = config::get("NIXL_TELEMETRY_EXPORTER", Kind::Str)?.unwrap_or_default();
         let buckets = || buckets(config::get("NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US", Kind::Str)?.as_deref());
-        match exporter.trim() {
-            "" => {
+        // As NIXL, whatever the exporter: the event buffer's size (a power of two, not 0) and the interval at which
+        // it is flushed (milliseconds; any TOML integer in the config file) are checked.
+        let cap = match config::unsigned("NIXL_TELEMETRY_BUFFER_SIZE", u64::MAX)? {
+            Some(0) => return Err(Error::invalid_param("NIXL_TELEMETRY_BUFFER_SIZE cannot be 0")),
+            Some(n) if !n.is_power_of_two() => {
+                return Err(Error::invalid_param(format!("NIXL_TELEMETRY_BUFFER_SIZE={n} is not a power of 2")))
+            }
+            Some(n) => n,
+            None => 4096,
+        };
+        if std::env::var_os("NIXL_TELEMETRY_RUN_INTERVAL").is_some() {
+            config::unsigned("NIXL_TELEMETRY_RUN_INTERVAL", u64::MAX)?;
+        } else {
+            config::get("NIXL_TELEMETRY_RUN_INTERVAL", Kind::Int)?;
+        }
+        // Exporter names are matched exactly, as NIXL loads its plugins by name.
+        match exporter.as_str() {
+            "" | "BUFFER" => {
                 if let Some(dir) = config::get("NIXL_TELEMETRY_DIR", Kind::Str)?.filter(|d| !d.is_empty()) {
-                    let cap = match config::get("NIXL_TELEMETRY_BUFFER_SIZE", Kind::Int)? {
-                        Some(v) => match v.trim().parse::<u64>() {
-                            // As NIXL: a buffer of no events fails agent creation.
-                            Ok(0) => return Err(Error::invalid_param("NIXL_TELEMETRY_BUFFER_SIZE cannot be 0")),
-                            Ok(n) => n,
-                            Err(_) => {
-                                return Err(Error::invalid_param(format!(
-                                    "NIXL_TELEMETRY_BUFFER_SIZE={v:?} is not a number"
-                                )))
-                            }
-                        },
-                        None => 4096,
-                    };
                     let path = std::path::Path::new(&dir).join(&agent);
                     t.file = Some(Mutex::new(file::Ring::create(&path, cap)?));
                 }
             }
-            "NOP" | "nop" => {}
+            "NOP" => {}
             "prometheus" => {
                 let (buckets, at) = (buckets()?, prom::endpoint()?);
                 t.series = prom::attach(&agent, buckets, at);
@@ -186,7 +189,7 @@ impl Telemetry {
             other => {
                 return Err(Error::backend(format!(
                     "Failed to load telemetry plugin: {other} (gixl has the exporters prometheus, prometheus_mp and \
-                     NOP, and the file sink under NIXL_TELEMETRY_DIR)"
+                     NOP, and the file sink BUFFER, the default, under NIXL_TELEMETRY_DIR)"
                 )))
             }
         }

@@ -171,10 +171,10 @@ struct Exporter {
 pub(super) fn endpoint() -> crate::status::Result<(&'static str, u16)> {
     use crate::config::{self, Kind};
     // A value that is not a port fails the exporter, and so agent creation, as in NIXL (it used 9090).
-    let port: u16 = match config::get("NIXL_TELEMETRY_PROMETHEUS_PORT", Kind::Int)? {
-        Some(p) => p.trim().parse().map_err(|_| {
+    let port = match config::get("NIXL_TELEMETRY_PROMETHEUS_PORT", Kind::Int)? {
+        Some(p) => config::parse_unsigned(&p, u16::MAX as u64).ok_or_else(|| {
             crate::status::Error::invalid_param(format!("NIXL_TELEMETRY_PROMETHEUS_PORT={p:?} is not a port (0-65535)"))
-        })?,
+        })? as u16,
         None => 9090,
     };
     let local = config::flag("NIXL_TELEMETRY_PROMETHEUS_LOCAL")? == Some(true);

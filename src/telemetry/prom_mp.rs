@@ -316,16 +316,9 @@ fn flock(f: &std::fs::File) -> std::io::Result<bool> {
 }
 
 fn stale_ttl_ns() -> Result<u64> {
-    Ok(match config::get("NIXL_TELEMETRY_MP_STALE_TTL", Kind::Int)? {
-        Some(v) => match v.trim().parse::<f64>() {
-            Ok(s) if s.is_finite() && s >= 0.0 => (s * 1e9) as u64,
-            _ => {
-                log::warn(&format!("NIXL_TELEMETRY_MP_STALE_TTL={v:?} is not a number of seconds; using 30"));
-                30_000_000_000
-            }
-        },
-        None => 30_000_000_000,
-    })
+    // Whole seconds, as NIXL reads them: anything else fails the exporter, and so agent creation.
+    Ok(config::unsigned("NIXL_TELEMETRY_MP_STALE_TTL", u64::MAX)?
+        .map_or(30_000_000_000, |s| s.saturating_mul(1_000_000_000)))
 }
 
 /// One row per store file in `dir` worth serving, in (pid, instance) order; stale ones are removed.

@@ -159,6 +159,9 @@ fn number<T: std::str::FromStr>(v: Option<String>, what: &str, default: T) -> Re
 
 impl Engine {
     fn new(init: BackendInit) -> Result<Engine> {
+        // NIXL's UCX plugin reads this yes/no option (scatter-gather lists, which this engine does not need) and
+        // fails the backend on anything else; so does this one.
+        crate::config::flag("NIXL_UCX_SGL_ENABLE").map_err(|e| Error::backend(e.message().to_owned()))?;
         let pid = std::process::id() as i32;
         let start_time = crate::util::process_start_time(pid)
             .map_err(|e| Error::os(Status::Backend, "reading own process start time", e))?;
