@@ -34,6 +34,11 @@ pub fn engine_conn_info(data: &[u8]) -> bool {
     crate::backend::engine::fuzz_parse_conn(data)
 }
 
+/// Connection info of layout 3 rewritten as layout 4 (tagged sections, one unknown to this release): a seed.
+pub fn engine_conn_info_as_v4(v3: &[u8]) -> Option<Vec<u8>> {
+    crate::backend::engine::fuzz_conn_as_v4(v3)
+}
+
 /// The engine's notification framing (what the local socket reads from a peer, after its challenge, which
 /// here is the zero nonce, with `FRAMES_INCARNATION` as the secret too); the first byte picks where the stream
 /// is split into two reads.

@@ -210,6 +210,9 @@ fn write_seeds() {
         let tmd = gixl::md::AgentMd::decode(&t.local_md().unwrap()).unwrap();
         for (_, info) in &tmd.conns {
             w("conn_info", n, info);
+            if n == "tcp_v4" {
+                w("conn_info", "v4_sections", &gixl::fuzzing::engine_conn_info_as_v4(info).unwrap());
+            }
         }
         if n == "tcp_v4" {
             w("md_decode", "tcp_v4", &t.local_md().unwrap());

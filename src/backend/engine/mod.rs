@@ -452,83 +452,199 @@ impl EnginePeer {
     }
 }
 
-/// The connection info version this engine writes and reads.
-const CONN_VERSION: u8 = 3;
+/// Connection-info layouts. 3: the parts below in a fixed order, nothing after. 4: the same parts as tagged
+/// sections (`id | length | bytes`), in any order: a reader skips sections it does not know, and bytes after the
+/// fields it knows inside a section it does know, so a later release can add a route (a section) or a field
+/// without breaking this one. This release reads both and writes 3, which the releases before it read: a
+/// rolling update with both on the cluster keeps working. The next release may write 4.
+const CONN_V3: u8 = 3;
+const CONN_V4: u8 = 4;
+/// Layout 4's sections: the process (host id, pid, start time), the same-host route (gate descriptor and
+/// address, control socket name), the engine secret, the TCP route (port, addresses).
+const SEC_PROCESS: u64 = 1;
+const SEC_LOCAL: u64 = 2;
+const SEC_SECRET: u64 = 3;
+const SEC_TCP: u64 = 4;
+const MAX_CONN_SECTIONS: usize = 64;
+const MAX_SECTION: usize = 64 * 1024;
 const MAX_ADDRS: usize = 64;
 
-/// `version 3 | host id | pid | start time | gate fd | gate address u64 | Unix socket name | secret u128 |
-/// TCP port u16 | addresses`, an address being `4 | 4 bytes` or `6 | 16 bytes`.
+/// This engine's connection info, as it advertises it (layout 3).
 fn conn_info(s: &Shared) -> Vec<u8> {
-    let mut out = vec![CONN_VERSION];
-    put_bytes(&mut out, s.host.as_bytes());
-    put_uvar(&mut out, s.pid as u64);
-    put_uvar(&mut out, s.start_time);
-    put_uvar(&mut out, s.gate.raw_fd() as u64);
-    out.extend_from_slice(&s.gate.addr().to_le_bytes());
-    put_bytes(&mut out, &s.ctrl.sock_name);
-    out.extend_from_slice(&s.secret.to_le_bytes());
-    out.extend_from_slice(&s.ctrl.tcp.port.to_le_bytes());
-    let ips: Vec<IpAddr> = s.ctrl.tcp.addrs.iter().map(|a| a.ip()).take(MAX_ADDRS).collect();
-    put_uvar(&mut out, ips.len() as u64);
-    for ip in ips {
-        match ip {
-            IpAddr::V4(v4) => {
-                out.push(4);
-                out.extend_from_slice(&v4.octets());
-            }
-            IpAddr::V6(v6) => {
-                out.push(6);
-                out.extend_from_slice(&v6.octets());
-            }
-        }
+    let mut out = vec![CONN_V3];
+    for (_, part) in conn_parts(s) {
+        out.extend_from_slice(&part);
     }
     out
 }
 
-#[derive(Debug)]
+/// Layout 3 connection info rewritten as layout 4: its parts as sections, those in `drop` left out, `extra`
+/// added first (sections a later release might write). For tests and the fuzz target.
+pub(crate) fn conn_v3_to_v4(v3: &[u8], drop: &[u64], extra: &[(u64, &[u8])]) -> Result<Vec<u8>> {
+    let mut r = Reader { buf: v3, pos: 0 };
+    if r.byte()? != CONN_V3 {
+        return Err(Error::mismatch("not layout 3 connection info"));
+    }
+    let mut c = ConnInfo::default();
+    let mut out = vec![CONN_V4];
+    put_uvar(&mut out, (extra.len() + 4 - drop.len().min(4)) as u64);
+    for (id, b) in extra {
+        put_uvar(&mut out, *id);
+        put_bytes(&mut out, b);
+    }
+    for id in [SEC_PROCESS, SEC_LOCAL, SEC_SECRET, SEC_TCP] {
+        let at = r.pos;
+        match id {
+            SEC_PROCESS => read_process(&mut r, &mut c)?,
+            SEC_LOCAL => read_local(&mut r, &mut c)?,
+            SEC_SECRET => c.secret = u128::from_le_bytes(r.array()?),
+            _ => read_tcp(&mut r, &mut c)?,
+        }
+        if !drop.contains(&id) {
+            put_uvar(&mut out, id);
+            put_bytes(&mut out, &v3[at..r.pos]);
+        }
+    }
+    if r.left() != 0 {
+        return Err(Error::mismatch("malformed engine connection info"));
+    }
+    Ok(out)
+}
+
+/// The parts of the connection info, in layout 3's order: `host id | pid | start time`, `gate fd | gate address
+/// u64 | Unix socket name`, `secret u128`, `TCP port u16 | addresses` (an address `4 | 4 bytes` or `6 | 16 bytes`).
+fn conn_parts(s: &Shared) -> [(u64, Vec<u8>); 4] {
+    let mut process = Vec::new();
+    put_bytes(&mut process, s.host.as_bytes());
+    put_uvar(&mut process, s.pid as u64);
+    put_uvar(&mut process, s.start_time);
+    let mut local = Vec::new();
+    put_uvar(&mut local, s.gate.raw_fd() as u64);
+    local.extend_from_slice(&s.gate.addr().to_le_bytes());
+    put_bytes(&mut local, &s.ctrl.sock_name);
+    let mut tcp = s.ctrl.tcp.port.to_le_bytes().to_vec();
+    let ips: Vec<IpAddr> = s.ctrl.tcp.addrs.iter().map(|a| a.ip()).take(MAX_ADDRS).collect();
+    put_uvar(&mut tcp, ips.len() as u64);
+    for ip in ips {
+        match ip {
+            IpAddr::V4(v4) => {
+                tcp.push(4);
+                tcp.extend_from_slice(&v4.octets());
+            }
+            IpAddr::V6(v6) => {
+                tcp.push(6);
+                tcp.extend_from_slice(&v6.octets());
+            }
+        }
+    }
+    [(SEC_PROCESS, process), (SEC_LOCAL, local), (SEC_SECRET, s.secret.to_le_bytes().to_vec()), (SEC_TCP, tcp)]
+}
+
+#[derive(Debug, Default)]
 struct ConnInfo {
     host: String,
     pid: i32,
     start_time: u64,
+    /// The same-host route's part was there (layout 4 may leave it out: then only TCP reaches the peer).
+    has_local: bool,
     gate_fd: i32,
     gate_addr: u64,
     sock: Vec<u8>,
     secret: u128,
+    /// Empty when the TCP part was left out.
     addrs: Vec<SocketAddr>,
 }
 
 fn parse_conn(b: &[u8]) -> Result<ConnInfo> {
     let mut r = Reader { buf: b, pos: 0 };
-    if r.byte()? != CONN_VERSION {
-        return Err(Error::mismatch("unknown engine connection-info version"));
+    let mut c = ConnInfo::default();
+    match r.byte()? {
+        CONN_V3 => {
+            read_process(&mut r, &mut c)?;
+            read_local(&mut r, &mut c)?;
+            c.secret = u128::from_le_bytes(r.array()?);
+            read_tcp(&mut r, &mut c)?;
+            if r.left() != 0 {
+                return Err(Error::mismatch("malformed engine connection info"));
+            }
+        }
+        CONN_V4 => {
+            let mut seen = Vec::new();
+            for _ in 0..r.count(MAX_CONN_SECTIONS)? {
+                let id = r.uvar()?;
+                let mut sec = Reader { buf: r.bytes(MAX_SECTION)?, pos: 0 };
+                if seen.contains(&id) {
+                    return Err(Error::mismatch(format!("connection-info section {id} appears twice")));
+                }
+                seen.push(id);
+                match id {
+                    SEC_PROCESS => read_process(&mut sec, &mut c)?,
+                    SEC_LOCAL => read_local(&mut sec, &mut c)?,
+                    SEC_SECRET => c.secret = u128::from_le_bytes(sec.array()?),
+                    SEC_TCP => read_tcp(&mut sec, &mut c)?,
+                    // A route or a part of a later release.
+                    _ => {}
+                }
+            }
+            if r.left() != 0 || !seen.contains(&SEC_PROCESS) || !seen.contains(&SEC_SECRET) {
+                return Err(Error::mismatch("malformed engine connection info"));
+            }
+        }
+        _ => return Err(Error::mismatch("unknown engine connection-info version")),
     }
-    let host = r.string(4096)?;
-    let pid = i32::try_from(r.uvar()?).map_err(|_| Error::mismatch("bad pid in connection info"))?;
-    let start_time = r.uvar()?;
-    let gate_fd = i32::try_from(r.uvar()?).map_err(|_| Error::mismatch("bad gate in connection info"))?;
-    let gate_addr = u64::from_le_bytes(r.array()?);
-    let sock = r.bytes(108)?.to_vec();
-    let secret = u128::from_le_bytes(r.array()?);
+    Ok(c)
+}
+
+fn read_process(r: &mut Reader, c: &mut ConnInfo) -> Result<()> {
+    c.host = r.string(4096)?;
+    c.pid = i32::try_from(r.uvar()?)
+        .ok()
+        .filter(|&p| p > 0)
+        .ok_or_else(|| Error::mismatch("bad pid in connection info"))?;
+    c.start_time = r.uvar()?;
+    Ok(())
+}
+
+fn read_local(r: &mut Reader, c: &mut ConnInfo) -> Result<()> {
+    c.gate_fd = i32::try_from(r.uvar()?).map_err(|_| Error::mismatch("bad gate in connection info"))?;
+    c.gate_addr = u64::from_le_bytes(r.array()?);
+    c.sock = r.bytes(108)?.to_vec();
+    c.has_local = true;
+    Ok(())
+}
+
+fn read_tcp(r: &mut Reader, c: &mut ConnInfo) -> Result<()> {
     let port = u16::from_le_bytes(r.array()?);
+    if port == 0 {
+        return Err(Error::mismatch("TCP port 0 in connection info"));
+    }
     let n = r.count(MAX_ADDRS)?;
-    let mut addrs = Vec::with_capacity(n);
+    c.addrs = Vec::with_capacity(n);
     for _ in 0..n {
         let ip = match r.byte()? {
             4 => IpAddr::from(r.array::<4>()?),
             6 => IpAddr::from(r.array::<16>()?),
             _ => return Err(Error::mismatch("bad address family in connection info")),
         };
-        addrs.push(SocketAddr::new(ip, port));
+        c.addrs.push(SocketAddr::new(ip, port));
     }
-    if r.left() != 0 || pid <= 0 || port == 0 {
-        return Err(Error::mismatch("malformed engine connection info"));
-    }
-    Ok(ConnInfo { host, pid, start_time, gate_fd, gate_addr, sock, secret, addrs })
+    Ok(())
 }
 
 /// For `crate::fuzzing` only: the connection-info parser and the notification-frame parser.
+/// Whatever parses as layout 3 parses to the same as its layout 4 rewriting.
 pub(crate) fn fuzz_parse_conn(b: &[u8]) -> bool {
-    parse_conn(b).is_ok()
+    let Ok(c) = parse_conn(b) else { return false };
+    if let Ok(v4) = conn_v3_to_v4(b, &[], &[(99, b"later")]) {
+        let again = parse_conn(&v4).expect("layout 4 rewriting of connection info does not parse");
+        assert_eq!(format!("{again:?}"), format!("{c:?}"), "connection info changed across layouts");
+    }
+    true
+}
+
+/// For the fuzz seed corpus: layout 3 connection info as layout 4.
+pub(crate) fn fuzz_conn_as_v4(v3: &[u8]) -> Option<Vec<u8>> {
+    conn_v3_to_v4(v3, &[], &[(9, b"a section of a later release")]).ok()
 }
 
 pub(crate) use ctrl::{fuzz_hello, fuzz_parse_frames};
@@ -558,12 +674,15 @@ fn encode_ticket(t: RegionTicket) -> Vec<u8> {
     out
 }
 
+/// `slot | state`, then sections (`id | length | bytes`) a later release may add, each skipped here (this release
+/// writes none), as in connection info (see `CONN_V4`).
 fn decode_ticket(b: &[u8]) -> Result<RegionTicket> {
     let mut r = Reader { buf: b, pos: 0 };
     let slot = u32::try_from(r.uvar()?).map_err(|_| Error::mismatch("bad region slot in metadata"))?;
     let state = r.uvar()?;
-    if r.left() != 0 {
-        return Err(Error::mismatch("malformed engine region info"));
+    while r.left() != 0 {
+        r.uvar()?;
+        r.bytes(MAX_SECTION)?;
     }
     Ok(RegionTicket { slot, state })
 }
@@ -727,19 +846,22 @@ impl Backend for Engine {
         let dead = Arc::new(AtomicBool::new(false));
         let link = |dead: &Arc<AtomicBool>| {
             // A TCP-only peer recovers from transient failures; a CMA peer's liveness is its pidfd's.
-            let recover = !same_host || s.transport == Transport::Tcp;
+            let recover = !same_host || s.transport == Transport::Tcp || !ci.has_local;
             let t = LinkTarget { peer: agent, incarnation, secret: ci.secret, addrs: addrs.clone(), recover };
             TcpLink::new(&s.ctrl.tcp, &s.agent, t, dead.clone())
         };
-        if !same_host || s.transport == Transport::Tcp {
+        if !same_host || s.transport == Transport::Tcp || !ci.has_local {
             if addrs.is_empty() {
                 return Err(Error::backend(format!(
                     "agent '{agent}' runs on another host but advertises no address reachable from here"
                 )));
             }
             let kind = PeerKind::Tcp { link: link(&dead) };
-            let why =
-                if same_host { "GIXL_TRANSPORT=tcp" } else { "another host, or another pid or network namespace" };
+            let why = match (same_host, ci.has_local) {
+                (false, _) => "another host, or another pid or network namespace",
+                (true, false) => "its connection info offers no same-host route",
+                (true, true) => "GIXL_TRANSPORT=tcp",
+            };
             crate::telemetry::log::info(&format!(
                 "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route tcp ({why})",
                 s.agent
@@ -1251,7 +1373,7 @@ mod tests {
     }
 
     fn conn_bytes(addrs: &[(u8, &[u8])]) -> Vec<u8> {
-        let mut b = vec![CONN_VERSION];
+        let mut b = vec![CONN_V3];
         put_bytes(&mut b, b"h");
         put_uvar(&mut b, 42);
         put_uvar(&mut b, 7);
@@ -1422,6 +1544,76 @@ mod tests {
         t.push(0);
         assert!(parse_conn(&t).is_err());
         assert!(parse_conn(&conn_bytes(&[(5, &[1, 2, 3, 4])])).is_err());
+    }
+
+    /// Layout 4: the same fields as layout 3 in sections; unknown sections (and bytes after the known fields of a
+    /// known one) skipped; a section twice, or without the process or the secret, refused; every prefix refused.
+    #[test]
+    fn conn_info_v4_skips_what_it_does_not_know() {
+        let v3 = conn_bytes(&[(4, &[192, 0, 2, 1])]);
+        let want = parse_conn(&v3).unwrap();
+        let v4 = conn_v3_to_v4(&v3, &[], &[(77, b"a route of a later release"), (5, b"")]).unwrap();
+        let c = parse_conn(&v4).unwrap();
+        assert_eq!(format!("{c:?}"), format!("{want:?}"));
+        for n in 0..v4.len() {
+            assert!(parse_conn(&v4[..n]).is_err(), "prefix {n}");
+        }
+        let mut t = v4.clone();
+        t.push(0);
+        assert!(parse_conn(&t).is_err(), "trailing byte after the sections");
+        // A field added at the end of a known section.
+        let mut longer = vec![CONN_V4, 2];
+        put_uvar(&mut longer, SEC_PROCESS);
+        put_bytes(&mut longer, &[1, b'h', 42, 7, 0xEE, 0xEE]);
+        put_uvar(&mut longer, SEC_SECRET);
+        put_bytes(&mut longer, &99u128.to_le_bytes());
+        let c = parse_conn(&longer).unwrap();
+        assert_eq!((c.host.as_str(), c.pid, c.start_time, c.secret, c.has_local), ("h", 42, 7, 99, false));
+        assert!(c.addrs.is_empty());
+        assert!(parse_conn(&conn_v3_to_v4(&v3, &[SEC_PROCESS], &[]).unwrap()).is_err(), "no process section");
+        assert!(parse_conn(&conn_v3_to_v4(&v3, &[SEC_SECRET], &[]).unwrap()).is_err(), "no secret");
+        assert!(parse_conn(&conn_v3_to_v4(&v3, &[], &[(SEC_TCP, &[1, 1, 0])]).unwrap()).is_err(), "a section twice");
+        // Region tickets: sections after slot and state are skipped.
+        let mut ticket = encode_ticket(RegionTicket { slot: 5, state: 9 });
+        assert_eq!(decode_ticket(&ticket).unwrap(), RegionTicket { slot: 5, state: 9 });
+        put_uvar(&mut ticket, 31);
+        put_bytes(&mut ticket, b"later");
+        assert_eq!(decode_ticket(&ticket).unwrap(), RegionTicket { slot: 5, state: 9 });
+        ticket.push(3);
+        assert!(decode_ticket(&ticket).is_err());
+    }
+
+    /// An agent loads a peer's metadata whose connection info is layout 4 with a section for a route it does not
+    /// know, and transfers over the routes both share; without the same-host section it goes by TCP.
+    #[test]
+    fn metadata_of_a_later_release_loads_and_transfers() {
+        let b = Agent::new("v4-target", AgentConfig::default()).unwrap();
+        b.create_backend("UCX", &Params::new()).unwrap();
+        let a = Agent::new("v4-initiator", AgentConfig::default()).unwrap();
+        a.create_backend("UCX", &Params::new()).unwrap();
+        let src: Vec<u8> = (0..1 << 16).map(|i| (i % 253) as u8).collect();
+        let dst = vec![0u8; 1 << 16];
+        reg(&b, &src);
+        reg(&a, &dst);
+        for (drop, route) in [(&[][..], "in-process"), (&[SEC_LOCAL][..], "tcp")] {
+            let mut md = AgentMd::decode(&b.local_md().unwrap()).unwrap();
+            md.conns[0].1 = conn_v3_to_v4(&md.conns[0].1, drop, &[(42, &[7; 40])]).unwrap();
+            a.load_remote_md(&md.encode()).unwrap();
+            let got = a.inner.remotes.read().get("v4-target").unwrap().telemetry_row().route;
+            assert_eq!(got, route);
+            let r = a.create_xfer_req(
+                XferOp::Read,
+                &xl(&dst, 0, 1 << 16),
+                &xl(&src, 0, 1 << 16),
+                "v4-target",
+                &XferOpts::default(),
+            );
+            let r = r.unwrap();
+            a.post_xfer_req(&r, NotifUpdate::Keep).unwrap();
+            assert_eq!(wait(&a, &r, Duration::from_secs(10)).unwrap(), Status::Success, "{route}");
+            assert!(dst == src);
+            a.invalidate_remote_md("v4-target").unwrap();
+        }
     }
 
     // ----- the TCP route between two agents of this process (`transport=tcp`) -----
