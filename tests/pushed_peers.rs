@@ -164,6 +164,7 @@ fn a_pushed_load_costs_its_size_when_refused_and_a_bounded_amount_per_region_whe
             .env("GIXL_CHILD", "hwm")
             .env("GIXL_REGIONS", n.to_string())
             .env_remove("GIXL_MAX_PUSHED_REGIONS")
+            .env_remove("GIXL_MAX_PUSHED_REGIONS_TOTAL")
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
@@ -183,4 +184,39 @@ fn a_pushed_load_costs_its_size_when_refused_and_a_bounded_amount_per_region_whe
             assert!(grew <= 2 * blob, "{n} regions refused: {grew} bytes at peak for a {blob}-byte LOAD");
         }
     }
+}
+
+/// Pushed LOADs of several agents together add at most `GIXL_MAX_PUSHED_REGIONS_TOTAL` regions (1500 here, each
+/// agent 600): without it, 1024 agents of 65536 regions each could be pushed (about 15 GiB). Invalidating one
+/// makes room again; the application's own loads do not count.
+#[test]
+fn pushed_loads_of_many_agents_add_at_most_the_total_region_cap() {
+    std::env::set_var("GIXL_MAX_PUSHED_REGIONS_TOTAL", "1500");
+    let cfg = AgentConfig { listen_thread: true, listen_port: 0, ..Default::default() };
+    let victim = agent("total-victim", cfg);
+    let port = victim.listen_port().unwrap();
+    let bufs: Vec<Vec<u8>> = (0..4).map(|_| vec![0u8; 600 * 64]).collect();
+    let peers: Vec<Agent> = (0..4).map(|i| agent(&format!("total-peer-{i}"), AgentConfig::default())).collect();
+    let md: Vec<Vec<u8>> = peers
+        .iter()
+        .zip(&bufs)
+        .map(|(p, b)| {
+            let list = RegDList::with_descs(
+                MemType::Dram,
+                (0..600)
+                    .map(|i| RegDesc { desc: Desc::new(b.as_ptr() as u64 + i * 64, 64, 0), meta: vec![] })
+                    .collect(),
+            );
+            p.register_mem(&list, &[]).unwrap();
+            p.local_md().unwrap()
+        })
+        .collect();
+    let loaded = |i: usize| victim.remote_incarnation(&format!("total-peer-{i}")).is_ok();
+    push(port, &md[..3]);
+    assert_eq!((0..3).map(loaded).collect::<Vec<_>>(), [true, true, false], "1200 fit, 1800 do not");
+    victim.invalidate_remote_md("total-peer-0").unwrap();
+    push(port, &md[2..3]);
+    assert!(loaded(2), "room again after an invalidation");
+    victim.load_remote_md(&md[3]).unwrap();
+    assert!(loaded(3), "the application's own load is not capped");
 }

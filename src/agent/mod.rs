@@ -547,7 +547,8 @@ impl Agent {
             if have + nadds > cap {
                 return Err(Error::not_allowed(format!(
                     "agent '{}' would have {} regions here, past the {cap} that metadata pushed to the listener may \
-                     bring (GIXL_MAX_PUSHED_REGIONS); load it with load_remote_md / fetch_remote_md instead",
+                     bring (GIXL_MAX_PUSHED_REGIONS per agent, GIXL_MAX_PUSHED_REGIONS_TOTAL for all of them); load \
+                     it with load_remote_md / fetch_remote_md instead",
                     md.name,
                     have + nadds
                 )));
@@ -802,9 +803,21 @@ const MAX_PUSHED_PEERS: usize = 1024;
 /// million, each about 100 bytes here, and merges into a loaded incarnation would otherwise add up unbounded.
 const MAX_PUSHED_REGIONS: usize = 1 << 16;
 
+/// Regions all the agents added by pushed LOADs may have here together (`GIXL_MAX_PUSHED_REGIONS_TOTAL`): each
+/// loaded region costs about 230 bytes, so 1024 agents of 65536 regions each would be 15 GiB; this keeps what
+/// strangers can make an agent hold to about 240 MiB.
+const MAX_PUSHED_REGIONS_TOTAL: usize = 1 << 20;
+
 /// Regions one agent may have here through metadata pushed to the listener (merges included).
 fn max_pushed_regions() -> usize {
     std::env::var("GIXL_MAX_PUSHED_REGIONS").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(MAX_PUSHED_REGIONS)
+}
+
+fn max_pushed_regions_total() -> usize {
+    std::env::var("GIXL_MAX_PUSHED_REGIONS_TOTAL")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(MAX_PUSHED_REGIONS_TOTAL)
 }
 
 fn max_pushed_peers() -> usize {
@@ -841,7 +854,17 @@ impl Host for AgentHost {
                     )));
                 }
             }
-            let loaded = a.load_md(blob, Some(max_pushed_regions()))?;
+            // What the other pushed agents hold leaves this one the rest of the total.
+            let regions = |n: &String| {
+                a.inner
+                    .remotes
+                    .read()
+                    .get(n)
+                    .map_or(0, |ra| ra.sections.read().values().map(|s| s.len()).sum::<usize>())
+            };
+            let others: usize = pushed.iter().filter(|n| **n != name).map(regions).sum();
+            let cap = max_pushed_regions().min(max_pushed_regions_total().saturating_sub(others));
+            let loaded = a.load_md(blob, Some(cap))?;
             pushed.insert(loaded.clone());
             Ok(loaded)
         })
