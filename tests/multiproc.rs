@@ -117,17 +117,25 @@ fn child_entry() {
     }
 }
 
-/// An initiator that READs the whole of a target's region again and again: the target's metadata and the
-/// region come in GIXL_MD (hex), GIXL_ADDR and GIXL_LEN; prints `reading` once the first READ is posted.
-fn reader_child() {
+/// An initiator child's agent `name` with a registered buffer of GIXL_LEN bytes, and what the target's
+/// metadata (GIXL_MD, hex) and region address (GIXL_ADDR) say.
+fn initiator_from_env(name: &str) -> (Agent, Vec<u8>, Vec<u8>, u64) {
     let md = unhex(&std::env::var("GIXL_MD").unwrap());
     let addr: u64 = std::env::var("GIXL_ADDR").unwrap().parse().unwrap();
     let len: usize = std::env::var("GIXL_LEN").unwrap().parse().unwrap();
-    let a = Agent::new("reader", AgentConfig::default()).unwrap();
+    let a = Agent::new(name, AgentConfig::default()).unwrap();
     a.create_backend("UCX", &Params::new()).unwrap();
     let buf = vec![0u8; len];
     let d = Desc::new(buf.as_ptr() as u64, len as u64, 0);
     a.register_mem(&RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: d, meta: vec![] }]), &[]).unwrap();
+    (a, buf, md, addr)
+}
+
+/// An initiator that READs the whole of a target's region again and again: the target's metadata and the
+/// region come in GIXL_MD (hex), GIXL_ADDR and GIXL_LEN; prints `reading` once the first READ is posted.
+fn reader_child() {
+    let (a, buf, md, addr) = initiator_from_env("reader");
+    let (len, d) = (buf.len(), Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0));
     let target = a.load_remote_md(&md).unwrap();
     let x = a.create_xfer_req(XferOp::Read, &one(d.addr, len), &one(addr, len), &target, &XferOpts::default()).unwrap();
     let mut told = false;
@@ -144,14 +152,8 @@ fn reader_child() {
 /// One READ of a target's region (GIXL_MD, GIXL_ADDR, GIXL_LEN as for `reader_child`): prints `@md <status
 /// or error> <sum of the bytes read>`.
 fn read_once_child() {
-    let md = unhex(&std::env::var("GIXL_MD").unwrap());
-    let addr: u64 = std::env::var("GIXL_ADDR").unwrap().parse().unwrap();
-    let len: usize = std::env::var("GIXL_LEN").unwrap().parse().unwrap();
-    let a = Agent::new("read-once", AgentConfig::default()).unwrap();
-    a.create_backend("UCX", &Params::new()).unwrap();
-    let buf = vec![0u8; len];
-    let d = Desc::new(buf.as_ptr() as u64, len as u64, 0);
-    a.register_mem(&RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: d, meta: vec![] }]), &[]).unwrap();
+    let (a, buf, md, addr) = initiator_from_env("read-once");
+    let (len, d) = (buf.len(), Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0));
     let outcome = a.load_remote_md(&md).and_then(|target| {
         let x = a.create_xfer_req(XferOp::Read, &one(d.addr, len), &one(addr, len), &target, &XferOpts::default())?;
         a.post_xfer_req(&x, NotifUpdate::Keep)?;
