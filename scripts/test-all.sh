@@ -109,7 +109,8 @@ rust_lint() {
         echo "clippy is NOT installed: rustup component add clippy (this step fails without it)"
         return 1
     fi
-    cargo fmt --all --check && cargo clippy --workspace --all-targets --release -- -D warnings
+    cargo fmt --all --check && cargo clippy --workspace --all-targets --release -- -D warnings &&
+        python3 scripts/module-cycles.py
 }
 # The Python extension is loaded by Python only: it must not export NIXL's C ABI as well (it is built
 # without the gixl crate's `capi` feature).
@@ -207,7 +208,7 @@ vllm_sequence() {
 valgrind_c() { scripts/valgrind.sh; }
 soak_quick() { GIXL_TEST_INSTALLED=1 timeout 300 .venv/gixl/bin/python python/tests/soak.py --quick; }
 
-step "rustfmt + clippy -D warnings" rust_lint
+step "rustfmt + clippy -D warnings + module cycles" rust_lint
 step "cargo test" rust_tests
 step "cargo test --features cuda (fake device layer)" rust_cuda
 step "header compiles alone (C11, C++17)" header

@@ -152,26 +152,105 @@ pub fn accepted_secrets(secret: u128) -> Vec<u128> {
     }
 }
 
-/// A connection hello's tag (the TCP handshake's, see `engine::wire::hello_tag`), keyed as above.
+/// A connection hello's tag (`secret_hello_tag`), keyed as above.
 pub fn hello_tag(secret: u128, kind: u8, incarnation: u128, nonce: &[u8; 16], name: &str) -> u64 {
-    crate::backend::engine::wire::hello_tag(signing_secret(secret), kind, incarnation, nonce, name)
+    secret_hello_tag(signing_secret(secret), kind, incarnation, nonce, name)
 }
 
 /// Whether `tag` is a valid hello tag under any accepted key.
 pub fn hello_ok(secret: u128, kind: u8, incarnation: u128, nonce: &[u8; 16], name: &str, tag: u64) -> bool {
     let mut ok = false;
     for s in accepted_secrets(secret) {
-        ok |= crate::backend::engine::wire::tags_match(
-            tag,
-            crate::backend::engine::wire::hello_tag(s, kind, incarnation, nonce, name),
-        );
+        ok |= tags_match(tag, secret_hello_tag(s, kind, incarnation, nonce, name));
     }
     ok
+}
+
+/// The proof an initiator sends in a connection's hello (`engine::wire`): a MAC of the connection's parameters
+/// under the target's engine secret itself (see `hello_tag` for the one keyed by the cluster key too).
+pub fn secret_hello_tag(secret: u128, kind: u8, incarnation: u128, nonce: &[u8; 16], name: &str) -> u64 {
+    let mut m = Vec::with_capacity(10 + 1 + 16 + 16 + name.len());
+    m.extend_from_slice(b"gixl-hello");
+    m.push(kind);
+    m.extend_from_slice(&incarnation.to_le_bytes());
+    m.extend_from_slice(nonce);
+    m.extend_from_slice(name.as_bytes());
+    siphash24(secret, &m)
+}
+
+/// Compare two tags in time independent of where they differ.
+pub fn tags_match(a: u64, b: u64) -> bool {
+    let (a, b) = (std::hint::black_box(a.to_le_bytes()), std::hint::black_box(b.to_le_bytes()));
+    let mut diff = 0u8;
+    for i in 0..8 {
+        diff |= a[i] ^ b[i];
+    }
+    std::hint::black_box(diff) == 0
+}
+
+/// SipHash-2-4 (Aumasson and Bernstein) with a 128-bit key: a PRF for short messages.
+pub fn siphash24(key: u128, m: &[u8]) -> u64 {
+    let k = key.to_le_bytes();
+    let (k0, k1) = (u64::from_le_bytes(arr(&k[..8])), u64::from_le_bytes(arr(&k[8..])));
+    let mut v = [
+        k0 ^ 0x736f_6d65_7073_6575,
+        k1 ^ 0x646f_7261_6e64_6f6d,
+        k0 ^ 0x6c79_6765_6e65_7261,
+        k1 ^ 0x7465_6462_7974_6573,
+    ];
+    fn round(v: &mut [u64; 4]) {
+        v[0] = v[0].wrapping_add(v[1]);
+        v[1] = v[1].rotate_left(13) ^ v[0];
+        v[0] = v[0].rotate_left(32);
+        v[2] = v[2].wrapping_add(v[3]);
+        v[3] = v[3].rotate_left(16) ^ v[2];
+        v[0] = v[0].wrapping_add(v[3]);
+        v[3] = v[3].rotate_left(21) ^ v[0];
+        v[2] = v[2].wrapping_add(v[1]);
+        v[1] = v[1].rotate_left(17) ^ v[2];
+        v[2] = v[2].rotate_left(32);
+    }
+    fn compress(w: u64, v: &mut [u64; 4]) {
+        v[3] ^= w;
+        round(v);
+        round(v);
+        v[0] ^= w;
+    }
+    let chunks = m.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        compress(u64::from_le_bytes(arr(c)), &mut v);
+    }
+    let mut last = [0u8; 8];
+    last[..rest.len()].copy_from_slice(rest);
+    last[7] = m.len() as u8;
+    compress(u64::from_le_bytes(last), &mut v);
+    v[2] ^= 0xff;
+    for _ in 0..4 {
+        round(&mut v);
+    }
+    v[0] ^ v[1] ^ v[2] ^ v[3]
+}
+
+/// The first N bytes of `b` (which has at least N).
+fn arr<const N: usize>(b: &[u8]) -> [u8; N] {
+    let mut a = [0u8; N];
+    a.copy_from_slice(&b[..N]);
+    a
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn siphash_reference_vector() {
+        // The SipHash paper's test vector: key 00..0f, message 00..0e.
+        let key = u128::from_le_bytes(std::array::from_fn(|i| i as u8));
+        let m: Vec<u8> = (0..15).collect();
+        assert_eq!(siphash24(key, &m), 0xa129_ca61_49be_45e5);
+        assert_eq!(siphash24(key, &[]), 0x726f_db47_dd0e_0e31);
+    }
 
     #[test]
     fn keys_parse_rotate_and_verify() {

@@ -239,6 +239,36 @@ pub(crate) fn connect_abstract(name: &[u8], wait: std::time::Duration) -> io::Re
     Ok(std::os::unix::net::UnixStream::from(sock))
 }
 
+/// One non-blocking `recv`: Ok(0) is end of stream, WouldBlock when nothing is there.
+pub fn recv_now(fd: std::os::fd::RawFd, buf: &mut [u8]) -> std::io::Result<usize> {
+    loop {
+        // SAFETY: `buf` is writable for its length.
+        let r = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+        if r >= 0 {
+            return Ok(r as usize);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// One non-blocking `send`: how many bytes went out (WouldBlock when none could).
+pub fn send_now(fd: std::os::fd::RawFd, buf: &[u8]) -> std::io::Result<usize> {
+    loop {
+        // SAFETY: `buf` is readable for its length.
+        let r = unsafe { libc::send(fd, buf.as_ptr().cast(), buf.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        if r >= 0 {
+            return Ok(r as usize);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

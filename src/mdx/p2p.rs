@@ -23,9 +23,9 @@ use parking_lot::Mutex;
 use super::wire::{self, Msg};
 use super::{log, Host};
 use crate::auth::ClusterKey;
-use crate::backend::engine::net::{recv_now, send_now};
 use crate::status::{Error, Result, Status};
 use crate::util::{epoll_ctl, epoll_del, monotonic_ns};
+use crate::util::{recv_now, send_now};
 
 /// NIXL's connect timeout for metadata peers.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);

@@ -14,7 +14,7 @@ pub fn epoll_add(epfd: RawFd, fd: RawFd, token: u64) -> crate::status::Result<()
     crate::util::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, fd, (libc::EPOLLIN | libc::EPOLLRDHUP) as u32, token)
 }
 
-pub(crate) use crate::util::epoll_del;
+pub(crate) use crate::util::{epoll_del, recv_now, send_now};
 
 /// Most iovecs one `sendmsg`/`readv` takes (the kernel's UIO_MAXIOV).
 const IOV_MAX: usize = 1024;
@@ -165,42 +165,12 @@ pub fn recv_exact(s: &TcpStream, buf: &mut [u8], progress: &dyn Fn()) -> io::Res
     unsafe { recv_iovecs(s.as_raw_fd(), &mut v, progress) }
 }
 
-/// One non-blocking `recv`: Ok(0) is end of stream, WouldBlock when nothing is there.
-pub fn recv_now(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
-    loop {
-        // SAFETY: `buf` is writable for its length.
-        let r = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
-        if r >= 0 {
-            return Ok(r as usize);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
-}
-
 /// Has the connection been shut down (by either side) or failed? Only looks, never waits.
 pub fn hung_up(fd: RawFd) -> bool {
     let mut p = libc::pollfd { fd, events: libc::POLLRDHUP, revents: 0 };
     // SAFETY: one valid pollfd, no wait.
     let n = unsafe { libc::poll(&mut p, 1, 0) };
     n > 0 && p.revents & (libc::POLLHUP | libc::POLLERR | libc::POLLRDHUP | libc::POLLNVAL) != 0
-}
-
-/// One non-blocking `send`: how many bytes went out (WouldBlock when none could).
-pub fn send_now(fd: RawFd, buf: &[u8]) -> io::Result<usize> {
-    loop {
-        // SAFETY: `buf` is readable for its length.
-        let r = unsafe { libc::send(fd, buf.as_ptr().cast(), buf.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
-        if r >= 0 {
-            return Ok(r as usize);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
 }
 
 /// TCP_NODELAY, kernel keepalive (so half-open connections are reaped eventually without any thread of

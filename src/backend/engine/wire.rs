@@ -33,6 +33,9 @@
 //!
 //! This module does no I/O and keeps no state.
 
+/// The handshake's MAC and its comparison live with the other MACs (`crate::auth`); named here too, where the
+/// wire format is.
+pub use crate::auth::{secret_hello_tag as hello_tag, siphash24, tags_match};
 use std::collections::BTreeMap;
 
 use crate::backend::XferOp;
@@ -97,17 +100,6 @@ pub struct Hello {
     pub name: String,
 }
 
-/// The proof an initiator sends: a MAC of the connection's parameters under the target's secret.
-pub fn hello_tag(secret: u128, kind: u8, incarnation: u128, nonce: &[u8; 16], name: &str) -> u64 {
-    let mut m = Vec::with_capacity(10 + 1 + 16 + 16 + name.len());
-    m.extend_from_slice(b"gixl-hello");
-    m.push(kind);
-    m.extend_from_slice(&incarnation.to_le_bytes());
-    m.extend_from_slice(nonce);
-    m.extend_from_slice(name.as_bytes());
-    siphash24(secret, &m)
-}
-
 pub fn encode_hello(h: &Hello) -> Vec<u8> {
     let mut out = Vec::with_capacity(HELLO_FIXED + h.name.len());
     out.extend_from_slice(HELLO_MAGIC);
@@ -145,60 +137,6 @@ pub fn parse_hello(buf: &[u8]) -> Result<Option<(Hello, usize)>, WireError> {
     let name =
         std::str::from_utf8(&buf[HELLO_FIXED..HELLO_FIXED + n]).map_err(|_| WireError("agent name is not UTF-8"))?;
     Ok(Some((Hello { kind, incarnation, tag, name: name.to_owned() }, HELLO_FIXED + n)))
-}
-
-/// Compare two tags in time independent of where they differ.
-pub fn tags_match(a: u64, b: u64) -> bool {
-    let (a, b) = (std::hint::black_box(a.to_le_bytes()), std::hint::black_box(b.to_le_bytes()));
-    let mut diff = 0u8;
-    for i in 0..8 {
-        diff |= a[i] ^ b[i];
-    }
-    std::hint::black_box(diff) == 0
-}
-
-/// SipHash-2-4 (Aumasson and Bernstein) with a 128-bit key: a PRF for short messages.
-pub fn siphash24(key: u128, m: &[u8]) -> u64 {
-    let k = key.to_le_bytes();
-    let (k0, k1) = (u64::from_le_bytes(arr(&k[..8])), u64::from_le_bytes(arr(&k[8..])));
-    let mut v = [
-        k0 ^ 0x736f_6d65_7073_6575,
-        k1 ^ 0x646f_7261_6e64_6f6d,
-        k0 ^ 0x6c79_6765_6e65_7261,
-        k1 ^ 0x7465_6462_7974_6573,
-    ];
-    fn round(v: &mut [u64; 4]) {
-        v[0] = v[0].wrapping_add(v[1]);
-        v[1] = v[1].rotate_left(13) ^ v[0];
-        v[0] = v[0].rotate_left(32);
-        v[2] = v[2].wrapping_add(v[3]);
-        v[3] = v[3].rotate_left(16) ^ v[2];
-        v[0] = v[0].wrapping_add(v[3]);
-        v[3] = v[3].rotate_left(21) ^ v[0];
-        v[2] = v[2].wrapping_add(v[1]);
-        v[1] = v[1].rotate_left(17) ^ v[2];
-        v[2] = v[2].rotate_left(32);
-    }
-    fn compress(w: u64, v: &mut [u64; 4]) {
-        v[3] ^= w;
-        round(v);
-        round(v);
-        v[0] ^= w;
-    }
-    let chunks = m.chunks_exact(8);
-    let rest = chunks.remainder();
-    for c in chunks {
-        compress(u64::from_le_bytes(arr(c)), &mut v);
-    }
-    let mut last = [0u8; 8];
-    last[..rest.len()].copy_from_slice(rest);
-    last[7] = m.len() as u8;
-    compress(u64::from_le_bytes(last), &mut v);
-    v[2] ^= 0xff;
-    for _ in 0..4 {
-        round(&mut v);
-    }
-    v[0] ^ v[1] ^ v[2] ^ v[3]
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -352,15 +290,6 @@ mod tests {
         *x ^= *x >> 7;
         *x ^= *x << 17;
         *x
-    }
-
-    #[test]
-    fn siphash_reference_vector() {
-        // The SipHash paper's test vector: key 00..0f, message 00..0e.
-        let key = u128::from_le_bytes(std::array::from_fn(|i| i as u8));
-        let m: Vec<u8> = (0..15).collect();
-        assert_eq!(siphash24(key, &m), 0xa129_ca61_49be_45e5);
-        assert_eq!(siphash24(key, &[]), 0x726f_db47_dd0e_0e31);
     }
 
     #[test]

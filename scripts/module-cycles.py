@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""Import cycles between gixl's modules, read from the `use` declarations and `crate::` / `super::` paths of
+`src/` (test modules left out).
+
+1. Between the engine (`backend::engine`, all of it), the metadata exchange (`mdx`) and `auth`: no cycle at all.
+2. Between the files of the engine (`backend::engine::<file>`, `mod.rs` being `engine`): a ratchet. The files in a
+   cycle today are listed in KNOWN (a debt, recorded so that it shrinks); a cycle reaching any other file fails.
+
+Exit 1 when a check fails.
+
+Usage: python3 scripts/module-cycles.py [--verbose]
+"""
+
+import re
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+ENGINE = ("backend", "engine")
+
+# The files of the engine that are in a cycle today (issue 19 removes it): a cycle may only shrink inside this set.
+KNOWN = frozenset({"engine", "ctrl", "tcp", "vram", "vram_tcp"})
+
+
+def module_of(path: Path) -> tuple:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] in ("mod", "lib"):
+        parts = parts[:-1]
+    return tuple(parts)
+
+
+def use_paths(text: str):
+    """Every path named by a `use` declaration (groups expanded) or written inline as `crate::` / `super::`."""
+    for m in re.finditer(r"\buse\s+([^;]+);", text):
+        yield from expand(m.group(1).replace("\n", " "))
+    for m in re.finditer(r"\b((?:crate|super)(?:::[A-Za-z_][A-Za-z0-9_]*)+)", text):
+        yield m.group(1)
+
+
+def expand(tree: str):
+    tree = re.sub(r"\s+", "", tree)
+    i = tree.find("{")
+    if i < 0:
+        yield tree.split(" as ")[0]
+        return
+    prefix, body = tree[:i], tree[i + 1 : tree.rfind("}")]
+    depth, start = 0, 0
+    for j, c in enumerate(body + ","):
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+        elif c == "," and depth == 0:
+            item = body[start:j]
+            start = j + 1
+            if item:
+                yield from expand(prefix + item)
+
+
+def resolve(path: str, here: tuple) -> tuple:
+    segs = path.split("::")
+    if segs[0] == "crate":
+        return tuple(segs[1:])
+    base = list(here)
+    while segs and segs[0] == "super":
+        base = base[:-1]
+        segs = segs[1:]
+    return tuple(base + segs)
+
+
+def strip_tests(text: str) -> str:
+    m = re.search(r"#\[cfg\(test\)\]\s*mod tests\b", text)
+    return text[: m.start()] if m else text
+
+
+def graph(unit_of):
+    g = {}
+    for f in sorted(SRC.rglob("*.rs")):
+        here = module_of(f)
+        src_unit = unit_of(here)
+        if src_unit is None:
+            continue
+        text = strip_tests(f.read_text())
+        paths = list(use_paths(text))
+        # A `mod.rs` names its child modules bare (`copy::probe(..)`).
+        if f.name == "mod.rs":
+            children = {c.stem for c in f.parent.glob("*.rs") if c.name != "mod.rs"}
+            paths += [m.group(1) for m in re.finditer(r"(?<![:\w])([a-z_][a-z0-9_]*)::", text) if m.group(1) in children]
+        for p in paths:
+            dst = unit_of(resolve(p, here))
+            if dst is not None and dst != src_unit:
+                g.setdefault(src_unit, set()).add(dst)
+    return g
+
+
+def cycles(g):
+    """Strongly connected components of more than one node, and the two-node cycles inside them."""
+    index, low, on, stack, out, n = {}, {}, set(), [], [], [0]
+
+    def visit(v):
+        index[v] = low[v] = n[0]
+        n[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(comp)
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    pairs = set()
+    for a in g:
+        for b in g[a]:
+            if a in g.get(b, ()):
+                pairs.add(frozenset({a, b}))
+    return out, pairs
+
+
+def main() -> int:
+    verbose = "--verbose" in sys.argv
+    failed = False
+
+    def top(m):
+        if m[:2] == ENGINE:
+            return "engine"
+        if m and m[0] in ("mdx", "auth"):
+            return m[0]
+        return None
+
+    comps, _ = cycles(graph(top))
+    for c in comps:
+        print(f"module-cycles: cycle between {' / '.join(sorted(c))} (none allowed)")
+        failed = True
+    if not comps:
+        print("module-cycles: engine, mdx and auth: no cycle")
+
+    def file_unit(m):
+        if m[:2] != ENGINE:
+            return None
+        return m[2] if len(m) > 2 and (SRC / "backend" / "engine" / f"{m[2]}.rs").exists() else "engine"
+
+    g = graph(file_unit)
+    comps, pairs = cycles(g)
+    for c in comps:
+        known = c <= KNOWN
+        print(f"module-cycles: engine files in a cycle{'' if known else ' (NEW)'}: {', '.join(sorted(c))}")
+        failed |= not known
+    for p in sorted(pairs, key=sorted):
+        print(f"module-cycles:   of which two import each other: {' <-> '.join(sorted(p))}")
+    if not any(c & KNOWN == KNOWN for c in comps):
+        print(f"module-cycles: the known cycle ({', '.join(sorted(KNOWN))}) has shrunk: shrink KNOWN to match")
+    if verbose:
+        for a in sorted(g):
+            print(f"  {a} -> {', '.join(sorted(g[a]))}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
