@@ -19,11 +19,9 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use super::net::{epoll_add, epoll_del};
+use super::notif::{NotifQueue, MAX_NOTIF, QUEUE_BYTES, QUEUE_MSGS};
 use super::tcp::{self, TcpProgress, TcpSetup, TcpShared};
 use crate::status::{Error, Result, Status};
-
-/// Largest notification accepted (a frame's body); NIXL users send msgpack'd block lists of a few MiB.
-pub const MAX_NOTIF: usize = 64 << 20;
 
 // Frames on the local socket: `length u32 | kind u8 | body` (length counts kind + body).
 /// Client → server, first: `target incarnation u128 | sender incarnation u128 | nonce [16] | tag u64 | name`,
@@ -56,10 +54,6 @@ const MAX_HELLO: usize = HELLO_FIXED + 4096;
 const MAX_PENDING: usize = 64;
 /// Authenticated connections (each is a peer agent that knows our secret).
 const MAX_CONNS: usize = 4096;
-/// Default bounds of the notification queue: when reached, the local sockets are not read until the
-/// application takes notifications, so senders block and then fail (never a silent drop).
-pub const QUEUE_MSGS: usize = 1 << 16;
-pub const QUEUE_BYTES: usize = 256 << 20;
 /// How long a sender waits for the handshake and for room in the peer's socket.
 const SEND_TIMEOUT: Duration = Duration::from_secs(5);
 /// Frames above this many bytes are read only with a reservation in `LOCAL_BUDGET`.
@@ -79,9 +73,6 @@ const TOKEN_WAKE: u64 = 0;
 const TOKEN_LISTEN: u64 = 1;
 const TOKEN_CONN: u64 = 1 << 32;
 const TOKEN_PIDFD: u64 = 2 << 32;
-
-/// Notifications received and not yet handed out, in arrival order.
-pub type NotifQueue = Mutex<Vec<(String, Vec<u8>)>>;
 
 pub struct Ctrl {
     pub sock_name: Vec<u8>,

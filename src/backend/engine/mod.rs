@@ -46,8 +46,8 @@ mod copy;
 mod ctrl;
 mod gate;
 mod liveness;
-/// Socket helpers, shared with the metadata listener (`crate::mdx`).
-pub(crate) mod net;
+mod net;
+mod notif;
 mod pool;
 mod sentinel;
 mod tcp;
@@ -69,8 +69,9 @@ use super::{Backend, BackendInit, BackendXfer, Caps, LocalRegion, Params, Peer, 
 use crate::md::{put_bytes, put_uvar, Reader};
 use crate::mem::{Desc, MemType, RegDesc};
 use crate::status::{Error, Result, Status};
-use ctrl::{Ctrl, NotifQueue, Sender, QUEUE_BYTES, QUEUE_MSGS};
+use ctrl::{Ctrl, Sender};
 use gate::{Attached, Gate, RegionTicket};
+use notif::{NotifQueue, QUEUE_BYTES, QUEUE_MSGS};
 use pool::Pool;
 use tcp::{LinkTarget, Regions, TcpLink, TcpOpts, TcpSetup};
 
@@ -992,11 +993,11 @@ impl Backend for Engine {
     }
 
     fn gen_notif(&self, target: &Target, msg: &[u8]) -> Result<()> {
-        if msg.len() > ctrl::MAX_NOTIF {
+        if msg.len() > notif::MAX_NOTIF {
             return Err(Error::invalid_param(format!(
                 "notification of {} bytes exceeds the {}-byte limit",
                 msg.len(),
-                ctrl::MAX_NOTIF
+                notif::MAX_NOTIF
             )));
         }
         match target {

@@ -51,9 +51,9 @@ use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
-use super::ctrl::NotifQueue;
 use super::liveness::{DialPlan, LiveCfg, Liveness};
 use super::net::{self, epoll_add, epoll_del, iovec};
+use super::notif::{NotifQueue, MAX_NOTIF, QUEUE_BYTES, QUEUE_MSGS};
 use super::vram_tcp::{StagePool, Staged};
 use super::wire::{self, CtrlMsg, Hello, RegionTable, WireSeg};
 use crate::backend::{Seg, XferOp};
@@ -602,7 +602,7 @@ impl TcpProgress {
             loops: OnceLock::new(),
             next_serve: AtomicU64::new(0),
             closed: AtomicBool::new(false),
-            queue_limits: Mutex::new((super::ctrl::QUEUE_MSGS, super::ctrl::QUEUE_BYTES)),
+            queue_limits: Mutex::new((QUEUE_MSGS, QUEUE_BYTES)),
             paused: AtomicBool::new(false),
             resume: AtomicBool::new(false),
         });
@@ -1017,7 +1017,7 @@ fn ctrl_frames(
     let mut at = 0;
     let mut ok = true;
     loop {
-        match wire::parse_ctrl(&c.buf[at..], super::ctrl::MAX_NOTIF) {
+        match wire::parse_ctrl(&c.buf[at..], MAX_NOTIF) {
             Ok(Some((msg, n))) => {
                 match msg {
                     CtrlMsg::Ping => {
@@ -1879,11 +1879,11 @@ impl TcpLink {
     /// half written, the connection is half-closed (the target drops the partial frame after queueing
     /// everything before it) and the next notification dials a new one.
     pub fn notif(self: &Arc<Self>, msg: &[u8]) -> Result<()> {
-        if msg.len() > super::ctrl::MAX_NOTIF {
+        if msg.len() > MAX_NOTIF {
             return Err(Error::invalid_param(format!(
                 "notification of {} bytes exceeds the {}-byte limit",
                 msg.len(),
-                super::ctrl::MAX_NOTIF
+                MAX_NOTIF
             )));
         }
         let c = self.connect()?;
