@@ -50,6 +50,7 @@ mod net;
 mod notif;
 mod pool;
 mod sentinel;
+mod serve_stage;
 mod tcp;
 mod vram;
 mod vram_tcp;

@@ -54,7 +54,7 @@ use parking_lot::{Condvar, Mutex};
 use super::liveness::{DialPlan, LiveCfg, Liveness};
 use super::net::{self, epoll_add, epoll_del, iovec};
 use super::notif::{NotifQueue, MAX_NOTIF, QUEUE_BYTES, QUEUE_MSGS};
-use super::vram_tcp::{StagePool, Staged};
+use super::serve_stage::{StagePool, Staged};
 use super::wire::{self, CtrlMsg, Hello, RegionTable, WireSeg};
 use crate::backend::{Seg, XferOp};
 use crate::status::{Error, Result, Status};
@@ -1207,7 +1207,7 @@ enum Phase {
     Send,
     /// The 8-byte reply of a WRITE or a refusal.
     Reply,
-    /// A request on device memory waits for a staging buffer of the loop (see `vram_tcp::StagePool`).
+    /// A request on device memory waits for a staging buffer of the loop (see `serve_stage::StagePool`).
     StageWait,
     /// READ from device memory: the staged chunk (the OK reply first) goes out.
     StageSend,
