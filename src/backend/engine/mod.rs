@@ -1673,6 +1673,53 @@ mod tests {
         got
     }
 
+    /// A pooled data connection that the target closes after the initiator checked it for a hang-up (the target
+    /// replaced it, its serving slots being full, or it had idled past `IDLE_DATA`): the request goes once more
+    /// over another connection and succeeds. The link went down, and the READ failed with REMOTE_DISCONNECT.
+    #[test]
+    fn a_pooled_connection_closed_under_the_first_request_is_tried_once_more() {
+        let a = tcp_agent("pool-A", &[]);
+        let b = tcp_agent("pool-B", &[]);
+        let src: Vec<u8> = (0..65536).map(|i| (i % 239) as u8).collect();
+        let dst = vec![0u8; 65536];
+        reg(&a, &dst);
+        reg(&b, &src);
+        a.load_remote_md(&b.local_md().unwrap()).unwrap();
+        let read = || {
+            let r = a.create_xfer_req(
+                XferOp::Read,
+                &xl(&dst, 0, 65536),
+                &xl(&src, 0, 65536),
+                "pool-B",
+                &XferOpts::default(),
+            );
+            let r = r.unwrap();
+            a.post_xfer_req(&r, NotifUpdate::Keep).and_then(|_| wait(&a, &r, Duration::from_secs(10)))
+        };
+        assert_eq!(read().unwrap(), Status::Success);
+        // A connection that looks healthy until a request arrives, then is closed unanswered.
+        let trap = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let planted = TcpStream::connect(trap.local_addr().unwrap()).unwrap();
+        let closer = std::thread::spawn(move || {
+            let (mut s, _) = trap.accept().unwrap();
+            let mut b = [0u8; 1];
+            let _ = s.read(&mut b);
+        });
+        let link = {
+            let remotes = a.inner.remotes.read();
+            let (_, p) = remotes.get("pool-B").unwrap().peers[0].clone();
+            match &downcast(&p).unwrap().kind {
+                PeerKind::Tcp { link } => link.clone(),
+                _ => panic!("not a TCP peer"),
+            }
+        };
+        link.plant_idle(planted);
+        assert_eq!(read().map_err(|e| e.status()), Ok(Status::Success));
+        assert!(dst == src);
+        closer.join().unwrap();
+        assert_eq!(read().unwrap(), Status::Success, "the link stayed up");
+    }
+
     #[test]
     fn tcp_read_write_many_blocks_and_notifications() {
         let a = tcp_agent("tcp-A", &[]);

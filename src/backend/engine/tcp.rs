@@ -1933,8 +1933,16 @@ impl TcpLink {
         (self.opts.timeout / 2).clamp(Duration::from_millis(100), Duration::from_secs(5))
     }
 
-    /// A data connection and the epoch it belongs to.
-    fn checkout(&self) -> Result<(Arc<TcpStream>, u64)> {
+    /// Tests: put `s` in the pool of idle data connections, as if it were one of ours that the target keeps.
+    #[cfg(test)]
+    pub(super) fn plant_idle(&self, s: TcpStream) {
+        let mut g = self.data.lock();
+        g.open += 1;
+        g.idle.push(Arc::new(s));
+    }
+
+    /// A data connection, the epoch it belongs to, and whether it was idle in the pool (not freshly dialled).
+    fn checkout(&self) -> Result<(Arc<TcpStream>, u64, bool)> {
         let mut g = self.data.lock();
         loop {
             self.usable()?;
@@ -1947,7 +1955,7 @@ impl TcpLink {
                     let _ = s.shutdown(Shutdown::Both);
                     continue;
                 }
-                return Ok((s, epoch));
+                return Ok((s, epoch, true));
             }
             if g.open < self.opts.conns {
                 g.open += 1;
@@ -1971,7 +1979,7 @@ impl TcpLink {
                         if self.dead.load(Ordering::Acquire) || self.closed.load(Ordering::Acquire) {
                             let _ = s.shutdown(Shutdown::Both);
                         }
-                        Ok((s, epoch))
+                        Ok((s, epoch, false))
                     }
                     Err(e) => {
                         self.data.lock().open -= 1;
@@ -2007,18 +2015,33 @@ impl TcpLink {
         region: &dyn Fn(&Seg) -> (u64, u64),
         stop: &dyn Fn() -> bool,
     ) -> Result<()> {
-        let (conn, epoch) = self.checkout()?;
-        let r = self.run_on(&conn, epoch, op, segs, region, stop);
-        // Denied and canceled requests leave the connection in step; anything else does not.
-        let reusable = match &r {
-            Ok(()) => true,
-            // I/O errors kill the link, so only these two can leave it alive.
-            Err(e) => matches!(e.status(), Status::Backend | Status::Canceled),
-        };
-        self.checkin(conn, epoch, reusable);
-        r
+        let (mut conn, mut epoch, mut pooled) = self.checkout()?;
+        let mut retried = false;
+        loop {
+            // A pooled connection the target closed (idle too long, or replaced when its serving slots were
+            // full) between our check for a hang-up and the first request: once, on another connection. The
+            // target closes only idle connections, and a request sent again moves the same bytes to the same
+            // place, so nothing is done twice that matters.
+            let mut lost = false;
+            let retry = (pooled && !retried).then_some(&mut lost);
+            let r = self.run_on(&conn, epoch, op, segs, region, stop, retry);
+            // Denied and canceled requests leave the connection in step; anything else does not.
+            let reusable = match &r {
+                Ok(()) => true,
+                // I/O errors kill the link, so only these two can leave it alive.
+                Err(e) => matches!(e.status(), Status::Backend | Status::Canceled),
+            };
+            self.checkin(conn, epoch, reusable);
+            if !lost {
+                return r;
+            }
+            retried = true;
+            (conn, epoch, pooled) = self.checkout()?;
+        }
     }
 
+    /// `lost`: set instead of taking the link down when the first request fails on the socket (the caller
+    /// tries once more on another connection).
     #[allow(clippy::too_many_arguments)]
     fn run_on(
         &self,
@@ -2028,6 +2051,7 @@ impl TcpLink {
         segs: &[Seg],
         region: &dyn Fn(&Seg) -> (u64, u64),
         stop: &dyn Fn() -> bool,
+        mut lost: Option<&mut bool>,
     ) -> Result<()> {
         let fd = s.as_raw_fd();
         let progress = || self.touch();
@@ -2088,12 +2112,17 @@ impl TcpLink {
                 Err(e) => {
                     if e.kind() == io::ErrorKind::InvalidData {
                         self.kill_from(epoch, format!("protocol error on a data connection: {e}"));
+                    } else if let Some(lost) = lost {
+                        *lost = true;
+                        return Err(Error::disconnected(format!("a pooled data connection was closed: {e}")));
                     } else {
                         self.kill_from(epoch, format!("data connection failed: {e}"));
                     }
                     return Err(self.gone());
                 }
             }
+            // Only the first request may be tried again.
+            lost = None;
         }
         Ok(())
     }
