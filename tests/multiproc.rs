@@ -377,7 +377,7 @@ fn loading_a_stopped_target_with_a_full_backlog_is_bounded() {
 fn loading_a_stopped_target_of_another_uid_with_a_full_backlog_is_bounded() {
     // SAFETY: plain syscall.
     if unsafe { libc::geteuid() } != 0 {
-        common::skip("root", "starting a child as uid 65534 needs root");
+        common::skip("cma", "needs root to start a child as another user");
         return;
     }
     let exe = common::ExeForOthers::new();
