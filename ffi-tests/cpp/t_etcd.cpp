@@ -141,7 +141,15 @@ main() {
         CHECK_ST(NIXL_SUCCESS, P.invalidateLocalMD());
         const nixl_xfer_dlist_t none(DRAM_SEG);
         CHECK_ST(NIXL_ERR_NOT_FOUND, t::until(NIXL_ERR_NOT_FOUND, [&] { return D.checkRemoteMD("cpp-etcd-prefill", none); }, 20));
-        CHECK_ST(NIXL_ERR_NOT_FOUND, t::until(NIXL_ERR_NOT_FOUND, [&] { return C.checkRemoteMD("cpp-etcd-prefill", none); }, 20));
+        // C loaded P only through a labelled partial fetch. NIXL 1.5.1 usually drops P there too, but not always:
+        // one run in several keeps it past 20 s (its watch of a label-only fetch), so against NIXL a miss is
+        // reported as a skip, not a failure. gixl must drop it every time.
+        const nixl_status_t c_dropped =
+            t::until(NIXL_ERR_NOT_FOUND, [&] { return C.checkRemoteMD("cpp-etcd-prefill", none); }, 20);
+        if (t::oracle && c_dropped != NIXL_ERR_NOT_FOUND)
+            t::skip("C, which fetched only a label, drops P", "NIXL 1.5.1 kept it past 20 s in this run");
+        else
+            CHECK_ST(NIXL_ERR_NOT_FOUND, c_dropped);
         CHECK_ST(NIXL_SUCCESS, D.deregisterMem(lr));
         CHECK_ST(NIXL_SUCCESS, P.deregisterMem(both));
     }
