@@ -404,7 +404,7 @@ impl Peer for EnginePeer {
     fn pid(&self) -> Option<i32> {
         match &self.kind {
             PeerKind::Cma { pid, .. } => Some(*pid),
-            _ => None,
+            PeerKind::InProcess { .. } | PeerKind::Tcp { .. } => None,
         }
     }
 }
@@ -413,7 +413,10 @@ impl EnginePeer {
     /// This name's route is dead, or the process behind it has exited.
     fn gone(&self) -> bool {
         self.dead.load(Ordering::Acquire)
-            || matches!(&self.kind, PeerKind::Cma { proof: Some(p), .. } if p.exited.load(Ordering::Acquire))
+            || match &self.kind {
+                PeerKind::Cma { proof, .. } => proof.as_ref().is_some_and(|p| p.exited.load(Ordering::Acquire)),
+                PeerKind::InProcess { .. } | PeerKind::Tcp { .. } => false,
+            }
     }
 
     fn send_notif(&self, from: &str, msg: &[u8]) -> Result<()> {
@@ -902,19 +905,23 @@ impl Backend for Engine {
                 denied: AtomicBool::new(denied.is_some()),
             }
         };
-        match (&kind, &fallback) {
-            (PeerKind::Cma { .. }, Some(why)) => crate::telemetry::log::warn(&format!(
-                "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route tcp (fall-back: the kernel \
-                 denied cross-memory attach: {why}; `python -m gixl doctor` says why)",
+        let route = match &kind {
+            PeerKind::Cma { .. } if fallback.is_some() => None,
+            PeerKind::Cma { .. } => Some("cma"),
+            PeerKind::InProcess { .. } => Some("in-process"),
+            PeerKind::Tcp { .. } => Some("tcp"),
+        };
+        match (route, &fallback) {
+            (Some(route), _) => crate::telemetry::log::info(&format!(
+                "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route {route} (same host)",
                 s.agent
             )),
-            _ => {
-                let route = if matches!(kind, PeerKind::InProcess { .. }) { "in-process" } else { "cma" };
-                crate::telemetry::log::info(&format!(
-                    "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route {route} (same host)",
-                    s.agent
-                ));
-            }
+            (None, why) => crate::telemetry::log::warn(&format!(
+                "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route tcp (fall-back: the kernel \
+                 denied cross-memory attach: {}; `python -m gixl doctor` says why)",
+                s.agent,
+                why.as_deref().unwrap_or("")
+            )),
         }
         Ok(Arc::new(EnginePeer { name: agent.to_owned(), incarnation, kind, dead }))
     }
@@ -1182,7 +1189,7 @@ impl Core {
     fn tcp_link(&self) -> Option<&Arc<TcpLink>> {
         match self.peer().map(|p| &p.kind) {
             Some(PeerKind::Tcp { link }) => Some(link),
-            _ => None,
+            Some(PeerKind::InProcess { .. } | PeerKind::Cma { .. }) | None => None,
         }
     }
 

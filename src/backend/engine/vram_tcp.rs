@@ -40,7 +40,7 @@ pub(super) fn tcp_link(plan: &XferPlan) -> Result<Option<Arc<TcpLink>>> {
         PeerKind::Cma { tcp, denied, gate, .. } if denied.load(Ordering::Acquire) => {
             (!super::vram::ipc_despite_denial(gate, plan.remote_mem == MemType::Vram)).then(|| tcp.clone())
         }
-        _ => None,
+        PeerKind::Cma { .. } | PeerKind::InProcess { .. } => None,
     })
 }
 
