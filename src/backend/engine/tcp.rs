@@ -1122,7 +1122,7 @@ impl ServeLoop {
             let now = monotonic_ns();
             let timeout = conns
                 .values()
-                .filter_map(|c| c.deadline(stall).or(c.idle_deadline()))
+                .map(|c| c.deadline(stall))
                 .map(|d| d.saturating_sub(now).div_ceil(1_000_000).min(i32::MAX as u64) as i32)
                 .min()
                 .unwrap_or(-1);
@@ -1166,11 +1166,7 @@ impl ServeLoop {
             // have waited `IDLE_DATA` for a request.
             let stall = shared.opts.stall().as_nanos() as u64;
             let now = monotonic_ns();
-            let late: Vec<u64> = conns
-                .values()
-                .filter(|c| c.deadline(stall).or(c.idle_deadline()).is_some_and(|d| d <= now))
-                .map(|c| c.id)
-                .collect();
+            let late: Vec<u64> = conns.values().filter(|c| c.deadline(stall) <= now).map(|c| c.id).collect();
             for id in late {
                 if let Some(mut c) = conns.remove(&id) {
                     c.close(&shared, &self.epfd, &mut pool);
@@ -1265,14 +1261,15 @@ impl DataConn {
         }
     }
 
-    /// When this connection must have made progress by: None while it waits for a request (idle).
-    fn deadline(&self, stall: u64) -> Option<u64> {
-        (self.phase != Phase::Header || self.got > 0).then(|| self.last.saturating_add(stall))
+    /// Waiting for a request: no part of one has arrived.
+    fn waiting(&self) -> bool {
+        self.phase == Phase::Header && self.got == 0
     }
 
-    /// When this connection, waiting for a request, is closed: None while a request is in progress.
-    fn idle_deadline(&self) -> Option<u64> {
-        (self.phase == Phase::Header && self.got == 0).then(|| self.last.saturating_add(IDLE_DATA.as_nanos() as u64))
+    /// When this connection is closed unless it makes progress: `stall` after its last progress mid-request,
+    /// `IDLE_DATA` after it while waiting for a request.
+    fn deadline(&self, stall: u64) -> u64 {
+        self.last.saturating_add(if self.waiting() { IDLE_DATA.as_nanos() as u64 } else { stall })
     }
 
     fn close(&mut self, sh: &TcpShared, epfd: &OwnedFd, pool: &mut StagePool) {
@@ -1325,14 +1322,14 @@ impl DataConn {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     // Waiting for a request from here: the progress thread may replace it once it has waited
                     // `REPLACE_IDLE`.
-                    if self.idle_deadline().is_some() {
+                    if self.waiting() {
                         self.idle.store(self.last.max(1), Ordering::Release);
                     }
                     return true;
                 }
                 Err(_) => return false,
             };
-            if self.phase == Phase::Header && self.got == 0 {
+            if self.waiting() {
                 self.idle.store(0, Ordering::Release);
             }
             self.last = monotonic_ns();
