@@ -32,36 +32,29 @@ pub fn monotonic_us() -> u64 {
     monotonic_ns() / 1000
 }
 
+/// The state (field 3) and start time (field 22) of process `pid`, from `/proc/<pid>/stat`.
+fn proc_stat(pid: i32) -> io::Result<(String, u64)> {
+    let malformed = || io::Error::new(io::ErrorKind::InvalidData, "malformed /proc stat");
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The command name (field 2) is in parentheses and may contain anything, so parse after the last ')'.
+    let rest = stat.rfind(')').map(|i| &stat[i + 1..]).ok_or_else(malformed)?;
+    let mut f = rest.split_whitespace();
+    let state = f.next().ok_or_else(malformed)?.to_owned();
+    // The start time is the 20th field after the state.
+    let start = f.nth(18).and_then(|v| v.parse().ok()).ok_or_else(malformed)?;
+    Ok((state, start))
+}
+
 /// The start time of process `pid` in clock ticks since boot (field 22 of `/proc/<pid>/stat`).
 /// Together with the pid it names one process for the life of the machine.
 pub fn process_start_time(pid: i32) -> io::Result<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // The command name (field 2) is in parentheses and may contain anything, so parse after the last ')'.
-    let rest = stat
-        .rfind(')')
-        .map(|i| &stat[i + 1..])
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "malformed /proc stat"))?;
-    rest.split_whitespace()
-        .nth(19)
-        .and_then(|f| f.parse().ok())
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "malformed /proc stat"))
+    proc_stat(pid).map(|(_, start)| start)
 }
 
 /// Is `pid` the process that started at `start`, and not yet dead? A zombie (exited, not reaped by its
 /// parent) keeps its `/proc` entry and start time, but will never run again.
 pub fn process_alive_as(pid: i32, start: u64) -> bool {
-    if pid <= 0 {
-        return false;
-    }
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
-    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else { return false };
-    let mut f = rest.split_whitespace();
-    let state = f.next().unwrap_or("");
-    if matches!(state, "Z" | "X" | "x") {
-        return false;
-    }
-    // The start time is field 22: the 20th after the state.
-    f.nth(18).and_then(|s| s.parse::<u64>().ok()) == Some(start)
+    pid > 0 && proc_stat(pid).is_ok_and(|(state, s)| s == start && !matches!(state.as_str(), "Z" | "X" | "x"))
 }
 
 /// What two processes must share to reach each other by pid and abstract socket: the same boot of the
