@@ -491,27 +491,22 @@ pub(crate) fn conn_v3_to_v4(v3: &[u8], drop: &[u64], extra: &[(u64, &[u8])]) -> 
         return Err(Error::mismatch("not layout 3 connection info"));
     }
     let mut c = ConnInfo::default();
-    let mut out = vec![CONN_V4];
-    put_uvar(&mut out, (extra.len() + 4 - drop.len().min(4)) as u64);
-    for (id, b) in extra {
-        put_uvar(&mut out, *id);
-        put_bytes(&mut out, b);
-    }
-    for id in [SEC_PROCESS, SEC_LOCAL, SEC_SECRET, SEC_TCP] {
+    let mut sections: Vec<(u64, &[u8])> = extra.to_vec();
+    for id in V3_PARTS {
         let at = r.pos;
-        match id {
-            SEC_PROCESS => read_process(&mut r, &mut c)?,
-            SEC_LOCAL => read_local(&mut r, &mut c)?,
-            SEC_SECRET => c.secret = u128::from_le_bytes(r.array()?),
-            _ => read_tcp(&mut r, &mut c)?,
-        }
+        read_part(id, &mut r, &mut c)?;
         if !drop.contains(&id) {
-            put_uvar(&mut out, id);
-            put_bytes(&mut out, &v3[at..r.pos]);
+            sections.push((id, &v3[at..r.pos]));
         }
     }
     if r.left() != 0 {
         return Err(Error::mismatch("malformed engine connection info"));
+    }
+    let mut out = vec![CONN_V4];
+    put_uvar(&mut out, sections.len() as u64);
+    for (id, b) in sections {
+        put_uvar(&mut out, id);
+        put_bytes(&mut out, b);
     }
     Ok(out)
 }
@@ -565,10 +560,9 @@ fn parse_conn(b: &[u8]) -> Result<ConnInfo> {
     let mut c = ConnInfo::default();
     match r.byte()? {
         CONN_V3 => {
-            read_process(&mut r, &mut c)?;
-            read_local(&mut r, &mut c)?;
-            c.secret = u128::from_le_bytes(r.array()?);
-            read_tcp(&mut r, &mut c)?;
+            for id in V3_PARTS {
+                read_part(id, &mut r, &mut c)?;
+            }
             if r.left() != 0 {
                 return Err(Error::mismatch("malformed engine connection info"));
             }
@@ -582,14 +576,8 @@ fn parse_conn(b: &[u8]) -> Result<ConnInfo> {
                     return Err(Error::mismatch(format!("connection-info section {id} appears twice")));
                 }
                 seen.push(id);
-                match id {
-                    SEC_PROCESS => read_process(&mut sec, &mut c)?,
-                    SEC_LOCAL => read_local(&mut sec, &mut c)?,
-                    SEC_SECRET => c.secret = u128::from_le_bytes(sec.array()?),
-                    SEC_TCP => read_tcp(&mut sec, &mut c)?,
-                    // A route or a part of a later release.
-                    _ => {}
-                }
+                // A section it does not know is a route or a part of a later release: skipped.
+                read_part(id, &mut sec, &mut c)?;
             }
             if r.left() != 0 || !seen.contains(&SEC_PROCESS) || !seen.contains(&SEC_SECRET) {
                 return Err(Error::mismatch("malformed engine connection info"));
@@ -598,6 +586,23 @@ fn parse_conn(b: &[u8]) -> Result<ConnInfo> {
         _ => return Err(Error::mismatch("unknown engine connection-info version")),
     }
     Ok(c)
+}
+
+/// Layout 3's parts, in its order.
+const V3_PARTS: [u64; 4] = [SEC_PROCESS, SEC_LOCAL, SEC_SECRET, SEC_TCP];
+
+/// Read part `id` into `c`; one this release does not know is left unread.
+fn read_part(id: u64, r: &mut Reader, c: &mut ConnInfo) -> Result<()> {
+    match id {
+        SEC_PROCESS => read_process(r, c),
+        SEC_LOCAL => read_local(r, c),
+        SEC_SECRET => {
+            c.secret = u128::from_le_bytes(r.array()?);
+            Ok(())
+        }
+        SEC_TCP => read_tcp(r, c),
+        _ => Ok(()),
+    }
 }
 
 fn read_process(r: &mut Reader, c: &mut ConnInfo) -> Result<()> {
