@@ -4,6 +4,8 @@
 #
 #   .venv/gixl   gixl installed from this checkout (`pip install .`), plus pytest, numpy, mypy
 #   .venv/nixl   the real NVIDIA NIXL 1.5.1 (nixl-cu12, CPU/UCX is enough), the oracle the tests compare with
+#   garage       Garage 2.5.0, the S3 server of the OBJ backend's tests, built once per machine into
+#                ~/.cache/gixl/garage-2.5.0 (about 18 minutes on 2 cores; $GIXL_GARAGE names another binary)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -32,10 +34,23 @@ if [ ! -x .venv/nixl/bin/python ]; then
     .venv/nixl/bin/pip install -q pytest numpy
     .venv/nixl/bin/pip install -q --no-deps nixl-cu12==1.5.1
 fi
+# boto3: the independent S3 client that checks what the OBJ tests leave on the server.
+for v in .venv/nixl .venv/gixl; do
+    if [ -x $v/bin/python ] && ! $v/bin/python -c "import boto3" 2>/dev/null; then
+        $v/bin/pip install -q boto3
+    fi
+done
 if [ ! -x .venv/gixl/bin/python ]; then
     echo "setup: .venv/gixl"
     "$py" -m venv .venv/gixl
-    .venv/gixl/bin/pip install -q pytest numpy mypy maturin
+    .venv/gixl/bin/pip install -q pytest numpy mypy maturin boto3
+fi
+garage_root="$HOME/.cache/gixl/garage-2.5.0"
+if [ -z "${GIXL_GARAGE:-}" ] && [ ! -x "$garage_root/bin/garage" ]; then
+    echo "setup: cargo install garage 2.5.0 into $garage_root (once per machine; about 18 minutes on 2 cores)"
+    CARGO_TARGET_DIR="$HOME/.cache/gixl/garage-build" \
+        cargo install -q garage --version 2.5.0 --locked --root "$garage_root"
+    rm -rf "$HOME/.cache/gixl/garage-build"
 fi
 # Always reinstall gixl itself so the venv matches the checkout.
 echo "setup: pip install . (builds the gixl wheel)"

@@ -125,16 +125,17 @@ py_exports() {
 must_run() {
     local must
     must=$(grep -E '^SKIPPED: .* \[(netns|etcd|cma|io_uring|prometheus)\]: ' "$GIXL_SKIP_LOG")
-    # pytest's own skips (-rs lines) of the Python etcd tests count too.
+    # pytest's own skips (-rs lines) of the Python etcd and Garage (OBJ) tests count too.
     local py
-    py=$(grep -hE '^SKIPPED \[[0-9]+\] .*test_etcd' "$logs"/py-gixl.log 2>/dev/null)
+    py=$({ grep -hE '^SKIPPED \[[0-9]+\] .*(test_etcd|test_obj)' "$logs"/py-gixl.log
+        grep -hE '^SKIPPED \[[0-9]+\] .*test_obj.*\[garage\]' "$logs"/py-nixl.log; } 2>/dev/null)
     [ -n "$py" ] && must=$(printf '%s\n%s' "$must" "$py")
     [ -n "$must" ] && printf 'must-run tests skipped:\n%s\n' "$must"
     if [ "${CI:-}" = "true" ] && [ -n "$must" ]; then
-        echo "CI=true: these tests must run here (root, Linux, etcd, io_uring); failing"
+        echo "CI=true: these tests must run here (root, Linux, etcd, io_uring, garage); failing"
         return 1
     fi
-    echo "must-run set (netns, etcd, cma, io_uring, prometheus): $(grep -c . <<<"${must}") skipped"
+    echo "must-run set (netns, etcd, cma, io_uring, prometheus, garage): $(grep -c . <<<"${must}") skipped"
 }
 header() { scripts/check-header.sh; }
 capi_exports() {

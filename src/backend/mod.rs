@@ -14,6 +14,8 @@ use crate::mem::{Desc, MemType, RegDList, RegDesc};
 use crate::status::{Error, Result, Status};
 
 pub mod engine;
+#[cfg(feature = "obj")]
+pub mod obj;
 pub mod posix;
 
 /// Backend init parameters and reported options, ordered so output is stable.
@@ -211,14 +213,16 @@ fn ucx_defaults() -> Params {
 
 /// Every plugin built into this library, sorted by name like NIXL's plugin directory listing.
 pub fn plugins() -> &'static [Plugin] {
-    &PLUGINS
+    PLUGINS
 }
 
 pub fn plugin(name: &str) -> Result<&'static Plugin> {
     PLUGINS.iter().find(|p| p.name == name).ok_or_else(|| Error::not_found(format!("no backend plugin named '{name}'")))
 }
 
-static PLUGINS: [Plugin; 2] = [
+static PLUGINS: &[Plugin] = &[
+    #[cfg(feature = "obj")]
+    Plugin { name: "OBJ", mems: &[MemType::Dram, MemType::Obj], defaults: obj::default_params, create: obj::create },
     Plugin {
         name: "POSIX",
         mems: &[MemType::Dram, MemType::File],
@@ -233,3 +237,22 @@ static PLUGINS: [Plugin; 2] = [
         create: engine::create,
     },
 ];
+
+/// A boolean backend parameter, in NIXL's spellings, case-insensitive.
+pub(crate) fn param_bool(backend: &str, key: &str, v: &str) -> Result<bool> {
+    match v.to_ascii_lowercase().as_str() {
+        "y" | "yes" | "on" | "1" | "true" | "enable" => Ok(true),
+        "n" | "no" | "off" | "0" | "false" | "disable" => Ok(false),
+        _ => Err(Error::backend(format!(
+            "{backend}: {key}='{v}' is not a boolean (y, yes, on, 1, true, enable / n, no, off, 0, false, disable)"
+        ))),
+    }
+}
+
+/// An unsigned integer backend parameter: digits only, like NIXL (no sign, spaces or suffix).
+pub(crate) fn param_u64(backend: &str, key: &str, v: &str) -> Result<u64> {
+    if v.is_empty() || !v.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(Error::backend(format!("{backend}: {key}='{v}' is not an unsigned integer")));
+    }
+    v.parse().map_err(|_| Error::backend(format!("{backend}: {key}='{v}' is out of range")))
+}

@@ -249,23 +249,13 @@ impl Config {
     }
 }
 
-/// NIXL's spellings, case-insensitive.
 fn parse_bool(key: &str, v: &str) -> Result<bool> {
-    match v.to_ascii_lowercase().as_str() {
-        "y" | "yes" | "on" | "1" | "true" | "enable" => Ok(true),
-        "n" | "no" | "off" | "0" | "false" | "disable" => Ok(false),
-        _ => Err(Error::backend(format!(
-            "POSIX: {key}='{v}' is not a boolean (y, yes, on, 1, true, enable / n, no, off, 0, false, disable)"
-        ))),
-    }
+    super::param_bool("POSIX", key, v)
 }
 
-/// Digits only, like NIXL: no sign, spaces or suffix.
 fn parse_u32(key: &str, v: &str) -> Result<u32> {
-    if v.is_empty() || !v.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(Error::backend(format!("POSIX: {key}='{v}' is not an unsigned integer")));
-    }
-    v.parse().map_err(|_| Error::backend(format!("POSIX: {key}='{v}' is out of range")))
+    let n = super::param_u64("POSIX", key, v)?;
+    u32::try_from(n).map_err(|_| Error::backend(format!("POSIX: {key}='{v}' is out of range")))
 }
 
 // ----- registered files -----
