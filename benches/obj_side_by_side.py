@@ -50,8 +50,15 @@ def child(impl: str, params: dict, dead_endpoint: str) -> dict:
     out = {}
     tag = f"{impl}-{os.getpid()}-{time.monotonic_ns()}"
 
-    def run(op, local, remote, timeout=600):
+    import resource
+
+    def cpu():
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    def run(case, op, local, remote, timeout=600):
         h = a.initialize_xfer(op, local, remote, a.name)
+        c0 = cpu()
         t0 = time.perf_counter()
         st = a.transfer(h)
         while st == "PROC":
@@ -60,24 +67,25 @@ def child(impl: str, params: dict, dead_endpoint: str) -> dict:
             time.sleep(0.0002)
             st = a.check_xfer_state(h)
         dt = time.perf_counter() - t0
+        out[f"{case}_cpu"] = cpu() - c0
+        out[f"{case}_s"] = dt
         a.release_xfer_handle(h)
         assert st == "DONE", st
-        return dt
 
     src = ((np.arange(BIG, dtype=np.uint64) * 7 + 3) % 251).astype(np.uint8)
     dst = np.zeros(BIG, np.uint8)
     a.register_memory([(src.ctypes.data, BIG, 0, ""), (dst.ctypes.data, BIG, 0, "")], "DRAM")
     a.register_memory([(0, 0, 1, f"{tag}/big")], "OBJ")
     remote = a.get_xfer_descs([(0, BIG, 1)], "OBJ")
-    out["big_write_s"] = run("WRITE", a.get_xfer_descs([(src.ctypes.data, BIG, 0)], "DRAM"), remote)
-    out["big_read_s"] = run("READ", a.get_xfer_descs([(dst.ctypes.data, BIG, 0)], "DRAM"), remote)
+    run("big_write", "WRITE", a.get_xfer_descs([(src.ctypes.data, BIG, 0)], "DRAM"), remote)
+    run("big_read", "READ", a.get_xfer_descs([(dst.ctypes.data, BIG, 0)], "DRAM"), remote)
     assert np.array_equal(src, dst), "64 MiB READ returned other bytes"
 
     a.register_memory([(0, 0, 100 + i, f"{tag}/kv/{i:05d}") for i in range(N)], "OBJ")
     remote = a.get_xfer_descs([(0, BLK, 100 + i) for i in range(N)], "OBJ")
     dst[: N * BLK] = 0
-    out["kv_write_s"] = run("WRITE", a.get_xfer_descs([(src.ctypes.data + i * BLK, BLK, 0) for i in range(N)], "DRAM"), remote)
-    out["kv_read_s"] = run("READ", a.get_xfer_descs([(dst.ctypes.data + i * BLK, BLK, 0) for i in range(N)], "DRAM"), remote)
+    run("kv_write", "WRITE", a.get_xfer_descs([(src.ctypes.data + i * BLK, BLK, 0) for i in range(N)], "DRAM"), remote)
+    run("kv_read", "READ", a.get_xfer_descs([(dst.ctypes.data + i * BLK, BLK, 0) for i in range(N)], "DRAM"), remote)
     assert np.array_equal(src[: N * BLK], dst[: N * BLK]), "KV READ returned other bytes"
 
     b = api.nixl_agent(f"dead-{os.getpid()}", api.nixl_agent_config(backends=[]))
@@ -97,6 +105,12 @@ def child(impl: str, params: dict, dead_endpoint: str) -> dict:
         out["dead"] = type(e).__name__
     out["dead_s"] = time.perf_counter() - t0
     return out
+
+
+def server_cpu(pid: int) -> float:
+    """CPU seconds the server process has used (user + system)."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
 CONFIGS = [
@@ -131,12 +145,14 @@ def main() -> int:
                     py = REPO / ".venv" / venv / "bin" / "python"
                     spec = {"impl": impl, "params": g.params(**extra), "dead": dead}
                     t0 = time.monotonic()
+                    s0 = server_cpu(g.proc.pid)
                     p = subprocess.run([str(py), __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
                                        timeout=1800, env=gar.no_discovery())
                     if p.returncode != 0:
                         print(f"{label}: failed\n{p.stderr[-3000:]}", file=sys.stderr)
                         return 1
                     res = json.loads(p.stdout.strip().splitlines()[-1])
+                    res["server_cpu"] = server_cpu(g.proc.pid) - s0
                     results[label].append(res)
                     print(f"round {r + 1} {label}: {json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()})} "
                           f"({time.monotonic() - t0:.0f} s)", file=sys.stderr)
@@ -151,6 +167,9 @@ def main() -> int:
         ("64 MiB READ, one object", "big_read_s", lambda s: f"{BIG / s / 1e9:.2f} GB/s"),
         ("1024 x 16 KiB WRITE, 1024 objects", "kv_write_s", lambda s: f"{s:.3f} s ({N / s:,.0f} obj/s)"),
         ("1024 x 16 KiB READ, 1024 objects", "kv_read_s", lambda s: f"{s:.3f} s ({N / s:,.0f} obj/s)"),
+        ("client CPU, 1024 x 16 KiB WRITE", "kv_write_cpu", lambda s: f"{s:.2f} s"),
+        ("client CPU, 1024 x 16 KiB READ", "kv_read_cpu", lambda s: f"{s:.2f} s"),
+        ("server (Garage) CPU, all the cases above", "server_cpu", lambda s: f"{s:.2f} s"),
         ("dead server, one READ: reported after", "dead_s", lambda s: f"{s:.2f} s"),
     ]
     labels = [c[0] for c in CONFIGS]
