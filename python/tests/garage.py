@@ -175,3 +175,83 @@ class Garage:
         """Start again on the same port and data (after ``kill``)."""
         self.kill()
         self._launch()
+
+
+def make_ca_and_cert(root: Path, tag: str = "ca") -> tuple[Path, Path, Path]:
+    """A throw-away CA (``openssl``) and a server certificate it signed for localhost and 127.0.0.1:
+    (CA certificate, server certificate, server key), PEM files under ``root``."""
+    root.mkdir(parents=True, exist_ok=True)
+    ca_key, ca_crt = root / f"{tag}.key", root / f"{tag}.crt"
+    key, csr, crt, ext = root / f"{tag}-srv.key", root / f"{tag}-srv.csr", root / f"{tag}-srv.crt", root / f"{tag}.ext"
+
+    def ossl(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+    ossl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca_crt),
+         "-days", "2", "-subj", f"/CN=gixl test {tag}")
+    ossl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr), "-subj", "/CN=localhost")
+    ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n")
+    ossl("x509", "-req", "-in", str(csr), "-CA", str(ca_crt), "-CAkey", str(ca_key), "-CAcreateserial",
+         "-out", str(crt), "-days", "2", "-extfile", str(ext))
+    return ca_crt, crt, key
+
+
+class TlsProxy:
+    """HTTPS in front of a plain-HTTP server: terminates TLS on a loopback port and forwards the bytes."""
+
+    def __init__(self, cert: Path, key: Path, upstream_port: int):
+        import ssl
+        import threading
+
+        self.ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.ctx.load_cert_chain(str(cert), str(key))
+        self.upstream = upstream_port
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(128)
+        self.port = self.sock.getsockname()[1]
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        import threading
+
+        while not self.closed:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+
+    def _serve(self, c):
+        import threading
+
+        try:
+            t = self.ctx.wrap_socket(c, server_side=True)
+        except OSError:
+            c.close()
+            return
+        u = socket.create_connection(("127.0.0.1", self.upstream))
+
+        def pump(src, dst):
+            try:
+                while True:
+                    b = src.recv(1 << 16)
+                    if not b:
+                        break
+                    dst.sendall(b)
+            except OSError:
+                pass
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        threading.Thread(target=pump, args=(u, t), daemon=True).start()
+        pump(t, u)
+
+    def close(self):
+        self.closed = True
+        self.sock.close()

@@ -358,7 +358,9 @@ def test_errors_never_show_credentials(obj, server, bind, capfd):
     with pytest.raises(bind.nixlBackendError) as e:
         run(a, "WRITE", local, a.get_xfer_descs([(0, BLK, 1)], "OBJ"))
     out = capfd.readouterr()
-    for text in (str(e.value), out.out, out.err):
+    notes = " ".join(getattr(e.value, "__notes__", []))
+    assert "403" in notes or "SignatureDoesNotMatch" in notes or "InvalidAccessKeyId" in notes, notes
+    for text in (str(e.value), notes, out.out, out.err):
         assert "s3cr3t" not in text and "tok-888" not in text
 
 
@@ -379,3 +381,47 @@ def test_release_in_flight_waits_for_its_requests(obj, bind):
     snap = dst.copy()
     time.sleep(0.3)
     assert np.array_equal(snap, dst)
+
+
+@pytest.fixture(scope="module")
+def tls(server, tmp_path_factory):
+    """An https endpoint for the Garage server (a TLS proxy with a throw-away CA) and a second, unrelated CA."""
+    root = tmp_path_factory.mktemp("tls")
+    ca, crt, key = gar.make_ca_and_cert(root, "ca")
+    other_ca, _, _ = gar.make_ca_and_cert(root, "other")
+    proxy = gar.TlsProxy(crt, key, server.port)
+    try:
+        yield {"ca": str(ca), "other_ca": str(other_ca), "endpoint": f"https://localhost:{proxy.port}"}
+    finally:
+        proxy.close()
+
+
+def test_https_with_ca_bundle(obj, s3, server, tls):
+    a = obj(scheme="https", endpoint_override=tls["endpoint"], ca_bundle=tls["ca"])
+    key = uniq("tls")
+    n = 4
+    src = pattern(n * BLK + (3 << 20), 8)
+    dst = np.zeros_like(src)
+    dram(a, src), dram(a, dst)
+    objects(a, [key])
+    remote = a.get_xfer_descs([(0, src.nbytes, 1)], "OBJ")
+    assert run(a, "WRITE", a.get_xfer_descs([(addr(src), src.nbytes, 0)], "DRAM"), remote) == "DONE"
+    assert s3.get_object(Bucket=server.bucket, Key=key)["Body"].read() == src.tobytes()
+    assert run(a, "READ", a.get_xfer_descs([(addr(dst), dst.nbytes, 0)], "DRAM"), remote) == "DONE"
+    assert np.array_equal(src, dst)
+    assert a.query_memory([(0, 0, 1, key)], "OBJ", "OBJ") == [{}]
+
+
+def test_https_with_an_untrusted_certificate_fails(obj, bind, tls, impl):
+    a = obj(scheme="https", endpoint_override=tls["endpoint"], ca_bundle=tls["other_ca"])
+    buf = pattern(BLK, 1)
+    dram(a, buf)
+    objects(a, [uniq("untrusted")])
+    local = a.get_xfer_descs([(addr(buf), BLK, 0)], "DRAM")
+    t0 = time.monotonic()
+    with pytest.raises(bind.nixlBackendError) as e:
+        run(a, "WRITE", local, a.get_xfer_descs([(0, BLK, 1)], "OBJ"))
+    print(f"{impl}: untrusted certificate reported after {time.monotonic() - t0:.2f} s")
+    if impl == "gixl":
+        # The reason is in the exception's note; NIXL's SDK only logs it.
+        assert "certificate" in " ".join(getattr(e.value, "__notes__", [])).lower()

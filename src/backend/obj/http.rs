@@ -5,13 +5,96 @@
 //! either direction for the I/O timeout fails the request (a slow server that keeps sending is not cut off).
 //! Every response is read whole or the connection is dropped, so a pooled connection never carries leftovers.
 //!
-//! Not done here: TLS (an `https` endpoint is refused when the backend is created), `Expect: 100-continue`,
-//! pipelining, proxies, redirects (S3 answers a wrong region with an error, which is reported).
+//! `https` endpoints go over TLS (rustls with the ring provider), the server's certificate checked against the
+//! system's CA store or the `ca_bundle` file, and its name (or IP address) against the endpoint's host.
+//!
+//! Not done here: `Expect: 100-continue`, pipelining, proxies, redirects (S3 answers a wrong region with an
+//! error, which is reported), client certificates.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Arc;
 use std::time::Duration;
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName};
+
+/// The TLS settings of every connection of one backend.
+pub(super) type Tls = Arc<rustls::ClientConfig>;
+
+/// TLS settings trusting the certificates in the PEM file `ca_bundle`, else the system's CA store.
+pub(super) fn tls_config(ca_bundle: Option<&str>) -> Result<Tls, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    match ca_bundle {
+        Some(path) => {
+            let certs = CertificateDer::pem_file_iter(path).map_err(|e| format!("ca_bundle '{path}': {e}"))?;
+            for c in certs {
+                let c = c.map_err(|e| format!("ca_bundle '{path}': {e}"))?;
+                roots.add(c).map_err(|e| format!("ca_bundle '{path}': a certificate is not usable as a CA: {e}"))?;
+            }
+        }
+        None => {
+            for c in rustls_native_certs::load_native_certs().certs {
+                // Certificates the store holds but rustls cannot use are skipped, as curl does.
+                let _ = roots.add(c);
+            }
+        }
+    }
+    if roots.is_empty() {
+        return Err(match ca_bundle {
+            Some(p) => format!("ca_bundle '{p}' holds no certificate"),
+            None => "the system has no CA certificates (install ca-certificates, or set ca_bundle)".into(),
+        });
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let cfg = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS: {e}"))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(Arc::new(cfg))
+}
+
+/// A connection's byte stream: plain TCP or TLS over it.
+enum Stream {
+    Plain(TcpStream),
+    Tls(Box<rustls::StreamOwned<rustls::ClientConnection, TcpStream>>),
+}
+
+impl Stream {
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            Stream::Plain(s) => s,
+            Stream::Tls(t) => &t.sock,
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, b: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Plain(s) => s.read(b),
+            Stream::Tls(t) => t.read(b),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Plain(s) => s.write(b),
+            Stream::Tls(t) => t.write(b),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Stream::Plain(s) => s.flush(),
+            Stream::Tls(t) => t.flush(),
+        }
+    }
+}
 
 /// Where requests go.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -84,7 +167,7 @@ impl Fail {
 
 /// One kept-alive connection and what was read past the last response.
 pub(super) struct Conn {
-    stream: TcpStream,
+    stream: Stream,
     buf: Box<[u8]>,
     start: usize,
     end: usize,
@@ -98,7 +181,13 @@ const READ_BUF: usize = 64 << 10;
 const SMALL_BODY: usize = 1 << 20;
 
 impl Conn {
-    pub fn open(ep: &Endpoint, connect_timeout: Duration, io_timeout: Duration) -> Result<Conn, Fail> {
+    /// Connect to `ep`; over TLS when it is an https endpoint (`tls` then holds the settings).
+    pub fn open(
+        ep: &Endpoint,
+        tls: Option<&Tls>,
+        connect_timeout: Duration,
+        io_timeout: Duration,
+    ) -> Result<Conn, Fail> {
         let addrs = ep.addrs().map_err(|e| Fail::proto(format!("resolving {}: {e}", ep.host)))?;
         let mut last = None;
         for a in addrs {
@@ -110,8 +199,19 @@ impl Conn {
                         s.set_write_timeout(Some(io_timeout))
                     };
                     set(&s).map_err(|e| Fail::io("setting socket options", &e, io_timeout, true))?;
+                    let stream = match (ep.tls, tls) {
+                        (false, _) => Stream::Plain(s),
+                        (true, Some(cfg)) => {
+                            let name = ServerName::try_from(ep.host.clone())
+                                .map_err(|e| Fail::proto(format!("TLS: '{}' is not a server name: {e}", ep.host)))?;
+                            let c = rustls::ClientConnection::new(cfg.clone(), name)
+                                .map_err(|e| Fail::proto(format!("TLS: {e}")))?;
+                            Stream::Tls(Box::new(rustls::StreamOwned::new(c, s)))
+                        }
+                        (true, None) => return Err(Fail::proto("an https endpoint without TLS settings")),
+                    };
                     return Ok(Conn {
-                        stream: s,
+                        stream,
                         buf: vec![0; READ_BUF].into_boxed_slice(),
                         start: 0,
                         end: 0,
@@ -143,7 +243,7 @@ impl Conn {
         // SAFETY: a valid socket, an int option of the right size; failure only loses the optimisation.
         unsafe {
             libc::setsockopt(
-                self.stream.as_raw_fd(),
+                self.stream.tcp().as_raw_fd(),
                 libc::IPPROTO_TCP,
                 libc::TCP_QUICKACK,
                 (&one as *const libc::c_int).cast(),
@@ -153,7 +253,7 @@ impl Conn {
     }
 
     pub fn fd(&self) -> RawFd {
-        self.stream.as_raw_fd()
+        self.stream.tcp().as_raw_fd()
     }
 
     /// Send `head` (request line and headers, ending in the blank line) and `body`, then read the response.
@@ -493,7 +593,7 @@ mod tests {
     }
 
     fn conn(ep: &Endpoint) -> Conn {
-        Conn::open(ep, Duration::from_secs(1), Duration::from_secs(2)).unwrap()
+        Conn::open(ep, None, Duration::from_secs(1), Duration::from_secs(2)).unwrap()
     }
 
     #[test]
@@ -535,7 +635,7 @@ mod tests {
         // A server that accepts and never answers: the I/O timeout ends the request.
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let ep = Endpoint::parse(&format!("127.0.0.1:{}", l.local_addr().unwrap().port()), false).unwrap();
-        let mut c = Conn::open(&ep, Duration::from_secs(1), Duration::from_millis(300)).unwrap();
+        let mut c = Conn::open(&ep, None, Duration::from_secs(1), Duration::from_millis(300)).unwrap();
         let t0 = std::time::Instant::now();
         let e = c.exchange(b"GET / HTTP/1.1\r\n\r\n", b"", None, false).unwrap_err();
         assert!(e.no_response && e.msg.contains("no data moved for 0.3 s"), "{}", e.msg);
@@ -550,7 +650,7 @@ mod tests {
         drop(l);
         let ep = Endpoint::parse(&format!("http://127.0.0.1:{port}"), false).unwrap();
         let t0 = std::time::Instant::now();
-        let e = Conn::open(&ep, Duration::from_secs(2), Duration::from_secs(2)).err().expect("refused");
+        let e = Conn::open(&ep, None, Duration::from_secs(2), Duration::from_secs(2)).err().expect("refused");
         assert!(e.msg.contains("refused"), "{}", e.msg);
         assert!(t0.elapsed() < Duration::from_millis(500));
     }

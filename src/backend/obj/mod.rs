@@ -27,8 +27,11 @@
 //! (read when `crtMinLimit` is set, as NIXL does), `num_threads` (requests in flight, default 64). gixl's own:
 //! `connect_timeout_ms`, `io_timeout_ms`.
 //!
-//! Not done here: TLS (`https` is refused at creation with a message saying so), transfers to other agents,
-//! notifications, NIXL's accelerated (`accelerated`, `type`) engines.
+//! `https` endpoints (NIXL's default scheme) use TLS, trusting `ca_bundle` (else `AWS_CA_BUNDLE`, else the
+//! system's CA store).
+//!
+//! Not done here: transfers to other agents, notifications, NIXL's accelerated (`accelerated`, `type`)
+//! engines, client certificates.
 
 mod http;
 mod s3;
@@ -70,6 +73,7 @@ pub fn create(init: BackendInit) -> Result<Arc<dyn Backend>> {
     let cfg = Config::parse(&init.params, &env)?;
     let client = Arc::new(S3::new(
         cfg.endpoint,
+        cfg.tls,
         cfg.bucket,
         cfg.region,
         cfg.creds,
@@ -244,6 +248,7 @@ fn object_key(meta: &[u8], dev: u64) -> Result<String> {
 #[derive(Debug)]
 struct Config {
     endpoint: http::Endpoint,
+    tls: Option<http::Tls>,
     bucket: String,
     region: String,
     creds: Option<Creds>,
@@ -275,11 +280,13 @@ impl Config {
             .or_else(|| env("AWS_ENDPOINT_OVERRIDE"))
             .unwrap_or_else(|| format!("s3.{region}.amazonaws.com"));
         let endpoint = http::Endpoint::parse(&url, tls).map_err(|e| Error::backend(format!("OBJ: {e}")))?;
-        if endpoint.tls {
-            return Err(Error::not_supported(format!(
-                "OBJ: endpoint '{url}' uses https, and this gixl build has no TLS; use an http endpoint (scheme=http)"
-            )));
-        }
+        let tls = match endpoint.tls {
+            true => {
+                let bundle = get("ca_bundle").or_else(|| env("AWS_CA_BUNDLE"));
+                Some(http::tls_config(bundle.as_deref()).map_err(|e| Error::backend(format!("OBJ: {e}")))?)
+            }
+            false => None,
+        };
         let creds = match (get("access_key"), get("secret_key")) {
             (Some(a), Some(s)) => Some(Creds { access_key: a, secret_key: s, session_token: get("session_token") }),
             _ => match (env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY")) {
@@ -318,6 +325,7 @@ impl Config {
         };
         Ok(Config {
             endpoint,
+            tls,
             bucket,
             region,
             creds,
@@ -744,10 +752,16 @@ mod tests {
         assert_eq!(c.threads, DEFAULT_THREADS);
         let c = parse(&[("bucket", "b"), ("scheme", "http"), ("crtMinLimit", "1048576")], &[]).unwrap();
         assert_eq!((c.multipart_min, c.part), (1 << 20, MIN_PART));
-        // No TLS in this build: https is refused with a reason.
-        let e = parse(&[("bucket", "b")], &[]).unwrap_err();
-        assert_eq!(e.status(), Status::NotSupported);
-        assert!(e.message().contains("no TLS"), "{e}");
+        // https: TLS settings from ca_bundle (a missing or empty file is an error) or the system store.
+        let e = parse(&[("bucket", "b"), ("ca_bundle", "/nonexistent/ca.pem")], &[]).unwrap_err();
+        assert_eq!(e.status(), Status::Backend);
+        assert!(e.message().contains("ca_bundle '/nonexistent/ca.pem'"), "{e}");
+        let e = parse(&[("bucket", "b")], &[("AWS_CA_BUNDLE", "/dev/null")]).unwrap_err();
+        assert!(e.message().contains("holds no certificate"), "{e}");
+        match parse(&[("bucket", "b")], &[]) {
+            Ok(c) => assert!(c.tls.is_some() && c.endpoint.tls && c.endpoint.authority == "s3.us-east-1.amazonaws.com"),
+            Err(e) => assert!(e.message().contains("no CA certificates"), "{e}"),
+        }
     }
 
     #[test]

@@ -13,11 +13,12 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::http::{truncate, Conn, Endpoint, Response};
+use super::http::{truncate, Conn, Endpoint, Response, Tls};
 use super::sigv4::{self, Creds, Timestamp};
 
 pub(super) struct S3 {
     pub ep: Endpoint,
+    pub tls: Option<Tls>,
     pub bucket: String,
     pub region: String,
     pub creds: Option<Creds>,
@@ -91,6 +92,7 @@ impl S3 {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         ep: Endpoint,
+        tls: Option<Tls>,
         bucket: String,
         region: String,
         creds: Option<Creds>,
@@ -107,6 +109,7 @@ impl S3 {
         };
         S3 {
             ep,
+            tls,
             bucket,
             region,
             creds,
@@ -272,7 +275,8 @@ impl S3 {
                 let reused = pooled.is_some();
                 let mut conn = match pooled {
                     Some(c) => c,
-                    None => Conn::open(&self.ep, self.connect_timeout, self.io_timeout).map_err(|f| f.msg)?,
+                    None => Conn::open(&self.ep, self.tls.as_ref(), self.connect_timeout, self.io_timeout)
+                        .map_err(|f| f.msg)?,
                 };
                 if !active.enter(conn.fd()) {
                     return Err("stopped (another request of this transfer failed, or it was released)".into());
@@ -432,10 +436,10 @@ mod tests {
     fn paths() {
         let ep = Endpoint::parse("http://127.0.0.1:3900", false).unwrap();
         let t = Duration::from_secs(1);
-        let s = S3::new(ep.clone(), "bk".into(), "garage".into(), None, false, t, t, false);
+        let s = S3::new(ep.clone(), None, "bk".into(), "garage".into(), None, false, t, t, false);
         assert_eq!(s.path("a b/c"), "/bk/a%20b/c");
         assert_eq!(s.ep.authority, "127.0.0.1:3900");
-        let v = S3::new(ep, "bk".into(), "garage".into(), None, true, t, t, false);
+        let v = S3::new(ep, None, "bk".into(), "garage".into(), None, true, t, t, false);
         assert_eq!(v.path("k"), "/k");
         assert_eq!((v.ep.host.as_str(), v.ep.authority.as_str()), ("bk.127.0.0.1", "bk.127.0.0.1:3900"));
     }
