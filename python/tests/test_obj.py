@@ -87,8 +87,9 @@ def write_blocks(agent, buf, keys, size):
     return run(agent, "WRITE", local, remote), local, remote
 
 
-def test_plugin_and_mem_types(obj):
+def test_plugin_and_mem_types(obj, server):
     a = obj()
+    assert a.get_backend_params("OBJ") == server.params()
     assert "OBJ" in a.get_plugin_list()
     assert a.get_plugin_params("OBJ") == {}
     assert a.get_plugin_mem_types("OBJ") == ["DRAM_SEG", "OBJ_SEG"]

@@ -528,7 +528,8 @@ impl Workers {
         self.pool.submit(tasks);
     }
 
-    /// Workers finish what is queued (requests of a destroyed agent fail fast), then exit.
+    /// Queued requests fail without being sent, requests on the wire finish (bounded by the timeouts), then
+    /// the threads exit.
     fn stop(&self) {
         self.pool.q.lock().stop = true;
         self.pool.cv.notify_all();
@@ -614,6 +615,11 @@ impl Pool {
 
     fn run_task(self: &Arc<Self>, t: Task) {
         let client = &*self.client;
+        if self.q.lock().stop {
+            // The agent is being destroyed: what is still queued fails instead of running.
+            let (Task::Op(run, _) | Task::Part(run, _, _)) = &t;
+            run.fail("the agent is being destroyed".into());
+        }
         match t {
             Task::Op(run, i) => {
                 if !run.active.stopped() {
