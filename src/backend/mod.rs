@@ -256,3 +256,30 @@ pub(crate) fn param_u64(backend: &str, key: &str, v: &str) -> Result<u64> {
     }
     v.parse().map_err(|_| Error::backend(format!("{backend}: {key}='{v}' is out of range")))
 }
+
+/// The one shape a storage backend (POSIX, OBJ) transfers: this agent's DRAM on the local side and its own
+/// `storage` regions (prepped against its own name) on the remote side. `store` says what the backend moves
+/// data to, for the message.
+pub(crate) fn check_storage_plan(backend: &str, store: &str, storage: MemType, plan: &XferPlan) -> Result<()> {
+    if let Target::Remote(_) = plan.target {
+        return Err(Error::not_supported(format!(
+            "the {backend} backend moves data between this agent's memory and {store} only"
+        )));
+    }
+    if plan.local_mem != MemType::Dram {
+        return Err(Error::invalid_param(format!(
+            "{backend}: the local list must be DRAM_SEG (got {}); put the {} list on the remote side, prepped \
+             against this agent's own name",
+            plan.local_mem.seg_name(),
+            storage.seg_name()
+        )));
+    }
+    if plan.remote_mem != storage {
+        return Err(Error::invalid_param(format!(
+            "{backend}: the remote list must be {} (got {})",
+            storage.seg_name(),
+            plan.remote_mem.seg_name()
+        )));
+    }
+    Ok(())
+}

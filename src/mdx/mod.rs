@@ -14,7 +14,7 @@
 
 mod etcd;
 mod http;
-mod json;
+pub(crate) mod json;
 mod p2p;
 pub mod wire;
 

@@ -46,9 +46,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::{
-    param_bool, param_u64, Backend, BackendInit, BackendXfer, Caps, LocalRegion, Params, Target, XferOp, XferPlan,
-};
+use super::{param_bool, param_u64, Backend, BackendInit, BackendXfer, Caps, LocalRegion, Params, XferOp, XferPlan};
 use crate::mem::{MemType, RegDList, RegDesc};
 use crate::status::{Error, Result, Status};
 use s3::{Active, S3};
@@ -125,24 +123,7 @@ impl Backend for Obj {
     }
 
     fn prep_xfer(&self, plan: XferPlan) -> Result<Box<dyn BackendXfer>> {
-        if let Target::Remote(_) = plan.target {
-            return Err(Error::not_supported(
-                "the OBJ backend moves data between this agent's memory and its object store only",
-            ));
-        }
-        if plan.local_mem != MemType::Dram {
-            return Err(Error::invalid_param(format!(
-                "OBJ: the local list must be DRAM_SEG (got {}); put the OBJ_SEG list on the remote side, prepped \
-                 against this agent's own name",
-                plan.local_mem.seg_name()
-            )));
-        }
-        if plan.remote_mem != MemType::Obj {
-            return Err(Error::invalid_param(format!(
-                "OBJ: the remote list must be OBJ_SEG (got {})",
-                plan.remote_mem.seg_name()
-            )));
-        }
+        super::check_storage_plan("OBJ", "its object store", MemType::Obj, &plan)?;
         let keys = plan
             .remote_keys
             .iter()

@@ -15,6 +15,7 @@ use parking_lot::Mutex;
 
 use super::http::{truncate, Conn, Endpoint, Response, Tls};
 use super::sigv4::{self, Creds, Timestamp};
+use crate::mdx::json::b64_encode;
 
 pub(super) struct S3 {
     pub ep: Endpoint,
@@ -149,7 +150,7 @@ impl S3 {
     pub fn put(&self, key: &str, src: &[u8], active: &Active) -> Result<(), String> {
         let mut headers = vec![("content-length", src.len().to_string())];
         if self.checksum {
-            headers.push(("x-amz-checksum-crc32c", base64(&crc32c(src).to_be_bytes())));
+            headers.push(("x-amz-checksum-crc32c", b64_encode(&crc32c(src).to_be_bytes())));
         }
         let call = Call { method: "PUT", key, query: &[], headers, body: src };
         let what = || format!("PUT of {} bytes to '{}'", src.len(), self.shown(key));
@@ -349,23 +350,6 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
 
-pub(super) fn base64(b: &[u8]) -> String {
-    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(b.len().div_ceil(3) * 4);
-    for c in b.chunks(3) {
-        let n =
-            (u32::from(c[0]) << 16) | (u32::from(*c.get(1).unwrap_or(&0)) << 8) | u32::from(*c.get(2).unwrap_or(&0));
-        for i in 0..4 {
-            if i <= c.len() {
-                out.push(A[(n >> (18 - 6 * i) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
-
 /// CRC-32C (Castagnoli), with the SSE 4.2 instruction where the CPU has it.
 pub(super) fn crc32c(data: &[u8]) -> u32 {
     #[cfg(target_arch = "x86_64")]
@@ -422,10 +406,8 @@ mod tests {
         let long: Vec<u8> = (0..1037u32).map(|i| (i * 31 % 251) as u8).collect();
         assert_eq!(crc32c(&long), crc32c_table(&long));
         assert_eq!(crc32c(&[0u8; 32]), 0x8A91_36AA);
-        assert_eq!(base64(b""), "");
-        assert_eq!(base64(b"f"), "Zg==");
-        assert_eq!(base64(b"fo"), "Zm8=");
-        assert_eq!(base64(b"foobar"), "Zm9vYmFy");
+        // The header value S3 expects: the big-endian CRC in base64.
+        assert_eq!(b64_encode(&crc32c(b"123456789").to_be_bytes()), "4waSgw==");
         let body = b"<Error><Code>NoSuchKey</Code><Message>a &lt;b&gt; &amp; c</Message></Error>";
         assert_eq!(xml_field(body, "Code").as_deref(), Some("NoSuchKey"));
         assert_eq!(xml_field(body, "Message").as_deref(), Some("a <b> & c"));

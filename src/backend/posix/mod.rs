@@ -43,7 +43,7 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 
-use super::{Backend, BackendInit, BackendXfer, Caps, LocalRegion, Params, RegionKey, Seg, Target, XferOp, XferPlan};
+use super::{Backend, BackendInit, BackendXfer, Caps, LocalRegion, Params, RegionKey, Seg, XferOp, XferPlan};
 use crate::mem::{MemType, RegDList, RegDesc};
 use crate::status::{Error, Result, Status};
 use io::{Op, Run, Work, MAX_IO};
@@ -128,24 +128,7 @@ impl Backend for Posix {
     }
 
     fn prep_xfer(&self, plan: XferPlan) -> Result<Box<dyn BackendXfer>> {
-        if let Target::Remote(_) = plan.target {
-            return Err(Error::not_supported(
-                "the POSIX backend moves data between this agent's memory and its own files only",
-            ));
-        }
-        if plan.local_mem != MemType::Dram {
-            return Err(Error::invalid_param(format!(
-                "POSIX: the local list must be DRAM_SEG (got {}); put the FILE_SEG list on the remote side, prepped \
-                 against this agent's own name",
-                plan.local_mem.seg_name()
-            )));
-        }
-        if plan.remote_mem != MemType::File {
-            return Err(Error::invalid_param(format!(
-                "POSIX: the remote list must be FILE_SEG (got {})",
-                plan.remote_mem.seg_name()
-            )));
-        }
+        super::check_storage_plan("POSIX", "its own files", MemType::File, &plan)?;
         let files = plan
             .remote_keys
             .iter()
@@ -478,6 +461,7 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use super::*;
+    use crate::backend::Target;
     use crate::mem::Desc;
 
     fn params(kv: &[(&str, &str)]) -> Params {
