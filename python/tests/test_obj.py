@@ -350,7 +350,8 @@ def test_a_failure_stops_the_transfers_other_requests(obj, s3, server, bind):
 
 
 @pytest.mark.gixl_only
-def test_errors_never_show_credentials(obj, server, bind, capfd):
+def test_errors_never_show_credentials(obj, server, bind, capfd, caplog):
+    """The reason is in the exception's note and in the log (once); the secret and token are in neither."""
     a = obj(secret_key="s3cr3t-" + "9" * 57, session_token="tok-" + "8" * 20)
     buf = pattern(BLK, 2)
     dram(a, buf)
@@ -361,7 +362,9 @@ def test_errors_never_show_credentials(obj, server, bind, capfd):
     out = capfd.readouterr()
     notes = " ".join(getattr(e.value, "__notes__", []))
     assert "403" in notes or "SignatureDoesNotMatch" in notes or "InvalidAccessKeyId" in notes, notes
-    for text in (str(e.value), notes, out.out, out.err):
+    logged = caplog.text + out.err
+    assert "OBJ: transfer failed" in logged, logged
+    for text in (str(e.value), notes, out.out, out.err, caplog.text):
         assert "s3cr3t" not in text and "tok-888" not in text
 
 

@@ -14,8 +14,11 @@
 //! - A server that is down or silent fails the request within `connect_timeout_ms` / `io_timeout_ms`
 //!   (2 s each by default) instead of after the AWS SDK's ten retries (25.6 s), and the first failing request
 //!   of a transfer stops its others, so the next transfer does not queue behind them.
-//! - Credentials come from the parameters or the `AWS_*` environment variables only; there is no instance
-//!   metadata or credential-file lookup, so nothing outside the configured endpoint is ever contacted.
+//! - Credentials come from the parameters, the `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` /
+//!   `AWS_SESSION_TOKEN` variables, or the shared credentials file (`AWS_SHARED_CREDENTIALS_FILE`, else
+//!   `~/.aws/credentials`, profile `AWS_PROFILE` or `default`), in that order; without any, requests go
+//!   unsigned. There is no instance-metadata, SSO or process lookup, so nothing outside the configured
+//!   endpoint is ever contacted.
 //! - An endpoint that is not `http[s]://host[:port]` is refused when the backend is created.
 //!
 //! Init parameters (NIXL's names): `bucket` (else `AWS_DEFAULT_BUCKET`), `endpoint_override` (else
@@ -274,7 +277,12 @@ impl Config {
                 (Some(a), Some(s)) => {
                     Some(Creds { access_key: a, secret_key: s, session_token: env("AWS_SESSION_TOKEN") })
                 }
-                _ => None,
+                _ => {
+                    let path = env("AWS_SHARED_CREDENTIALS_FILE")
+                        .or_else(|| env("HOME").map(|h| format!("{h}/.aws/credentials")));
+                    let profile = env("AWS_PROFILE").unwrap_or_else(|| "default".into());
+                    path.and_then(|p| std::fs::read_to_string(p).ok()).and_then(|t| profile_creds(&t, &profile))
+                }
             },
         };
         let flag = |k: &str| p.get(k).map(|v| param_bool("OBJ", k, v)).transpose().map(|b| b.unwrap_or(false));
@@ -319,6 +327,31 @@ impl Config {
             io_timeout: ms("io_timeout_ms")?,
         })
     }
+}
+
+/// The credentials of `[profile]` in an AWS shared credentials file (INI: `aws_access_key_id`,
+/// `aws_secret_access_key`, `aws_session_token`), when it has both keys.
+fn profile_creds(text: &str, profile: &str) -> Option<Creds> {
+    let mut in_profile = false;
+    let (mut a, mut s, mut t) = (None, None, None);
+    for line in text.lines().map(str::trim) {
+        if line.starts_with('[') && line.ends_with(']') {
+            in_profile = line[1..line.len() - 1].trim() == profile;
+            continue;
+        }
+        let Some((k, v)) = line.split_once('=') else { continue };
+        if !in_profile {
+            continue;
+        }
+        let v = Some(v.trim().to_owned()).filter(|v| !v.is_empty());
+        match k.trim() {
+            "aws_access_key_id" => a = v,
+            "aws_secret_access_key" => s = v,
+            "aws_session_token" => t = v,
+            _ => {}
+        }
+    }
+    Some(Creds { access_key: a?, secret_key: s?, session_token: t })
 }
 
 // ----- requests -----
@@ -377,15 +410,26 @@ impl Run {
         Status::from_i32(self.state.load(Ordering::Acquire)).unwrap_or(Status::Unknown)
     }
 
-    /// The first failure wins; the others requests of the post are stopped.
-    fn fail(&self, msg: String) {
-        {
+    /// The first failure wins (true when this was it); the other requests of the post are stopped.
+    fn fail(&self, msg: String) -> bool {
+        let first = {
             let mut f = self.failure.lock();
-            if f.is_none() {
+            let first = f.is_none();
+            if first {
                 *f = Some(msg);
             }
-        }
+            first
+        };
         self.active.stop();
+        first
+    }
+
+    /// A request failed: the transfer fails with its reason, said once in the log.
+    fn request_failed(&self, msg: String) {
+        let line = format!("OBJ: transfer failed: {msg}");
+        if self.fail(msg) {
+            crate::telemetry::log::warn(&line);
+        }
     }
 
     fn done_one(&self) {
@@ -605,7 +649,7 @@ impl Pool {
             Task::Op(run, i) => {
                 if !run.active.stopped() {
                     if let Err(e) = run_op(&run, i, self) {
-                        run.fail(e);
+                        run.request_failed(e);
                     }
                 }
                 run.done_one();
@@ -613,7 +657,7 @@ impl Pool {
             Task::Part(run, up, n) => {
                 if !run.active.stopped() {
                     if let Err(e) = run_part(&run, &up, n, client) {
-                        run.fail(e);
+                        run.request_failed(e);
                     }
                 }
                 if up.left.fetch_sub(1, Ordering::AcqRel) == 1 {
@@ -678,7 +722,7 @@ fn finish_upload(run: &Run, up: &Upload, client: &S3) {
     };
     if let Err(e) = r {
         client.abort_upload(&up.key, id);
-        run.fail(e);
+        run.request_failed(e);
     }
 }
 
@@ -749,6 +793,40 @@ mod tests {
             Ok(c) => assert!(c.tls.is_some() && c.endpoint.tls && c.endpoint.authority == "s3.us-east-1.amazonaws.com"),
             Err(e) => assert!(e.message().contains("no CA certificates"), "{e}"),
         }
+    }
+
+    #[test]
+    fn shared_credentials_file() {
+        let text = "[default]\naws_access_key_id = AK1\naws_secret_access_key=SK1\n\n[prod]\n# a comment\n\
+                    aws_access_key_id=AK2\naws_secret_access_key = SK2\naws_session_token = T2\n[half]\n\
+                    aws_access_key_id=AK3\n";
+        let c = profile_creds(text, "default").unwrap();
+        assert_eq!((c.access_key.as_str(), c.secret_key.as_str(), c.session_token), ("AK1", "SK1", None));
+        let c = profile_creds(text, "prod").unwrap();
+        assert_eq!((c.access_key.as_str(), c.session_token.as_deref()), ("AK2", Some("T2")));
+        assert!(profile_creds(text, "half").is_none());
+        assert!(profile_creds(text, "missing").is_none());
+        // Through the configuration: parameters, then the environment, then the file of AWS_PROFILE.
+        let dir = std::env::temp_dir().join(format!("gixl-obj-creds-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("credentials");
+        std::fs::write(&file, text).unwrap();
+        let f = file.to_str().unwrap();
+        let c = parse(
+            &[("bucket", "b"), ("scheme", "http")],
+            &[("AWS_SHARED_CREDENTIALS_FILE", f), ("AWS_PROFILE", "prod")],
+        )
+        .unwrap();
+        assert_eq!(c.creds.unwrap().access_key, "AK2");
+        let c = parse(
+            &[("bucket", "b"), ("scheme", "http")],
+            &[("AWS_SHARED_CREDENTIALS_FILE", f), ("AWS_ACCESS_KEY_ID", "E"), ("AWS_SECRET_ACCESS_KEY", "S")],
+        )
+        .unwrap();
+        assert_eq!(c.creds.unwrap().access_key, "E");
+        let c = parse(&[("bucket", "b"), ("scheme", "http")], &[("AWS_SHARED_CREDENTIALS_FILE", "/dev/null")]).unwrap();
+        assert!(c.creds.is_none());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
