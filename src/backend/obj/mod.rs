@@ -27,7 +27,8 @@
 //! `use_virtual_addressing`, `req_checksum` (`supported`, the default: PUT bodies carry a CRC32C the server
 //! checks; `required`: only where S3 requires one), `resp_checksum` (accepted: ranged GETs carry no checksum
 //! to check), `ca_bundle`, `crtMinLimit` (the multipart threshold, parts at least 5 MiB), `throughput_target_gbps`
-//! (read when `crtMinLimit` is set, as NIXL does), `num_threads` (requests in flight, default 64). gixl's own:
+//! (read when `crtMinLimit` is set, as NIXL does: 4 requests in flight per Gbps, at least 64), `num_threads`
+//! (requests in flight, default 64, at most 1024; wins over the throughput target). gixl's own:
 //! `connect_timeout_ms`, `io_timeout_ms`.
 //!
 //! `https` endpoints (NIXL's default scheme) use TLS, trusting `ca_bundle` (else `AWS_CA_BUNDLE`, else the
@@ -62,6 +63,9 @@ pub const MULTIPART_MIN: u64 = 16 << 20;
 /// S3's smallest part but the last.
 const MIN_PART: u64 = 5 << 20;
 const DEFAULT_THREADS: usize = 64;
+const MAX_THREADS: usize = 1024;
+/// Requests in flight per Gbps of `throughput_target_gbps`.
+const PER_GBPS: u64 = 4;
 const DEFAULT_TIMEOUT_MS: u64 = 2000;
 
 /// NIXL 1.5.1's `get_plugin_params("OBJ")`: no defaults are reported.
@@ -295,17 +299,17 @@ impl Config {
         let checksum = checksum_mode("req_checksum")?;
         checksum_mode("resp_checksum")?;
         let int = |k: &str| p.get(k).map(|v| param_u64("OBJ", k, v)).transpose();
-        let (multipart_min, part) = match int("crtMinLimit")? {
-            Some(n) => {
-                int("throughput_target_gbps")?;
-                (n, n.max(MIN_PART))
-            }
-            None => (MULTIPART_MIN, PART),
+        let (multipart_min, part, gbps) = match int("crtMinLimit")? {
+            Some(n) => (n, n.max(MIN_PART), int("throughput_target_gbps")?),
+            None => (MULTIPART_MIN, PART, None),
         };
+        // One S3 connection moves roughly 1 Gbps; a throughput target asks for a few per Gbps.
+        let by_target = gbps.map_or(DEFAULT_THREADS, |g| (g.saturating_mul(PER_GBPS) as usize).max(DEFAULT_THREADS));
         let threads = match int("num_threads")? {
-            None | Some(0) => DEFAULT_THREADS,
-            Some(n) => n.min(1024) as usize,
-        };
+            None | Some(0) => by_target,
+            Some(n) => n as usize,
+        }
+        .min(MAX_THREADS);
         let ms = |k: &str| -> Result<Duration> {
             Ok(Duration::from_millis(match int(k)? {
                 None | Some(0) => DEFAULT_TIMEOUT_MS,
@@ -782,7 +786,25 @@ mod tests {
                 .unwrap();
         assert_eq!(c.threads, DEFAULT_THREADS);
         let c = parse(&[("bucket", "b"), ("scheme", "http"), ("crtMinLimit", "1048576")], &[]).unwrap();
-        assert_eq!((c.multipart_min, c.part), (1 << 20, MIN_PART));
+        assert_eq!((c.multipart_min, c.part, c.threads), (1 << 20, MIN_PART, DEFAULT_THREADS));
+        let c = parse(
+            &[("bucket", "b"), ("scheme", "http"), ("crtMinLimit", "8388608"), ("throughput_target_gbps", "100")],
+            &[],
+        )
+        .unwrap();
+        assert_eq!((c.part, c.threads), (8 << 20, 400));
+        let c = parse(
+            &[
+                ("bucket", "b"),
+                ("scheme", "http"),
+                ("crtMinLimit", "8388608"),
+                ("throughput_target_gbps", "100"),
+                ("num_threads", "8"),
+            ],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(c.threads, 8);
         // https: TLS settings from ca_bundle (a missing or empty file is an error) or the system store.
         let e = parse(&[("bucket", "b"), ("ca_bundle", "/nonexistent/ca.pem")], &[]).unwrap_err();
         assert_eq!(e.status(), Status::Backend);
