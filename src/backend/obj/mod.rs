@@ -62,6 +62,8 @@ pub const PART: u64 = 8 << 20;
 pub const MULTIPART_MIN: u64 = 16 << 20;
 /// S3's smallest part but the last.
 const MIN_PART: u64 = 5 << 20;
+/// S3's largest part count of one upload.
+const MAX_PARTS: u64 = 10_000;
 const DEFAULT_THREADS: usize = 64;
 const MAX_THREADS: usize = 1024;
 /// Requests in flight per Gbps of `throughput_target_gbps`.
@@ -74,6 +76,10 @@ pub fn default_params() -> Params {
 }
 
 pub fn create(init: BackendInit) -> Result<Arc<dyn Backend>> {
+    Ok(Arc::new(new_obj(init)?))
+}
+
+fn new_obj(init: BackendInit) -> Result<Obj> {
     let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     let cfg = Config::parse(&init.params, &env)?;
     let client = Arc::new(S3::new(
@@ -88,7 +94,7 @@ pub fn create(init: BackendInit) -> Result<Arc<dyn Backend>> {
         cfg.checksum,
     ));
     let workers = Arc::new(Workers::new(client.clone(), cfg.threads));
-    Ok(Arc::new(Obj { params: init.params, client, workers, multipart_min: cfg.multipart_min, part: cfg.part }))
+    Ok(Obj { params: init.params, client, workers, multipart_min: cfg.multipart_min, part: cfg.part })
 }
 
 pub struct Obj {
@@ -105,32 +111,10 @@ struct ObjReg {
     key: Arc<str>,
 }
 
-impl Backend for Obj {
-    fn name(&self) -> &'static str {
-        "OBJ"
-    }
-
-    fn caps(&self) -> Caps {
-        Caps { local: true, remote: false, notif: false, mems: vec![MemType::Dram, MemType::Obj] }
-    }
-
-    fn params(&self) -> Params {
-        self.params.clone()
-    }
-
-    fn register(&self, mem: MemType, desc: &RegDesc) -> Result<LocalRegion> {
-        match mem {
-            MemType::Dram => Ok(LocalRegion { public: Vec::new(), key: None }),
-            MemType::Obj => {
-                let key = object_key(&desc.meta, desc.desc.dev)?;
-                Ok(LocalRegion { public: Vec::new(), key: Some(Arc::new(ObjReg { key: key.into() })) })
-            }
-            m => Err(Error::not_supported(format!("the OBJ backend does not handle {}", m.seg_name()))),
-        }
-    }
-
-    fn prep_xfer(&self, plan: XferPlan) -> Result<Box<dyn BackendXfer>> {
-        super::check_storage_plan("OBJ", "its object store", MemType::Obj, &plan)?;
+impl Obj {
+    /// The S3 requests of a request: READs cut into ranged GETs, large WRITEs as multipart uploads.
+    fn ops(&self, plan: &XferPlan) -> Result<Vec<Op>> {
+        super::check_storage_plan("OBJ", "its object store", MemType::Obj, plan)?;
         let keys = plan
             .remote_keys
             .iter()
@@ -166,12 +150,14 @@ impl Backend for Obj {
                     s.remote
                 ))),
                 XferOp::Write if s.len >= self.multipart_min => {
-                    let parts = s.len.div_ceil(self.part) as u32;
+                    // S3 takes at most 10,000 parts: a very large object gets larger ones.
+                    let part = self.part.max(s.len.div_ceil(MAX_PARTS));
+                    let parts = s.len.div_ceil(part) as u32;
                     ops.push(Op::Upload(Arc::new(Upload {
                         key,
                         buf: s.local,
                         len: s.len,
-                        part: self.part,
+                        part,
                         parts,
                         id: OnceLock::new(),
                         etags: Mutex::new(vec![None; parts as usize]),
@@ -181,6 +167,36 @@ impl Backend for Obj {
                 XferOp::Write => ops.push(Op::Put { key, buf: s.local, len: s.len }),
             }
         }
+        Ok(ops)
+    }
+}
+
+impl Backend for Obj {
+    fn name(&self) -> &'static str {
+        "OBJ"
+    }
+
+    fn caps(&self) -> Caps {
+        Caps { local: true, remote: false, notif: false, mems: vec![MemType::Dram, MemType::Obj] }
+    }
+
+    fn params(&self) -> Params {
+        self.params.clone()
+    }
+
+    fn register(&self, mem: MemType, desc: &RegDesc) -> Result<LocalRegion> {
+        match mem {
+            MemType::Dram => Ok(LocalRegion { public: Vec::new(), key: None }),
+            MemType::Obj => {
+                let key = object_key(&desc.meta, desc.desc.dev)?;
+                Ok(LocalRegion { public: Vec::new(), key: Some(Arc::new(ObjReg { key: key.into() })) })
+            }
+            m => Err(Error::not_supported(format!("the OBJ backend does not handle {}", m.seg_name()))),
+        }
+    }
+
+    fn prep_xfer(&self, plan: XferPlan) -> Result<Box<dyn BackendXfer>> {
+        let ops = self.ops(&plan)?;
         Ok(Box::new(ObjXfer { workers: self.workers.clone(), ops: Arc::new(ops), run: Mutex::new(None) }))
     }
 
@@ -733,6 +749,8 @@ fn finish_upload(run: &Run, up: &Upload, client: &S3) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::{Seg, Target};
+    use crate::mem::Desc;
 
     fn params(kv: &[(&str, &str)]) -> Params {
         kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
@@ -849,6 +867,53 @@ mod tests {
         let c = parse(&[("bucket", "b"), ("scheme", "http")], &[("AWS_SHARED_CREDENTIALS_FILE", "/dev/null")]).unwrap();
         assert!(c.creds.is_none());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// What a request becomes: READs in ranged GETs of PART bytes, WRITEs whole, large ones in at most
+    /// 10,000 parts, WRITEs not at offset 0 refused when posted.
+    #[test]
+    fn requests_are_cut_as_s3_needs() {
+        let init = BackendInit {
+            agent_name: "t".into(),
+            incarnation: 1,
+            params: params(&[("bucket", "b"), ("endpoint_override", "http://127.0.0.1:9")]),
+            num_workers: 0,
+        };
+        let obj = new_obj(init).unwrap();
+        let key = obj.register(MemType::Obj, &RegDesc { desc: Desc::new(0, 0, 7), meta: b"k".to_vec() }).unwrap().key;
+        let plan = |op, segs: &[(u64, u64)]| XferPlan {
+            op,
+            local_mem: MemType::Dram,
+            remote_mem: MemType::Obj,
+            segs: segs
+                .iter()
+                .map(|&(remote, len)| Seg { local: 1 << 40, remote, len, ldev: 0, rdev: 7, lreg: 0, rreg: 0 })
+                .collect(),
+            local_keys: vec![None],
+            remote_keys: vec![key.clone()],
+            target: Target::Local,
+            total_bytes: segs.iter().map(|s| s.1).sum(),
+        };
+        let ops = obj.ops(&plan(XferOp::Read, &[(100, 2 * PART + 5), (0, 1)])).unwrap();
+        let gets: Vec<(u64, u64)> = ops
+            .iter()
+            .map(|o| match o {
+                Op::Get { off, len, .. } => (*off, *len),
+                _ => panic!("a READ is GETs"),
+            })
+            .collect();
+        assert_eq!(gets, [(100, PART), (100 + PART, PART), (100 + 2 * PART, 5), (0, 1)]);
+        let ops = obj
+            .ops(&plan(XferOp::Write, &[(0, MULTIPART_MIN - 1), (0, MULTIPART_MIN), (0, 200 << 30), (4096, 1)]))
+            .unwrap();
+        assert!(matches!(&ops[0], Op::Put { len, .. } if *len == MULTIPART_MIN - 1));
+        assert!(matches!(&ops[1], Op::Upload(u) if u.part == PART && u.parts == 2));
+        // 200 GiB: 8 MiB parts would be 25,600; S3 allows 10,000.
+        assert!(matches!(&ops[2], Op::Upload(u) if u.parts <= 10_000 && u.part * u64::from(u.parts) >= 200 << 30));
+        assert!(matches!(&ops[3], Op::Refuse(m) if m.contains("offset 4096")));
+        let mut p = plan(XferOp::Read, &[(0, 1)]);
+        p.local_mem = MemType::File;
+        assert_eq!(obj.ops(&p).err().map(|e| e.status()), Some(Status::InvalidParam));
     }
 
     #[test]
