@@ -11,11 +11,12 @@ leaves them); everything is deleted at the end. On that one link, in the same ru
 - READ bandwidth of one 64 MiB block and of 1024 × 16 KiB blocks (remote blocks in reversed order, so
   nothing can merge), initiator in one namespace, target in the other: gixl (`examples/tcp_peer.rs`,
   release build) and NIXL (its Python API, this same file with `--role`, UCX forced to TCP);
-- raw TCP with iperf3 (one stream and four), when iperf3 is installed;
+- raw TCP, a plain C socket program (`benches/tcp_ceiling.c`, built with cc): 64 MiB pulled over one
+  connection and over four at once, and a 4 KiB ping-pong round trip (median, p99);
 - time from killing the target process to the initiator's REMOTE_DISCONNECT, and from cutting the link
   (`ip link set down`) to it, the initiator only polling (`hammer`).
 
-Needs root (namespaces). NIXL runs under /work/ref-nixl/bin/python (override with --nixl-python).
+Needs root (namespaces). NIXL runs under .venv/nixl/bin/python (scripts/setup.sh; override with --nixl-python).
 """
 
 import argparse
@@ -233,15 +234,20 @@ def next_tagged(proc, deadline):
             return line.strip()
 
 
-def iperf(tmp, streams):
-    if not shutil.which("iperf3"):
-        return None
-    srv = subprocess.Popen(netns(0, "iperf3", "-s", "-1", "-B", IPS[0]), stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+RAW_PORT = 7399
+
+
+def raw_tcp(iters, tmp):
+    """The raw TCP ceiling (benches/tcp_ceiling.c, built here with cc): server in the target's namespace."""
+    exe = os.path.join(tmp, "tcp_ceiling")
+    sh("cc", "-O2", "-pthread", "-o", exe, os.path.join(REPO, "benches", "tcp_ceiling.c"))
+    srv = subprocess.Popen(netns(0, exe, "server", IPS[0], str(RAW_PORT)), text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
-        time.sleep(0.5)
-        out = sh(*netns(1, "iperf3", "-c", IPS[0], "-t", "5", "-P", str(streams), "-J")).stdout
-        return json.loads(out)["end"]["sum_received"]["bits_per_second"] / 8e9
+        if next_tagged(srv, time.monotonic() + 30) != "@ready":
+            raise RuntimeError("raw TCP server did not start")
+        out = sh(*netns(1, exe, "client", IPS[0], str(RAW_PORT), str(iters))).stdout
+        return json.loads(out.strip().splitlines()[-1])
     finally:
         srv.kill()
         srv.wait()
@@ -257,7 +263,7 @@ def main():
     ap.add_argument("--faults", type=int, default=3, help="repetitions of each fault")
     ap.add_argument("--no-nixl", action="store_true")
     ap.add_argument("--no-build", action="store_true")
-    ap.add_argument("--nixl-python", default="/work/ref-nixl/bin/python")
+    ap.add_argument("--nixl-python", default=os.path.join(REPO, ".venv", "nixl", "bin", "python"))
     ap.add_argument("--gixl-bin", action="append", default=[], metavar="NAME=PATH",
                     help="compare these tcp_peer builds (e.g. before/after a change), alternating in each round")
     a = ap.parse_args()
@@ -286,8 +292,8 @@ def main():
                 res = bandwidth(impl, a.iters, tmp)
                 print(f"round {r + 1} {impl.name}: {res}", flush=True)
                 bw[impl.name].append(res)
-        raw = {n: iperf(tmp, n) for n in (1, 4)}
-        print(f"iperf3: {raw}", flush=True)
+        raw = raw_tcp(a.iters, tmp)
+        print(f"raw TCP: {raw}", flush=True)
         for _ in range(a.faults):
             for impl in impls:
                 for fault in ("kill", "link-down"):
@@ -303,8 +309,10 @@ def main():
     print("|---|" + "---|" * (len(impls) + 1))
     for key, label in (("bulk_gbps", "READ 64 MiB, GB/s"), ("kv_gbps", "READ 1024 × 16 KiB, GB/s")):
         cells = [f"{med([x[key] for x in bw[i.name]]):.2f}" for i in impls]
-        rawc = f"{raw[1]:.2f} (1 stream) / {raw[4]:.2f} (4)" if raw[1] else "n/a"
+        rawc = f"{raw['bulk_1_gbps']:.2f} (1 connection) / {raw['bulk_4_gbps']:.2f} (4)" if key == "bulk_gbps" else ""
         print(f"| {label} | " + " | ".join(cells) + f" | {rawc} |")
+    print("| 4 KiB ping-pong round trip, µs (median / p99) | " + " | ".join("" for _ in impls)
+          + f" | {raw['rtt_median_us']:.0f} / {raw['rtt_p99_us']:.0f} |")
     for fault in ("kill", "link-down"):
         cells = []
         for i in impls:
