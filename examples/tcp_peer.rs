@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! tcp_peer target MDFILE                  register 64 MiB + 1024 × 16 KiB, write metadata, wait for stdin EOF
-//! tcp_peer initiator MDFILE ITERS         READ both ITERS times; print one JSON line of figures
+//! tcp_peer initiator MDFILE ITERS         READ both and WRITE 64 MiB ITERS times, time 1000 4 KiB READs;
+//!                                         print one JSON line of figures
 //! tcp_peer hammer MDFILE                  READ 32 MiB in a loop, polling only, until it fails; print
 //!                                         "@started" once, then "@failed STATUS MONOTONIC_NS"
 //! ```
@@ -126,8 +127,35 @@ fn main() {
             let (kv_med, kv_all) = measure(&kv_req, BLOCKS * BLOCK);
             assert!(bulk.iter().all(|&b| b == 0x5a));
             assert!((0..BLOCKS).all(|i| kv[(i * BLOCK) as usize] == (BLOCKS - 1 - i) as u8));
+            // WRITE back what was read (the target's bytes stay 0x5a).
+            let write_req = a
+                .create_xfer_req(
+                    XferOp::Write,
+                    &dl(bulk.as_ptr() as u64, 1, BULK, false),
+                    &dl(rbulk, 1, BULK, false),
+                    &peer,
+                    &XferOpts::default(),
+                )
+                .unwrap();
+            let (write_med, write_all) = measure(&write_req, BULK);
+            let small = a
+                .create_xfer_req(
+                    XferOp::Read,
+                    &dl(bulk.as_ptr() as u64, 1, 4096, false),
+                    &dl(rbulk, 1, 4096, false),
+                    &peer,
+                    &XferOpts::default(),
+                )
+                .unwrap();
+            for _ in 0..50 {
+                run(&small).unwrap();
+            }
+            let mut us: Vec<f64> = (0..1000).map(|_| run(&small).unwrap().as_secs_f64() * 1e6).collect();
+            us.sort_by(|x, y| x.partial_cmp(y).unwrap());
+            let (lat_med, lat_p99) = (us[us.len() / 2], us[us.len() * 99 / 100]);
             println!(
-                "{{\"bulk_median_gbps\":{bulk_med:.3},\"bulk_gbps\":{bulk_all:.3},\"kv_median_gbps\":{kv_med:.3},\"kv_gbps\":{kv_all:.3}}}"
+                "{{\"bulk_median_gbps\":{bulk_med:.3},\"bulk_gbps\":{bulk_all:.3},\"kv_median_gbps\":{kv_med:.3},\"kv_gbps\":{kv_all:.3},\
+                 \"write_median_gbps\":{write_med:.3},\"write_gbps\":{write_all:.3},\"lat_median_us\":{lat_med:.1},\"lat_p99_us\":{lat_p99:.1}}}"
             );
         }
     }

@@ -9,8 +9,9 @@ Two "hosts" are network namespaces joined by a veth pair (192.0.2.1 and 192.0.2.
 leaves them); everything is deleted at the end. On that one link, in the same run:
 
 - READ bandwidth of one 64 MiB block and of 1024 × 16 KiB blocks (remote blocks in reversed order, so
-  nothing can merge), initiator in one namespace, target in the other: gixl (`examples/tcp_peer.rs`,
-  release build) and NIXL (its Python API, this same file with `--role`, UCX forced to TCP);
+  nothing can merge), WRITE of 64 MiB, and 4 KiB READ latency (post to DONE, median and p99 of 1000),
+  initiator in one namespace, target in the other: gixl (`examples/tcp_peer.rs`, release build) and NIXL
+  (its Python API, this same file with `--role`, UCX forced to TCP);
 - raw TCP, a plain C socket program (`benches/tcp_ceiling.c`, built with cc): 64 MiB pulled over one
   connection and over four at once, and a 4 KiB ping-pong round trip (median, p99);
 - time from killing the target process to the initiator's REMOTE_DISCONNECT, and from cutting the link
@@ -64,10 +65,10 @@ def nixl_peer(role, mdfile, iters, module):
     rbulk, rkv = (int(x) for x in addrs.split())
     peer = agent.add_remote_agent(bytes.fromhex(md_hex))
 
-    def xfer(local, remote):
+    def xfer(local, remote, op="READ"):
         l = agent.get_xfer_descs(local, "DRAM")
         r = agent.get_xfer_descs(remote, "DRAM")
-        return agent.initialize_xfer("READ", l, r, peer)
+        return agent.initialize_xfer(op, l, r, peer)
 
     def run(h):
         t = time.perf_counter()
@@ -107,7 +108,13 @@ def nixl_peer(role, mdfile, iters, module):
     km, ka = measure(kv_h, BLOCKS * BLOCK)
     assert (bulk == 0x5A).all()
     assert all(kv[i * BLOCK] == (BLOCKS - 1 - i) % 256 for i in range(BLOCKS))
-    print(json.dumps(dict(bulk_median_gbps=bm, bulk_gbps=ba, kv_median_gbps=km, kv_gbps=ka)), flush=True)
+    wm, wa = measure(xfer([(bulk.ctypes.data, BULK, 0)], [(rbulk, BULK, 0)], "WRITE"), BULK)
+    small = xfer([(bulk.ctypes.data, 4096, 0)], [(rbulk, 4096, 0)])
+    for _ in range(50):
+        run(small)
+    us = sorted(run(small) * 1e6 for _ in range(1000))
+    print(json.dumps(dict(bulk_median_gbps=bm, bulk_gbps=ba, kv_median_gbps=km, kv_gbps=ka, write_median_gbps=wm,
+                          write_gbps=wa, lat_median_us=us[500], lat_p99_us=us[990])), flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -307,11 +314,14 @@ def main():
 
     print("\n| figure (cross-namespace TCP, veth) | " + " | ".join(i.name for i in impls) + " | raw TCP |")
     print("|---|" + "---|" * (len(impls) + 1))
-    for key, label in (("bulk_gbps", "READ 64 MiB, GB/s"), ("kv_gbps", "READ 1024 × 16 KiB, GB/s")):
+    rawbulk = f"{raw['bulk_1_gbps']:.2f} (1 connection) / {raw['bulk_4_gbps']:.2f} (4)"
+    for key, label in (("bulk_gbps", "READ 64 MiB, GB/s"), ("write_gbps", "WRITE 64 MiB, GB/s"),
+                       ("kv_gbps", "READ 1024 × 16 KiB, GB/s")):
         cells = [f"{med([x[key] for x in bw[i.name]]):.2f}" for i in impls]
-        rawc = f"{raw['bulk_1_gbps']:.2f} (1 connection) / {raw['bulk_4_gbps']:.2f} (4)" if key == "bulk_gbps" else ""
-        print(f"| {label} | " + " | ".join(cells) + f" | {rawc} |")
-    print("| 4 KiB ping-pong round trip, µs (median / p99) | " + " | ".join("" for _ in impls)
+        print(f"| {label} | " + " | ".join(cells) + f" | {rawbulk if key != 'kv_gbps' else ''} |")
+    cells = [f"{med([x['lat_median_us'] for x in bw[i.name]]):.0f} / {med([x['lat_p99_us'] for x in bw[i.name]]):.0f}"
+             for i in impls]
+    print("| 4 KiB READ µs (median / p99); raw: 4 KiB ping-pong round trip | " + " | ".join(cells)
           + f" | {raw['rtt_median_us']:.0f} / {raw['rtt_p99_us']:.0f} |")
     for fault in ("kill", "link-down"):
         cells = []
