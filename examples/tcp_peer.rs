@@ -5,6 +5,10 @@
 //! tcp_peer target MDFILE                  register 64 MiB + 1024 × 16 KiB, write metadata, wait for stdin EOF
 //! tcp_peer initiator MDFILE ITERS         READ both and WRITE 64 MiB ITERS times, time 1000 4 KiB READs;
 //!                                         print one JSON line of figures
+//! tcp_peer fanin MDFILE SECONDS           one of N initiators: print "@ready", wait for a line on stdin,
+//!                                         then for SECONDS alternate a 1024 × 16 KiB READ and a 4 KiB READ;
+//!                                         print one JSON line (bytes, seconds, 4 KiB latencies, failed
+//!                                         requests counted by status)
 //! tcp_peer hammer MDFILE                  READ 32 MiB in a loop, polling only, until it fails; print
 //!                                         "@started" once, then "@failed STATUS MONOTONIC_NS"
 //! ```
@@ -111,6 +115,44 @@ fn main() {
                         std::io::stdout().flush().unwrap();
                     }
                 }
+            }
+            if role == "fanin" {
+                let secs: f64 = args[3].parse().unwrap();
+                let small = a
+                    .create_xfer_req(
+                        XferOp::Read,
+                        &dl(bulk.as_ptr() as u64, 1, 4096, false),
+                        &dl(rbulk, 1, 4096, false),
+                        &peer,
+                        &XferOpts::default(),
+                    )
+                    .unwrap();
+                run(&small).unwrap();
+                println!("@ready");
+                std::io::stdout().flush().unwrap();
+                let mut go = String::new();
+                std::io::stdin().read_line(&mut go).unwrap();
+                let (mut bytes, mut lat) = (0u64, Vec::new());
+                let mut failures = std::collections::BTreeMap::<&'static str, u64>::new();
+                let t0 = Instant::now();
+                while t0.elapsed().as_secs_f64() < secs {
+                    match run(&kv_req) {
+                        Ok(_) => bytes += BLOCKS * BLOCK,
+                        Err(e) => *failures.entry(e.status().name()).or_default() += 1,
+                    }
+                    match run(&small) {
+                        Ok(d) => lat.push(format!("{:.1}", d.as_secs_f64() * 1e6)),
+                        Err(e) => *failures.entry(e.status().name()).or_default() += 1,
+                    }
+                }
+                let secs = t0.elapsed().as_secs_f64();
+                let failures: Vec<String> = failures.iter().map(|(k, n)| format!("\"{k}\":{n}")).collect();
+                println!(
+                    "{{\"bytes\":{bytes},\"secs\":{secs:.4},\"lat_us\":[{}],\"failures\":{{{}}}}}",
+                    lat.join(","),
+                    failures.join(",")
+                );
+                return;
             }
             let iters: usize = args[3].parse().unwrap();
             let measure = |r: &XferReq, bytes: u64| -> (f64, f64) {

@@ -14,6 +14,9 @@ leaves them); everything is deleted at the end. On that one link, in the same ru
   (its Python API, this same file with `--role`, UCX forced to TCP);
 - raw TCP, a plain C socket program (`benches/tcp_ceiling.c`, built with cc): 64 MiB pulled over one
   connection and over four at once, and a 4 KiB ping-pong round trip (median, p99);
+- fan-in: one target, N = 1, 4, 16, 64 initiator processes, each alternating a 1024 × 16 KiB READ and a
+  4 KiB READ for 3 s: aggregate KV GB/s, 4 KiB latency over all of them (median, p99), and failed requests
+  (a false disconnect shows here);
 - time from killing the target process to the initiator's REMOTE_DISCONNECT, and from cutting the link
   (`ip link set down`) to it, the initiator only polling (`hammer`).
 
@@ -92,6 +95,29 @@ def nixl_peer(role, mdfile, iters, module):
             if not started:
                 started = True
                 print("@started", flush=True)
+
+    if role == "fanin":
+        small = xfer([(bulk.ctypes.data, 4096, 0)], [(rbulk, 4096, 0)])
+        kv_f = xfer([(kv.ctypes.data + i * BLOCK, BLOCK, 0) for i in range(BLOCKS)],
+                    [(rkv + i * BLOCK, BLOCK, 0) for i in reversed(range(BLOCKS))])
+        run(small)
+        print("@ready", flush=True)
+        sys.stdin.readline()
+        nbytes, lat, failures = 0, [], {}
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < iters:
+            for h, is_kv in ((kv_f, True), (small, False)):
+                try:
+                    dt = run(h)
+                except Exception as e:  # noqa: BLE001 - counted, as gixl's peer does
+                    failures[type(e).__name__] = failures.get(type(e).__name__, 0) + 1
+                    continue
+                if is_kv:
+                    nbytes += BLOCKS * BLOCK
+                else:
+                    lat.append(round(dt * 1e6, 1))
+        print(json.dumps(dict(bytes=nbytes, secs=time.perf_counter() - t0, lat_us=lat, failures=failures)), flush=True)
+        return
 
     bulk_h = xfer([(bulk.ctypes.data, BULK, 0)], [(rbulk, BULK, 0)])
     kv_h = xfer([(kv.ctypes.data + i * BLOCK, BLOCK, 0) for i in range(BLOCKS)],
@@ -191,6 +217,49 @@ def bandwidth(impl, iters, tmp):
         target.wait(timeout=30)
 
 
+FANIN = (1, 4, 16, 64)
+FANIN_SECS = 3
+
+
+def fanin(impl, n, tmp):
+    """One target, `n` initiators (each its own process) alternating a KV READ (1024 × 16 KiB) and a 4 KiB READ
+    for FANIN_SECS: aggregate KV GB/s, 4 KiB latency over all initiators, and failures (false disconnects)."""
+    md = os.path.join(tmp, f"{impl.name}-md-fanin")
+    if os.path.exists(md):
+        os.remove(md)
+    target = impl.peer(0, "target", md)
+    inis = []
+    try:
+        wait_file(md, target)
+        inis = [impl.peer(1, "fanin", md, FANIN_SECS) for _ in range(n)]
+        for p in inis:
+            if next_tagged(p, time.monotonic() + 120) != "@ready":
+                raise RuntimeError("a fan-in initiator did not get ready")
+        for p in inis:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        res = []
+        for p in inis:
+            out, _ = p.communicate(timeout=FANIN_SECS * 10 + 120)
+            res.append(json.loads(out.strip().splitlines()[-1]))
+        lat = sorted(float(x) for r in res for x in r["lat_us"])
+        return {
+            "gbps": sum(r["bytes"] for r in res) / max(r["secs"] for r in res) / 1e9,
+            "lat_median_us": lat[len(lat) // 2] if lat else None,
+            "lat_p99_us": lat[len(lat) * 99 // 100] if lat else None,
+            # Initiators that saw a failed request, and the failures by status.
+            "failed_initiators": sum(1 for r in res if r["failures"]),
+            "failures": {k: sum(r["failures"].get(k, 0) for r in res) for r in res for k in r["failures"]},
+        }
+    finally:
+        for p in inis:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        target.stdin.close()
+        target.wait(timeout=30)
+
+
 def disconnect_time(impl, fault, link, tmp, cap=30.0):
     """Seconds from the fault to the initiator seeing the request fail (None if not within `cap`)."""
     md = os.path.join(tmp, f"{impl.name}-md-{fault}")
@@ -268,6 +337,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--faults", type=int, default=3, help="repetitions of each fault")
+    ap.add_argument("--fanin", default=",".join(map(str, FANIN)), help="initiator counts of the fan-in rows ('' for none)")
     ap.add_argument("--no-nixl", action="store_true")
     ap.add_argument("--no-build", action="store_true")
     ap.add_argument("--nixl-python", default=os.path.join(REPO, ".venv", "nixl", "bin", "python"))
@@ -301,6 +371,11 @@ def main():
                 bw[impl.name].append(res)
         raw = raw_tcp(a.iters, tmp)
         print(f"raw TCP: {raw}", flush=True)
+        fan = {}
+        for n in [int(x) for x in a.fanin.split(",") if x]:
+            for impl in impls:
+                fan[(impl.name, n)] = r = fanin(impl, n, tmp)
+                print(f"fan-in {impl.name} N={n}: {r}", flush=True)
         for _ in range(a.faults):
             for impl in impls:
                 for fault in ("kill", "link-down"):
@@ -323,6 +398,13 @@ def main():
              for i in impls]
     print("| 4 KiB READ µs (median / p99); raw: 4 KiB ping-pong round trip | " + " | ".join(cells)
           + f" | {raw['rtt_median_us']:.0f} / {raw['rtt_p99_us']:.0f} |")
+    for n in sorted({n for _, n in fan}):
+        cells = []
+        for i in impls:
+            r = fan.get((i.name, n))
+            cells.append("—" if r is None else f"{r['gbps']:.2f} GB/s; {r['lat_median_us']:.0f} / {r['lat_p99_us']:.0f} µs"
+                         + (f"; {r['failed_initiators']} of {n} initiators saw failures" if r["failed_initiators"] else ""))
+        print(f"| fan-in N={n}: KV aggregate; 4 KiB READ median / p99 | " + " | ".join(cells) + " | |")
     for fault in ("kill", "link-down"):
         cells = []
         for i in impls:
