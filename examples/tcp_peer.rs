@@ -87,8 +87,18 @@ fn main() {
                 }
                 Ok(t.elapsed())
             };
+            // One 4 KiB READ: the latency probe of the initiator and fan-in roles.
+            let small = a
+                .create_xfer_req(
+                    XferOp::Read,
+                    &dl(bulk.as_ptr() as u64, 1, 4096, false),
+                    &dl(rbulk, 1, 4096, false),
+                    &peer,
+                    &XferOpts::default(),
+                )
+                .unwrap();
             if role == "hammer" {
-                let small = a
+                let chunk = a
                     .create_xfer_req(
                         XferOp::Read,
                         &dl(bulk.as_ptr() as u64, 1, 32 * MIB, false),
@@ -99,7 +109,7 @@ fn main() {
                     .unwrap();
                 let mut started = false;
                 loop {
-                    if let Err(e) = run(&small) {
+                    if let Err(e) = run(&chunk) {
                         let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
                         // SAFETY: `ts` is a valid out-pointer.
                         unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
@@ -118,15 +128,6 @@ fn main() {
             }
             if role == "fanin" {
                 let secs: f64 = args[3].parse().unwrap();
-                let small = a
-                    .create_xfer_req(
-                        XferOp::Read,
-                        &dl(bulk.as_ptr() as u64, 1, 4096, false),
-                        &dl(rbulk, 1, 4096, false),
-                        &peer,
-                        &XferOpts::default(),
-                    )
-                    .unwrap();
                 run(&small).unwrap();
                 println!("@ready");
                 std::io::stdout().flush().unwrap();
@@ -180,15 +181,6 @@ fn main() {
                 )
                 .unwrap();
             let (write_med, write_all) = measure(&write_req, BULK);
-            let small = a
-                .create_xfer_req(
-                    XferOp::Read,
-                    &dl(bulk.as_ptr() as u64, 1, 4096, false),
-                    &dl(rbulk, 1, 4096, false),
-                    &peer,
-                    &XferOpts::default(),
-                )
-                .unwrap();
             for _ in 0..50 {
                 run(&small).unwrap();
             }
