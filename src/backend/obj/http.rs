@@ -532,7 +532,8 @@ fn parse_head(b: &[u8]) -> Result<Response, Fail> {
     Ok(resp)
 }
 
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+/// Where `needle` first occurs in `hay`.
+pub(super) fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
 

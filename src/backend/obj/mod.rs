@@ -207,7 +207,7 @@ impl Backend for Obj {
         let out: Vec<Mutex<Option<std::result::Result<bool, String>>>> =
             keys.iter().map(|_| Mutex::new(None)).collect();
         let next = AtomicUsize::new(0);
-        let threads = keys.len().min(self.workers.max);
+        let threads = keys.len().min(self.workers.pool.max);
         std::thread::scope(|sc| {
             for _ in 0..threads {
                 sc.spawn(|| loop {
@@ -544,7 +544,6 @@ enum Task {
 /// (the backend and its requests) holds `Workers`; threads hold the `Pool` inside it.
 struct Workers {
     pool: Arc<Pool>,
-    max: usize,
 }
 
 struct Pool {
@@ -566,7 +565,7 @@ impl Workers {
     fn new(client: Arc<S3>, max: usize) -> Workers {
         let max = max.max(1);
         let pool = Pool { client, max, q: Mutex::default(), cv: Condvar::new(), threads: Mutex::new(Vec::new()) };
-        Workers { pool: Arc::new(pool), max }
+        Workers { pool: Arc::new(pool) }
     }
 
     fn submit(&self, tasks: impl Iterator<Item = Task>) {

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::http::{truncate, Conn, Endpoint, Response, Tls};
+use super::http::{find, truncate, Conn, Endpoint, Response, Tls};
 use super::sigv4::{self, Creds, Timestamp};
 use crate::mdx::json::b64_encode;
 
@@ -344,10 +344,6 @@ fn xml_field(body: &[u8], name: &str) -> Option<String> {
 
 fn xml_escape(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
-}
-
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
 }
 
 /// CRC-32C (Castagnoli), with the SSE 4.2 instruction where the CPU has it.
