@@ -104,15 +104,21 @@ def test_bad_parameters_fail_creation(make_agent, bind, server):
             a.create_backend("OBJ", server.params(**over))
 
 
-def test_64mib_round_trip(obj, s3, server):
-    a = obj()
-    key = uniq("big")
-    src = pattern(BIG, 3)
+def write_big(a, tag, seed):
+    """A 64 MiB object written from a registered buffer: (key, source, registered empty buffer, OBJ list)."""
+    key = uniq(tag)
+    src = pattern(BIG, seed)
     dst = np.zeros(BIG, np.uint8)
     dram(a, src), dram(a, dst)
     objects(a, [key])
     remote = a.get_xfer_descs([(0, BIG, 1)], "OBJ")
     assert run(a, "WRITE", a.get_xfer_descs([(addr(src), BIG, 0)], "DRAM"), remote) == "DONE"
+    return key, src, dst, remote
+
+
+def test_64mib_round_trip(obj, s3, server):
+    a = obj()
+    key, src, dst, remote = write_big(a, "big", 3)
     body = s3.get_object(Bucket=server.bucket, Key=key)["Body"].read()
     assert hashlib.sha256(body).digest() == hashlib.sha256(src.tobytes()).digest()
     assert run(a, "READ", a.get_xfer_descs([(addr(dst), BIG, 0)], "DRAM"), remote) == "DONE"
@@ -372,13 +378,7 @@ def test_errors_never_show_credentials(obj, server, bind, capfd, caplog):
 def test_release_in_flight_waits_for_its_requests(obj, bind):
     """Releasing a 64 MiB READ in flight returns only when no request still writes into the buffer."""
     a = obj()
-    key = uniq("rel")
-    src = pattern(BIG, 6)
-    dst = np.zeros(BIG, np.uint8)
-    dram(a, src), dram(a, dst)
-    objects(a, [key])
-    remote = a.get_xfer_descs([(0, BIG, 1)], "OBJ")
-    assert run(a, "WRITE", a.get_xfer_descs([(addr(src), BIG, 0)], "DRAM"), remote) == "DONE"
+    _, _, dst, remote = write_big(a, "rel", 6)
     h = a.initialize_xfer("READ", a.get_xfer_descs([(addr(dst), BIG, 0)], "DRAM"), remote, a.name)
     a.transfer(h)
     a.release_xfer_handle(h)
