@@ -343,9 +343,11 @@ impl Gate {
         (self.word(OFF_CLAIMED).load(Ordering::SeqCst) as usize).min(INIT_SLOTS)
     }
 
-    /// Initiator slots with a batch in flight that may touch `want`. An initiator raises `OFF_COUNT` before
-    /// `OFF_MASKED` and lowers it after, so a count above the masked word's is a batch whose regions are not
-    /// (or no longer) published, or one of an older gixl: waited for whatever it touches.
+    /// Initiator slots with a batch in flight that may touch `want`. An initiator raises `OFF_MASKED` before
+    /// `OFF_COUNT` and lowers it after, so whenever its count says a batch is inside, the masked word names that
+    /// batch's regions; a count above the masked word's is an initiator of an older gixl (one that publishes no
+    /// mask, or one that raised the count first and was stopped between the steps): waited for whatever it
+    /// touches.
     fn busy_slots(&self, want: u64) -> usize {
         (0..self.claimed())
             .filter(|&i| {
@@ -520,9 +522,11 @@ impl Attached {
         let regions = regions.into_iter();
         let mask = regions.clone().fold(0, |m, (slot, ..)| m | region_bit(slot));
         let o = init_off(self.slot as usize);
-        self.gate.word(o + OFF_COUNT).fetch_add(1, Ordering::SeqCst);
+        // The masked word first, the plain count second (and the reverse on leaving): a batch is never counted
+        // without its regions, so an initiator stopped between the two steps holds up only its own regions.
         let masked = self.gate.word(o + OFF_MASKED);
         let _ = masked.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |w| Some((w + (1 << MASK_BITS)) | mask));
+        self.gate.word(o + OFF_COUNT).fetch_add(1, Ordering::SeqCst);
         let inside = Inside { a: self };
         if !self.gate.live() {
             return Err(Error::disconnected(format!(
@@ -559,11 +563,11 @@ impl Drop for Inside<'_> {
     fn drop(&mut self) {
         let g = &self.a.gate;
         let o = init_off(self.a.slot as usize);
+        g.word(o + OFF_COUNT).fetch_sub(1, Ordering::SeqCst);
         let _ = g.word(o + OFF_MASKED).fetch_update(Ordering::SeqCst, Ordering::SeqCst, |w| {
             let left = (w >> MASK_BITS).saturating_sub(1);
             Some(if left == 0 { 0 } else { left << MASK_BITS | (w & MASK) })
         });
-        g.word(o + OFF_COUNT).fetch_sub(1, Ordering::SeqCst);
         if g.word(OFF_DRAINING).load(Ordering::SeqCst) != 0 {
             let seq = g.word32(OFF_DRAIN_SEQ);
             seq.fetch_add(1, Ordering::SeqCst);
