@@ -5,10 +5,16 @@
 #   .venv/gixl   gixl installed from this checkout (`pip install .`), plus pytest, numpy, mypy
 #   .venv/nixl   the real NVIDIA NIXL 1.5.1 (nixl-cu12, CPU/UCX is enough), the oracle the tests compare with
 #   garage       Garage 2.5.0, the S3 server of the OBJ backend's tests, built once per machine into
-#                ~/.cache/gixl/garage-2.5.0 (about 18 minutes on 2 cores; $GIXL_GARAGE names another binary)
+#                ~/.cache/gixl/garage-2.5.0-lmdb: only the LMDB metadata engine, against Debian's libsodium and
+#                libzstd, at opt-level 1 (about 8 minutes on 2 cores, half of a default build; the benchmark
+#                figures in benches/README.md came from a default build). $GIXL_GARAGE names another binary.
+#
+# Each phase prints how long it took, so a slow CI machine shows where its time went.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
+t0=$SECONDS
+took() { echo "setup: $1 ($((SECONDS - t0)) s since setup began)"; }
 
 apt_missing=()
 command -v cc >/dev/null || apt_missing+=(build-essential)
@@ -20,11 +26,17 @@ command -v ip >/dev/null || apt_missing+=(iproute2)
 command -v valgrind >/dev/null || apt_missing+=(valgrind)
 # tests/telemetry.rs scrapes gixl with a real Prometheus server.
 command -v prometheus >/dev/null || apt_missing+=(prometheus)
+# Garage's build links Debian's libsodium and libzstd (found with pkg-config) instead of compiling its own.
+for lib in libsodium libzstd; do
+    pkg-config --exists "$lib" 2>/dev/null || apt_missing+=("$lib-dev")
+done
+command -v pkg-config >/dev/null || apt_missing+=(pkg-config)
 if ((${#apt_missing[@]})); then
     echo "setup: apt-get install ${apt_missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends "${apt_missing[@]}" >/dev/null
+    took "apt packages installed"
 fi
 
 py=${PYTHON:-python3}
@@ -33,6 +45,7 @@ if [ ! -x .venv/nixl/bin/python ]; then
     "$py" -m venv .venv/nixl
     .venv/nixl/bin/pip install -q pytest numpy
     .venv/nixl/bin/pip install -q --no-deps nixl-cu12==1.5.1
+    took ".venv/nixl ready"
 fi
 # boto3: the independent S3 client that checks what the OBJ tests leave on the server.
 for v in .venv/nixl .venv/gixl; do
@@ -44,16 +57,19 @@ if [ ! -x .venv/gixl/bin/python ]; then
     echo "setup: .venv/gixl"
     "$py" -m venv .venv/gixl
     .venv/gixl/bin/pip install -q pytest numpy mypy maturin boto3
+    took ".venv/gixl ready"
 fi
-garage_root="$HOME/.cache/gixl/garage-2.5.0"
+garage_root="$HOME/.cache/gixl/garage-2.5.0-lmdb"
 if [ -z "${GIXL_GARAGE:-}" ] && [ ! -x "$garage_root/bin/garage" ]; then
-    echo "setup: cargo install garage 2.5.0 into $garage_root (once per machine; about 18 minutes on 2 cores)"
-    CARGO_TARGET_DIR="$HOME/.cache/gixl/garage-build" \
-        cargo install -q garage --version 2.5.0 --locked --root "$garage_root"
+    echo "setup: cargo install garage 2.5.0 into $garage_root (once per machine; about 8 minutes on 2 cores)"
+    CARGO_TARGET_DIR="$HOME/.cache/gixl/garage-build" CARGO_PROFILE_RELEASE_OPT_LEVEL=1 \
+        CARGO_PROFILE_RELEASE_DEBUG=0 cargo install -q garage --version 2.5.0 --locked \
+        --no-default-features --features lmdb,system-libs --root "$garage_root"
     rm -rf "$HOME/.cache/gixl/garage-build"
+    took "garage built"
 fi
 # Always reinstall gixl itself so the venv matches the checkout.
 echo "setup: pip install . (builds the gixl wheel)"
 .venv/gixl/bin/pip install -q --force-reinstall --no-deps .
 .venv/gixl/bin/python -c "import nixl._api, nixl._bindings, gixl._gixl"
-echo "setup: done"
+took "done"

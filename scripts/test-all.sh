@@ -30,19 +30,32 @@ export GIXL_SKIP_LOG="$logs/skips.txt"
 # Per-suite counts, one line each: "<suite>|<passed>|<failed>|<skipped>|<note>".
 counts="$logs/counts.txt"
 : >"$counts"
+# Bounds, so that a hung or crawling step shows up as a failed step in the summary instead of CI's own timeout
+# (90 minutes) with no summary at all: each step gets at most $GIXL_STEP_LIMIT_S seconds, and no step starts
+# after $GIXL_DEADLINE_S seconds from the start of this script (setup included).
+step_limit=${GIXL_STEP_LIMIT_S:-1800}
+deadline=${GIXL_DEADLINE_S:-4500}
 step() {
     local name="$1"
     shift
     echo
     echo "=== $name"
-    local t0=$SECONDS
-    if "$@"; then
+    local t0=$SECONDS limit=$step_limit
+    if ((SECONDS >= deadline)); then
+        failed=$((failed + 1))
+        failures+=("$name (not started: ${deadline} s had passed)")
+        echo "=== $name: NOT STARTED (${SECONDS} s into the run, past the ${deadline} s deadline)"
+        return
+    fi
+    ((deadline - SECONDS < limit)) && limit=$((deadline - SECONDS + 60))
+    # The step's functions run in a child bash (exported below), under timeout(1), which ends the whole group.
+    if timeout -k 30 "$limit" bash -c '"$@"' step "$@"; then
         passed=$((passed + 1))
         echo "=== $name: ok ($((SECONDS - t0)) s)"
     else
         failed=$((failed + 1))
         failures+=("$name")
-        echo "=== $name: FAILED ($((SECONDS - t0)) s)"
+        echo "=== $name: FAILED ($((SECONDS - t0)) s$( ((SECONDS - t0 >= limit)) && echo ", stopped at its ${limit} s limit"))"
     fi
 }
 # Run a suite with its output shown and kept in $logs/<tag>.log; returns the suite's status.
@@ -209,6 +222,10 @@ vllm_sequence() {
 valgrind_c() { scripts/valgrind.sh; }
 soak_quick() { GIXL_TEST_INSTALLED=1 timeout 300 .venv/gixl/bin/python python/tests/soak.py --quick; }
 
+echo "setup took ${SECONDS} s"
+export root logs counts
+# shellcheck disable=SC2046
+export -f $(declare -F | awk '{print $3}')
 step "rustfmt + clippy -D warnings + module cycles" rust_lint
 step "cargo test" rust_tests
 step "cargo test --features cuda (fake device layer)" rust_cuda
@@ -242,5 +259,5 @@ fi
 
 echo
 for f in "${failures[@]}"; do echo "failed step: $f"; done
-echo "steps: $passed passed, $failed failed"
+echo "steps: $passed passed, $failed failed (${SECONDS} s, setup included)"
 [ "$failed" -eq 0 ]

@@ -1,6 +1,6 @@
 """A real S3 server for the OBJ backend's tests and benchmark: Garage, single node, on loopback.
 
-``scripts/setup.sh`` builds Garage 2.5.0 once per machine into ``~/.cache/gixl/garage-2.5.0`` (or
+``scripts/setup.sh`` builds Garage 2.5.0 once per machine into ``~/.cache/gixl/garage-2.5.0-lmdb`` (or
 ``$GIXL_GARAGE``). ``Garage.start(dir)`` runs ``garage server --single-node --default-bucket`` on free
 loopback ports with a fresh key and bucket; ``stop()``/``kill()`` end it. Nothing here reaches beyond
 127.0.0.1, and ``no_discovery()`` is the environment every S3 client in the tests runs with: explicit
@@ -25,7 +25,7 @@ def garage_exe() -> str | None:
     """The Garage binary, or None when this machine has none."""
     for cand in (
         os.environ.get("GIXL_GARAGE"),
-        str(Path.home() / ".cache/gixl/garage-2.5.0/bin/garage"),
+        str(Path.home() / ".cache/gixl/garage-2.5.0-lmdb/bin/garage"),
         shutil.which("garage"),
     ):
         if cand and os.access(cand, os.X_OK):
