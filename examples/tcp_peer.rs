@@ -135,21 +135,27 @@ fn main() {
                 std::io::stdin().read_line(&mut go).unwrap();
                 let (mut bytes, mut lat) = (0u64, Vec::new());
                 let mut failures = std::collections::BTreeMap::<&'static str, u64>::new();
+                let mut first: Option<String> = None;
+                let mut failed = |e: Error| {
+                    *failures.entry(e.status().name()).or_default() += 1;
+                    first.get_or_insert_with(|| e.to_string());
+                };
                 let t0 = Instant::now();
                 while t0.elapsed().as_secs_f64() < secs {
                     match run(&kv_req) {
                         Ok(_) => bytes += BLOCKS * BLOCK,
-                        Err(e) => *failures.entry(e.status().name()).or_default() += 1,
+                        Err(e) => failed(e),
                     }
                     match run(&small) {
                         Ok(d) => lat.push(format!("{:.1}", d.as_secs_f64() * 1e6)),
-                        Err(e) => *failures.entry(e.status().name()).or_default() += 1,
+                        Err(e) => failed(e),
                     }
                 }
                 let secs = t0.elapsed().as_secs_f64();
                 let failures: Vec<String> = failures.iter().map(|(k, n)| format!("\"{k}\":{n}")).collect();
+                let first = first.map(|m| format!("{m:?}")).unwrap_or_else(|| "null".into());
                 println!(
-                    "{{\"bytes\":{bytes},\"secs\":{secs:.4},\"lat_us\":[{}],\"failures\":{{{}}}}}",
+                    "{{\"bytes\":{bytes},\"secs\":{secs:.4},\"lat_us\":[{}],\"failures\":{{{}}},\"first_error\":{first}}}",
                     lat.join(","),
                     failures.join(",")
                 );

@@ -250,6 +250,8 @@ def fanin(impl, n, tmp):
             # Initiators that saw a failed request, and the failures by status.
             "failed_initiators": sum(1 for r in res if r["failures"]),
             "failures": {k: sum(r["failures"].get(k, 0) for r in res) for r in res for k in r["failures"]},
+            # What the first failure of each initiator that saw one said (distinct messages).
+            "errors": sorted({r["first_error"] for r in res if r.get("first_error")}),
         }
     finally:
         for p in inis:
@@ -392,10 +394,12 @@ def main():
     rawbulk = f"{raw['bulk_1_gbps']:.2f} (1 connection) / {raw['bulk_4_gbps']:.2f} (4)"
     for key, label in (("bulk_gbps", "READ 64 MiB, GB/s"), ("write_gbps", "WRITE 64 MiB, GB/s"),
                        ("kv_gbps", "READ 1024 × 16 KiB, GB/s")):
+        if not a.rounds:
+            break
         cells = [f"{med([x[key] for x in bw[i.name]]):.2f}" for i in impls]
         print(f"| {label} | " + " | ".join(cells) + f" | {rawbulk if key != 'kv_gbps' else ''} |")
     cells = [f"{med([x['lat_median_us'] for x in bw[i.name]]):.0f} / {med([x['lat_p99_us'] for x in bw[i.name]]):.0f}"
-             for i in impls]
+             if a.rounds else "—" for i in impls]
     print("| 4 KiB READ µs (median / p99); raw: 4 KiB ping-pong round trip | " + " | ".join(cells)
           + f" | {raw['rtt_median_us']:.0f} / {raw['rtt_p99_us']:.0f} |")
     for n in sorted({n for _, n in fan}):

@@ -163,6 +163,39 @@ fn child_cmd(s: &mut ChildState, w: &[&str]) -> std::result::Result<String, Stri
                 }
             }
         }
+        "busy" => {
+            // busy BUF REMOTE RADDR LEN MS: READ in a loop for MS ms; answers "COUNT FAILED FIRST-ERROR".
+            let base = s.bufs[num(1) as usize].as_ptr() as u64;
+            let len = num(4);
+            let r = a.create_xfer_req(
+                XferOp::Read,
+                &blocks(base, len, 1, false),
+                &blocks(num(3), len, 1, false),
+                w[2],
+                &XferOpts::default(),
+            );
+            let r = r.map_err(st)?;
+            let (mut count, mut failed, mut first) = (0u64, 0u64, None);
+            let t = Instant::now();
+            while t.elapsed() < Duration::from_millis(num(5)) {
+                let res = a.post_xfer_req(&r, NotifUpdate::Keep).and_then(|s| match s {
+                    Status::InProg => wait_xfer(a, &r, Duration::from_secs(60)),
+                    s => Ok(s),
+                });
+                match res {
+                    Ok(Status::Success) => count += 1,
+                    Ok(other) => {
+                        failed += 1;
+                        first.get_or_insert_with(|| other.name().to_owned());
+                    }
+                    Err(e) => {
+                        failed += 1;
+                        first.get_or_insert_with(|| st(e));
+                    }
+                }
+            }
+            Ok(format!("{count} {failed} {}", first.unwrap_or_else(|| "-".into())))
+        }
         "notifs" => {
             let n = a.notifs(&[]).map_err(st)?;
             Ok(n.iter().map(|(f, m)| format!("{f}:{}", hex(m))).collect::<Vec<_>>().join(","))
@@ -672,6 +705,66 @@ fn killed_or_partitioned_peer_is_a_remote_disconnect_within_the_bound() {
             }
         }
     }
+}
+
+/// Fan-in: one target, 64 initiator processes on another host, each READing 4 MiB in a loop for three
+/// disconnect timeouts (3 s) while the two cores and the target's serving loops are saturated: none sees a
+/// failure, since a peer that answers heartbeats is slow, not dead. Then the target is frozen (SIGSTOP) while
+/// they all READ: every one of them gets REMOTE_DISCONNECT within the bound.
+#[test]
+fn sixty_four_busy_initiators_see_no_false_disconnect_and_a_frozen_target_is_still_caught() {
+    let _g = SERIAL.lock();
+    let Some(net) = Net::new("f", 2) else { return };
+    let mut target = Proc::start(&net, 0, "prefill", false, &[]);
+    let size = 4 << 20;
+    let (_, taddr) = target.reg(size, 3);
+    let md = target.cmd("md");
+    let mut inis: Vec<Proc> = (0..64).map(|i| Proc::start(&net, 1, &format!("decode{i}"), false, &[])).collect();
+    let mut bufs = Vec::new();
+    for p in &mut inis {
+        bufs.push(p.reg(size, 0).0);
+        p.cmd(&format!("load {md}"));
+    }
+    for (p, b) in inis.iter_mut().zip(&bufs) {
+        writeln!(p.stdin, "busy {b} prefill {taddr} {size} 3000").unwrap();
+        p.stdin.flush().unwrap();
+    }
+    let (mut reads, mut failures) = (0u64, Vec::new());
+    for (i, p) in inis.iter_mut().enumerate() {
+        let r = p.next(Duration::from_secs(120));
+        let f: Vec<&str> = r.trim_start_matches("@ok ").splitn(3, ' ').collect();
+        reads += f[0].parse::<u64>().unwrap();
+        if f[1] != "0" {
+            failures.push(format!("decode{i}: {} failed, first: {}", f[1], f[2]));
+        }
+    }
+    eprintln!("64 initiators busy for 3 s: {reads} READs of 4 MiB ({:.2} GB/s)", reads as f64 * size as f64 / 3e9);
+    assert!(failures.is_empty(), "healthy peer reported as failed:\n{}", failures.join("\n"));
+
+    for (p, b) in inis.iter_mut().zip(&bufs) {
+        writeln!(p.stdin, "hammer {b} prefill {taddr} {size}").unwrap();
+        p.stdin.flush().unwrap();
+    }
+    for p in &mut inis {
+        assert_eq!(p.next(Duration::from_secs(60)), "@started");
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let t0 = now_ns();
+    // SAFETY: a signal to our own child.
+    assert_eq!(unsafe { libc::kill(target.pid, libc::SIGSTOP) }, 0);
+    let mut took = Vec::new();
+    for p in &mut inis {
+        let r = p.next(Duration::from_secs(30));
+        let f: Vec<&str> = r.trim_start_matches("@ok ").split(' ').collect();
+        assert_eq!(f[0], "NIXL_ERR_REMOTE_DISCONNECT", "{r}");
+        took.push(Duration::from_nanos(f[1].parse::<u64>().unwrap().saturating_sub(t0)));
+    }
+    // SAFETY: as above.
+    unsafe { libc::kill(target.pid, libc::SIGCONT) };
+    took.sort();
+    eprintln!("target frozen: all 64 initiators failed, median after {:?}, last after {:?}", took[32], took[63]);
+    // 750 ms of silence (3/4 of the 1 s timeout) and the scheduling of 64 processes on two cores.
+    assert!(took[63] <= Duration::from_secs(2), "last REMOTE_DISCONNECT after {:?}", took[63]);
 }
 
 #[test]

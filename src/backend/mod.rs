@@ -54,6 +54,10 @@ pub trait Peer: Send + Sync + 'static {
     fn as_any(&self) -> &dyn Any;
     /// Whether the backend has seen this peer fail. Cheap (an atomic load); called on every post.
     fn disconnected(&self) -> bool;
+    /// Why it failed, where the backend knows (" (reason)", or empty), for the error that says so.
+    fn why_down(&self) -> String {
+        String::new()
+    }
     /// The route this peer's data takes now (`in-process`, `cma`, `tcp`, `tcp-after-cma-denied`), for
     /// telemetry, logs and `gixl doctor`.
     fn route(&self) -> &'static str {

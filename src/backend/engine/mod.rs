@@ -393,6 +393,12 @@ impl Peer for EnginePeer {
             PeerKind::Tcp { link } => link.down(),
         }
     }
+    fn why_down(&self) -> String {
+        match &self.kind {
+            PeerKind::Tcp { link } => link.why().map(|w| format!(" ({w})")).unwrap_or_default(),
+            _ => String::new(),
+        }
+    }
     fn route(&self) -> &'static str {
         match &self.kind {
             PeerKind::InProcess { .. } => "in-process",
@@ -934,7 +940,7 @@ impl Backend for Engine {
     fn connect(&self, peer: &Arc<dyn Peer>) -> Result<()> {
         let p = downcast(peer)?;
         if p.disconnected() {
-            return Err(Error::disconnected(format!("agent '{}' has disconnected", p.name)));
+            return Err(Error::disconnected(format!("agent '{}' has disconnected{}", p.name, p.why_down())));
         }
         match &p.kind {
             PeerKind::Cma { sock, sender, secret, from_inc, local_refused, .. } => {
@@ -1244,7 +1250,7 @@ impl BackendXfer for EngineXfer {
         }
         if let Some(p) = core.peer() {
             if p.disconnected() {
-                return Err(Error::disconnected(format!("agent '{}' has disconnected", p.name)));
+                return Err(Error::disconnected(format!("agent '{}' has disconnected{}", p.name, p.why_down())));
             }
         }
         let plan = &core.plan;
@@ -1306,7 +1312,11 @@ impl BackendXfer for EngineXfer {
                 if let Some(p) = self.core.peer() {
                     if p.disconnected() {
                         self.abort();
-                        return Err(Error::disconnected(format!("agent '{}' has disconnected", p.name)));
+                        return Err(Error::disconnected(format!(
+                            "agent '{}' has disconnected{}",
+                            p.name,
+                            p.why_down()
+                        )));
                     }
                 }
                 Ok(Status::InProg)
@@ -1730,6 +1740,58 @@ mod tests {
         assert!(dst == src);
         closer.join().unwrap();
         assert_eq!(read().unwrap(), Status::Success, "the link stayed up");
+    }
+
+    /// A target that answers heartbeats but takes longer than the data connections' socket timeout (the stall
+    /// bound, 5 s) to serve a request, as one serving many peers on few cores does: the request is waited for
+    /// and succeeds, and the link stays up. Before, the socket timeout took the link down and the READ failed
+    /// with REMOTE_DISCONNECT although the peer was alive.
+    #[test]
+    fn a_slow_target_that_answers_heartbeats_is_waited_for() {
+        let a = tcp_agent("slow-A", &[("disconnect_timeout_ms", "1000")]);
+        let b = tcp_agent("slow-B", &[]);
+        let len = 65536;
+        let src = vec![7u8; len];
+        let dst = vec![0u8; len];
+        reg(&a, &dst);
+        reg(&b, &src);
+        a.load_remote_md(&b.local_md().unwrap()).unwrap();
+        let read = || {
+            let r =
+                a.create_xfer_req(XferOp::Read, &xl(&dst, 0, len), &xl(&src, 0, len), "slow-B", &XferOpts::default());
+            let r = r.unwrap();
+            a.post_xfer_req(&r, NotifUpdate::Keep).and_then(|_| wait(&a, &r, Duration::from_secs(30)))
+        };
+        assert_eq!(read().unwrap(), Status::Success);
+        // A data connection whose far end takes the request and answers 6 s later with other bytes (B itself
+        // keeps answering the heartbeats on the control connection meanwhile).
+        let slow = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let planted = TcpStream::connect(slow.local_addr().unwrap()).unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = slow.accept().unwrap();
+            let mut req = [0u8; 256];
+            let _ = s.read(&mut req).unwrap();
+            std::thread::sleep(Duration::from_secs(6));
+            s.write_all(&wire::encode_reply(wire::REPLY_OK)).unwrap();
+            s.write_all(&vec![9u8; len]).unwrap();
+        });
+        let link = {
+            let remotes = a.inner.remotes.read();
+            let (_, p) = remotes.get("slow-B").unwrap().peers[0].clone();
+            match &downcast(&p).unwrap().kind {
+                PeerKind::Tcp { link } => link.clone(),
+                _ => panic!("not a TCP peer"),
+            }
+        };
+        link.plant_idle(planted);
+        let t0 = Instant::now();
+        assert_eq!(read().map_err(|e| e.status()), Ok(Status::Success), "a slow peer is not a dead one");
+        assert!(t0.elapsed() >= Duration::from_secs(6));
+        assert!(dst.iter().all(|&x| x == 9), "the slow connection's bytes landed");
+        drop(link);
+        server.join().unwrap();
+        assert_eq!(read().unwrap(), Status::Success, "the link stayed up");
+        assert!(dst == src);
     }
 
     #[test]

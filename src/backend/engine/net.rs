@@ -19,16 +19,37 @@ pub(crate) use crate::util::{epoll_del, recv_now, send_now};
 /// Most iovecs one `sendmsg`/`readv` takes (the kernel's UIO_MAXIOV).
 const IOV_MAX: usize = 1024;
 
+/// What a blocking transfer on a socket tells its owner, and asks it when the socket's timeout passes.
+pub trait Watch {
+    /// Bytes moved.
+    fn progress(&self) {}
+    /// The socket's timeout passed with nothing moved: true to wait again (the owner knows the peer is alive
+    /// and only slow), false to fail with the timeout.
+    fn patient(&self) -> bool {
+        false
+    }
+}
+
+/// A watch that counts nothing and never waits past the socket's timeout.
+pub struct Impatient;
+
+impl Watch for Impatient {}
+
+/// The socket's own timeout (`SO_RCVTIMEO`/`SO_SNDTIMEO`) passed with nothing moved.
+fn timed_out(e: &io::Error) -> bool {
+    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
+}
+
 pub fn iovec(addr: u64, len: u64) -> libc::iovec {
     libc::iovec { iov_base: addr as usize as *mut libc::c_void, iov_len: len as usize }
 }
 
-/// Send every byte `iov` describes, resuming after partial sends. `progress` runs after each call that
-/// moved bytes. `iov` is consumed (advanced) in place.
+/// Send every byte `iov` describes, resuming after partial sends. `w.progress()` runs after each call that
+/// moved bytes, `w.patient()` when the socket's timeout passes. `iov` is consumed (advanced) in place.
 ///
 /// # Safety
 /// Every iovec must describe memory readable for the duration of the call.
-pub unsafe fn send_iovecs(fd: RawFd, iov: &mut [libc::iovec], progress: &dyn Fn()) -> io::Result<()> {
+pub unsafe fn send_iovecs(fd: RawFd, iov: &mut [libc::iovec], w: &dyn Watch) -> io::Result<()> {
     let mut i = skip_empty(iov, 0);
     while i < iov.len() {
         let n = (iov.len() - i).min(IOV_MAX);
@@ -40,7 +61,7 @@ pub unsafe fn send_iovecs(fd: RawFd, iov: &mut [libc::iovec], progress: &dyn Fn(
         let r = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL) };
         if r < 0 {
             let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
+            if e.kind() == io::ErrorKind::Interrupted || (timed_out(&e) && w.patient()) {
                 continue;
             }
             return Err(e);
@@ -48,17 +69,18 @@ pub unsafe fn send_iovecs(fd: RawFd, iov: &mut [libc::iovec], progress: &dyn Fn(
         if r == 0 {
             return Err(io::ErrorKind::WriteZero.into());
         }
-        progress();
+        w.progress();
         i = advance(iov, i, r as usize);
     }
     Ok(())
 }
 
-/// Fill every byte `iov` describes from the socket; end of stream before that is `UnexpectedEof`.
+/// Fill every byte `iov` describes from the socket; end of stream before that is `UnexpectedEof`. `w` as
+/// for `send_iovecs`.
 ///
 /// # Safety
 /// Every iovec must describe memory writable for the duration of the call and not otherwise in use.
-pub unsafe fn recv_iovecs(fd: RawFd, iov: &mut [libc::iovec], progress: &dyn Fn()) -> io::Result<()> {
+pub unsafe fn recv_iovecs(fd: RawFd, iov: &mut [libc::iovec], w: &dyn Watch) -> io::Result<()> {
     let mut i = skip_empty(iov, 0);
     while i < iov.len() {
         let n = (iov.len() - i).min(IOV_MAX);
@@ -66,7 +88,7 @@ pub unsafe fn recv_iovecs(fd: RawFd, iov: &mut [libc::iovec], progress: &dyn Fn(
         let r = unsafe { libc::readv(fd, iov[i..].as_ptr(), n as i32) };
         if r < 0 {
             let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
+            if e.kind() == io::ErrorKind::Interrupted || (timed_out(&e) && w.patient()) {
                 continue;
             }
             return Err(e);
@@ -74,7 +96,7 @@ pub unsafe fn recv_iovecs(fd: RawFd, iov: &mut [libc::iovec], progress: &dyn Fn(
         if r == 0 {
             return Err(io::ErrorKind::UnexpectedEof.into());
         }
-        progress();
+        w.progress();
         i = advance(iov, i, r as usize);
     }
     Ok(())
@@ -152,17 +174,25 @@ pub unsafe fn sendmsg_now(fd: RawFd, iov: &[libc::iovec]) -> io::Result<usize> {
 }
 
 /// Send all of `buf` (blocking, with the socket's timeout), without SIGPIPE.
-pub fn send_all(s: &TcpStream, buf: &[u8], progress: &dyn Fn()) -> io::Result<()> {
+pub fn send_all(s: &TcpStream, buf: &[u8], w: &dyn Watch) -> io::Result<()> {
     let mut v = [iovec(buf.as_ptr() as u64, buf.len() as u64)];
     // SAFETY: `buf` is a live slice for the whole call.
-    unsafe { send_iovecs(s.as_raw_fd(), &mut v, progress) }
+    unsafe { send_iovecs(s.as_raw_fd(), &mut v, w) }
 }
 
 /// Fill `buf` from the socket (blocking, with the socket's timeout).
-pub fn recv_exact(s: &TcpStream, buf: &mut [u8], progress: &dyn Fn()) -> io::Result<()> {
+pub fn recv_exact(s: &TcpStream, buf: &mut [u8], w: &dyn Watch) -> io::Result<()> {
     let mut v = [iovec(buf.as_mut_ptr() as u64, buf.len() as u64)];
     // SAFETY: `buf` is a live, exclusively borrowed slice for the whole call.
-    unsafe { recv_iovecs(s.as_raw_fd(), &mut v, progress) }
+    unsafe { recv_iovecs(s.as_raw_fd(), &mut v, w) }
+}
+
+/// Are bytes waiting to be read (or an end of stream)? Only looks, never waits.
+pub fn readable(fd: RawFd) -> bool {
+    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd, no wait.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n > 0 && p.revents & libc::POLLIN != 0
 }
 
 /// Has the connection been shut down (by either side) or failed? Only looks, never waits.
@@ -297,11 +327,11 @@ mod tests {
         let t = std::thread::spawn(move || {
             let mut siov: Vec<libc::iovec> = src.iter().map(|s| iovec(s.as_ptr() as u64, s.len() as u64)).collect();
             // SAFETY: `src` is moved into this thread and outlives the call.
-            unsafe { send_iovecs(a.as_raw_fd(), &mut siov, &|| {}) }.unwrap();
+            unsafe { send_iovecs(a.as_raw_fd(), &mut siov, &Impatient) }.unwrap();
             src
         });
         // SAFETY: `dst` is exclusively ours for the call.
-        unsafe { recv_iovecs(b.as_raw_fd(), &mut diov, &|| {}) }.unwrap();
+        unsafe { recv_iovecs(b.as_raw_fd(), &mut diov, &Impatient) }.unwrap();
         assert_eq!(dst, t.join().unwrap());
     }
 

@@ -275,6 +275,13 @@ impl TcpOpts {
     pub fn stall(&self) -> Duration {
         (self.timeout * 5).max(Duration::from_secs(5))
     }
+    /// How long a data connection of a peer that still answers heartbeats may make no progress before the
+    /// request is given up: a target that is alive but slow (serving many peers on few cores) is waited for,
+    /// since the disconnect timeout measures silence, not slowness; this bounds only a peer that answers but
+    /// never serves.
+    pub fn patience(&self) -> Duration {
+        self.stall() * 12
+    }
     /// A connection must complete its handshake within this long (one round trip in practice).
     pub fn handshake(&self) -> Duration {
         (self.timeout * 2).clamp(Duration::from_millis(500), Duration::from_secs(10))
@@ -422,12 +429,19 @@ impl TcpShared {
         let mut down = Vec::new();
         // Links upgraded under the lock are dropped after it: dropping the last one unregisters it.
         let mut seen = Vec::new();
+        let silence = LiveCfg::for_timeout(self.opts.timeout.as_nanos() as u64).silence;
         {
             let out = self.out.lock();
             for o in out.values().filter(|o| !o.conn.retired.load(Ordering::Acquire)) {
                 let Some(link) = o.link.upgrade() else { continue };
                 let inflight = link.inflight.load(Ordering::Acquire);
-                let last_rx = link.last_rx.load(Ordering::Acquire);
+                let mut last_rx = link.last_rx.load(Ordering::Acquire);
+                // An answer this thread has not read yet (it was not scheduled in time, which is our slowness,
+                // not the peer's silence) is a sign of life: the event loop reads it next.
+                if inflight > 0 && now >= last_rx.saturating_add(silence) && net::readable(o.conn.stream.as_raw_fd()) {
+                    link.touch();
+                    last_rx = link.last_rx.load(Ordering::Acquire);
+                }
                 let t = link.live.lock().tick(now, inflight, last_rx);
                 if t.ping {
                     ping(&o.conn);
@@ -442,7 +456,6 @@ impl TcpShared {
             }
         }
         for link in down {
-            let silence = LiveCfg::for_timeout(self.opts.timeout.as_nanos() as u64).silence;
             link.kill(format!("no answer to heartbeats for {:?}", Duration::from_nanos(silence)));
         }
         next
@@ -509,7 +522,7 @@ fn ping(c: &CtrlConn) {
         // A frame must never be left half written: finish a partial one (a five-byte send is only ever
         // split when the send buffer is full, and then the socket's send timeout bounds this).
         Ok(n) if n > 0 && n < head.len() => {
-            let _ = net::send_all(&c.stream, &head[n..], &|| {});
+            let _ = net::send_all(&c.stream, &head[n..], &net::Impatient);
         }
         _ => {}
     }
@@ -584,6 +597,11 @@ impl TcpProgress {
         let listener = TcpListener::bind(bind)
             .map_err(|e| Error::os(Status::Backend, format!("binding the TCP listener on {bind}"), e))?;
         listener.set_nonblocking(true).map_err(|e| Error::os(Status::Backend, "TCP listener", e))?;
+        // std listens with a backlog of 128; a target that many initiators dial at once (64 peers × their data
+        // connections) would drop SYNs, each costing its sender a one-second retransmission. The kernel caps
+        // this at net.core.somaxconn.
+        // SAFETY: listen(2) on a socket we own, already listening (this only changes its backlog).
+        unsafe { libc::listen(listener.as_raw_fd(), 4096) };
         let local = listener.local_addr().map_err(|e| Error::os(Status::Backend, "TCP listener address", e))?;
         epoll_add(epfd.as_raw_fd(), listener.as_raw_fd(), TOKEN_LISTEN)?;
         let shared = Arc::new(TcpShared {
@@ -1572,6 +1590,9 @@ struct DataConns {
     idle: Vec<Arc<TcpStream>>,
     open: usize,
     all: Vec<Weak<TcpStream>>,
+    /// After a failed dial of one more connection while others were open: no further one before this
+    /// (monotonic ns); requests wait for the open ones instead.
+    no_dial_until: u64,
 }
 
 /// The peer a link talks to, as its connection info describes it.
@@ -1615,6 +1636,11 @@ impl TcpLink {
 
     fn touch(&self) {
         self.last_rx.store(monotonic_ns(), Ordering::Release);
+    }
+
+    /// Why the link last went down.
+    pub fn why(&self) -> Option<String> {
+        self.why.lock().clone()
     }
 
     fn gone(&self) -> Error {
@@ -1841,13 +1867,15 @@ impl TcpLink {
             let proven = e.kind() == io::ErrorKind::ConnectionRefused;
             (format!("connecting to {a}: {e}"), proven)
         })?;
-        net::tune(&s, self.opts.stall());
+        // A data connection's unacknowledged bytes (or a closed window) may wait as long as the request may make
+        // no progress while the peer answers heartbeats (`DataWatch`).
+        net::tune(&s, if kind == wire::KIND_DATA { self.opts.patience() } else { self.opts.stall() });
         let wait = left.min(self.opts.handshake()).max(Duration::from_millis(1));
         let mut c = [0u8; wire::CHALLENGE_BYTES];
         let r = s
             .set_read_timeout(Some(wait))
             .and_then(|_| s.set_write_timeout(Some(self.opts.stall())))
-            .and_then(|_| net::recv_exact(&s, &mut c, &|| {}));
+            .and_then(|_| net::recv_exact(&s, &mut c, &net::Impatient));
         if let Err(e) = r {
             return Err((format!("{a} closed before its challenge (busy, or not a gixl engine): {e}"), false));
         }
@@ -1856,7 +1884,7 @@ impl TcpLink {
         let tag = crate::auth::hello_tag(self.secret, kind, self.incarnation, &nonce, &self.me);
         let hello = wire::encode_hello(&Hello { kind, incarnation: self.incarnation, tag, name: self.me.clone() });
         let mut ans = [0u8; 1];
-        let r = net::send_all(&s, &hello, &|| {}).and_then(|_| net::recv_exact(&s, &mut ans, &|| {}));
+        let r = net::send_all(&s, &hello, &net::Impatient).and_then(|_| net::recv_exact(&s, &mut ans, &net::Impatient));
         match (r, ans[0]) {
             (Ok(()), wire::ACK) => {
                 s.set_read_timeout(Some(self.opts.stall())).map_err(|e| (format!("{a}: {e}"), false))?;
@@ -1933,6 +1961,10 @@ impl TcpLink {
     /// Tests: put `s` in the pool of idle data connections, as if it were one of ours that the target keeps.
     #[cfg(test)]
     pub(super) fn plant_idle(&self, s: TcpStream) {
+        // Set up as `dial_one` sets up the data connections it dials.
+        net::tune(&s, self.opts.patience());
+        s.set_read_timeout(Some(self.opts.stall())).unwrap();
+        s.set_write_timeout(Some(self.opts.stall())).unwrap();
         let mut g = self.data.lock();
         g.open += 1;
         g.idle.push(Arc::new(s));
@@ -1954,7 +1986,8 @@ impl TcpLink {
                 }
                 return Ok((s, epoch, true));
             }
-            if g.open < self.opts.conns {
+            let now = monotonic_ns();
+            if g.open < self.opts.conns && (g.open == 0 || now >= g.no_dial_until) {
                 g.open += 1;
                 drop(g);
                 let r = self.dial(wire::KIND_DATA);
@@ -1979,11 +2012,26 @@ impl TcpLink {
                         Ok((s, epoch, false))
                     }
                     Err(e) => {
-                        self.data.lock().open -= 1;
+                        g = self.data.lock();
+                        g.open -= 1;
+                        // One more connection could not be had (a target accepting slowly under load: its
+                        // backlog full, a SYN waiting for its retransmission), but the link has others and
+                        // its heartbeats say whether the peer lives: wait for one of those.
+                        if g.open > 0 && !e.1 && !self.down() {
+                            g.no_dial_until = monotonic_ns() + self.opts.timeout.as_nanos() as u64;
+                            continue;
+                        }
+                        drop(g);
                         self.data_cv.notify_one();
                         Err(self.dial_failed(e))
                     }
                 };
+            }
+            if g.open < self.opts.conns && g.open > 0 {
+                // Waiting out `no_dial_until`, unless a connection comes back first.
+                let left = g.no_dial_until.saturating_sub(now).max(1_000_000);
+                self.data_cv.wait_for(&mut g, Duration::from_nanos(left));
+                continue;
             }
             self.data_cv.wait(&mut g);
         }
@@ -2051,7 +2099,7 @@ impl TcpLink {
         mut lost: Option<&mut bool>,
     ) -> Result<()> {
         let fd = s.as_raw_fd();
-        let progress = || self.touch();
+        let watch = DataWatch { link: self, epoch, last: AtomicU64::new(monotonic_ns()) };
         let mut wsegs: Vec<WireSeg> = Vec::with_capacity(wire::MAX_SEGS.min(segs.len()));
         let mut iov: Vec<libc::iovec> = Vec::with_capacity(wire::MAX_SEGS.min(segs.len()) + 1);
         let mut head = Vec::new();
@@ -2083,11 +2131,11 @@ impl TcpLink {
             }
             wire::encode_req(op, &wsegs, &mut head);
             let r = match op {
-                XferOp::Read => net::send_all(s, &head, &progress).and_then(|_| self.reply(s)).and_then(|ok| {
+                XferOp::Read => net::send_all(s, &head, &watch).and_then(|_| self.reply(s, &watch)).and_then(|ok| {
                     if ok {
                         // SAFETY: the local ranges were resolved against this agent's registrations, which
                         // stay valid while registered; the agent allows one active post per request.
-                        unsafe { net::recv_iovecs(fd, &mut iov, &progress) }.map(|_| true)
+                        unsafe { net::recv_iovecs(fd, &mut iov, &watch) }.map(|_| true)
                     } else {
                         Ok(false)
                     }
@@ -2095,7 +2143,7 @@ impl TcpLink {
                 XferOp::Write => {
                     iov.insert(0, iovec(head.as_ptr() as u64, head.len() as u64));
                     // SAFETY: `head` lives across the call; local ranges as above (only read here).
-                    unsafe { net::send_iovecs(fd, &mut iov, &progress) }.and_then(|_| self.reply(s))
+                    unsafe { net::send_iovecs(fd, &mut iov, &watch) }.and_then(|_| self.reply(s, &watch))
                 }
             };
             match r {
@@ -2124,10 +2172,39 @@ impl TcpLink {
         Ok(())
     }
 
-    fn reply(&self, s: &TcpStream) -> io::Result<bool> {
+    fn reply(&self, s: &TcpStream, watch: &DataWatch<'_>) -> io::Result<bool> {
         let mut r = [0u8; wire::REPLY_BYTES];
-        net::recv_exact(s, &mut r, &|| self.touch())?;
+        net::recv_exact(s, &mut r, watch)?;
         wire::parse_reply(&r).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.0))
+    }
+}
+
+/// One data connection's request in flight: progress on it is a sign of life of the peer, and when its socket
+/// times out the request waits on while the link is up and the peer answers heartbeats (slow is not dead), up
+/// to `TcpOpts::patience` without progress on this connection.
+struct DataWatch<'a> {
+    link: &'a TcpLink,
+    epoch: u64,
+    /// Last progress on this connection (ns).
+    last: AtomicU64,
+}
+
+impl net::Watch for DataWatch<'_> {
+    fn progress(&self) {
+        let now = monotonic_ns();
+        self.last.store(now, Ordering::Relaxed);
+        self.link.last_rx.store(now, Ordering::Release);
+    }
+
+    fn patient(&self) -> bool {
+        let l = self.link;
+        let now = monotonic_ns();
+        let silence = LiveCfg::for_timeout(l.opts.timeout.as_nanos() as u64).silence;
+        l.epoch.load(Ordering::Acquire) == self.epoch
+            && !l.dead.load(Ordering::Acquire)
+            && !l.closed.load(Ordering::Acquire)
+            && now.saturating_sub(l.last_rx.load(Ordering::Acquire)) < silence
+            && now.saturating_sub(self.last.load(Ordering::Relaxed)) < l.opts.patience().as_nanos() as u64
     }
 }
 
