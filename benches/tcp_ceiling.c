@@ -4,8 +4,11 @@
 //   tcp_ceiling client IP PORT ITERS      print one JSON line: 64 MiB pulled over 1 and over 4 connections
 //                                         (GB/s, median of ITERS) and a 4 KiB ping-pong round trip (µs)
 //
-// Protocol: a connection sends 'B' and a little-endian u64 n, answered with n bytes; or 'P' followed by
-// 4096-byte pings, each echoed. Large reads go straight into one 64 MiB buffer, as a transfer library would.
+// Protocol: a connection sends 'B' and little-endian u64s n and off, answered with the n bytes at off of the
+// server's 64 MiB buffer; or 'P' followed by 4096-byte pings, each echoed. Large reads go straight into one
+// 64 MiB buffer, as a transfer library would, and each connection of a pull moves its own quarter of the
+// server's buffer, so 64 MiB of distinct memory is read on one side and written on the other, as in the
+// library's READ (sending one 16 MiB quarter four times would leave it in the server's cache).
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -47,8 +50,9 @@ static void *serve(void *arg) {
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     while (full(fd, &kind, 1, 1) == 0) {
         if (kind == 'B') {
-            uint64_t n;
-            if (full(fd, &n, 8, 1) || n > BULK || full(fd, blob, n, 0)) break;
+            uint64_t n, off;
+            if (full(fd, &n, 8, 1) || full(fd, &off, 8, 1) || n > BULK || off > BULK - n || full(fd, blob + off, n, 0))
+                break;
         } else {
             while (full(fd, ping, PING, 1) == 0 && full(fd, ping, PING, 0) == 0) {
             }
@@ -81,9 +85,11 @@ struct pull {
 
 static void *pull(void *arg) {
     struct pull *p = arg;
-    char req[9] = {'B'};
+    char req[17] = {'B'};
+    uint64_t off = (uint64_t)(p->dst - blob);
     memcpy(req + 1, &p->n, 8);
-    if (full(p->fd, req, 9, 0) || full(p->fd, p->dst, p->n, 1)) die("pull");
+    memcpy(req + 9, &off, 8);
+    if (full(p->fd, req, 17, 0) || full(p->fd, p->dst, p->n, 1)) die("pull");
     return NULL;
 }
 
