@@ -7,8 +7,8 @@
 //!                                         print one JSON line of figures
 //! tcp_peer fanin MDFILE SECONDS           one of N initiators: print "@ready", wait for a line on stdin,
 //!                                         then for SECONDS alternate a 1024 × 16 KiB READ and a 4 KiB READ,
-//!                                         polling each for 100 µs, then every 50 µs (N of them share the
-//!                                         cores with the target); print one JSON line (bytes, seconds, 4 KiB
+//!                                         polling each for 100 µs, then with naps growing from 50 µs (N of
+//!                                         them share the cores with the target); print one JSON line (bytes, seconds, 4 KiB
 //!                                         latencies, failed requests counted by status, the first error)
 //! tcp_peer hammer MDFILE                  READ 32 MiB in a loop, polling only, until it fails; print
 //!                                         "@started" once, then "@failed STATUS MONOTONIC_NS"
@@ -90,14 +90,17 @@ fn main() {
             };
             // Bandwidth and fan-in: the initiator shares the machine's cores with the target (and at fan-in with N
             // others), so it polls as a consumer with other work would, not in a tight loop that takes a core
-            // from the transfer: for 100 µs, then every 50 µs (sleeping between). The raw TCP program it is
-            // compared with blocks in recv(2). The 4 KiB latency probe polls in a tight loop.
+            // from the transfer: for 100 µs, then after naps from 50 µs doubling up to a twentieth of the time
+            // spent so far (at most 5 % added to a request's time). The raw TCP program it is compared with
+            // blocks in recv(2). The 4 KiB latency probe polls in a tight loop.
             let run_polite = |r: &XferReq| -> Result<Duration> {
                 let t = Instant::now();
                 let mut s = a.post_xfer_req(r, NotifUpdate::Keep)?;
+                let mut nap = Duration::from_micros(50);
                 while s == Status::InProg {
                     if t.elapsed() > Duration::from_micros(100) {
-                        std::thread::sleep(Duration::from_micros(50));
+                        std::thread::sleep(nap);
+                        nap = (nap * 2).min(t.elapsed() / 20).max(Duration::from_micros(50));
                     }
                     s = a.xfer_status(r)?;
                 }

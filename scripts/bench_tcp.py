@@ -9,9 +9,9 @@ Two "hosts" are network namespaces joined by a veth pair (192.0.2.1 and 192.0.2.
 leaves them); everything is deleted at the end. On that one link, in the same run:
 
 - READ bandwidth of one 64 MiB block and of 1024 × 16 KiB blocks (remote blocks in reversed order, so
-  nothing can merge), WRITE of 64 MiB (the initiator polls each for 100 µs, then every 50 µs, sleeping
-  between, so that it does not take one of the two cores from the transfer: the raw program blocks in
-  recv(2)), and 4 KiB READ latency (post to DONE, polled in a tight loop, median and p99 of 1000),
+  nothing can merge), WRITE of 64 MiB (the initiator polls each for 100 µs, then after naps growing from
+  50 µs to a twentieth of the time so far, so that it does not take one of the two cores from the transfer:
+  the raw program blocks in recv(2)), and 4 KiB READ latency (post to DONE, polled in a tight loop, median and p99 of 1000),
   initiator in one namespace, target in the other: gixl (`examples/tcp_peer.rs`, release build) and NIXL
   (its Python API, this same file with `--role`, UCX forced to TCP);
 - raw TCP, a plain C socket program (`benches/tcp_ceiling.c`, built with cc), measured in every round: 64 MiB
@@ -20,8 +20,8 @@ leaves them); everything is deleted at the end. On that one link, in the same ru
 - fan-in: one target, N = 1, 4, 16, 64 initiator processes, each alternating a 1024 × 16 KiB READ and a
   4 KiB READ for 3 s: aggregate KV GB/s, 4 KiB latency over all of them (median, p99), and failed requests
   (a false disconnect shows here, with the first error of each initiator that saw one). The initiators share
-  the cores with the target, so each polls a request for 100 µs and then every 50 µs, sleeping between (64
-  processes polling in a tight loop on 2 cores would measure their own spinning, not the transport);
+  the cores with the target and poll as the bandwidth rows do (64 processes polling in a tight loop, or even
+  every 50 µs, on 2 cores measure their own polling, not the transport);
 - time from killing the target process to the initiator's REMOTE_DISCONNECT, and from cutting the link
   (`ip link set down`) to it, the initiator only polling (`hammer`).
 
@@ -79,13 +79,15 @@ def nixl_peer(role, mdfile, iters, module):
         return agent.initialize_xfer(op, l, r, peer)
 
     def run(h, shared=False):
-        # shared (bandwidth and fan-in: the initiator shares the target's cores): poll for 100 µs, then every
-        # 50 µs, as tcp_peer does.
+        # shared (bandwidth and fan-in: the initiator shares the target's cores): poll for 100 µs, then after
+        # naps from 50 µs doubling up to a twentieth of the time so far, as tcp_peer does.
         t = time.perf_counter()
         st = agent.transfer(h)
+        nap = 50e-6
         while st == "PROC":
             if shared and time.perf_counter() - t > 100e-6:
-                time.sleep(50e-6)
+                time.sleep(nap)
+                nap = max(50e-6, min(nap * 2, (time.perf_counter() - t) / 20))
             st = agent.check_xfer_state(h)
         if st != "DONE":
             raise RuntimeError(f"transfer state {st}")
