@@ -394,10 +394,12 @@ impl Peer for EnginePeer {
         }
     }
     fn why_down(&self) -> String {
-        match &self.kind {
-            PeerKind::Tcp { link } => link.why().map(|w| format!(" ({w})")).unwrap_or_default(),
-            _ => String::new(),
-        }
+        let link = match &self.kind {
+            PeerKind::Tcp { link } => link,
+            PeerKind::Cma { tcp, denied, .. } if denied.load(Ordering::Acquire) => tcp,
+            PeerKind::Cma { .. } | PeerKind::InProcess { .. } => return String::new(),
+        };
+        link.why().map(|w| format!(" ({w})")).unwrap_or_default()
     }
     fn route(&self) -> &'static str {
         match &self.kind {
@@ -1980,7 +1982,13 @@ mod tests {
             }
         };
         assert_eq!(e.status(), Status::RemoteDisconnect, "{e}");
-        assert_eq!(a.gen_notif("tcp-kill-B", b"x", &[]).unwrap_err().status(), Status::RemoteDisconnect);
+        let n = a.gen_notif("tcp-kill-B", b"x", &[]).unwrap_err();
+        assert_eq!(n.status(), Status::RemoteDisconnect);
+        // Later errors say why the peer went down, not only that it did.
+        let again = a.post_xfer_req(&r, NotifUpdate::Keep).unwrap_err();
+        for e in [&n, &again] {
+            assert!(e.message().contains("has disconnected (") || e.message().contains("over TCP:"), "{e}");
+        }
     }
 
     /// The target's TCP endpoint and credentials, read from its metadata as an attacker with a copy would.
