@@ -79,6 +79,15 @@ fn agent_child() {
     }
 }
 
+/// The READ of a `hammer` or `busy` command: `w[1..5]` = BUF REMOTE RADDR LEN, one block.
+fn one_read(s: &ChildState, w: &[&str]) -> std::result::Result<XferReq, String> {
+    let num = |i: usize| -> u64 { w[i].parse().unwrap() };
+    let base = s.bufs[num(1) as usize].as_ptr() as u64;
+    let len = num(4);
+    let (local, remote) = (blocks(base, len, 1, false), blocks(num(3), len, 1, false));
+    s.agent.create_xfer_req(XferOp::Read, &local, &remote, w[2], &XferOpts::default()).map_err(st)
+}
+
 fn child_cmd(s: &mut ChildState, w: &[&str]) -> std::result::Result<String, String> {
     let a = &s.agent;
     let num = |i: usize| -> u64 { w[i].parse().unwrap() };
@@ -134,16 +143,7 @@ fn child_cmd(s: &mut ChildState, w: &[&str]) -> std::result::Result<String, Stri
         "hammer" => {
             // hammer BUF REMOTE RADDR LEN: READ in a loop, polling only, until it fails; prints
             // "@hammer STATUS MONOTONIC_NS COUNT" when it does.
-            let base = s.bufs[num(1) as usize].as_ptr() as u64;
-            let len = num(4);
-            let r = a.create_xfer_req(
-                XferOp::Read,
-                &blocks(base, len, 1, false),
-                &blocks(num(3), len, 1, false),
-                w[2],
-                &XferOpts::default(),
-            );
-            let r = r.map_err(st)?;
+            let r = one_read(s, w)?;
             // The hammer runs in the command loop and answers when it ends.
             let mut count = 0u64;
             let mut started = false;
@@ -165,16 +165,7 @@ fn child_cmd(s: &mut ChildState, w: &[&str]) -> std::result::Result<String, Stri
         }
         "busy" => {
             // busy BUF REMOTE RADDR LEN MS: READ in a loop for MS ms; answers "COUNT FAILED FIRST-ERROR".
-            let base = s.bufs[num(1) as usize].as_ptr() as u64;
-            let len = num(4);
-            let r = a.create_xfer_req(
-                XferOp::Read,
-                &blocks(base, len, 1, false),
-                &blocks(num(3), len, 1, false),
-                w[2],
-                &XferOpts::default(),
-            );
-            let r = r.map_err(st)?;
+            let r = one_read(s, w)?;
             let (mut count, mut failed, mut first) = (0u64, 0u64, None);
             let t = Instant::now();
             while t.elapsed() < Duration::from_millis(num(5)) {

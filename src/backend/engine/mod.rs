@@ -1651,6 +1651,26 @@ mod tests {
     use std::io::{Read, Write};
     use std::net::TcpStream;
 
+    /// The TCP link `a` holds to the loaded peer `name`.
+    fn tcp_link_of(a: &Agent, name: &str) -> Arc<tcp::TcpLink> {
+        let remotes = a.inner.remotes.read();
+        let (_, p) = remotes.get(name).unwrap().peers[0].clone();
+        match &downcast(&p).unwrap().kind {
+            PeerKind::Tcp { link } => link.clone(),
+            PeerKind::InProcess { .. } | PeerKind::Cma { .. } => panic!("not a TCP peer"),
+        }
+    }
+
+    /// Put a data connection to a stand-in target, which `serve` answers on a thread, in `link`'s pool of idle
+    /// connections: the next request takes it.
+    fn plant(link: &tcp::TcpLink, serve: impl FnOnce(TcpStream) + Send + 'static) -> std::thread::JoinHandle<()> {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let planted = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let h = std::thread::spawn(move || serve(l.accept().unwrap().0));
+        link.plant_idle(planted);
+        h
+    }
+
     fn tcp_agent(name: &str, extra: &[(&str, &str)]) -> Agent {
         let a = Agent::new(name, AgentConfig::default()).unwrap();
         let mut p: Params = [("transport", "tcp"), ("tcp_addr", "127.0.0.1")]
@@ -1722,22 +1742,10 @@ mod tests {
         };
         assert_eq!(read().unwrap(), Status::Success);
         // A connection that looks healthy until a request arrives, then is closed unanswered.
-        let trap = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let planted = TcpStream::connect(trap.local_addr().unwrap()).unwrap();
-        let closer = std::thread::spawn(move || {
-            let (mut s, _) = trap.accept().unwrap();
+        let closer = plant(&tcp_link_of(&a, "pool-B"), |mut s| {
             let mut b = [0u8; 1];
             let _ = s.read(&mut b);
         });
-        let link = {
-            let remotes = a.inner.remotes.read();
-            let (_, p) = remotes.get("pool-B").unwrap().peers[0].clone();
-            match &downcast(&p).unwrap().kind {
-                PeerKind::Tcp { link } => link.clone(),
-                _ => panic!("not a TCP peer"),
-            }
-        };
-        link.plant_idle(planted);
         assert_eq!(read().map_err(|e| e.status()), Ok(Status::Success));
         assert!(dst == src);
         closer.join().unwrap();
@@ -1767,30 +1775,17 @@ mod tests {
         assert_eq!(read().unwrap(), Status::Success);
         // A data connection whose far end takes the request and answers 6 s later with other bytes (B itself
         // keeps answering the heartbeats on the control connection meanwhile).
-        let slow = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let planted = TcpStream::connect(slow.local_addr().unwrap()).unwrap();
-        let server = std::thread::spawn(move || {
-            let (mut s, _) = slow.accept().unwrap();
+        let server = plant(&tcp_link_of(&a, "slow-B"), move |mut s| {
             let mut req = [0u8; 256];
             let _ = s.read(&mut req).unwrap();
             std::thread::sleep(Duration::from_secs(6));
             s.write_all(&wire::encode_reply(wire::REPLY_OK)).unwrap();
             s.write_all(&vec![9u8; len]).unwrap();
         });
-        let link = {
-            let remotes = a.inner.remotes.read();
-            let (_, p) = remotes.get("slow-B").unwrap().peers[0].clone();
-            match &downcast(&p).unwrap().kind {
-                PeerKind::Tcp { link } => link.clone(),
-                _ => panic!("not a TCP peer"),
-            }
-        };
-        link.plant_idle(planted);
         let t0 = Instant::now();
         assert_eq!(read().map_err(|e| e.status()), Ok(Status::Success), "a slow peer is not a dead one");
         assert!(t0.elapsed() >= Duration::from_secs(6));
         assert!(dst.iter().all(|&x| x == 9), "the slow connection's bytes landed");
-        drop(link);
         server.join().unwrap();
         assert_eq!(read().unwrap(), Status::Success, "the link stayed up");
         assert!(dst == src);
