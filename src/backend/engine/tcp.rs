@@ -275,6 +275,10 @@ impl TcpOpts {
     pub fn stall(&self) -> Duration {
         (self.timeout * 5).max(Duration::from_secs(5))
     }
+    /// The heartbeat timing of a link (see `liveness`).
+    pub fn live(&self) -> LiveCfg {
+        LiveCfg::for_timeout(self.timeout.as_nanos() as u64)
+    }
     /// How long a data connection of a peer that still answers heartbeats may make no progress before the
     /// request is given up: a target that is alive but slow (serving many peers on few cores) is waited for,
     /// since the disconnect timeout measures silence, not slowness; this bounds only a peer that answers but
@@ -429,7 +433,7 @@ impl TcpShared {
         let mut down = Vec::new();
         // Links upgraded under the lock are dropped after it: dropping the last one unregisters it.
         let mut seen = Vec::new();
-        let silence = LiveCfg::for_timeout(self.opts.timeout.as_nanos() as u64).silence;
+        let silence = self.opts.live().silence;
         {
             let out = self.out.lock();
             for o in out.values().filter(|o| !o.conn.retired.load(Ordering::Acquire)) {
@@ -678,7 +682,7 @@ impl TcpProgress {
         // A paused connection's PINGs go unread: answer them ahead, so its sender's heartbeats see us
         // alive (one small write per heartbeat interval while paused; nothing while the queue has room).
         // At least every 100 ms: the sender's disconnect timeout may be shorter than ours.
-        let every = LiveCfg::for_timeout(self.shared.opts.timeout.as_nanos() as u64).ping_every.min(100_000_000);
+        let every = self.shared.opts.live().ping_every.min(100_000_000);
         let mut broken = Vec::new();
         for &t in &self.paused {
             let Some(c) = self.inbound.get_mut(&t) else { continue };
@@ -1620,7 +1624,7 @@ impl TcpLink {
             shared: Arc::downgrade(shared),
             dead,
             recover: t.recover,
-            live: Mutex::new(Liveness::new(LiveCfg::for_timeout(shared.opts.timeout.as_nanos() as u64))),
+            live: Mutex::new(Liveness::new(shared.opts.live())),
             epoch: AtomicU64::new(0),
             why: Mutex::new(None),
             good: Mutex::new(None),
@@ -2099,7 +2103,7 @@ impl TcpLink {
         mut lost: Option<&mut bool>,
     ) -> Result<()> {
         let fd = s.as_raw_fd();
-        let watch = DataWatch { link: self, epoch, last: AtomicU64::new(monotonic_ns()) };
+        let watch = DataWatch { link: self, epoch, last: std::cell::Cell::new(monotonic_ns()) };
         let mut wsegs: Vec<WireSeg> = Vec::with_capacity(wire::MAX_SEGS.min(segs.len()));
         let mut iov: Vec<libc::iovec> = Vec::with_capacity(wire::MAX_SEGS.min(segs.len()) + 1);
         let mut head = Vec::new();
@@ -2186,25 +2190,25 @@ struct DataWatch<'a> {
     link: &'a TcpLink,
     epoch: u64,
     /// Last progress on this connection (ns).
-    last: AtomicU64,
+    last: std::cell::Cell<u64>,
 }
 
 impl net::Watch for DataWatch<'_> {
     fn progress(&self) {
         let now = monotonic_ns();
-        self.last.store(now, Ordering::Relaxed);
+        self.last.set(now);
         self.link.last_rx.store(now, Ordering::Release);
     }
 
     fn patient(&self) -> bool {
         let l = self.link;
         let now = monotonic_ns();
-        let silence = LiveCfg::for_timeout(l.opts.timeout.as_nanos() as u64).silence;
+        let silence = l.opts.live().silence;
         l.epoch.load(Ordering::Acquire) == self.epoch
             && !l.dead.load(Ordering::Acquire)
             && !l.closed.load(Ordering::Acquire)
             && now.saturating_sub(l.last_rx.load(Ordering::Acquire)) < silence
-            && now.saturating_sub(self.last.load(Ordering::Relaxed)) < l.opts.patience().as_nanos() as u64
+            && now.saturating_sub(self.last.get()) < l.opts.patience().as_nanos() as u64
     }
 }
 
