@@ -698,7 +698,7 @@ impl Agent {
         let peer = ra.peer(b.id).cloned().expect("filtered on peer presence");
         if peer.disconnected() {
             self.on_disconnect(&ra);
-            return Err(Error::disconnected(format!("agent '{remote}' has disconnected{}", peer.why_down())));
+            return Err(crate::backend::disconnected(remote, &*peer));
         }
         b.be.gen_notif(&Target::Remote(peer), msg)
     }

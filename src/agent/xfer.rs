@@ -707,7 +707,7 @@ impl Agent {
         if let Target::Remote(p) = &x.target {
             if p.disconnected() {
                 self.on_disconnect(ra);
-                return Err(Error::disconnected(format!("agent '{}' has disconnected{}", ra.name, p.why_down())));
+                return Err(crate::backend::disconnected(&ra.name, &**p));
             }
         }
         Ok(())

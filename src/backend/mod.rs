@@ -69,6 +69,12 @@ pub trait Peer: Send + Sync + 'static {
     }
 }
 
+/// The error for a request to `name`, whose peer `p` has failed: REMOTE_DISCONNECT, with the reason where the
+/// backend knows it.
+pub fn disconnected(name: &str, p: &dyn Peer) -> Error {
+    Error::disconnected(format!("agent '{name}' has disconnected{}", p.why_down()))
+}
+
 /// Where a transfer goes: this agent's own memory (loopback) or a loaded peer.
 #[derive(Clone)]
 pub enum Target {

@@ -942,7 +942,7 @@ impl Backend for Engine {
     fn connect(&self, peer: &Arc<dyn Peer>) -> Result<()> {
         let p = downcast(peer)?;
         if p.disconnected() {
-            return Err(Error::disconnected(format!("agent '{}' has disconnected{}", p.name, p.why_down())));
+            return Err(crate::backend::disconnected(&p.name, p));
         }
         match &p.kind {
             PeerKind::Cma { sock, sender, secret, from_inc, local_refused, .. } => {
@@ -1252,7 +1252,7 @@ impl BackendXfer for EngineXfer {
         }
         if let Some(p) = core.peer() {
             if p.disconnected() {
-                return Err(Error::disconnected(format!("agent '{}' has disconnected{}", p.name, p.why_down())));
+                return Err(crate::backend::disconnected(&p.name, p));
             }
         }
         let plan = &core.plan;
@@ -1314,11 +1314,7 @@ impl BackendXfer for EngineXfer {
                 if let Some(p) = self.core.peer() {
                     if p.disconnected() {
                         self.abort();
-                        return Err(Error::disconnected(format!(
-                            "agent '{}' has disconnected{}",
-                            p.name,
-                            p.why_down()
-                        )));
+                        return Err(crate::backend::disconnected(&p.name, p));
                     }
                 }
                 Ok(Status::InProg)
