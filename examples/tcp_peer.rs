@@ -8,8 +8,9 @@
 //! tcp_peer fanin MDFILE SECONDS           one of N initiators: print "@ready", wait for a line on stdin,
 //!                                         then for SECONDS alternate a 1024 × 16 KiB READ and a 4 KiB READ,
 //!                                         polling each for 100 µs, then with naps growing from 50 µs (N of
-//!                                         them share the cores with the target); print one JSON line (bytes, seconds, 4 KiB
-//!                                         latencies, failed requests counted by status, the first error)
+//!                                         them share the cores with the target); print one JSON line
+//!                                         (bytes, seconds, 4 KiB latencies, failed requests counted by
+//!                                         status, the first error)
 //! tcp_peer hammer MDFILE                  READ 32 MiB in a loop, polling only, until it fails; print
 //!                                         "@started" once, then "@failed STATUS MONOTONIC_NS"
 //! ```
@@ -80,25 +81,18 @@ fn main() {
                     &XferOpts::default(),
                 )
                 .unwrap();
-            let run = |r: &XferReq| -> Result<Duration> {
-                let t = Instant::now();
-                let mut s = a.post_xfer_req(r, NotifUpdate::Keep)?;
-                while s == Status::InProg {
-                    s = a.xfer_status(r)?;
-                }
-                Ok(t.elapsed())
-            };
-            // Bandwidth and fan-in: the initiator shares the machine's cores with the target (and at fan-in with N
-            // others), so it polls as a consumer with other work would, not in a tight loop that takes a core
-            // from the transfer: for 100 µs, then after naps from 50 µs doubling up to a twentieth of the time
-            // spent so far (at most 5 % added to a request's time). The raw TCP program it is compared with
-            // blocks in recv(2). The 4 KiB latency probe polls in a tight loop.
-            let run_polite = |r: &XferReq| -> Result<Duration> {
+            // Post `r` and poll it to the end. `polite` (bandwidth and fan-in): the initiator shares the machine's
+            // cores with the target (and at fan-in with N others), so it polls as a consumer with other work
+            // would, not in a tight loop that takes a core from the transfer: for 100 µs, then after naps from
+            // 50 µs doubling up to a twentieth of the time spent so far (at most 5 % added to a request's time).
+            // The raw TCP program it is compared with blocks in recv(2). The 4 KiB latency probe and the hammer
+            // poll in a tight loop.
+            let poll = |r: &XferReq, polite: bool| -> Result<Duration> {
                 let t = Instant::now();
                 let mut s = a.post_xfer_req(r, NotifUpdate::Keep)?;
                 let mut nap = Duration::from_micros(50);
                 while s == Status::InProg {
-                    if t.elapsed() > Duration::from_micros(100) {
+                    if polite && t.elapsed() > Duration::from_micros(100) {
                         std::thread::sleep(nap);
                         nap = (nap * 2).min(t.elapsed() / 20).max(Duration::from_micros(50));
                     }
@@ -106,6 +100,8 @@ fn main() {
                 }
                 Ok(t.elapsed())
             };
+            let run = |r: &XferReq| poll(r, false);
+            let run_polite = |r: &XferReq| poll(r, true);
             // One 4 KiB READ: the latency probe of the initiator and fan-in roles.
             let small = a
                 .create_xfer_req(
