@@ -3,8 +3,9 @@
 `src/` (test modules left out).
 
 1. Between the engine (`backend::engine`, all of it), the metadata exchange (`mdx`) and `auth`: no cycle at all.
-2. Between the files of the engine (`backend::engine::<file>`, `mod.rs` being `engine`): a ratchet. The files in a
-   cycle today are listed in KNOWN (a debt, recorded so that it shrinks); a cycle reaching any other file fails.
+2. Between the files of the engine (`backend::engine::<file>`, `mod.rs` being `engine`): no cycle either.
+3. The README's tree of the engine (Layout) lists every file of the engine once, each importing only files
+   listed below it.
 
 Exit 1 when a check fails.
 
@@ -17,9 +18,6 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 ENGINE = ("backend", "engine")
-
-# The files of the engine that are in a cycle today (issue 19 removes it): a cycle may only shrink inside this set.
-KNOWN = frozenset({"engine", "vram", "vram_tcp"})
 
 
 def module_of(path: Path) -> tuple:
@@ -156,17 +154,42 @@ def main() -> int:
     g = graph(file_unit)
     comps, pairs = cycles(g)
     for c in comps:
-        known = c <= KNOWN
-        print(f"module-cycles: engine files in a cycle{'' if known else ' (NEW)'}: {', '.join(sorted(c))}")
-        failed |= not known
+        print(f"module-cycles: engine files in a cycle (none allowed): {', '.join(sorted(c))}")
+        failed = True
     for p in sorted(pairs, key=sorted):
         print(f"module-cycles:   of which two import each other: {' <-> '.join(sorted(p))}")
-    if not any(c & KNOWN == KNOWN for c in comps):
-        print(f"module-cycles: the known cycle ({', '.join(sorted(KNOWN))}) has shrunk: shrink KNOWN to match")
+    if not comps:
+        print("module-cycles: engine files: no cycle")
+    failed |= not readme_order(g)
     if verbose:
         for a in sorted(g):
             print(f"  {a} -> {', '.join(sorted(g[a]))}")
     return 1 if failed else 0
+
+
+def readme_order(g) -> bool:
+    """The README's engine tree names each engine file once, in an order where every import points down."""
+    text = (SRC.parent / "README.md").read_text()
+    m = re.search(r"The default engine \(`src/backend/engine/`\).*?```\n(.*?)```", text, re.S)
+    if not m:
+        print("module-cycles: README has no tree of the engine's files")
+        return False
+    listed = [line.split()[0] for line in m.group(1).splitlines() if line.strip()]
+    names = ["engine" if f == "mod.rs" else f.removesuffix(".rs") for f in listed]
+    files = {"engine" if f.name == "mod.rs" else f.stem for f in (SRC / "backend" / "engine").glob("*.rs")}
+    ok = True
+    if sorted(names) != sorted(files):
+        print(f"module-cycles: README's engine tree lists {sorted(names)}, the engine has {sorted(files)}")
+        ok = False
+    at = {n: i for i, n in enumerate(names)}
+    for a in sorted(g):
+        for b in sorted(g[a]):
+            if a in at and b in at and at[b] < at[a]:
+                print(f"module-cycles: README's engine tree lists {b} above {a}, which imports it")
+                ok = False
+    if ok:
+        print("module-cycles: README's engine tree: every file, every import pointing down")
+    return ok
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ pub mod fuzzing;
 pub mod md;
 pub(crate) mod mdx;
 pub mod mem;
+pub(crate) mod os;
 pub mod status;
 pub mod telemetry;
 pub(crate) mod util;

@@ -172,18 +172,6 @@ pub fn get() -> Result<&'static dyn Device> {
     }
 }
 
-/// `pidfd_getfd`: a duplicate of descriptor `fd` of the process behind `pidfd`.
-pub(crate) fn pidfd_getfd(pidfd: BorrowedFd<'_>, fd: i32) -> std::io::Result<OwnedFd> {
-    use std::os::fd::{AsRawFd, FromRawFd};
-    // SAFETY: plain syscall; the result is checked.
-    let r = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor we own.
-    Ok(unsafe { OwnedFd::from_raw_fd(r as i32) })
-}
-
 /// (st_dev, st_ino) of a descriptor: the identity an importer checks after `pidfd_getfd`.
 pub(crate) fn fd_identity(fd: BorrowedFd<'_>) -> std::io::Result<(u64, u64)> {
     use std::os::fd::AsRawFd;

@@ -301,6 +301,14 @@ fn cma_error(pid: i32, op: XferOp, e: io::Error, gone: &mut bool) -> Error {
     }
 }
 
+/// Did cross-memory attach fail because the kernel forbids it here (not because the peer is gone)?
+pub(super) fn cma_denied(e: &Error) -> bool {
+    std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<std::io::Error>())
+        .and_then(|io| io.raw_os_error())
+        .is_some_and(|c| c == libc::EPERM || c == libc::ENOSYS)
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::gate::Gate;

@@ -689,7 +689,7 @@ mod tests {
     #[test]
     fn attach_through_pidfd_checks_the_incarnation() {
         let g = Gate::create(0xabc).unwrap();
-        let pidfd = super::super::pidfd_open(std::process::id() as i32).unwrap();
+        let pidfd = crate::os::pidfd_open(std::process::id() as i32).unwrap();
         let v = Gate::attach(pidfd.as_raw_fd(), g.raw_fd(), 0xabc).unwrap();
         assert_eq!(v.read_incarnation(), 0xabc);
         assert_eq!(

@@ -47,256 +47,26 @@
 //! cross-memory attach, a peer without a sentinel (nothing else can check its identity) and a peer's DRAM
 //! (the staged route) are NOT_SUPPORTED here.
 
-use std::collections::HashMap;
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::AsFd;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
-use super::gate::RegionTicket;
-use super::{copy, downcast, sentinel, PeerKind, Run, Shared};
-use crate::backend::{LocalRegion, RegionKey, Seg, Target, XferOp, XferPlan};
-use crate::device::{self, Copy, Device, Export, HandleKind, HostBuf, IpcHandle, Mapping};
-use crate::md::{put_bytes, put_uvar, Reader};
-use crate::mem::{Desc, MemType, RegDesc};
+use super::copy::{self, cma_denied};
+use super::gate::Attached;
+use super::peer::{downcast, EnginePeer, PeerKind};
+use super::sentinel;
+use super::shared::{take_peer_fd, Shared};
+use super::vram_regions::{open_alloc, LocalVram, Opened, RemoteVram};
+use super::xfer::{Core, Mover, Run};
+use crate::backend::{Seg, Target, XferOp, XferPlan};
+use crate::device::{self, Copy, Device, HostBuf};
+use crate::mem::MemType;
 use crate::status::{Error, Result, Status};
 
-/// Version 2: the region's place in the engine's transfer gate (slot and state) replaced a VRAM-only gate.
-const PUBLIC_VERSION: u8 = 2;
 /// Staging buffer for DRAM (remote, over CMA) ↔ VRAM (local) copies.
 const STAGE: u64 = 8 << 20;
-
-/// An exported allocation and how many registered regions use it.
-struct Exported {
-    export: Export,
-    regions: usize,
-}
-
-/// The engine's VRAM state (a field of `Shared`): its exported allocations.
-#[derive(Default)]
-pub(super) struct Vram {
-    exports: Mutex<HashMap<u64, Exported>>,
-}
-
-/// A registered local VRAM region.
-struct LocalVram {
-    /// Base of each allocation (chunk) it spans.
-    bases: Vec<u64>,
-    ticket: RegionTicket,
-    dev: u32,
-}
-
-/// Most allocations one region may span.
-const MAX_CHUNKS: usize = 4096;
-
-impl Vram {
-    pub(super) fn register(&self, s: &Shared, desc: &RegDesc) -> Result<LocalRegion> {
-        let dev = device::get()?;
-        let d = &desc.desc;
-        let chunks = chunks(dev, d.addr, d.len)?;
-        if d.dev != chunks[0].dev as u64 {
-            return Err(Error::invalid_param(format!(
-                "VRAM region {:#x} is on device {}, not device {}",
-                d.addr, chunks[0].dev, d.dev
-            )));
-        }
-        let mut exports = self.exports.lock();
-        // Export every chunk (or count one more region on an existing export); undone on failure.
-        let mut done: Vec<u64> = Vec::with_capacity(chunks.len());
-        let undo = |exports: &mut HashMap<u64, Exported>, done: &[u64]| {
-            for b in done {
-                if let Some(e) = exports.get_mut(b) {
-                    e.regions -= 1;
-                    if e.regions == 0 {
-                        Self::unexport(s, exports, *b);
-                    }
-                }
-            }
-        };
-        for c in &chunks {
-            if !exports.contains_key(&c.base) {
-                let export = match dev.export(c) {
-                    Ok(x) => x,
-                    Err(e) => {
-                        undo(&mut exports, &done);
-                        return Err(e);
-                    }
-                };
-                // Peers that may not take it with `pidfd_getfd` ask for it over the control socket.
-                if let Some(k) = &export.keep {
-                    s.ctrl.offer_fd(k.as_raw_fd());
-                }
-                exports.insert(c.base, Exported { export, regions: 0 });
-            }
-            if let Some(e) = exports.get_mut(&c.base) {
-                e.regions += 1;
-            }
-            done.push(c.base);
-        }
-        let ticket = match s.gate.register(d.addr, d.len) {
-            Ok(t) => t,
-            Err(err) => {
-                undo(&mut exports, &done);
-                return Err(err);
-            }
-        };
-        let mut public = vec![PUBLIC_VERSION];
-        put_uvar(&mut public, chunks[0].dev as u64);
-        put_uvar(&mut public, ticket.slot as u64);
-        put_uvar(&mut public, ticket.state);
-        put_uvar(&mut public, chunks.len() as u64);
-        for c in &chunks {
-            let h = &exports[&c.base].export.handle;
-            put_uvar(&mut public, c.base);
-            put_uvar(&mut public, h.size);
-            public.push(h.kind as u8);
-            put_bytes(&mut public, &h.bytes);
-        }
-        let key: RegionKey = Arc::new(LocalVram { bases: done, ticket, dev: chunks[0].dev });
-        Ok(LocalRegion { public, key: Some(key) })
-    }
-
-    /// Retire the region in the gate (returns once no peer's batch is inside, bounded), then drop its exports.
-    pub(super) fn deregister(&self, s: &Shared, key: Option<&RegionKey>) {
-        let Some(l) = key.and_then(|k| k.downcast_ref::<LocalVram>()) else { return };
-        s.gate.retire(l.ticket, s.tcp_opts.timeout);
-        let mut ex = self.exports.lock();
-        for b in &l.bases {
-            if let Some(e) = ex.get_mut(b) {
-                e.regions -= 1;
-                if e.regions == 0 {
-                    Self::unexport(s, &mut ex, *b);
-                }
-            }
-        }
-    }
-
-    /// Drop the export of the allocation at `base`, withdrawn from the control socket first.
-    fn unexport(s: &Shared, exports: &mut HashMap<u64, Exported>, base: u64) {
-        if let Some(e) = exports.remove(&base) {
-            if let Some(k) = &e.export.keep {
-                s.ctrl.withdraw_fd(k.as_raw_fd());
-            }
-        }
-    }
-}
-
-/// The allocations `[addr, addr + len)` spans: one, or several mapped back to back on one device (a VMM
-/// range such as PyTorch's expandable segments, where each physical chunk is its own allocation with its
-/// own handle). An error if the range leaves device memory or changes device.
-fn chunks(dev: &dyn Device, addr: u64, len: u64) -> Result<Vec<device::PtrInfo>> {
-    let first = dev.pointer_info(addr)?;
-    let end = addr.checked_add(len).ok_or_else(|| Error::invalid_param("VRAM region wraps around"))?;
-    let mut out = vec![first];
-    let mut at = first.base.saturating_add(first.size);
-    while at < end {
-        let crosses = || {
-            Error::invalid_param(format!(
-                "VRAM region {addr:#x}+{len} crosses the end of its allocation ({:#x}+{}) into memory that is not \
-                 another allocation of device {} mapped right after it",
-                first.base, first.size, first.dev
-            ))
-        };
-        let next = dev.pointer_info(at).map_err(|_| crosses())?;
-        if next.base != at || next.dev != first.dev || next.size == 0 || out.len() == MAX_CHUNKS {
-            return Err(crosses());
-        }
-        out.push(next);
-        at = next.base.saturating_add(next.size);
-    }
-    Ok(out)
-}
-
-/// A peer's VRAM region, from its metadata.
-pub(super) struct RemoteVram {
-    addr: u64,
-    len: u64,
-    dev: u32,
-    /// The allocations it spans, in address order, back to back.
-    chunks: Vec<RemoteChunk>,
-    ticket: RegionTicket,
-    incarnation: u128,
-}
-
-/// One of the peer's allocations under a region.
-struct RemoteChunk {
-    /// Its base in the peer.
-    base: u64,
-    handle: IpcHandle,
-    /// Opened here on first use.
-    opened: Mutex<Option<Arc<Opened>>>,
-}
-
-impl RemoteVram {
-    /// What the peer's gate checks for it: (slot, state, address, length).
-    fn gated(&self) -> (u32, u64, u64, u64) {
-        (self.ticket.slot, self.ticket.state, self.addr, self.len)
-    }
-}
-
-/// A peer's allocation opened in this process (shared by its regions); closed when the last one goes.
-struct Opened {
-    map: Box<dyn Mapping>,
-}
-
-type OpenedMap = HashMap<(u128, Vec<u8>), Weak<Opened>>;
-
-/// Opened allocations, per peer incarnation and handle, so each is opened once.
-fn opened() -> &'static Mutex<OpenedMap> {
-    static O: OnceLock<Mutex<OpenedMap>> = OnceLock::new();
-    O.get_or_init(Default::default)
-}
-
-pub(super) fn load_remote(incarnation: u128, desc: &Desc, public: &[u8]) -> Result<RegionKey> {
-    let bad = || Error::mismatch("malformed VRAM region in metadata");
-    let mut r = Reader { buf: public, pos: 0 };
-    if r.byte()? != PUBLIC_VERSION {
-        return Err(Error::mismatch("unknown VRAM region format in metadata"));
-    }
-    let dev = u32::try_from(r.uvar()?).map_err(|_| bad())?;
-    let slot = u32::try_from(r.uvar()?).map_err(|_| bad())?;
-    let state = r.uvar()?;
-    let n = usize::try_from(r.uvar()?).ok().filter(|&n| (1..=MAX_CHUNKS).contains(&n)).ok_or_else(bad)?;
-    let mut chunks: Vec<RemoteChunk> = Vec::with_capacity(n.min(64));
-    for _ in 0..n {
-        let base = r.uvar()?;
-        let size = r.uvar()?;
-        let k = r.byte()?;
-        let kind = HandleKind::from_u8(k).ok_or_else(|| {
-            Error::mismatch(format!(
-                "the peer's VRAM region uses allocation handle kind {k}, unknown to this gixl (a newer peer?)"
-            ))
-        })?;
-        let bytes = r.bytes(256)?.to_vec();
-        // Back to back, each non-empty.
-        if size == 0 || chunks.last().is_some_and(|c| c.base.checked_add(c.handle.size) != Some(base)) {
-            return Err(bad());
-        }
-        chunks.push(RemoteChunk { base, handle: IpcHandle { kind, size, bytes }, opened: Mutex::new(None) });
-    }
-    // The region lies inside the chunks.
-    let (lo, hi) = (chunks[0].base, chunks[n - 1].base.checked_add(chunks[n - 1].handle.size));
-    let end = desc.addr.checked_add(desc.len);
-    if r.left() != 0 || desc.addr < lo || !matches!((end, hi), (Some(e), Some(h)) if e <= h) {
-        return Err(bad());
-    }
-    Ok(Arc::new(RemoteVram {
-        addr: desc.addr,
-        len: desc.len,
-        dev,
-        chunks,
-        ticket: RegionTicket { slot, state },
-        incarnation,
-    }))
-}
-
-impl RemoteVram {
-    /// The registration as the peer's TCP target knows it: (address, length).
-    pub(super) fn tcp_region(&self) -> (u64, u64) {
-        (self.addr, self.len)
-    }
-}
 
 /// How a request reaches the remote side.
 enum Far {
@@ -352,34 +122,6 @@ impl RegionUse {
     }
 }
 
-fn open_alloc(
-    dev: &dyn Device,
-    r: &RemoteVram,
-    c: &RemoteChunk,
-    on: u32,
-    fd: device::FdSource<'_>,
-) -> Result<Arc<Opened>> {
-    let mut cur = c.opened.lock();
-    if let Some(o) = cur.as_ref() {
-        return Ok(o.clone());
-    }
-    // One mapping per peer allocation in this process, whichever device first opened it: the address is
-    // valid for every device (unified addressing), and CUDA maps a legacy handle once per process.
-    let k = (r.incarnation, c.handle.bytes.clone());
-    let mut o = opened().lock();
-    let op = match o.get(&k).and_then(Weak::upgrade) {
-        Some(op) => op,
-        None => {
-            let op = Arc::new(Opened { map: dev.open(on, &c.handle, fd)? });
-            o.retain(|_, w| w.strong_count() > 0);
-            o.insert(k, Arc::downgrade(&op));
-            op
-        }
-    };
-    *cur = Some(op.clone());
-    Ok(op)
-}
-
 /// A refusal of the peer's gate as VRAM reports it: a region the peer no longer has registered is NOT_FOUND
 /// (the gate itself says BACKEND, as cross-memory attach reports it); a closed incarnation stays
 /// REMOTE_DISCONNECT.
@@ -401,11 +143,7 @@ fn refused(e: Error) -> Error {
 /// allocation, which the opened handle keeps alive, never in the new image). A peer without a sentinel is
 /// probed instead (`copy::probe`, one 16-byte `process_vm_readv` of its gate). A check that finds the peer
 /// gone marks it dead.
-fn in_peer_gate<T>(
-    p: &super::EnginePeer,
-    regions: &[(u32, u64, u64, u64)],
-    f: impl FnOnce() -> Result<T>,
-) -> Result<T> {
+fn in_peer_gate<T>(p: &EnginePeer, regions: &[(u32, u64, u64, u64)], f: impl FnOnce() -> Result<T>) -> Result<T> {
     let PeerKind::Cma { pid, gate, probe, denied, .. } = &p.kind else {
         return Err(Error::backend("unreachable route"));
     };
@@ -428,7 +166,7 @@ fn in_peer_gate<T>(
                 if lost {
                     p.dead.store(true, Ordering::Release);
                 }
-                if super::cma_denied(&e) {
+                if cma_denied(&e) {
                     // No sentinel, and the kernel refuses the probe: nothing can check this peer's identity.
                     denied.store(true, Ordering::Release);
                     return Err(Error::not_supported(format!("VRAM transfers to agent '{}': {e}", p.name)));
@@ -449,7 +187,7 @@ fn in_peer_gate<T>(
 /// IPC handles if its gate came over the control socket and it has a live sentinel (the identity check then
 /// needs no ptrace permission); its DRAM (the staged route) is not. Otherwise the request goes over TCP
 /// (see `vram_tcp::tcp_link`).
-pub(super) fn ipc_despite_denial(gate: &Option<Arc<super::gate::Attached>>, remote_is_vram: bool) -> bool {
+pub(super) fn ipc_despite_denial(gate: &Option<Arc<Attached>>, remote_is_vram: bool) -> bool {
     remote_is_vram
         && gate.as_ref().is_some_and(|g| matches!(sentinel::read(g.gate.sentinel()), sentinel::Word::Alive(_)))
 }
@@ -534,7 +272,7 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
                                 let take = || {
                                     let (num, want) = device::fd_of(&c.handle)?;
                                     let peer = (sock.as_slice(), *secret, ep.incarnation, *pid);
-                                    let f = super::take_peer_fd(shared, proof.pidfd.as_fd(), peer, num)?;
+                                    let f = take_peer_fd(shared, proof.pidfd.as_fd(), peer, num)?;
                                     device::same_object(f, want)
                                 };
                                 let op = open_alloc(device, r, c, dev, &take)?;
@@ -556,9 +294,9 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
     Ok(VramPlan { far, regions, gated, dev, device, remote_is_vram, local_is_vram })
 }
 
-impl VramPlan {
+impl Mover for VramPlan {
     /// Copy `segs` (one piece of a request), batch by batch, each inside the target's gate.
-    pub(super) fn copy(&self, core: &super::Core, segs: &[Seg], run: &Run) -> Result<()> {
+    fn copy(&self, core: &Core, segs: &[Seg], run: &Run) -> Result<()> {
         if run.abort.load(Ordering::Relaxed) {
             return Err(Error::new(Status::Canceled, "transfer stopped"));
         }
@@ -606,9 +344,11 @@ impl VramPlan {
             }
         })
     }
+}
 
+impl VramPlan {
     /// Local VRAM, remote DRAM in another process: stage through a page-locked buffer.
-    fn staged(&self, core: &super::Core, segs: &[Seg], run: &Run) -> Result<()> {
+    fn staged(&self, core: &Core, segs: &[Seg], run: &Run) -> Result<()> {
         let op = core.plan.op;
         debug_assert!(self.local_is_vram);
         let peer = core.peer().ok_or_else(|| Error::backend("unreachable route"))?;
@@ -750,11 +490,13 @@ pub(super) fn wants(plan: &XferPlan) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use super::super::vram_regions::{load_remote, PUBLIC_VERSION};
     use super::*;
     use crate::agent::{Agent, AgentConfig, NotifUpdate, XferOpts};
     use crate::backend::Params;
-    use crate::device::fake;
-    use crate::mem::{RegDList, XferDList};
+    use crate::device::{fake, HandleKind, IpcHandle, Mapping};
+    use crate::md::{put_bytes, put_uvar};
+    use crate::mem::{Desc, RegDList, RegDesc, XferDList};
     use std::time::{Duration, Instant};
 
     fn agent(name: &str) -> Agent {

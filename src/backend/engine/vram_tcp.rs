@@ -20,9 +20,12 @@
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 
+use super::conn::RemoteRegion;
+use super::peer::{downcast, PeerKind};
 use super::tcp::TcpLink;
-use super::vram::{RemoteVram, Staging};
-use super::{Core, PeerKind, RemoteRegion, Run};
+use super::vram::{ipc_despite_denial, Staging};
+use super::vram_regions::RemoteVram;
+use super::xfer::{Core, Mover, Run};
 use crate::backend::{RegionKey, Seg, Target, XferOp, XferPlan};
 use crate::device::{self, Copy, Device};
 use crate::mem::MemType;
@@ -34,11 +37,11 @@ const SLOTS: usize = 4;
 /// The TCP link of a request touching VRAM, when its peer is reached over TCP (None: a same-host route).
 pub(super) fn tcp_link(plan: &XferPlan) -> Result<Option<Arc<TcpLink>>> {
     let Target::Remote(p) = &plan.target else { return Ok(None) };
-    Ok(match &super::downcast(p)?.kind {
+    Ok(match &downcast(p)?.kind {
         PeerKind::Tcp { link } => Some(link.clone()),
         // Cross-memory attach denied: over TCP, unless the peer's VRAM stays reachable by IPC handles.
         PeerKind::Cma { tcp, denied, gate, .. } if denied.load(Ordering::Acquire) => {
-            (!super::vram::ipc_despite_denial(gate, plan.remote_mem == MemType::Vram)).then(|| tcp.clone())
+            (!ipc_despite_denial(gate, plan.remote_mem == MemType::Vram)).then(|| tcp.clone())
         }
         PeerKind::Cma { .. } | PeerKind::InProcess { .. } => None,
     })
@@ -123,9 +126,9 @@ fn staged(op: XferOp, chunk: &[Seg], buf: u64) -> (Vec<Seg>, Vec<(u32, Vec<Copy>
     (segs, copies)
 }
 
-impl TcpVramPlan {
+impl Mover for TcpVramPlan {
     /// Move `segs` (one piece of a request) over the link, staging the local side when it is VRAM.
-    pub(super) fn copy(&self, core: &Core, segs: &[Seg], run: &Run) -> Result<()> {
+    fn copy(&self, core: &Core, segs: &[Seg], run: &Run) -> Result<()> {
         let op = core.plan.op;
         let keys = &core.plan.remote_keys;
         let region = |s: &Seg| region(keys, s);

@@ -1,0 +1,454 @@
+//! One request of the engine from post to completion: the prepared request (`Core`: plan, route, and for
+//! VRAM its `Mover`), one post of it (`Run`: state, pending pieces, first error, abort), splitting into pieces
+//! for the copy threads or a TCP peer's data connections, copies by the peer's route, and completion
+//! (the notification strictly after the data, then the status).
+
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::{Condvar, Mutex};
+
+use super::conn::RemoteRegion;
+use super::copy::{self, cma_denied};
+use super::peer::{EnginePeer, PeerKind};
+use super::shared::Shared;
+use super::tcp::TcpLink;
+use crate::backend::{BackendXfer, Peer, Seg, XferPlan};
+use crate::status::{Error, Result, Status};
+
+/// Requests up to this size run inline in `post`: splitting them costs more than it saves.
+const INLINE_BYTES: u64 = 2 << 20;
+/// Pieces of a split request are at least this large.
+const MIN_PIECE: u64 = 1 << 20;
+/// Over TCP, requests up to this size run inline in `post` (one round trip); larger ones go to workers.
+const TCP_INLINE_BYTES: u64 = 256 << 10;
+
+pub(super) enum Route {
+    Loopback,
+    Peer(Arc<dyn Peer>),
+}
+
+/// A prepared request: the plan and its route, shared with the copy threads.
+pub(super) struct Core {
+    pub(super) shared: Arc<Shared>,
+    pub(super) plan: XferPlan,
+    pub(super) route: Route,
+    /// Set when the request touches VRAM: its pieces go through it (`vram`, inside the same gate; `vram_tcp`
+    /// when its peer is reached over TCP) instead of the DRAM copies of `copy`.
+    pub(super) mover: Option<Box<dyn Mover>>,
+}
+
+/// How a request that moves more than DRAM runs its pieces, prepared once for it (`prep_xfer`).
+pub(super) trait Mover: Send + Sync {
+    /// Move `segs` (one piece of `core`'s request), stopping early when `run` is aborted.
+    fn copy(&self, core: &Core, segs: &[Seg], run: &Run) -> Result<()>;
+}
+
+pub(super) struct EngineXfer {
+    core: Arc<Core>,
+    run: Mutex<Option<Arc<Run>>>,
+}
+
+impl EngineXfer {
+    pub(super) fn boxed(core: Core) -> Box<dyn BackendXfer> {
+        Box::new(EngineXfer { core: Arc::new(core), run: Mutex::new(None) })
+    }
+}
+
+/// One post of a request, shared with the copy threads working on it.
+pub(super) struct Run {
+    state: AtomicI32,
+    pending: AtomicUsize,
+    pub(super) abort: AtomicBool,
+    err: Mutex<Option<(Status, String)>>,
+    done_at: Mutex<Option<Instant>>,
+    idle: Condvar,
+    idle_lock: Mutex<()>,
+    notif: Option<Vec<u8>>,
+}
+
+impl Run {
+    fn fail(&self, e: Error) {
+        let mut err = self.err.lock();
+        if err.is_none() {
+            *err = Some((e.status(), e.message().to_owned()));
+        }
+    }
+}
+
+impl Core {
+    pub(super) fn peer(&self) -> Option<&EnginePeer> {
+        match &self.route {
+            Route::Loopback => None,
+            Route::Peer(p) => p.as_any().downcast_ref::<EnginePeer>(),
+        }
+    }
+
+    /// The remote regions this request may touch, as (gate slot, state, address, length).
+    pub(super) fn gate_regions(&self) -> impl Iterator<Item = (u32, u64, u64, u64)> + Clone + '_ {
+        self.plan.remote_keys.iter().map(|k| {
+            match k.as_ref().and_then(|k| k.downcast_ref::<RemoteRegion>()) {
+                Some(r) => (r.ticket.slot, r.ticket.state, r.addr, r.len),
+                // Never for this engine's plans; refused by the gate if it happens.
+                None => (u32::MAX, 0, 0, 0),
+            }
+        })
+    }
+
+    /// Copy `segs` by whichever route this request takes. Same-host routes go batch by batch, each inside
+    /// the target's gate.
+    fn copy(&self, segs: &[Seg], run: &Run) -> Result<()> {
+        if self.shared.panic_copies {
+            panic!("injected copy-worker panic (GIXL_TEST_FAULT=copy_panic)");
+        }
+        if let Some(m) = &self.mover {
+            return m.copy(self, segs, run);
+        }
+        let op = self.plan.op;
+        let stopped = || Error::new(Status::Canceled, "transfer stopped");
+        let Some(p) = self.peer() else {
+            // SAFETY: loopback: the agent resolved both sides against this agent's own registrations.
+            unsafe { copy::local_copy(op, segs) };
+            return Ok(());
+        };
+        match &p.kind {
+            PeerKind::InProcess { gate, .. } => {
+                let gate = gate
+                    .as_ref()
+                    .ok_or_else(|| Error::disconnected(format!("agent '{}' has been destroyed", p.name)))?;
+                copy::for_batches(segs, usize::MAX, copy::BATCH_BYTES, &mut |b| {
+                    if run.abort.load(Ordering::Relaxed) {
+                        return Err(stopped());
+                    }
+                    let _inside = gate.enter(self.gate_regions())?;
+                    // SAFETY: local ranges were resolved against this agent's registrations; remote ones are
+                    // inside registrations the target still holds (the gate), which it cannot drop while we
+                    // are inside.
+                    unsafe { copy::local_copy(op, b) };
+                    Ok(())
+                })
+            }
+            PeerKind::Tcp { link } => self.tcp_copy(link, segs, run),
+            PeerKind::Cma { tcp, denied, .. } if denied.load(Ordering::Acquire) => self.tcp_copy(tcp, segs, run),
+            PeerKind::Cma { pid, gate, probe, tcp, denied, .. } => {
+                let gate =
+                    gate.as_ref().ok_or_else(|| Error::disconnected(format!("agent '{}' is not reachable", p.name)))?;
+                let mut gone = false;
+                let r = copy::for_batches(segs, copy::BATCH_SEGS, copy::BATCH_BYTES, &mut |b| {
+                    if run.abort.load(Ordering::Relaxed) || p.gone() {
+                        return Err(stopped());
+                    }
+                    // Identity is checked inside the call itself: its first iovec is the incarnation's gate
+                    // (see `copy::cma_batch`), which an exec'd image or a process that took over the pid does
+                    // not map. (A pidfd poll here would cost a syscall per batch and still miss exec.)
+                    let inside = gate.enter(self.gate_regions());
+                    if let Err(e) = &inside {
+                        gone = e.status() == Status::RemoteDisconnect;
+                    }
+                    let _inside = inside?;
+                    // SAFETY: local ranges were resolved against this agent's registrations.
+                    unsafe { copy::cma_batch(*pid, op, b, probe, gate.gate.sentinel(), &mut gone) }
+                });
+                if r.as_ref().err().is_some_and(cma_denied) {
+                    // The kernel checks permission before moving a byte, so nothing was copied: go by TCP.
+                    if !denied.swap(true, Ordering::AcqRel) {
+                        let why = r.as_ref().err().map(|e| e.to_string()).unwrap_or_default();
+                        crate::telemetry::log::warn(&format!(
+                            "agent '{}': peer '{}' route tcp (fall-back: the kernel denied cross-memory attach: {why}; \
+                             `python -m gixl doctor` says why)",
+                            self.shared.agent,
+                            self.peer().map(|p| p.name.as_str()).unwrap_or("")
+                        ));
+                    }
+                    return self.tcp_copy(tcp, segs, run);
+                }
+                if gone {
+                    p.dead.store(true, Ordering::Release);
+                }
+                if r.is_err() && p.gone() {
+                    return Err(Error::disconnected(format!("agent '{}' exited during the transfer", p.name)));
+                }
+                r
+            }
+        }
+    }
+
+    /// `copy`, with any failure, a panic included, recorded on the request (never unwinding further).
+    fn guarded_copy(&self, segs: &[Seg], run: &Run) {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.copy(segs, run))) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => run.fail(e),
+            Err(_) => run.fail(Error::backend("a copy worker panicked; this request failed (the agent stays usable)")),
+        }
+    }
+
+    fn tcp_copy(&self, link: &TcpLink, segs: &[Seg], run: &Run) -> Result<()> {
+        let keys = &self.plan.remote_keys;
+        let region = |s: &Seg| {
+            keys.get(s.rreg as usize)
+                .and_then(|k| k.as_ref())
+                .and_then(|k| k.downcast_ref::<RemoteRegion>())
+                .map_or((s.remote, s.len), |r| (r.addr, r.len))
+        };
+        let stop = || run.abort.load(Ordering::Relaxed);
+        link.run(self.plan.op, segs, &region, &stop)
+    }
+
+    /// The link of a request that goes over TCP from the start (heartbeats run while it is in flight).
+    fn tcp_link(&self) -> Option<&Arc<TcpLink>> {
+        match self.peer().map(|p| &p.kind) {
+            Some(PeerKind::Tcp { link }) => Some(link),
+            Some(PeerKind::InProcess { .. } | PeerKind::Cma { .. }) | None => None,
+        }
+    }
+
+    /// Data is complete: send the notification, then publish the outcome.
+    fn finish(&self, run: &Run) {
+        if run.err.lock().is_none() {
+            if let Some(msg) = &run.notif {
+                let r = match self.peer() {
+                    None => {
+                        self.shared.queue.lock().push((self.shared.agent.clone(), msg.clone()));
+                        Ok(())
+                    }
+                    Some(p) => p.send_notif(&self.shared.agent, msg),
+                };
+                if let Err(e) = r {
+                    run.fail(e);
+                }
+            }
+        }
+        *run.done_at.lock() = Some(Instant::now());
+        let state = match &*run.err.lock() {
+            None => Status::Success,
+            Some((s, _)) => *s,
+        };
+        if let Some(link) = self.tcp_link() {
+            link.end();
+        }
+        run.state.store(state as i32, Ordering::Release);
+        let _g = run.idle_lock.lock();
+        run.idle.notify_all();
+    }
+}
+
+impl BackendXfer for EngineXfer {
+    fn post(&self, notif: Option<&[u8]>) -> Result<Status> {
+        let core = &self.core;
+        if core.shared.closed.load(Ordering::Acquire) {
+            return Err(Error::backend("the agent that made this request has been destroyed"));
+        }
+        if let Some(p) = core.peer() {
+            if p.disconnected() {
+                return Err(crate::backend::disconnected(&p.name, p));
+            }
+        }
+        let plan = &core.plan;
+        let tcp = core.tcp_link();
+        if let Some(link) = tcp {
+            // The control connection carries the heartbeats that bound this request.
+            link.connect()?;
+        }
+        let (pieces, inline) = match tcp {
+            Some(_) if plan.total_bytes <= TCP_INLINE_BYTES => (1, true),
+            Some(_) => ((plan.total_bytes / MIN_PIECE).clamp(1, core.shared.tcp_opts.conns as u64) as usize, false),
+            None if plan.total_bytes <= INLINE_BYTES || core.shared.threads <= 1 => (1, true),
+            None => ((plan.total_bytes / MIN_PIECE).clamp(1, core.shared.threads as u64) as usize, false),
+        };
+        let run = Arc::new(Run {
+            state: AtomicI32::new(Status::InProg as i32),
+            pending: AtomicUsize::new(pieces),
+            abort: AtomicBool::new(false),
+            err: Mutex::new(None),
+            done_at: Mutex::new(None),
+            idle: Condvar::new(),
+            idle_lock: Mutex::new(()),
+            notif: notif.map(<[u8]>::to_vec),
+        });
+        *self.run.lock() = Some(run.clone());
+        if let Some(link) = tcp {
+            link.begin();
+        }
+        if inline {
+            core.guarded_copy(&plan.segs, &run);
+            core.finish(&run);
+            return self.status();
+        }
+        let parts = split(&plan.segs, plan.total_bytes, pieces);
+        run.pending.store(parts.len(), Ordering::Release);
+        let pool = if tcp.is_some() { &core.shared.tcp_pool } else { &core.shared.pool };
+        for part in parts {
+            let (core, run) = (core.clone(), run.clone());
+            pool.submit(Box::new(move || {
+                if !run.abort.load(Ordering::Relaxed) {
+                    core.guarded_copy(&part, &run);
+                }
+                if run.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    core.finish(&run);
+                }
+            }));
+        }
+        Ok(Status::InProg)
+    }
+
+    fn status(&self) -> Result<Status> {
+        let Some(run) = self.run.lock().clone() else { return Err(Error::new(Status::NotPosted, "not posted")) };
+        let st = Status::from_i32(run.state.load(Ordering::Acquire)).unwrap_or(Status::Unknown);
+        match st {
+            Status::Success => Ok(Status::Success),
+            Status::InProg => {
+                // A dead peer is reported without waiting for the copy threads to notice it by themselves,
+                // but only once they have stopped: a terminal status means nothing touches the buffers.
+                if let Some(p) = self.core.peer() {
+                    if p.disconnected() {
+                        self.abort();
+                        return Err(crate::backend::disconnected(&p.name, p));
+                    }
+                }
+                Ok(Status::InProg)
+            }
+            s => {
+                let msg = run.err.lock().as_ref().map(|(_, m)| m.clone()).unwrap_or_default();
+                Err(Error::new(s, msg))
+            }
+        }
+    }
+
+    fn abort(&self) -> bool {
+        let Some(run) = self.run.lock().clone() else { return true };
+        run.abort.store(true, Ordering::Release);
+        // Wait for pieces already copying: the caller may free its buffers as soon as we return.
+        let mut g = run.idle_lock.lock();
+        while run.state.load(Ordering::Acquire) == Status::InProg as i32 {
+            run.idle.wait(&mut g);
+        }
+        true
+    }
+
+    fn completed_at(&self) -> Option<Instant> {
+        self.run.lock().as_ref().and_then(|r| *r.done_at.lock())
+    }
+}
+
+impl Drop for EngineXfer {
+    /// Whoever drops the request may free its buffers next: no copy of it may still run.
+    fn drop(&mut self) {
+        self.abort();
+    }
+}
+
+/// Cut `segs` into `n` pieces of about equal bytes, splitting segments where needed.
+fn split(segs: &[Seg], total: u64, n: usize) -> Vec<Vec<Seg>> {
+    let per = total.div_ceil(n as u64).max(1);
+    let mut parts: Vec<Vec<Seg>> = vec![Vec::new()];
+    let mut room = per;
+    for s in segs {
+        let mut s = *s;
+        while s.len > 0 {
+            if room == 0 {
+                parts.push(Vec::new());
+                room = per;
+            }
+            let take = s.len.min(room);
+            let mut piece = s;
+            piece.len = take;
+            parts.last_mut().expect("never empty").push(piece);
+            s.local += take;
+            s.remote += take;
+            s.len -= take;
+            room -= take;
+        }
+    }
+    parts.retain(|p| !p.is_empty());
+    parts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Engine;
+    use super::*;
+    use crate::backend::{Backend, BackendInit, Target, XferOp};
+    use crate::mem::{Desc, MemType, RegDesc};
+    use std::time::Duration;
+
+    fn seg(local: u64, remote: u64, len: u64) -> Seg {
+        Seg { local, remote, len, ldev: 0, rdev: 0, lreg: 0, rreg: 0 }
+    }
+
+    #[test]
+    fn split_balances_and_preserves_bytes() {
+        let segs = vec![seg(0, 1000, 10), seg(100, 2000, 25), seg(500, 3000, 5)];
+        let parts = split(&segs, 40, 3);
+        assert_eq!(parts.len(), 3);
+        let lens: Vec<u64> = parts.iter().map(|p| p.iter().map(|s| s.len).sum()).collect();
+        assert_eq!(lens, vec![14, 14, 12]);
+        assert_eq!(parts[0][1], seg(100, 2000, 4));
+        assert_eq!(parts[1][0], seg(104, 2004, 14));
+    }
+
+    /// A disconnect reported by `status` is terminal only once no copy thread works on the request any more,
+    /// and a request whose target is destroyed mid-copy leaves nothing running.
+    #[test]
+    fn terminal_status_only_after_workers_stop() {
+        const SIZE: usize = 256 << 20;
+        let init = |name: &str| BackendInit {
+            agent_name: name.into(),
+            incarnation: crate::util::random_u128(),
+            params: [("num_threads".to_owned(), "2".to_owned())].into_iter().collect(),
+            num_workers: 0,
+        };
+        let a = Engine::new(init("ct-A")).unwrap();
+        let bi = init("ct-B");
+        let binc = bi.incarnation;
+        let b = Engine::new(bi).unwrap();
+        let src = vec![1u8; SIZE];
+        let dst = vec![0u8; SIZE];
+        let rd = RegDesc { desc: Desc::new(dst.as_ptr() as u64, SIZE as u64, 0), meta: vec![] };
+        let lr = b.register(MemType::Dram, &rd).unwrap();
+        let peer = a.load_peer("ct-B", binc, &b.conn_info()).unwrap();
+        let key = a.load_remote_region(&peer, MemType::Dram, &rd.desc, &lr.public).unwrap();
+        let seg = Seg {
+            local: src.as_ptr() as u64,
+            remote: dst.as_ptr() as u64,
+            len: SIZE as u64,
+            ldev: 0,
+            rdev: 0,
+            lreg: 0,
+            rreg: 0,
+        };
+        let plan = XferPlan {
+            op: XferOp::Write,
+            local_mem: MemType::Dram,
+            remote_mem: MemType::Dram,
+            segs: vec![seg],
+            local_keys: vec![None],
+            remote_keys: vec![key],
+            target: Target::Remote(peer.clone()),
+            total_bytes: SIZE as u64,
+        };
+        let route = Route::Peer(peer.clone());
+        let x = EngineXfer {
+            core: Arc::new(Core { shared: a.shared.clone(), plan, route, mover: None }),
+            run: Mutex::new(None),
+        };
+        assert_eq!(x.post(None).unwrap(), Status::InProg);
+        let probe = (dst.as_ptr() as usize + SIZE / 2 + (8 << 20)) as *const u8;
+        // SAFETY: `dst` lives to the end of the test; volatile because a copy thread writes it.
+        while unsafe { std::ptr::read_volatile(probe) } == 0 {
+            std::hint::spin_loop();
+        }
+        drop(b);
+        let t = Instant::now();
+        let st = loop {
+            match x.status() {
+                Ok(Status::InProg) if t.elapsed() < Duration::from_secs(20) => std::thread::yield_now(),
+                other => break other,
+            }
+        };
+        let run = x.run.lock().clone().unwrap();
+        assert_eq!(st.as_ref().err().map(|e| e.status()), Some(Status::RemoteDisconnect), "{st:?}");
+        assert_eq!(run.pending.load(Ordering::Acquire), 0, "a copy thread still works on a terminal request");
+        assert_ne!(run.state.load(Ordering::Acquire), Status::InProg as i32);
+    }
+}
