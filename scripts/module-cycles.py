@@ -147,9 +147,7 @@ def main() -> int:
         print("module-cycles: engine, mdx and auth: no cycle")
 
     def file_unit(m):
-        if m[:2] != ENGINE:
-            return None
-        return m[2] if len(m) > 2 and (SRC / "backend" / "engine" / f"{m[2]}.rs").exists() else "engine"
+        return engine_unit(m)
 
     g = graph(file_unit)
     comps, pairs = cycles(g)
@@ -167,6 +165,25 @@ def main() -> int:
     return 1 if failed else 0
 
 
+def engine_unit(m):
+    """The engine file a module path lives in: `tcp`, `route` (route/mod.rs), `route/cma`; `engine` is mod.rs."""
+    if m[:2] != ENGINE:
+        return None
+    base = SRC / "backend" / "engine"
+    if len(m) > 3 and (base / m[2] / f"{m[3]}.rs").exists():
+        return f"{m[2]}/{m[3]}"
+    if len(m) > 2 and ((base / f"{m[2]}.rs").exists() or (base / m[2] / "mod.rs").exists()):
+        return m[2]
+    return "engine"
+
+
+def unit_of_file(rel: str) -> str:
+    """`mod.rs` -> engine, `route/mod.rs` -> route, `route/cma.rs` -> route/cma, `tcp.rs` -> tcp."""
+    if rel == "mod.rs":
+        return "engine"
+    return rel.removesuffix("/mod.rs").removesuffix(".rs")
+
+
 def readme_order(g) -> bool:
     """The README's engine tree names each engine file once, in an order where every import points down."""
     text = (SRC.parent / "README.md").read_text()
@@ -174,9 +191,10 @@ def readme_order(g) -> bool:
     if not m:
         print("module-cycles: README has no tree of the engine's files")
         return False
-    listed = [line.split()[0] for line in m.group(1).splitlines() if line.strip()]
-    names = ["engine" if f == "mod.rs" else f.removesuffix(".rs") for f in listed]
-    files = {"engine" if f.name == "mod.rs" else f.stem for f in (SRC / "backend" / "engine").glob("*.rs")}
+    listed = [line.split()[0] for line in m.group(1).splitlines() if line.strip() and not line[0].isspace()]
+    names = [unit_of_file(f) for f in listed]
+    base = SRC / "backend" / "engine"
+    files = {unit_of_file(f.relative_to(base).as_posix()) for f in base.rglob("*.rs")}
     ok = True
     if sorted(names) != sorted(files):
         print(f"module-cycles: README's engine tree lists {sorted(names)}, the engine has {sorted(files)}")

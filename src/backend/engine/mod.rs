@@ -51,6 +51,7 @@ mod net;
 mod notif;
 mod peer;
 mod pool;
+mod route;
 mod sentinel;
 mod serve_stage;
 mod shared;
@@ -68,10 +69,12 @@ use parking_lot::Mutex;
 
 use super::{Backend, BackendInit, BackendXfer, Caps, LocalRegion, Params, Peer, RegionKey, Target, XferPlan};
 use crate::mem::{Desc, MemType, RegDesc};
-use crate::status::{Error, Result, Status};
+use crate::status::{Error, Result};
 use conn::{decode_ticket, encode_ticket, parse_conn, LocalGateRegion, RemoteRegion};
-use ctrl::Sender;
 use peer::{downcast, EnginePeer, PeerKind};
+use route::cma::Cma;
+use route::in_process::InProcess;
+use route::tcp::Tcp;
 use shared::{registry, Shared, Transport};
 use tcp::{LinkTarget, TcpLink};
 use xfer::{Core, EngineXfer, Mover, Route};
@@ -214,7 +217,7 @@ impl Backend for Engine {
                     "agent '{agent}' runs on another host but advertises no address reachable from here"
                 )));
             }
-            let kind = PeerKind::Tcp { link: link(&dead) };
+            let kind = PeerKind::Tcp(Tcp { link: link(&dead) });
             let why = match (same_host, ci.has_local) {
                 (false, _) => "another host, or another pid or network namespace",
                 (true, false) => "its connection info offers no same-host route",
@@ -233,9 +236,9 @@ impl Backend for Engine {
         let mut fallback = None;
         let kind = if let Some(t) = local {
             let gate = Some(gate::attach_shared((s.pid, s.start_time, incarnation), || Ok(t.gate.clone()))?);
-            PeerKind::InProcess { target: Arc::downgrade(&t), gate }
+            PeerKind::InProcess(InProcess { name: agent.to_owned(), target: Arc::downgrade(&t), gate })
         } else if ci.pid == s.pid && ci.start_time == s.start_time {
-            PeerKind::InProcess { target: Weak::new(), gate: None }
+            PeerKind::InProcess(InProcess { name: agent.to_owned(), target: Weak::new(), gate: None })
         } else {
             let proof = s.prove(&ci, incarnation)?;
             if proof.is_none() {
@@ -244,7 +247,9 @@ impl Backend for Engine {
             let denied = proof.as_ref().and_then(|p| p.denied.clone());
             let tcp = link(&dead);
             fallback.clone_from(&denied);
-            PeerKind::Cma {
+            PeerKind::Cma(Cma {
+                name: agent.to_owned(),
+                incarnation,
                 pid: ci.pid,
                 gate: proof.as_ref().and_then(|p| p.gate.clone()),
                 proof,
@@ -256,27 +261,23 @@ impl Backend for Engine {
                 sender: Mutex::new(None),
                 tcp,
                 denied: AtomicBool::new(denied.is_some()),
-            }
+                dead: dead.clone(),
+            })
         };
-        let route = match &kind {
-            PeerKind::Cma { .. } if fallback.is_some() => None,
-            PeerKind::Cma { .. } => Some("cma"),
-            PeerKind::InProcess { .. } => Some("in-process"),
-            PeerKind::Tcp { .. } => Some("tcp"),
-        };
-        match (route, &fallback) {
-            (Some(route), _) => crate::telemetry::log::info(&format!(
-                "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route {route} (same host)",
+        let peer = EnginePeer { name: agent.to_owned(), incarnation, kind, dead };
+        match &fallback {
+            None => crate::telemetry::log::info(&format!(
+                "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route {} (same host)",
+                s.agent,
+                peer.via().label()
+            )),
+            Some(why) => crate::telemetry::log::warn(&format!(
+                "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route tcp (fall-back: the kernel \
+                 denied cross-memory attach: {why}; `python -m gixl doctor` says why)",
                 s.agent
             )),
-            (None, why) => crate::telemetry::log::warn(&format!(
-                "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route tcp (fall-back: the kernel \
-                 denied cross-memory attach: {}; `python -m gixl doctor` says why)",
-                s.agent,
-                why.as_deref().unwrap_or("")
-            )),
         }
-        Ok(Arc::new(EnginePeer { name: agent.to_owned(), incarnation, kind, dead }))
+        Ok(Arc::new(peer))
     }
 
     fn connect(&self, peer: &Arc<dyn Peer>) -> Result<()> {
@@ -284,36 +285,12 @@ impl Backend for Engine {
         if p.disconnected() {
             return Err(crate::backend::disconnected(&p.name, p));
         }
-        match &p.kind {
-            PeerKind::Cma { sock, sender, secret, from_inc, local_refused, .. } => {
-                let mut s = sender.lock();
-                if s.is_none() && !local_refused.load(Ordering::Acquire) {
-                    match Sender::connect(sock, p.incarnation, *secret, &self.shared.agent, *from_inc) {
-                        Ok(c) => *s = Some(c),
-                        // Another uid: notifications will go over TCP.
-                        Err(e) if e.status() == Status::NotAllowed => local_refused.store(true, Ordering::Release),
-                        Err(e) => return Err(e),
-                    }
-                }
-            }
-            PeerKind::Tcp { link } => {
-                link.connect()?;
-            }
-            PeerKind::InProcess { .. } => {}
-        }
-        Ok(())
+        p.via().connect(&self.shared.agent)
     }
 
     fn disconnect(&self, peer: &Arc<dyn Peer>) {
         if let Ok(p) = downcast(peer) {
-            match &p.kind {
-                PeerKind::Cma { sender, tcp, .. } => {
-                    sender.lock().take();
-                    tcp.close();
-                }
-                PeerKind::Tcp { link } => link.close(),
-                PeerKind::InProcess { .. } => {}
-            }
+            p.via().close();
         }
     }
 
@@ -376,6 +353,7 @@ mod tests {
     use super::gate::{Attached, Gate};
     use super::*;
     use crate::backend::Seg;
+    use crate::status::Status;
     use std::net::SocketAddr;
     use std::time::{Duration, Instant};
 
@@ -498,8 +476,8 @@ mod tests {
         let remotes = a.inner.remotes.read();
         let (_, p) = remotes.get(name).unwrap().peers[0].clone();
         match &downcast(&p).unwrap().kind {
-            PeerKind::Tcp { link } => link.clone(),
-            PeerKind::InProcess { .. } | PeerKind::Cma { .. } => panic!("not a TCP peer"),
+            PeerKind::Tcp(t) => t.link.clone(),
+            PeerKind::InProcess(_) | PeerKind::Cma(_) => panic!("not a TCP peer"),
         }
     }
 

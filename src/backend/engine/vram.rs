@@ -56,6 +56,8 @@ use parking_lot::Mutex;
 use super::copy::{self, cma_denied};
 use super::gate::Attached;
 use super::peer::{downcast, EnginePeer, PeerKind};
+use super::route::cma::Cma;
+use super::route::in_process::InProcess;
 use super::sentinel;
 use super::shared::{take_peer_fd, Shared};
 use super::vram_regions::{open_alloc, LocalVram, Opened, RemoteVram};
@@ -144,7 +146,7 @@ fn refused(e: Error) -> Error {
 /// probed instead (`copy::probe`, one 16-byte `process_vm_readv` of its gate). A check that finds the peer
 /// gone marks it dead.
 fn in_peer_gate<T>(p: &EnginePeer, regions: &[(u32, u64, u64, u64)], f: impl FnOnce() -> Result<T>) -> Result<T> {
-    let PeerKind::Cma { pid, gate, probe, denied, .. } = &p.kind else {
+    let PeerKind::Cma(Cma { pid, gate, probe, denied, .. }) = &p.kind else {
         return Err(Error::backend("unreachable route"));
     };
     let gone = || {
@@ -211,11 +213,11 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
     };
     let far = match peer.map(|p| (p, &p.kind)) {
         None => Far::Loopback,
-        Some((ep, PeerKind::InProcess { target, .. })) => {
+        Some((ep, PeerKind::InProcess(InProcess { target, .. }))) => {
             target.upgrade().ok_or_else(|| Error::disconnected(format!("agent '{}' has been destroyed", ep.name)))?;
             Far::InProcess
         }
-        Some((ep, PeerKind::Cma { proof, gate, denied, .. })) => {
+        Some((ep, PeerKind::Cma(Cma { proof, gate, denied, .. }))) => {
             // The engine sends a denied peer's requests over TCP unless this says they can stay here (see
             // `ipc_despite_denial`); refused if one comes anyway.
             if denied.load(Ordering::Acquire) && !ipc_despite_denial(gate, remote_is_vram) {
@@ -233,7 +235,7 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
             Far::Process
         }
         // The engine hands these to `vram_tcp` before this.
-        Some((ep, PeerKind::Tcp { .. })) => {
+        Some((ep, PeerKind::Tcp(_))) => {
             return Err(Error::backend(format!("VRAM to agent '{}' over TCP goes through vram_tcp", ep.name)))
         }
     };
@@ -260,7 +262,7 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
             gated.push(r.gated());
             match (&far, peer) {
                 (Far::Process, Some(ep)) => {
-                    let PeerKind::Cma { proof: Some(proof), sock, secret, pid, .. } = &ep.kind else {
+                    let PeerKind::Cma(Cma { proof: Some(proof), sock, secret, pid, .. }) = &ep.kind else {
                         return Err(Error::backend("peer without a pidfd"));
                     };
                     // The gate and the probe first: a stale handle never reaches the driver.
@@ -330,7 +332,7 @@ impl Mover for VramPlan {
                 return Err(Error::new(Status::Canceled, "transfer stopped"));
             }
             match (&self.far, &p.kind) {
-                (Far::InProcess, PeerKind::InProcess { gate, .. }) => {
+                (Far::InProcess, PeerKind::InProcess(InProcess { gate, .. })) => {
                     let gate = gate.as_ref().ok_or_else(|| Error::disconnected("the peer agent has been destroyed"))?;
                     let _inside = if self.remote_is_vram {
                         gate.enter(self.gated.iter().copied()).map_err(refused)?
@@ -352,7 +354,7 @@ impl VramPlan {
         let op = core.plan.op;
         debug_assert!(self.local_is_vram);
         let peer = core.peer().ok_or_else(|| Error::backend("unreachable route"))?;
-        let PeerKind::Cma { pid, gate: Some(cma_gate), probe, .. } = &peer.kind else {
+        let PeerKind::Cma(Cma { pid, gate: Some(cma_gate), probe, .. }) = &peer.kind else {
             return Err(Error::not_supported(format!(
                 "agent '{}' cannot be reached by cross-memory attach, which VRAM <-> remote DRAM needs",
                 peer.name

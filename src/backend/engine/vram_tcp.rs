@@ -22,6 +22,8 @@ use std::sync::{mpsc, Arc};
 
 use super::conn::RemoteRegion;
 use super::peer::{downcast, PeerKind};
+use super::route::cma::Cma;
+use super::route::tcp::Tcp;
 use super::tcp::TcpLink;
 use super::vram::{ipc_despite_denial, Staging};
 use super::vram_regions::RemoteVram;
@@ -38,12 +40,12 @@ const SLOTS: usize = 4;
 pub(super) fn tcp_link(plan: &XferPlan) -> Result<Option<Arc<TcpLink>>> {
     let Target::Remote(p) = &plan.target else { return Ok(None) };
     Ok(match &downcast(p)?.kind {
-        PeerKind::Tcp { link } => Some(link.clone()),
+        PeerKind::Tcp(Tcp { link }) => Some(link.clone()),
         // Cross-memory attach denied: over TCP, unless the peer's VRAM stays reachable by IPC handles.
-        PeerKind::Cma { tcp, denied, gate, .. } if denied.load(Ordering::Acquire) => {
+        PeerKind::Cma(Cma { tcp, denied, gate, .. }) if denied.load(Ordering::Acquire) => {
             (!ipc_despite_denial(gate, plan.remote_mem == MemType::Vram)).then(|| tcp.clone())
         }
-        PeerKind::Cma { .. } | PeerKind::InProcess { .. } => None,
+        PeerKind::Cma(_) | PeerKind::InProcess(_) => None,
     })
 }
 

@@ -9,9 +9,9 @@ use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
 
-use super::conn::RemoteRegion;
-use super::copy::{self, cma_denied};
-use super::peer::{EnginePeer, PeerKind};
+use super::copy;
+use super::peer::EnginePeer;
+use super::route::{self, Job};
 use super::shared::Shared;
 use super::tcp::TcpLink;
 use crate::backend::{BackendXfer, Peer, Seg, XferPlan};
@@ -87,17 +87,10 @@ impl Core {
 
     /// The remote regions this request may touch, as (gate slot, state, address, length).
     pub(super) fn gate_regions(&self) -> impl Iterator<Item = (u32, u64, u64, u64)> + Clone + '_ {
-        self.plan.remote_keys.iter().map(|k| {
-            match k.as_ref().and_then(|k| k.downcast_ref::<RemoteRegion>()) {
-                Some(r) => (r.ticket.slot, r.ticket.state, r.addr, r.len),
-                // Never for this engine's plans; refused by the gate if it happens.
-                None => (u32::MAX, 0, 0, 0),
-            }
-        })
+        route::gate_regions(&self.plan.remote_keys)
     }
 
-    /// Copy `segs` by whichever route this request takes. Same-host routes go batch by batch, each inside
-    /// the target's gate.
+    /// Copy `segs` by whichever route this request takes (see `route`).
     fn copy(&self, segs: &[Seg], run: &Run) -> Result<()> {
         if self.shared.panic_copies {
             panic!("injected copy-worker panic (GIXL_TEST_FAULT=copy_panic)");
@@ -105,73 +98,13 @@ impl Core {
         if let Some(m) = &self.mover {
             return m.copy(self, segs, run);
         }
-        let op = self.plan.op;
-        let stopped = || Error::new(Status::Canceled, "transfer stopped");
         let Some(p) = self.peer() else {
             // SAFETY: loopback: the agent resolved both sides against this agent's own registrations.
-            unsafe { copy::local_copy(op, segs) };
+            unsafe { copy::local_copy(self.plan.op, segs) };
             return Ok(());
         };
-        match &p.kind {
-            PeerKind::InProcess { gate, .. } => {
-                let gate = gate
-                    .as_ref()
-                    .ok_or_else(|| Error::disconnected(format!("agent '{}' has been destroyed", p.name)))?;
-                copy::for_batches(segs, usize::MAX, copy::BATCH_BYTES, &mut |b| {
-                    if run.abort.load(Ordering::Relaxed) {
-                        return Err(stopped());
-                    }
-                    let _inside = gate.enter(self.gate_regions())?;
-                    // SAFETY: local ranges were resolved against this agent's registrations; remote ones are
-                    // inside registrations the target still holds (the gate), which it cannot drop while we
-                    // are inside.
-                    unsafe { copy::local_copy(op, b) };
-                    Ok(())
-                })
-            }
-            PeerKind::Tcp { link } => self.tcp_copy(link, segs, run),
-            PeerKind::Cma { tcp, denied, .. } if denied.load(Ordering::Acquire) => self.tcp_copy(tcp, segs, run),
-            PeerKind::Cma { pid, gate, probe, tcp, denied, .. } => {
-                let gate =
-                    gate.as_ref().ok_or_else(|| Error::disconnected(format!("agent '{}' is not reachable", p.name)))?;
-                let mut gone = false;
-                let r = copy::for_batches(segs, copy::BATCH_SEGS, copy::BATCH_BYTES, &mut |b| {
-                    if run.abort.load(Ordering::Relaxed) || p.gone() {
-                        return Err(stopped());
-                    }
-                    // Identity is checked inside the call itself: its first iovec is the incarnation's gate
-                    // (see `copy::cma_batch`), which an exec'd image or a process that took over the pid does
-                    // not map. (A pidfd poll here would cost a syscall per batch and still miss exec.)
-                    let inside = gate.enter(self.gate_regions());
-                    if let Err(e) = &inside {
-                        gone = e.status() == Status::RemoteDisconnect;
-                    }
-                    let _inside = inside?;
-                    // SAFETY: local ranges were resolved against this agent's registrations.
-                    unsafe { copy::cma_batch(*pid, op, b, probe, gate.gate.sentinel(), &mut gone) }
-                });
-                if r.as_ref().err().is_some_and(cma_denied) {
-                    // The kernel checks permission before moving a byte, so nothing was copied: go by TCP.
-                    if !denied.swap(true, Ordering::AcqRel) {
-                        let why = r.as_ref().err().map(|e| e.to_string()).unwrap_or_default();
-                        crate::telemetry::log::warn(&format!(
-                            "agent '{}': peer '{}' route tcp (fall-back: the kernel denied cross-memory attach: {why}; \
-                             `python -m gixl doctor` says why)",
-                            self.shared.agent,
-                            self.peer().map(|p| p.name.as_str()).unwrap_or("")
-                        ));
-                    }
-                    return self.tcp_copy(tcp, segs, run);
-                }
-                if gone {
-                    p.dead.store(true, Ordering::Release);
-                }
-                if r.is_err() && p.gone() {
-                    return Err(Error::disconnected(format!("agent '{}' exited during the transfer", p.name)));
-                }
-                r
-            }
-        }
+        let job = Job { op: self.plan.op, keys: &self.plan.remote_keys, abort: &run.abort, agent: &self.shared.agent };
+        p.via().copy(&job, segs)
     }
 
     /// `copy`, with any failure, a panic included, recorded on the request (never unwinding further).
@@ -183,24 +116,9 @@ impl Core {
         }
     }
 
-    fn tcp_copy(&self, link: &TcpLink, segs: &[Seg], run: &Run) -> Result<()> {
-        let keys = &self.plan.remote_keys;
-        let region = |s: &Seg| {
-            keys.get(s.rreg as usize)
-                .and_then(|k| k.as_ref())
-                .and_then(|k| k.downcast_ref::<RemoteRegion>())
-                .map_or((s.remote, s.len), |r| (r.addr, r.len))
-        };
-        let stop = || run.abort.load(Ordering::Relaxed);
-        link.run(self.plan.op, segs, &region, &stop)
-    }
-
     /// The link of a request that goes over TCP from the start (heartbeats run while it is in flight).
     fn tcp_link(&self) -> Option<&Arc<TcpLink>> {
-        match self.peer().map(|p| &p.kind) {
-            Some(PeerKind::Tcp { link }) => Some(link),
-            Some(PeerKind::InProcess { .. } | PeerKind::Cma { .. }) | None => None,
-        }
+        self.peer().and_then(|p| p.via().link())
     }
 
     /// Data is complete: send the notification, then publish the outcome.

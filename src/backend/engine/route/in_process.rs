@@ -1,0 +1,70 @@
+//! Another agent of this process, found in the registry of live engines by its incarnation (never by what its
+//! connection info claims): `memcpy` batch by batch inside its gate, notifications straight into its queue.
+
+use std::sync::{Arc, Weak};
+
+use super::{Job, Route};
+use crate::backend::engine::copy;
+use crate::backend::engine::gate::Attached;
+use crate::backend::engine::shared::Shared;
+use crate::backend::engine::tcp::TcpLink;
+use crate::backend::Seg;
+use crate::status::{Error, Result};
+
+pub(crate) struct InProcess {
+    /// The peer's name, for errors.
+    pub(crate) name: String,
+    pub(crate) target: Weak<Shared>,
+    /// None when no engine of that incarnation lives here (destroyed, or metadata that only claims to be from
+    /// this process).
+    pub(crate) gate: Option<Arc<Attached>>,
+}
+
+impl InProcess {
+    fn destroyed(&self) -> Error {
+        Error::disconnected(format!("agent '{}' has been destroyed", self.name))
+    }
+}
+
+impl Route for InProcess {
+    fn label(&self) -> &'static str {
+        "in-process"
+    }
+    fn pid(&self) -> Option<i32> {
+        None
+    }
+    fn exited(&self) -> bool {
+        false
+    }
+    fn down(&self) -> bool {
+        self.gate.as_ref().is_none_or(|g| !g.gate.live())
+    }
+    fn why_down(&self) -> String {
+        String::new()
+    }
+    fn connect(&self, _from: &str) -> Result<()> {
+        Ok(())
+    }
+    fn close(&self) {}
+    fn notify(&self, from: &str, msg: &[u8]) -> Result<()> {
+        let t = self.target.upgrade().filter(|_| !self.down()).ok_or_else(|| self.destroyed())?;
+        t.queue.lock().push((from.to_owned(), msg.to_vec()));
+        Ok(())
+    }
+    fn link(&self) -> Option<&Arc<TcpLink>> {
+        None
+    }
+    fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {
+        let gate = self.gate.as_ref().ok_or_else(|| self.destroyed())?;
+        copy::for_batches(segs, usize::MAX, copy::BATCH_BYTES, &mut |b| {
+            if let Some(e) = job.stopped() {
+                return Err(e);
+            }
+            let _inside = gate.enter(job.gate_regions())?;
+            // SAFETY: local ranges were resolved against this agent's registrations; remote ones are inside
+            // registrations the target still holds (the gate), which it cannot drop while we are inside.
+            unsafe { copy::local_copy(job.op, b) };
+            Ok(())
+        })
+    }
+}

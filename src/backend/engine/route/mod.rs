@@ -1,0 +1,90 @@
+//! The engine's routes to a peer, one file each, behind one trait (`Route`): an agent in this process
+//! (`in_process`), another process on this host by cross-memory attach (`cma`), and TCP (`tcp`). A peer holds
+//! one (`peer::PeerKind`); everything the engine asks of a peer (is it down and why, connect, close, notify,
+//! copy a piece of a request) goes through the trait, so a new route is a file here, a variant of `PeerKind`
+//! and its choice in `load_peer`.
+//!
+//! Requests that touch VRAM go through their `xfer::Mover` instead (`vram`, `vram_tcp`), which reads the
+//! route's own fields.
+
+pub(super) mod cma;
+pub(super) mod in_process;
+pub(super) mod tcp;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use super::conn::RemoteRegion;
+use super::tcp::TcpLink;
+use crate::backend::{RegionKey, Seg, XferOp};
+use crate::status::{Error, Result, Status};
+
+/// A way to reach one peer. Every method is required: a new route says what each means for it.
+pub(super) trait Route: Send + Sync {
+    /// What doctor, the log and telemetry call it.
+    fn label(&self) -> &'static str;
+    /// The peer's process, where it is one on this host.
+    fn pid(&self) -> Option<i32>;
+    /// The peer's process has exited (known without asking it).
+    fn exited(&self) -> bool;
+    /// The peer can no longer be reached: its requests fail with REMOTE_DISCONNECT.
+    fn down(&self) -> bool;
+    /// Why it is down, as ` (reason)`, or empty.
+    fn why_down(&self) -> String;
+    /// Get ready to notify `from` this agent (connections the route keeps to the peer).
+    fn connect(&self, from: &str) -> Result<()>;
+    /// Drop what `connect` and requests opened.
+    fn close(&self);
+    /// Deliver a notification from agent `from`.
+    fn notify(&self, from: &str, msg: &[u8]) -> Result<()>;
+    /// The TCP link of a route that is TCP from the start: its heartbeats bound the requests in flight, and
+    /// its data connections take their pieces.
+    fn link(&self) -> Option<&Arc<TcpLink>>;
+    /// Copy `segs`, one piece of `job`.
+    fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()>;
+}
+
+/// What a route needs of a request to copy a piece of it.
+pub(super) struct Job<'a> {
+    pub(super) op: XferOp,
+    /// The request's remote regions (this engine's `RemoteRegion`s).
+    pub(super) keys: &'a [Option<RegionKey>],
+    /// Set when the request is aborted: stop between batches.
+    pub(super) abort: &'a AtomicBool,
+    /// This agent's name, for the log.
+    pub(super) agent: &'a str,
+}
+
+impl Job<'_> {
+    pub(super) fn stopped(&self) -> Option<Error> {
+        self.abort.load(Ordering::Relaxed).then(|| Error::new(Status::Canceled, "transfer stopped"))
+    }
+
+    /// The remote regions the request may touch, as the target's gate checks them.
+    pub(super) fn gate_regions(&self) -> impl Iterator<Item = (u32, u64, u64, u64)> + Clone + '_ {
+        gate_regions(self.keys)
+    }
+
+    /// Copy `segs` over `link` (the TCP target finds each segment's registration by the range its metadata
+    /// names).
+    pub(super) fn over_tcp(&self, link: &TcpLink, segs: &[Seg]) -> Result<()> {
+        let region = |s: &Seg| {
+            self.keys
+                .get(s.rreg as usize)
+                .and_then(|k| k.as_ref())
+                .and_then(|k| k.downcast_ref::<RemoteRegion>())
+                .map_or((s.remote, s.len), |r| (r.addr, r.len))
+        };
+        let stop = || self.abort.load(Ordering::Relaxed);
+        link.run(self.op, segs, &region, &stop)
+    }
+}
+
+/// Remote region keys as (gate slot, state, address, length).
+pub(super) fn gate_regions(keys: &[Option<RegionKey>]) -> impl Iterator<Item = (u32, u64, u64, u64)> + Clone + '_ {
+    keys.iter().map(|k| match k.as_ref().and_then(|k| k.downcast_ref::<RemoteRegion>()) {
+        Some(r) => (r.ticket.slot, r.ticket.state, r.addr, r.len),
+        // Never for this engine's plans; refused by the gate if it happens.
+        None => (u32::MAX, 0, 0, 0),
+    })
+}
