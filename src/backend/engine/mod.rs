@@ -52,6 +52,7 @@ mod notif;
 mod peer;
 mod pool;
 mod route;
+mod router;
 mod sentinel;
 mod serve_stage;
 mod shared;
@@ -62,21 +63,14 @@ mod vram_tcp;
 pub mod wire;
 mod xfer;
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Weak};
-
-use parking_lot::Mutex;
+use std::sync::Arc;
 
 use super::{Backend, BackendInit, BackendXfer, Caps, LocalRegion, Params, Peer, RegionKey, Target, XferPlan};
 use crate::mem::{Desc, MemType, RegDesc};
 use crate::status::{Error, Result};
 use conn::{decode_ticket, encode_ticket, parse_conn, LocalGateRegion, RemoteRegion};
-use peer::{downcast, EnginePeer, PeerKind};
-use route::cma::Cma;
-use route::in_process::InProcess;
-use route::tcp::Tcp;
-use shared::{registry, Shared, Transport};
-use tcp::{LinkTarget, TcpLink};
+use peer::downcast;
+use shared::Shared;
 use xfer::{Core, EngineXfer, Mover, Route};
 
 pub use conn::tcp_endpoint;
@@ -194,90 +188,7 @@ impl Backend for Engine {
     }
 
     fn load_peer(&self, agent: &str, incarnation: u128, conn: &[u8]) -> Result<Arc<dyn Peer>> {
-        let s = &self.shared;
-        let ci = parse_conn(conn)?;
-        let same_host = ci.host == s.host;
-        let mut addrs = ci.addrs.clone();
-        if same_host {
-            addrs.sort_by_key(|a| !a.ip().is_loopback());
-        } else {
-            // Another host's loopback is our own: connecting there would hand the secret to a local stranger.
-            addrs.retain(|a| !a.ip().is_loopback());
-        }
-        let dead = Arc::new(AtomicBool::new(false));
-        let link = |dead: &Arc<AtomicBool>| {
-            // A TCP-only peer recovers from transient failures; a CMA peer's liveness is its pidfd's.
-            let recover = !same_host || s.transport == Transport::Tcp || !ci.has_local;
-            let t = LinkTarget { peer: agent, incarnation, secret: ci.secret, addrs: addrs.clone(), recover };
-            TcpLink::new(&s.ctrl.tcp, &s.agent, t, dead.clone())
-        };
-        if !same_host || s.transport == Transport::Tcp || !ci.has_local {
-            if addrs.is_empty() {
-                return Err(Error::backend(format!(
-                    "agent '{agent}' runs on another host but advertises no address reachable from here"
-                )));
-            }
-            let kind = PeerKind::Tcp(Tcp { link: link(&dead) });
-            let why = match (same_host, ci.has_local) {
-                (false, _) => "another host, or another pid or network namespace",
-                (true, false) => "its connection info offers no same-host route",
-                (true, true) => "GIXL_TRANSPORT=tcp",
-            };
-            crate::telemetry::log::info(&format!(
-                "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route tcp ({why})",
-                s.agent
-            ));
-            return Ok(Arc::new(EnginePeer { name: agent.to_owned(), incarnation, kind, dead }));
-        }
-        // In process only to an engine that lives here under that incarnation, whatever the connection info
-        // says; an incarnation of this process that is not in the registry was destroyed (or never existed).
-        let local = registry().lock().get(&incarnation).and_then(Weak::upgrade);
-        // Why the kernel refused the peer's gate (so cross-memory attach): its data goes over TCP.
-        let mut fallback = None;
-        let kind = if let Some(t) = local {
-            let gate = Some(gate::attach_shared((s.pid, s.start_time, incarnation), || Ok(t.gate.clone()))?);
-            PeerKind::InProcess(InProcess { name: agent.to_owned(), target: Arc::downgrade(&t), gate })
-        } else if ci.pid == s.pid && ci.start_time == s.start_time {
-            PeerKind::InProcess(InProcess { name: agent.to_owned(), target: Weak::new(), gate: None })
-        } else {
-            let proof = s.prove(&ci, incarnation)?;
-            if proof.is_none() {
-                dead.store(true, Ordering::Release);
-            }
-            let denied = proof.as_ref().and_then(|p| p.denied.clone());
-            let tcp = link(&dead);
-            fallback.clone_from(&denied);
-            PeerKind::Cma(Cma {
-                name: agent.to_owned(),
-                incarnation,
-                pid: ci.pid,
-                gate: proof.as_ref().and_then(|p| p.gate.clone()),
-                proof,
-                probe: copy::Probe { addr: ci.gate_addr, incarnation },
-                sock: ci.sock.clone(),
-                secret: ci.secret,
-                from_inc: s.incarnation,
-                local_refused: AtomicBool::new(false),
-                sender: Mutex::new(None),
-                tcp,
-                denied: AtomicBool::new(denied.is_some()),
-                dead: dead.clone(),
-            })
-        };
-        let peer = EnginePeer { name: agent.to_owned(), incarnation, kind, dead };
-        match &fallback {
-            None => crate::telemetry::log::info(&format!(
-                "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route {} (same host)",
-                s.agent,
-                peer.via().label()
-            )),
-            Some(why) => crate::telemetry::log::warn(&format!(
-                "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route tcp (fall-back: the kernel \
-                 denied cross-memory attach: {why}; `python -m gixl doctor` says why)",
-                s.agent
-            )),
-        }
-        Ok(Arc::new(peer))
+        Ok(Arc::new(router::load(&self.shared, agent, incarnation, &parse_conn(conn)?)?))
     }
 
     fn connect(&self, peer: &Arc<dyn Peer>) -> Result<()> {
@@ -297,7 +208,7 @@ impl Backend for Engine {
     fn prep_xfer(&self, plan: XferPlan) -> Result<Box<dyn BackendXfer>> {
         let wants = vram::wants(&plan);
         // VRAM to a peer reached over TCP is staged (see `vram_tcp`); other VRAM routes are `vram`'s.
-        let link = if wants { vram_tcp::tcp_link(&plan)? } else { None };
+        let link = if wants { router::vram_over_tcp(&plan)? } else { None };
         let mover: Option<Box<dyn Mover>> = match link {
             Some(link) => Some(Box::new(vram_tcp::prep(&plan, link)?)),
             None if wants => Some(Box::new(vram::prep(&self.shared, &plan)?)),
@@ -351,6 +262,7 @@ impl Backend for Engine {
 mod tests {
     use super::conn::{conn_v3_to_v4, SEC_LOCAL};
     use super::gate::{Attached, Gate};
+    use super::peer::PeerKind;
     use super::*;
     use crate::backend::Seg;
     use crate::status::Status;

@@ -20,7 +20,7 @@
 //! - another process, its region in DRAM and ours in VRAM: cross-memory attach into a page-locked staging
 //!   buffer, and a device copy between the buffer and VRAM (both directions);
 //! - a peer reached over TCP (another host, `GIXL_TRANSPORT=tcp`, or cross-memory attach denied unless its
-//!   VRAM stays reachable by IPC handles, see `ipc_despite_denial`): both
+//!   VRAM stays reachable by IPC handles, see `router::ipc_despite_denial`): both
 //!   sides stage through page-locked buffers, the TCP target serving its VRAM registrations chunk by chunk
 //!   under the same leases as DRAM (see `vram_tcp`; no same-host gate there: the TCP target checks every
 //!   request against its own registrations).
@@ -54,10 +54,10 @@ use std::sync::{Arc, OnceLock};
 use parking_lot::Mutex;
 
 use super::copy::{self, cma_denied};
-use super::gate::Attached;
 use super::peer::{downcast, EnginePeer, PeerKind};
 use super::route::cma::Cma;
 use super::route::in_process::InProcess;
+use super::router::ipc_despite_denial;
 use super::sentinel;
 use super::shared::{take_peer_fd, Shared};
 use super::vram_regions::{open_alloc, LocalVram, Opened, RemoteVram};
@@ -183,15 +183,6 @@ fn in_peer_gate<T>(p: &EnginePeer, regions: &[(u32, u64, u64, u64)], f: impl FnO
         return Err(gone());
     }
     Ok(r)
-}
-
-/// Where the kernel denies cross-memory attach to a same-host peer, its VRAM is still reachable through its
-/// IPC handles if its gate came over the control socket and it has a live sentinel (the identity check then
-/// needs no ptrace permission); its DRAM (the staged route) is not. Otherwise the request goes over TCP
-/// (see `vram_tcp::tcp_link`).
-pub(super) fn ipc_despite_denial(gate: &Option<Arc<Attached>>, remote_is_vram: bool) -> bool {
-    remote_is_vram
-        && gate.as_ref().is_some_and(|g| matches!(sentinel::read(g.gate.sentinel()), sentinel::Word::Alive(_)))
 }
 
 /// Resolve a request that touches VRAM: its route, the device, and (for another process) the peer's

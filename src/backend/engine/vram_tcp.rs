@@ -21,33 +21,17 @@ use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 
 use super::conn::RemoteRegion;
-use super::peer::{downcast, PeerKind};
-use super::route::cma::Cma;
-use super::route::tcp::Tcp;
 use super::tcp::TcpLink;
-use super::vram::{ipc_despite_denial, Staging};
+use super::vram::Staging;
 use super::vram_regions::RemoteVram;
 use super::xfer::{Core, Mover, Run};
-use crate::backend::{RegionKey, Seg, Target, XferOp, XferPlan};
+use crate::backend::{RegionKey, Seg, XferOp, XferPlan};
 use crate::device::{self, Copy, Device};
 use crate::mem::MemType;
 use crate::status::{Error, Result, Status};
 
 /// Slots of the initiator's staging buffer: chunks in flight in a piece's pipeline.
 const SLOTS: usize = 4;
-
-/// The TCP link of a request touching VRAM, when its peer is reached over TCP (None: a same-host route).
-pub(super) fn tcp_link(plan: &XferPlan) -> Result<Option<Arc<TcpLink>>> {
-    let Target::Remote(p) = &plan.target else { return Ok(None) };
-    Ok(match &downcast(p)?.kind {
-        PeerKind::Tcp(Tcp { link }) => Some(link.clone()),
-        // Cross-memory attach denied: over TCP, unless the peer's VRAM stays reachable by IPC handles.
-        PeerKind::Cma(Cma { tcp, denied, gate, .. }) if denied.load(Ordering::Acquire) => {
-            (!ipc_despite_denial(gate, plan.remote_mem == MemType::Vram)).then(|| tcp.clone())
-        }
-        PeerKind::Cma(_) | PeerKind::InProcess(_) => None,
-    })
-}
 
 /// A request touching VRAM whose peer is reached over TCP.
 pub(super) struct TcpVramPlan {
