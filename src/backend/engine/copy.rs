@@ -301,6 +301,32 @@ fn cma_error(pid: i32, op: XferOp, e: io::Error, gone: &mut bool) -> Error {
     }
 }
 
+/// Cut `segs` into chunks of at most `cap` bytes, splitting segments where needed.
+pub(super) fn chunks(segs: &[Seg], cap: u64) -> Vec<Vec<Seg>> {
+    let mut out: Vec<Vec<Seg>> = Vec::new();
+    let mut room = 0u64;
+    for s in segs {
+        let mut s = *s;
+        while s.len > 0 {
+            if room == 0 {
+                out.push(Vec::new());
+                room = cap;
+            }
+            let take = s.len.min(room);
+            let mut piece = s;
+            piece.len = take;
+            if let Some(c) = out.last_mut() {
+                c.push(piece);
+            }
+            s.local += take;
+            s.remote += take;
+            s.len -= take;
+            room -= take;
+        }
+    }
+    out
+}
+
 /// Did cross-memory attach fail because the kernel forbids it here (not because the peer is gone)?
 pub(super) fn cma_denied(e: &Error) -> bool {
     std::error::Error::source(e)
@@ -313,6 +339,23 @@ pub(super) fn cma_denied(e: &Error) -> bool {
 mod tests {
     use super::super::gate::Gate;
     use super::*;
+
+    fn at(local: u64, remote: u64, len: u64) -> Seg {
+        Seg { local, remote, len, ldev: 0, rdev: 0, lreg: 0, rreg: 0 }
+    }
+
+    /// A request's pieces (`xfer`: 40 bytes in 3 pieces of at most 14) and staging chunks alike.
+    #[test]
+    fn chunks_balance_and_preserve_bytes() {
+        let segs = vec![at(0, 1000, 10), at(100, 2000, 25), at(500, 3000, 5)];
+        let parts = chunks(&segs, 40u64.div_ceil(3));
+        assert_eq!(parts.len(), 3);
+        let lens: Vec<u64> = parts.iter().map(|p| p.iter().map(|s| s.len).sum()).collect();
+        assert_eq!(lens, vec![14, 14, 12]);
+        assert_eq!(parts[0][1], at(100, 2000, 4));
+        assert_eq!(parts[1][0], at(104, 2004, 14));
+        assert!(chunks(&[], 8).is_empty());
+    }
 
     fn seg(local: &mut [u8], remote: &[u8]) -> Seg {
         Seg {

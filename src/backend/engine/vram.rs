@@ -372,12 +372,7 @@ impl VramPlan {
             r
         };
         let buf = Staging::take(self.device, self.dev)?;
-        let mut chunk: Vec<Seg> = Vec::new();
-        let mut used = 0u64;
-        let flush = |chunk: &mut Vec<Seg>| -> Result<()> {
-            if chunk.is_empty() {
-                return Ok(());
-            }
+        let flush = |chunk: &[Seg]| -> Result<()> {
             // `local` of each staged segment is its place in the buffer; `orig` the VRAM address.
             let mut staged = Vec::with_capacity(chunk.len());
             let mut dev_copies = Vec::with_capacity(chunk.len());
@@ -402,27 +397,9 @@ impl VramPlan {
                     cma(&staged)?;
                 }
             }
-            chunk.clear();
             Ok(())
         };
-        for s in segs {
-            let mut s = *s;
-            while s.len > 0 {
-                if used == STAGE {
-                    flush(&mut chunk)?;
-                    used = 0;
-                }
-                let take = s.len.min(STAGE - used);
-                let mut piece = s;
-                piece.len = take;
-                chunk.push(piece);
-                used += take;
-                s.local += take;
-                s.remote += take;
-                s.len -= take;
-            }
-        }
-        flush(&mut chunk)
+        copy::chunks(segs, STAGE).iter().try_for_each(|c| flush(c))
     }
 }
 

@@ -21,6 +21,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 
 use super::conn::RemoteRegion;
+use super::copy::chunks;
 use super::tcp::TcpLink;
 use super::vram::Staging;
 use super::vram_regions::RemoteVram;
@@ -60,32 +61,6 @@ fn region(keys: &[Option<RegionKey>], s: &Seg) -> (u64, u64) {
         return r.tcp_region();
     }
     (s.remote, s.len)
-}
-
-/// Cut `segs` into chunks of at most `cap` bytes, splitting segments where needed.
-fn chunks(segs: &[Seg], cap: u64) -> Vec<Vec<Seg>> {
-    let mut out: Vec<Vec<Seg>> = Vec::new();
-    let mut room = 0u64;
-    for s in segs {
-        let mut s = *s;
-        while s.len > 0 {
-            if room == 0 {
-                out.push(Vec::new());
-                room = cap;
-            }
-            let take = s.len.min(room);
-            let mut piece = s;
-            piece.len = take;
-            if let Some(c) = out.last_mut() {
-                c.push(piece);
-            }
-            s.local += take;
-            s.remote += take;
-            s.len -= take;
-            room -= take;
-        }
-    }
-    out
 }
 
 /// `chunk` with its local side moved into the staging buffer at `buf`, and the device copies between

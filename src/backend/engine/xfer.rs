@@ -193,7 +193,8 @@ impl BackendXfer for EngineXfer {
             core.finish(&run);
             return self.status();
         }
-        let parts = split(&plan.segs, plan.total_bytes, pieces);
+        // About equal bytes each, segments split where needed.
+        let parts = copy::chunks(&plan.segs, plan.total_bytes.div_ceil(pieces as u64).max(1));
         run.pending.store(parts.len(), Ordering::Release);
         let pool = if tcp.is_some() { &core.shared.tcp_pool } else { &core.shared.pool };
         for part in parts {
@@ -256,32 +257,6 @@ impl Drop for EngineXfer {
     }
 }
 
-/// Cut `segs` into `n` pieces of about equal bytes, splitting segments where needed.
-fn split(segs: &[Seg], total: u64, n: usize) -> Vec<Vec<Seg>> {
-    let per = total.div_ceil(n as u64).max(1);
-    let mut parts: Vec<Vec<Seg>> = vec![Vec::new()];
-    let mut room = per;
-    for s in segs {
-        let mut s = *s;
-        while s.len > 0 {
-            if room == 0 {
-                parts.push(Vec::new());
-                room = per;
-            }
-            let take = s.len.min(room);
-            let mut piece = s;
-            piece.len = take;
-            parts.last_mut().expect("never empty").push(piece);
-            s.local += take;
-            s.remote += take;
-            s.len -= take;
-            room -= take;
-        }
-    }
-    parts.retain(|p| !p.is_empty());
-    parts
-}
-
 #[cfg(test)]
 mod tests {
     use super::super::Engine;
@@ -289,21 +264,6 @@ mod tests {
     use crate::backend::{Backend, BackendInit, Target, XferOp};
     use crate::mem::{Desc, MemType, RegDesc};
     use std::time::Duration;
-
-    fn seg(local: u64, remote: u64, len: u64) -> Seg {
-        Seg { local, remote, len, ldev: 0, rdev: 0, lreg: 0, rreg: 0 }
-    }
-
-    #[test]
-    fn split_balances_and_preserves_bytes() {
-        let segs = vec![seg(0, 1000, 10), seg(100, 2000, 25), seg(500, 3000, 5)];
-        let parts = split(&segs, 40, 3);
-        assert_eq!(parts.len(), 3);
-        let lens: Vec<u64> = parts.iter().map(|p| p.iter().map(|s| s.len).sum()).collect();
-        assert_eq!(lens, vec![14, 14, 12]);
-        assert_eq!(parts[0][1], seg(100, 2000, 4));
-        assert_eq!(parts[1][0], seg(104, 2004, 14));
-    }
 
     /// A disconnect reported by `status` is terminal only once no copy thread works on the request any more,
     /// and a request whose target is destroyed mid-copy leaves nothing running.
