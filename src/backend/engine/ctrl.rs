@@ -19,7 +19,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use super::net::{epoll_add, epoll_del};
-use super::notif::{NotifQueue, MAX_NOTIF, QUEUE_BYTES, QUEUE_MSGS};
+use super::notif::{NotifQueue, MAX_NOTIF};
 use super::tcp::{self, TcpProgress, TcpSetup, TcpShared};
 use crate::status::{Error, Result, Status};
 
@@ -145,7 +145,6 @@ impl Ctrl {
                 incarnation,
                 secret: setup.secret,
                 queue: queue.clone(),
-                limits: (QUEUE_MSGS, QUEUE_BYTES),
                 queued: (0, 0),
                 offered: offered.clone(),
             },
@@ -205,13 +204,6 @@ impl Ctrl {
     /// Stop offering `fd`; call before closing it (a reply in progress holds the same lock).
     pub fn withdraw_fd(&self, fd: RawFd) {
         self.offered.lock().remove(&fd);
-    }
-
-    /// Bound the notification queue (messages, bytes): beyond, no notification socket or control
-    /// connection is read until the application takes notifications.
-    pub fn set_queue_limits(&self, msgs: usize, bytes: usize) {
-        self.local.lock().inbox.limits = (msgs, bytes);
-        *self.tcp.queue_limits.lock() = (msgs, bytes);
     }
 
     /// Read whatever the local notification connections hold now (non-blocking) into the queue. Called by
@@ -449,8 +441,6 @@ struct Inbox {
     incarnation: u128,
     secret: u128,
     queue: Arc<NotifQueue>,
-    /// (messages, bytes) the queue may hold before the sockets stop being read.
-    limits: (usize, usize),
     /// (messages, bytes) in the queue, as of the current `drain`.
     queued: (usize, usize),
     /// Descriptors an authenticated peer may ask for.
@@ -547,10 +537,7 @@ impl Progress {
 impl Local {
     /// Accept and read whatever is ready, without blocking. False when it stopped because the queue is full.
     fn drain(&mut self) -> bool {
-        {
-            let q = self.inbox.queue.lock();
-            self.inbox.queued = (q.len(), q.iter().map(|(n, m)| n.len() + m.len()).sum());
-        }
+        self.inbox.queued = self.inbox.queue.held();
         if self.inbox.full() {
             return false;
         }
@@ -719,10 +706,7 @@ impl Local {
     /// Cut off every connection that holds a reservation and has sent nothing for `stall`. Not while the
     /// queue is full: then nothing is read, and the stall window starts again once reading resumes.
     fn sweep(&mut self, now: u64) {
-        {
-            let q = self.inbox.queue.lock();
-            self.inbox.queued = (q.len(), q.iter().map(|(n, m)| n.len() + m.len()).sum());
-        }
+        self.inbox.queued = self.inbox.queue.held();
         if self.inbox.full() {
             for c in self.conns.values_mut().filter(|c| c.reserved > 0) {
                 c.since = now;
@@ -791,7 +775,7 @@ fn send_frame_now(s: &UnixStream, kind: u8, body: &[u8]) -> io::Result<usize> {
 
 impl Inbox {
     fn full(&self) -> bool {
-        self.queued.0 >= self.limits.0 || self.queued.1 >= self.limits.1
+        self.queue.full(self.queued)
     }
 
     /// Consume every complete frame in `c.buf` while the queue has room (`queued` counts what is in it).
@@ -1030,14 +1014,9 @@ pub fn request_fd(
 /// For `crate::fuzzing` only: run `Inbox::parse` over `data` as one read and, again, split in two reads at
 /// `split`, on a connection whose secret is `incarnation`; returns the notifications queued by the first run.
 pub(crate) fn fuzz_parse_frames(data: &[u8], split: usize, incarnation: u128) -> usize {
-    let mut inbox = Inbox {
-        incarnation,
-        secret: incarnation,
-        queue: Arc::default(),
-        limits: (usize::MAX, usize::MAX),
-        queued: (0, 0),
-        offered: Arc::default(),
-    };
+    let queue: Arc<NotifQueue> = Arc::default();
+    queue.set_bounds(usize::MAX, usize::MAX);
+    let mut inbox = Inbox { incarnation, secret: incarnation, queue, queued: (0, 0), offered: Arc::default() };
     // The other end stays open while the connection is parsed (the hello is answered on it).
     let conn = |buf: &[u8]| {
         let (stream, other) = UnixStream::pair().expect("socketpair");
@@ -1300,7 +1279,7 @@ mod tests {
     fn a_full_queue_blocks_the_sender_which_then_fails_and_nothing_is_lost() {
         let inc = 80u128;
         let (q, ctrl) = start_ctrl(inc, 4);
-        ctrl.set_queue_limits(100, 1 << 20);
+        q.set_bounds(100, 1 << 20);
         let mut s = Sender::connect(&ctrl.sock_name, inc, 4, "flood", 1).unwrap();
         s.set_timeout(Duration::from_millis(300));
         let msg = vec![7u8; 4096];
@@ -1413,7 +1392,7 @@ mod tests {
         use super::super::wire;
         let (inc, secret) = (81u128, 5u128);
         let (q, ctrl) = start_ctrl(inc, secret);
-        ctrl.set_queue_limits(2, 1 << 20);
+        q.set_bounds(2, 1 << 20);
         let mut s = tcp_ctrl_client(&ctrl, inc, secret, "pinger");
         let mut frames = Vec::new();
         for i in 0..3u8 {

@@ -125,7 +125,7 @@ impl Shared {
         let msgs = number(setting(&init, "notif_queue_msgs", "GIXL_NOTIF_QUEUE_MSGS"), "notif_queue_msgs", QUEUE_MSGS)?;
         let bytes =
             number(setting(&init, "notif_queue_bytes", "GIXL_NOTIF_QUEUE_BYTES"), "notif_queue_bytes", QUEUE_BYTES)?;
-        ctrl.set_queue_limits(msgs.max(1), bytes.max(1));
+        queue.set_bounds(msgs.max(1), bytes.max(1));
         let gate = Arc::new(Gate::create(init.incarnation)?);
         let no_pidfd_getfd = setting(&init, "test_fault", "GIXL_TEST_FAULT")
             .is_some_and(|v| v.split(',').any(|f| f.trim() == "no_pidfd_getfd"));

@@ -53,7 +53,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::liveness::{DialPlan, LiveCfg, Liveness};
 use super::net::{self, epoll_add, epoll_del, iovec};
-use super::notif::{NotifQueue, MAX_NOTIF, QUEUE_BYTES, QUEUE_MSGS};
+use super::notif::{NotifQueue, MAX_NOTIF};
 use super::serve_stage::{StagePool, Staged};
 use super::wire::{self, CtrlMsg, Hello, RegionTable, WireSeg};
 use crate::backend::{Seg, XferOp};
@@ -350,8 +350,6 @@ pub struct TcpShared {
     loops: OnceLock<Vec<Arc<ServeLoop>>>,
     next_serve: AtomicU64,
     closed: AtomicBool,
-    /// (messages, bytes) the notification queue may hold before control connections stop being read.
-    pub queue_limits: Mutex<(usize, usize)>,
     /// Some inbound control connection is paused (queue full or budget spent).
     pub(super) paused: AtomicBool,
     /// The application took notifications: the progress thread should resume paused connections.
@@ -624,7 +622,6 @@ impl TcpProgress {
             loops: OnceLock::new(),
             next_serve: AtomicU64::new(0),
             closed: AtomicBool::new(false),
-            queue_limits: Mutex::new((QUEUE_MSGS, QUEUE_BYTES)),
             paused: AtomicBool::new(false),
             resume: AtomicBool::new(false),
         });
@@ -923,11 +920,7 @@ impl TcpProgress {
         if self.paused.first().is_some_and(|&t| t < token) {
             return self.pause(token, false);
         }
-        let limits = *self.shared.queue_limits.lock();
-        let mut queued = {
-            let q = self.queue.lock();
-            (q.len(), q.iter().map(|(n, m)| n.len() + m.len()).sum::<usize>())
-        };
+        let mut queued = self.queue.held();
         let others: usize = self.inbound.iter().filter(|(t, _)| **t != token).map(|(_, c)| c.held()).sum();
         let Some(c) = self.inbound.get_mut(&token) else { return };
         let mut chunk = [0u8; CTRL_CHUNK];
@@ -936,12 +929,12 @@ impl TcpProgress {
         let mut pause = None;
         loop {
             let had = c.admitted;
-            if !ctrl_frames(c, name, &self.queue, &mut queued, limits) {
+            if !ctrl_frames(c, name, &self.queue, &mut queued) {
                 closed = true;
                 break;
             }
             self.freed |= had > 0 && c.admitted == 0;
-            if queued.0 >= limits.0 || queued.1 >= limits.1 {
+            if self.queue.full(queued) {
                 pause = Some(true);
                 break;
             }
@@ -997,12 +990,8 @@ impl TcpProgress {
         self.shared.paused.store(true, Ordering::SeqCst);
         // The application may have taken the queue between our look at it and the flag (it then saw no
         // pause to end): look again now that the flag is up.
-        if queue_full {
-            let limits = *self.shared.queue_limits.lock();
-            let q = self.queue.lock();
-            if q.len() < limits.0 && q.iter().map(|(n, m)| n.len() + m.len()).sum::<usize>() < limits.1 {
-                self.freed = true;
-            }
+        if queue_full && !self.queue.full(self.queue.held()) {
+            self.freed = true;
         }
     }
 
@@ -1029,13 +1018,7 @@ impl TcpProgress {
 
 /// Consume the complete frames at the front of `c.buf`: answer PINGs, queue notifications while the
 /// queue has room (`queued` counts what is in it). False when the peer broke the protocol.
-fn ctrl_frames(
-    c: &mut In,
-    name: &str,
-    queue: &NotifQueue,
-    queued: &mut (usize, usize),
-    limits: (usize, usize),
-) -> bool {
+fn ctrl_frames(c: &mut In, name: &str, queue: &NotifQueue, queued: &mut (usize, usize)) -> bool {
     let mut at = 0;
     let mut ok = true;
     loop {
@@ -1051,7 +1034,7 @@ fn ctrl_frames(
                         }
                     }
                     CtrlMsg::Notif(m) => {
-                        if queued.0 >= limits.0 || queued.1 >= limits.1 {
+                        if queue.full(*queued) {
                             break;
                         }
                         queue.lock().push((name.to_owned(), m.to_vec()));
