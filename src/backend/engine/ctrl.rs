@@ -321,7 +321,7 @@ impl Sender {
         };
         let mut head = [0u8; 5];
         self.stream.read_exact(&mut head).map_err(fail)?;
-        let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
+        let len = announced(&head).unwrap_or(0);
         if len == 0 || len > 4096 {
             return Err(Error::backend("the peer's notification socket sent a malformed frame"));
         }
@@ -346,9 +346,7 @@ impl Sender {
     }
 
     fn send(&mut self, kind: u8, body: &[u8]) -> Result<()> {
-        let mut head = [0u8; 5];
-        head[..4].copy_from_slice(&((body.len() + 1) as u32).to_le_bytes());
-        head[4] = kind;
+        let head = frame_head(kind, body.len());
         // One write (one wake-up of the reader) for the usual small message.
         let r = if body.len() <= 64 * 1024 {
             let mut frame = Vec::with_capacity(5 + body.len());
@@ -757,18 +755,47 @@ fn reserve(total: &mut usize, c: &mut Conn) -> bool {
     true
 }
 
+/// The local socket's frames: `length u32 LE | kind u8 | body`, the length counting the kind and the body.
+/// The frame at the front of `buf`:
+enum Frame<'a> {
+    /// complete: its kind and body, and the bytes it takes in `buf`;
+    Whole(&'a [u8], usize),
+    /// not all in yet;
+    Partial,
+    /// announcing a length of 0 or above the reader's bound (the length given).
+    Refused(usize),
+}
+
+/// The length the frame at the front of `buf` announces, once its header is in.
+fn announced(buf: &[u8]) -> Option<usize> {
+    Some(u32::from_le_bytes(buf.get(..4)?.try_into().ok()?) as usize)
+}
+
+fn frame(buf: &[u8], max: usize) -> Frame<'_> {
+    match announced(buf) {
+        None => Frame::Partial,
+        Some(len) if len == 0 || len > max => Frame::Refused(len),
+        Some(len) => buf.get(4..4 + len).map_or(Frame::Partial, |b| Frame::Whole(b, 4 + len)),
+    }
+}
+
+/// The header of a frame of `kind` with a body of `body_len` bytes.
+fn frame_head(kind: u8, body_len: usize) -> [u8; 5] {
+    let mut h = [kind; 5];
+    h[..4].copy_from_slice(&((body_len + 1) as u32).to_le_bytes());
+    h
+}
+
 /// The bytes to reserve for the frame at the front of `buf` (header included) when it is a large one whose
 /// header has arrived and which is not complete yet.
 fn large_frame(buf: &[u8]) -> Option<usize> {
-    let len = u32::from_le_bytes(buf.get(..4)?.try_into().ok()?) as usize;
+    let len = announced(buf)?;
     (len > RESERVE_ABOVE && buf.len() < 4 + len).then_some(4 + len)
 }
 
 /// One small frame, without blocking (handshake frames into a socket with room for them).
 fn send_frame_now(s: &UnixStream, kind: u8, body: &[u8]) -> io::Result<usize> {
-    let mut f = Vec::with_capacity(5 + body.len());
-    f.extend_from_slice(&((body.len() + 1) as u32).to_le_bytes());
-    f.push(kind);
+    let mut f = frame_head(kind, body.len()).to_vec();
     f.extend_from_slice(body);
     super::net::send_now(s.as_raw_fd(), &f)
 }
@@ -783,18 +810,19 @@ impl Inbox {
     fn parse(&mut self, c: &mut Conn) -> std::result::Result<(), String> {
         let mut at = 0;
         let mut verdict = Ok(());
-        while c.buf.len() - at >= 4 {
-            let len = u32::from_le_bytes([c.buf[at], c.buf[at + 1], c.buf[at + 2], c.buf[at + 3]]) as usize;
+        loop {
             let max = if c.sender.is_some() { MAX_NOTIF + 1 } else { MAX_HELLO };
-            if len == 0 || len > max {
-                verdict = Err(format!("frame of {len} bytes refused"));
-                break;
-            }
-            if c.buf.len() - at - 4 < len {
-                break;
-            }
-            let body = &c.buf[at + 4..at + 4 + len];
-            at += 4 + len;
+            let body = match frame(&c.buf[at..], max) {
+                Frame::Whole(body, n) => {
+                    at += n;
+                    body
+                }
+                Frame::Partial => break,
+                Frame::Refused(len) => {
+                    verdict = Err(format!("frame of {len} bytes refused"));
+                    break;
+                }
+            };
             match (body[0], &c.sender) {
                 (KIND_HELLO, None) if body.len() >= HELLO_FIXED => {
                     let u = |r: std::ops::Range<usize>| {
@@ -876,10 +904,9 @@ impl Inbox {
 fn send_fd_now(s: &UnixStream, fd: RawFd) -> io::Result<usize> {
     // SAFETY: `fd` is open while offered (the caller holds the lock the owner withdraws it under).
     let id = crate::device::fd_identity(unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) })?;
-    let mut f = Vec::with_capacity(25);
-    f.extend_from_slice(&21u32.to_le_bytes());
-    f.push(KIND_FD);
-    f.extend_from_slice(&crate::device::fd_handle_bytes(fd, id));
+    let body = crate::device::fd_handle_bytes(fd, id);
+    let mut f = frame_head(KIND_FD, body.len()).to_vec();
+    f.extend_from_slice(&body);
     let mut iov = libc::iovec { iov_base: f.as_mut_ptr().cast(), iov_len: f.len() };
     // SAFETY: CMSG_SPACE is a pure computation.
     let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
@@ -936,16 +963,16 @@ pub fn request_fd(
     let mut got: Option<OwnedFd> = None;
     loop {
         // Complete frames first: the acceptance (if it had not come yet), a refusal, the reply.
-        while buf.len() >= 5 {
-            let len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
-            if len == 0 || len > 4096 {
-                return Err(Error::backend("the peer's control socket sent a malformed frame"));
-            }
-            if buf.len() < 4 + len {
-                break;
-            }
-            let (kind, body) = (buf[4], buf[5..4 + len].to_vec());
-            buf.drain(..4 + len);
+        loop {
+            let (kind, body) = match frame(&buf, 4096) {
+                Frame::Whole(b, n) => {
+                    let kb = (b[0], b[1..].to_vec());
+                    buf.drain(..n);
+                    kb
+                }
+                Frame::Partial => break,
+                Frame::Refused(_) => return Err(Error::backend("the peer's control socket sent a malformed frame")),
+            };
             match kind {
                 KIND_ACK => {}
                 KIND_REFUSE => return Err(refused(&body)),
