@@ -2,7 +2,7 @@
 //! for. It is gixl's own code, not the UCX library; UCX-specific init options (`engine_config`,
 //! `device_list`, `ucx_devices`, `ucx_error_handling_mode`, ...) are accepted and ignored.
 //!
-//! Routes, chosen per peer from its connection info:
+//! Routes (`route/`, one file each behind `route::Route`), chosen per peer by `router` from its connection info:
 //! - loopback and peers in this process (found in the process's registry of live engines by incarnation id,
 //!   never by connection info): `memcpy`;
 //! - peers in another process on this host: cross-memory attach (`process_vm_readv/writev`), the peer
