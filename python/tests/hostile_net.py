@@ -125,7 +125,7 @@ def parse_md(blob: bytes) -> dict:
 
 
 def parse_conn(info: bytes) -> dict:
-    """The UCX engine's connection info, version 3 (src/backend/engine/mod.rs `conn_info`)."""
+    """The UCX engine's connection info, version 3 (src/backend/engine/conn.rs `ConnInfo::encode`)."""
     assert info[0] == 3, info[0]
     host, at = get_bytes(info, 1)
     pid, at = get_uvar(info, at)
