@@ -23,6 +23,7 @@ use parking_lot::Mutex;
 use super::wire::{self, Msg};
 use super::{log, Host};
 use crate::auth::ClusterKey;
+use crate::os;
 use crate::status::{Error, Result, Status};
 use crate::util::{epoll_ctl, epoll_del, monotonic_ns};
 use crate::util::{recv_now, send_now};
@@ -56,9 +57,7 @@ struct Queue {
 
 impl Queue {
     fn wake(&self) {
-        let one: u64 = 1;
-        // SAFETY: writing 8 bytes to our eventfd.
-        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        os::wake(&self.wake);
     }
 }
 
@@ -87,20 +86,8 @@ impl P2p {
             }
             None => None,
         };
-        // SAFETY: plain syscalls; results checked before use.
-        let epfd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-        if epfd < 0 {
-            return Err(Error::os(Status::Backend, "epoll_create1", io::Error::last_os_error()));
-        }
-        // SAFETY: a fresh descriptor we own.
-        let epfd = unsafe { OwnedFd::from_raw_fd(epfd) };
-        // SAFETY: as above.
-        let wake = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if wake < 0 {
-            return Err(Error::os(Status::Backend, "eventfd", io::Error::last_os_error()));
-        }
-        // SAFETY: a fresh descriptor we own.
-        let wake = unsafe { OwnedFd::from_raw_fd(wake) };
+        let epfd = os::epoll()?;
+        let wake = os::eventfd(false)?;
         epoll_ctl(epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, wake.as_raw_fd(), libc::EPOLLIN as u32, TOKEN_WAKE)?;
         if let Some(l) = &listener {
             epoll_ctl(epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, l.as_raw_fd(), libc::EPOLLIN as u32, TOKEN_LISTEN)?;
@@ -231,9 +218,7 @@ impl Loop {
                 let (token, flags) = (ev.u64, ev.events);
                 match token {
                     TOKEN_WAKE => {
-                        let mut v = 0u64;
-                        // SAFETY: reading 8 bytes from our eventfd into `v`.
-                        unsafe { libc::read(self.q.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+                        os::woken(&self.q.wake);
                         self.take_cmds();
                     }
                     TOKEN_LISTEN => self.accept(),

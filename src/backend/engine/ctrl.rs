@@ -21,6 +21,7 @@ use parking_lot::Mutex;
 use super::net::{epoll_add, epoll_del};
 use super::notif::{NotifQueue, MAX_NOTIF};
 use super::tcp::{self, TcpProgress, TcpSetup, TcpShared};
+use crate::os;
 use crate::status::{Error, Result, Status};
 
 // Frames on the local socket: `length u32 | kind u8 | body` (length counts kind + body).
@@ -104,32 +105,14 @@ impl Ctrl {
         let listener = UnixListener::bind_addr(&addr)
             .map_err(|e| Error::os(Status::Backend, "binding the notification socket", e))?;
         listener.set_nonblocking(true).map_err(|e| Error::os(Status::Backend, "notification socket", e))?;
-        // SAFETY: plain syscalls; results checked before use.
-        let epfd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-        if epfd < 0 {
-            return Err(Error::os(Status::Backend, "epoll_create1", io::Error::last_os_error()));
-        }
-        // SAFETY: `epfd` is a fresh descriptor we own.
-        let epfd = Arc::new(unsafe { OwnedFd::from_raw_fd(epfd) });
-        // SAFETY: as above.
-        let wake = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if wake < 0 {
-            return Err(Error::os(Status::Backend, "eventfd", io::Error::last_os_error()));
-        }
-        // SAFETY: `wake` is a fresh descriptor we own.
-        let wake = Arc::new(unsafe { OwnedFd::from_raw_fd(wake) });
+        let epfd = Arc::new(os::epoll()?);
+        let wake = Arc::new(os::eventfd(false)?);
         epoll_add(epfd.as_raw_fd(), wake.as_raw_fd(), TOKEN_WAKE)?;
         // The notification listener and its connections live in their own epoll set, itself watched by the
         // progress thread: whichever thread gets there first (the progress thread, or the application's
         // `notifs` poll through `drain`) reads them, under one lock, so a polling application does not wait
         // for the progress thread to be scheduled.
-        // SAFETY: plain syscall; result checked before use.
-        let local_fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-        if local_fd < 0 {
-            return Err(Error::os(Status::Backend, "epoll_create1", io::Error::last_os_error()));
-        }
-        // SAFETY: `local_fd` is a fresh descriptor we own.
-        let local_fd = unsafe { OwnedFd::from_raw_fd(local_fd) };
+        let local_fd = os::epoll()?;
         epoll_add(local_fd.as_raw_fd(), listener.as_raw_fd(), TOKEN_LISTEN)?;
         let local_raw = local_fd.as_raw_fd();
         local_arm(epfd.as_raw_fd(), local_raw, libc::EPOLL_CTL_ADD)?;
@@ -241,9 +224,7 @@ impl Ctrl {
     pub fn shutdown(&self) {
         self.tcp.close();
         self.stop.store(true, Ordering::Release);
-        let one: u64 = 1;
-        // SAFETY: writing 8 bytes to our eventfd.
-        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        os::wake(&self.wake);
         if let Some(t) = self.thread.lock().take() {
             if t.thread().id() != std::thread::current().id() {
                 let _ = t.join();
@@ -499,11 +480,7 @@ impl Progress {
             for ev in &events[..n as usize] {
                 let token = ev.u64;
                 match token {
-                    TOKEN_WAKE => {
-                        let mut v = 0u64;
-                        // SAFETY: reading 8 bytes from our eventfd into `v`.
-                        unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
-                    }
+                    TOKEN_WAKE => os::woken(&self.wake),
                     TOKEN_LISTEN => {
                         // One-shot: disarmed now. If the application is polling, it reads the sockets itself
                         // and this thread stays out of its way (no lock contention, no wake-up per message);

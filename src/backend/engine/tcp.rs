@@ -44,7 +44,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
@@ -57,6 +57,7 @@ use super::notif::{NotifQueue, MAX_NOTIF};
 use super::serve_stage::{StagePool, Staged};
 use super::wire::{self, CtrlMsg, Hello, RegionTable, WireSeg};
 use crate::backend::{Seg, XferOp};
+use crate::os;
 use crate::status::{Error, Result, Status};
 use crate::util::monotonic_ns;
 
@@ -385,9 +386,7 @@ impl TcpShared {
     }
 
     fn wake(&self) {
-        let one: u64 = 1;
-        // SAFETY: writing 8 bytes to our eventfd.
-        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        os::wake(&self.wake);
     }
 
     fn add_out(&self, conn: Arc<CtrlConn>, link: Weak<TcpLink>) -> Result<()> {
@@ -1081,30 +1080,21 @@ struct ServeLoop {
 }
 
 impl ServeLoop {
-    fn new() -> io::Result<ServeLoop> {
-        // SAFETY: plain syscalls; results checked before use.
-        let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-        if ep < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh descriptor we own.
-        let epfd = unsafe { OwnedFd::from_raw_fd(ep) };
-        // SAFETY: as above.
-        let w = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if w < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh descriptor we own.
-        let wake = unsafe { OwnedFd::from_raw_fd(w) };
-        crate::util::epoll_ctl(epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, wake.as_raw_fd(), libc::EPOLLIN as u32, u64::MAX)
-            .map_err(|e| io::Error::other(e.message().to_owned()))?;
+    fn new() -> Result<ServeLoop> {
+        let epfd = os::epoll()?;
+        let wake = os::eventfd(false)?;
+        crate::util::epoll_ctl(
+            epfd.as_raw_fd(),
+            libc::EPOLL_CTL_ADD,
+            wake.as_raw_fd(),
+            libc::EPOLLIN as u32,
+            u64::MAX,
+        )?;
         Ok(ServeLoop { epfd, wake, inbox: Mutex::new(Vec::new()) })
     }
 
     fn wake(&self) {
-        let one: u64 = 1;
-        // SAFETY: writing 8 bytes to our eventfd.
-        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        os::wake(&self.wake);
     }
 
     /// Runs until the engine closes. `sh` is weak so the loop does not keep the engine alive.
@@ -1141,9 +1131,7 @@ impl ServeLoop {
             }
             let mut ready: Vec<u64> = events[..n.max(0) as usize].iter().map(|e| e.u64).collect();
             if ready.contains(&u64::MAX) {
-                let mut v = 0u64;
-                // SAFETY: reading 8 bytes from our eventfd into `v`.
-                unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+                os::woken(&self.wake);
                 for (id, stream, idle) in self.inbox.lock().drain(..) {
                     let edge = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET) as u32;
                     let fd = stream.as_raw_fd();
@@ -2204,14 +2192,11 @@ impl Drop for TcpLink {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::FromRawFd;
 
     /// The progress thread's TCP side, driven by hand (no thread): `accept` and `on_in` run when the test says.
     fn progress(inc: u128, secret: u128) -> TcpProgress {
-        // SAFETY: plain syscalls; the descriptors are checked and owned at once.
-        let (ep, ev) = unsafe { (libc::epoll_create1(libc::EPOLL_CLOEXEC), libc::eventfd(0, libc::EFD_CLOEXEC)) };
-        assert!(ep >= 0 && ev >= 0);
-        // SAFETY: fresh descriptors we own.
-        let (ep, ev) = unsafe { (OwnedFd::from_raw_fd(ep), OwnedFd::from_raw_fd(ev)) };
+        let (ep, ev) = (os::epoll().unwrap(), os::eventfd(true).unwrap());
         let setup = TcpSetup {
             bind: "127.0.0.1:0".parse().unwrap(),
             opts: TcpOpts { conns: 1, timeout: Duration::from_secs(1) },

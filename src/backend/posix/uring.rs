@@ -89,10 +89,7 @@ impl Ring {
 
 impl Shared {
     fn wake(&self) {
-        let one = 1u64;
-        // SAFETY: writes 8 bytes from a live u64 to our eventfd. It cannot block short of 2^64-1 pending
-        // wakes; a failure (which would mean the fd is gone) leaves nothing to do.
-        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        crate::os::wake(&self.wake);
     }
 }
 
