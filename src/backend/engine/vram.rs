@@ -276,7 +276,7 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
                     })?;
                     Some(RegionUse { chunks })
                 }
-                _ => Some(RegionUse::SAME),
+                (Far::Loopback | Far::InProcess, _) | (Far::Process, None) => Some(RegionUse::SAME),
             }
         } else {
             // A DRAM region on the far side: nothing to open (another process: staged through CMA).
@@ -333,7 +333,10 @@ impl Mover for VramPlan {
                     self.device.copy(self.dev, &copies(b))
                 }
                 (Far::Process, _) => in_peer_gate(p, &self.gated, || self.device.copy(self.dev, &copies(b))),
-                _ => Err(Error::backend("unreachable route")),
+                // `prep` makes `Far::InProcess` for in-process peers only, and loopback has no peer.
+                (Far::InProcess, PeerKind::Cma(_) | PeerKind::Tcp(_)) | (Far::Loopback, _) => {
+                    Err(Error::backend("unreachable route"))
+                }
             }
         })
     }
