@@ -57,6 +57,7 @@ use super::copy::{self, cma_denied};
 use super::peer::{downcast, EnginePeer, PeerKind};
 use super::route::cma::Cma;
 use super::route::in_process::InProcess;
+use super::route::Job;
 use super::router::ipc_despite_denial;
 use super::sentinel;
 use super::shared::{take_peer_fd, Shared};
@@ -348,32 +349,16 @@ impl VramPlan {
         let op = core.plan.op;
         debug_assert!(self.local_is_vram);
         let peer = core.peer().ok_or_else(|| Error::backend("unreachable route"))?;
-        let PeerKind::Cma(Cma { pid, gate: Some(cma_gate), probe, .. }) = &peer.kind else {
+        let PeerKind::Cma(cma @ Cma { gate: Some(_), .. }) = &peer.kind else {
             return Err(Error::not_supported(format!(
                 "agent '{}' cannot be reached by cross-memory attach, which VRAM <-> remote DRAM needs",
                 peer.name
             )));
         };
         // The remote DRAM side goes through the peer's CMA gate (see `gate`), batch by batch, as DRAM does.
-        let cma = |staged: &[Seg]| -> Result<()> {
-            let mut gone = false;
-            let r = copy::for_batches(staged, copy::BATCH_SEGS, copy::BATCH_BYTES, &mut |b| {
-                if run.abort.load(Ordering::Relaxed) || peer.gone() {
-                    return Err(Error::new(Status::Canceled, "transfer stopped"));
-                }
-                let inside = cma_gate.enter(core.gate_regions());
-                if let Err(e) = &inside {
-                    gone = e.status() == Status::RemoteDisconnect;
-                }
-                let _inside = inside?;
-                // SAFETY: the staged local ranges lie inside the staging buffer, alive for the call.
-                unsafe { copy::cma_batch(*pid, op, b, probe, cma_gate.gate.sentinel(), &mut gone) }
-            });
-            if gone {
-                peer.dead.store(true, Ordering::Release);
-            }
-            r
-        };
+        let job = Job { op, keys: &core.plan.remote_keys, abort: &run.abort, agent: &core.shared.agent };
+        // SAFETY: the staged local ranges lie inside the staging buffer, alive for the call.
+        let cma = |staged: &[Seg]| unsafe { cma.batches(&job, staged) };
         let buf = Staging::take(self.device, self.dev)?;
         let flush = |chunk: &[Seg]| -> Result<()> {
             // `local` of each staged segment is its place in the buffer; `orig` the VRAM address.

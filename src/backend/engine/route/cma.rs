@@ -52,6 +52,36 @@ impl Cma {
         self.denied.load(Ordering::Acquire)
     }
 
+    /// Cross-memory attach of `segs`, batch by batch, each inside the peer's gate; a batch that finds the
+    /// incarnation gone marks this name dead.
+    ///
+    /// # Safety
+    /// The local ranges of `segs` stay valid (mapped, and writable for a READ) for the whole call.
+    pub(crate) unsafe fn batches(&self, job: &Job, segs: &[Seg]) -> Result<()> {
+        let gate =
+            self.gate.as_ref().ok_or_else(|| Error::disconnected(format!("agent '{}' is not reachable", self.name)))?;
+        let mut gone = false;
+        let r = copy::for_batches(segs, copy::BATCH_SEGS, copy::BATCH_BYTES, &mut |b| {
+            if job.abort.load(Ordering::Relaxed) || self.gone() {
+                return Err(Error::new(Status::Canceled, "transfer stopped"));
+            }
+            // Identity is checked inside the call itself: its first iovec is the incarnation's gate (see
+            // `copy::cma_batch`), which an exec'd image or a process that took over the pid does not map. (A
+            // pidfd poll here would cost a syscall per batch and still miss exec.)
+            let inside = gate.enter(job.gate_regions());
+            if let Err(e) = &inside {
+                gone = e.status() == Status::RemoteDisconnect;
+            }
+            let _inside = inside?;
+            // SAFETY: the caller keeps the local ranges valid.
+            unsafe { copy::cma_batch(self.pid, job.op, b, &self.probe, gate.gate.sentinel(), &mut gone) }
+        });
+        if gone {
+            self.dead.store(true, Ordering::Release);
+        }
+        r
+    }
+
     /// The notification sender to the peer's socket, connected now if it was not; None when the socket
     /// refused our uid (notifications go over TCP).
     fn sender(&self, from: &str) -> Result<Option<parking_lot::MutexGuard<'_, Option<Sender>>>> {
@@ -122,24 +152,8 @@ impl Route for Cma {
         if self.denied() {
             return job.over_tcp(&self.tcp, segs);
         }
-        let gate =
-            self.gate.as_ref().ok_or_else(|| Error::disconnected(format!("agent '{}' is not reachable", self.name)))?;
-        let mut gone = false;
-        let r = copy::for_batches(segs, copy::BATCH_SEGS, copy::BATCH_BYTES, &mut |b| {
-            if job.abort.load(Ordering::Relaxed) || self.gone() {
-                return Err(Error::new(Status::Canceled, "transfer stopped"));
-            }
-            // Identity is checked inside the call itself: its first iovec is the incarnation's gate (see
-            // `copy::cma_batch`), which an exec'd image or a process that took over the pid does not map. (A
-            // pidfd poll here would cost a syscall per batch and still miss exec.)
-            let inside = gate.enter(job.gate_regions());
-            if let Err(e) = &inside {
-                gone = e.status() == Status::RemoteDisconnect;
-            }
-            let _inside = inside?;
-            // SAFETY: local ranges were resolved against this agent's registrations.
-            unsafe { copy::cma_batch(self.pid, job.op, b, &self.probe, gate.gate.sentinel(), &mut gone) }
-        });
+        // SAFETY: local ranges were resolved against this agent's registrations.
+        let r = unsafe { self.batches(job, segs) };
         if let Some(e) = r.as_ref().err().filter(|e| cma_denied(e)) {
             // The kernel checks permission before moving a byte, so nothing was copied: go by TCP.
             if !self.denied.swap(true, Ordering::AcqRel) {
@@ -150,9 +164,6 @@ impl Route for Cma {
                 ));
             }
             return job.over_tcp(&self.tcp, segs);
-        }
-        if gone {
-            self.dead.store(true, Ordering::Release);
         }
         if r.is_err() && self.gone() {
             return Err(Error::disconnected(format!("agent '{}' exited during the transfer", self.name)));
