@@ -57,6 +57,7 @@ mod sentinel;
 mod serve_stage;
 mod shared;
 mod tcp;
+mod tcp_regions;
 mod vram;
 mod vram_regions;
 mod vram_tcp;

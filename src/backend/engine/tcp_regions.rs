@@ -1,0 +1,185 @@
+//! The TCP target's table of registrations and the leases its serving loops hold on them (`Regions`): what a
+//! TCP peer can reach, whatever its metadata claims, and what `deregister_memory` waits for.
+
+use std::collections::HashMap;
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+
+use super::wire::{self, RegionTable, WireSeg};
+
+/// The registrations a target serves, and the leases its serving threads hold on them.
+///
+/// A request is checked against the table and, if allowed, leases the registrations it names for as long
+/// as it touches their memory; the table's lock is held only for the check, never across socket I/O.
+/// Removing the last registration of a range refuses later requests at once and then waits for the
+/// leases on that range only, for at most the disconnect timeout: a peer still holding one then is too
+/// slow and its connection is shut down, which wakes its serving thread out of the socket call; the wait
+/// then continues until the lease is given back (a woken thread returns from its one system call), so
+/// nothing touches the range after `remove` returns.
+#[derive(Default)]
+pub struct Regions {
+    st: Mutex<RegionState>,
+    released: Condvar,
+    /// Disconnect timeout in ns: how long `remove` waits before cutting the holders off (0: not set yet,
+    /// use one second).
+    bound_ns: AtomicU64,
+}
+
+#[derive(Default)]
+struct RegionState {
+    table: RegionTable,
+    /// The ranges of `table` registered as device memory (VRAM): range → (device, registrations). Served
+    /// staged through page-locked buffers (see `vram_tcp`), never by socket I/O on their addresses.
+    vram: HashMap<(u64, u64), (u32, u32)>,
+    /// Serving connection id → the ranges its current request holds, and its socket (to cut it off).
+    leases: HashMap<u64, Held>,
+    closed: bool,
+}
+
+/// The ranges one serving connection's request holds, and its socket.
+type Held = (Vec<(u64, u64)>, Weak<TcpStream>);
+
+impl Regions {
+    pub fn set_bound(&self, d: Duration) {
+        self.bound_ns.store(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+    }
+
+    /// One more registration of exactly `addr..addr+len`.
+    pub fn add(&self, addr: u64, len: u64) {
+        *self.st.lock().table.entry((addr, len)).or_insert(0) += 1;
+    }
+
+    /// One more registration of exactly `addr..addr+len`, in the memory of device `dev`.
+    pub fn add_vram(&self, addr: u64, len: u64, dev: u32) {
+        let mut st = self.st.lock();
+        *st.table.entry((addr, len)).or_insert(0) += 1;
+        st.vram.entry((addr, len)).or_insert((dev, 0)).1 += 1;
+    }
+
+    /// `remove` for a registration made with `add_vram`.
+    pub fn remove_vram(&self, addr: u64, len: u64) {
+        let k = (addr, len);
+        let mut st = self.st.lock();
+        if let Some(v) = st.vram.get_mut(&k) {
+            v.1 -= 1;
+            if v.1 == 0 {
+                st.vram.remove(&k);
+            }
+        }
+        self.remove_locked(st, &[k]);
+    }
+
+    /// One registration fewer. When it was the last of that range, wait for requests holding a lease on it
+    /// (bounded, see the type's comment).
+    pub fn remove(&self, addr: u64, len: u64) {
+        self.remove_locked(self.st.lock(), &[(addr, len)]);
+    }
+
+    /// `remove` for many ranges: one wait (bounded in all) for the requests being served from any of them.
+    pub fn remove_many(&self, ranges: &[(u64, u64)]) {
+        self.remove_locked(self.st.lock(), ranges);
+    }
+
+    fn remove_locked(&self, mut st: parking_lot::MutexGuard<'_, RegionState>, ranges: &[(u64, u64)]) {
+        let mut gone = Vec::new();
+        for &k in ranges {
+            let Some(n) = st.table.get_mut(&k) else { continue };
+            *n -= 1;
+            if *n == 0 {
+                st.table.remove(&k);
+                gone.push(k);
+            }
+        }
+        if gone.is_empty() {
+            return;
+        }
+        gone.sort_unstable();
+        let bound = match self.bound_ns.load(Ordering::Relaxed) {
+            0 => Duration::from_secs(1),
+            ns => Duration::from_nanos(ns),
+        };
+        self.wait_leases(st, bound, |held| held.iter().any(|k| gone.binary_search(k).is_ok()));
+    }
+
+    /// The engine is going away: refuse everything from now on, cut every serving connection off at once
+    /// and wait until no request touches memory.
+    pub fn close(&self) {
+        let mut st = self.st.lock();
+        st.closed = true;
+        st.table.clear();
+        st.vram.clear();
+        self.wait_leases(st, Duration::ZERO, |_| true);
+    }
+
+    fn wait_leases(
+        &self,
+        mut st: parking_lot::MutexGuard<'_, RegionState>,
+        bound: Duration,
+        holds: impl Fn(&[(u64, u64)]) -> bool,
+    ) {
+        let deadline = std::time::Instant::now() + bound;
+        let mut cut = false;
+        loop {
+            let holders: Vec<Weak<TcpStream>> =
+                st.leases.values().filter(|(r, _)| holds(r)).map(|(_, s)| s.clone()).collect();
+            if holders.is_empty() {
+                return;
+            }
+            if !cut && std::time::Instant::now() >= deadline {
+                // Too slow: shut the holders' connections down, which ends their socket calls.
+                for s in holders.iter().filter_map(Weak::upgrade) {
+                    let _ = s.shutdown(Shutdown::Both);
+                }
+                cut = true;
+            }
+            if cut {
+                self.released.wait(&mut st);
+            } else {
+                let _ = self.released.wait_until(&mut st, deadline);
+            }
+        }
+    }
+
+    /// Check `segs` and lease the ranges they name for connection `conn` until `release(conn)`. Refused
+    /// when some segment lies outside every registration, when the request mixes host and device
+    /// registrations, or when the engine is closing.
+    pub fn lease(&self, conn: u64, stream: &Arc<TcpStream>, segs: &[WireSeg]) -> Leased {
+        let mut st = self.st.lock();
+        if st.closed || !wire::segs_allowed(&st.table, segs) {
+            return Leased::Refused;
+        }
+        let devs: Vec<Option<u32>> = segs.iter().map(|s| st.vram.get(&(s.region, s.region_len)).map(|v| v.0)).collect();
+        let leased = if devs.iter().all(Option::is_none) {
+            Leased::Host
+        } else if let Some(devs) = devs.into_iter().collect::<Option<Vec<u32>>>() {
+            Leased::Device(devs)
+        } else {
+            return Leased::Refused;
+        };
+        let mut ranges: Vec<(u64, u64)> = segs.iter().map(|s| (s.region, s.region_len)).collect();
+        ranges.sort_unstable();
+        ranges.dedup();
+        st.leases.insert(conn, (ranges, Arc::downgrade(stream)));
+        leased
+    }
+
+    /// Connection `conn` no longer touches the memory it leased.
+    pub fn release(&self, conn: u64) {
+        self.st.lock().leases.remove(&conn);
+        self.released.notify_all();
+    }
+}
+
+/// What `Regions::lease` decided.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Leased {
+    Refused,
+    /// Every segment lies in host memory: served by socket I/O straight on it.
+    Host,
+    /// Every segment lies in device memory (the device of each): staged (see `vram_tcp`).
+    Device(Vec<u32>),
+}
