@@ -57,6 +57,7 @@ mod sentinel;
 mod serve_stage;
 mod shared;
 mod tcp;
+mod tcp_link;
 mod tcp_regions;
 mod vram;
 mod vram_regions;
@@ -385,7 +386,7 @@ mod tests {
     use std::net::TcpStream;
 
     /// The TCP link `a` holds to the loaded peer `name`.
-    fn tcp_link_of(a: &Agent, name: &str) -> Arc<tcp::TcpLink> {
+    fn tcp_link_of(a: &Agent, name: &str) -> Arc<tcp_link::TcpLink> {
         let remotes = a.inner.remotes.read();
         let (_, p) = remotes.get(name).unwrap().peers[0].clone();
         match &downcast(&p).unwrap().kind {
@@ -396,7 +397,7 @@ mod tests {
 
     /// Put a data connection to a stand-in target, which `serve` answers on a thread, in `link`'s pool of idle
     /// connections: the next request takes it.
-    fn plant(link: &tcp::TcpLink, serve: impl FnOnce(TcpStream) + Send + 'static) -> std::thread::JoinHandle<()> {
+    fn plant(link: &tcp_link::TcpLink, serve: impl FnOnce(TcpStream) + Send + 'static) -> std::thread::JoinHandle<()> {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let planted = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let h = std::thread::spawn(move || serve(l.accept().unwrap().0));

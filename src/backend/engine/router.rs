@@ -18,7 +18,7 @@ use super::route::in_process::InProcess;
 use super::route::tcp::Tcp;
 use super::sentinel;
 use super::shared::{registry, Shared, Transport};
-use super::tcp::{LinkTarget, TcpLink};
+use super::tcp_link::{LinkTarget, TcpLink};
 use crate::backend::{Target, XferPlan};
 use crate::mem::MemType;
 use crate::status::{Error, Result};

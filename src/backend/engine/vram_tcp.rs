@@ -22,7 +22,7 @@ use std::sync::{mpsc, Arc};
 
 use super::conn::RemoteRegion;
 use super::copy::chunks;
-use super::tcp::TcpLink;
+use super::tcp_link::TcpLink;
 use super::vram::Staging;
 use super::vram_regions::RemoteVram;
 use super::xfer::{Core, Mover, Run};

@@ -13,7 +13,7 @@ use super::copy;
 use super::peer::EnginePeer;
 use super::route::{self, Job};
 use super::shared::Shared;
-use super::tcp::TcpLink;
+use super::tcp_link::TcpLink;
 use crate::backend::{BackendXfer, Peer, Seg, XferPlan};
 use crate::status::{Error, Result, Status};
 

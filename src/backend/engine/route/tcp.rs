@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::{Job, Route};
-use crate::backend::engine::tcp::TcpLink;
+use crate::backend::engine::tcp_link::TcpLink;
 use crate::backend::Seg;
 use crate::status::Result;
 
