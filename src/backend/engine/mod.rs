@@ -73,7 +73,7 @@ use crate::status::{Error, Result};
 use conn::{decode_ticket, encode_ticket, parse_conn, LocalGateRegion, RemoteRegion};
 use peer::downcast;
 use shared::Shared;
-use xfer::{Core, EngineXfer, Mover, Route};
+use xfer::{Core, EngineXfer, Mover};
 
 pub use conn::tcp_endpoint;
 pub(crate) use conn::{fuzz_conn_as_v4, fuzz_parse_conn};
@@ -219,14 +219,10 @@ impl Backend for Engine {
         if !wants && (plan.local_mem != MemType::Dram || plan.remote_mem != MemType::Dram) {
             return Err(Error::not_supported("this engine moves DRAM and VRAM only"));
         }
-        let route = match &plan.target {
-            Target::Local => Route::Loopback,
-            Target::Remote(p) => {
-                downcast(p)?;
-                Route::Peer(p.clone())
-            }
-        };
-        Ok(EngineXfer::boxed(Core { shared: self.shared.clone(), plan, route, mover }))
+        if let Target::Remote(p) = &plan.target {
+            downcast(p)?;
+        }
+        Ok(EngineXfer::boxed(Core { shared: self.shared.clone(), plan, mover }))
     }
 
     fn notifs(&self, out: &mut Vec<(String, Vec<u8>)>) -> Result<()> {

@@ -14,7 +14,7 @@ use super::peer::EnginePeer;
 use super::route::{self, Job};
 use super::shared::Shared;
 use super::tcp_link::TcpLink;
-use crate::backend::{BackendXfer, Peer, Seg, XferPlan};
+use crate::backend::{BackendXfer, Peer, Seg, Target, XferPlan};
 use crate::status::{Error, Result, Status};
 
 /// Requests up to this size run inline in `post`: splitting them costs more than it saves.
@@ -24,16 +24,11 @@ const MIN_PIECE: u64 = 1 << 20;
 /// Over TCP, requests up to this size run inline in `post` (one round trip); larger ones go to workers.
 const TCP_INLINE_BYTES: u64 = 256 << 10;
 
-pub(super) enum Route {
-    Loopback,
-    Peer(Arc<dyn Peer>),
-}
-
-/// A prepared request: the plan and its route, shared with the copy threads.
+/// A prepared request (its peer, if any, is `plan.target`, checked to be this engine's), shared with the copy
+/// threads.
 pub(super) struct Core {
     pub(super) shared: Arc<Shared>,
     pub(super) plan: XferPlan,
-    pub(super) route: Route,
     /// Set when the request touches VRAM: its pieces go through it (`vram`, inside the same gate; `vram_tcp`
     /// when its peer is reached over TCP) instead of the DRAM copies of `copy`.
     pub(super) mover: Option<Box<dyn Mover>>,
@@ -79,9 +74,9 @@ impl Run {
 
 impl Core {
     pub(super) fn peer(&self) -> Option<&EnginePeer> {
-        match &self.route {
-            Route::Loopback => None,
-            Route::Peer(p) => p.as_any().downcast_ref::<EnginePeer>(),
+        match &self.plan.target {
+            Target::Local => None,
+            Target::Remote(p) => p.as_any().downcast_ref::<EnginePeer>(),
         }
     }
 
@@ -305,11 +300,8 @@ mod tests {
             target: Target::Remote(peer.clone()),
             total_bytes: SIZE as u64,
         };
-        let route = Route::Peer(peer.clone());
-        let x = EngineXfer {
-            core: Arc::new(Core { shared: a.shared.clone(), plan, route, mover: None }),
-            run: Mutex::new(None),
-        };
+        let x =
+            EngineXfer { core: Arc::new(Core { shared: a.shared.clone(), plan, mover: None }), run: Mutex::new(None) };
         assert_eq!(x.post(None).unwrap(), Status::InProg);
         let probe = (dst.as_ptr() as usize + SIZE / 2 + (8 << 20)) as *const u8;
         // SAFETY: `dst` lives to the end of the test; volatile because a copy thread writes it.
