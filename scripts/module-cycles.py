@@ -166,19 +166,23 @@ def main() -> int:
 
 
 def engine_unit(m):
-    """The engine file a module path lives in: `tcp`, `route` (route/mod.rs), `route/cma`; `engine` is mod.rs."""
+    """The engine file a module path lives in: `engine` (mod.rs), `route` (route/mod.rs), `route/cma`,
+    `route/tcp/link`: the deepest file or folder the path names."""
     if m[:2] != ENGINE:
         return None
     base = SRC / "backend" / "engine"
-    if len(m) > 3 and (base / m[2] / f"{m[3]}.rs").exists():
-        return f"{m[2]}/{m[3]}"
-    if len(m) > 2 and ((base / f"{m[2]}.rs").exists() or (base / m[2] / "mod.rs").exists()):
-        return m[2]
-    return "engine"
+    unit = "engine"
+    for k in range(3, len(m) + 1):
+        rel = "/".join(m[2:k])
+        if not ((base / f"{rel}.rs").exists() or (base / rel / "mod.rs").exists()):
+            break
+        unit = rel
+    return unit
 
 
 def unit_of_file(rel: str) -> str:
-    """`mod.rs` -> engine, `route/mod.rs` -> route, `route/cma.rs` -> route/cma, `tcp.rs` -> tcp."""
+    """`mod.rs` -> engine, `route/mod.rs` -> route, `route/cma.rs` -> route/cma, `route/tcp/link.rs` ->
+    route/tcp/link."""
     if rel == "mod.rs":
         return "engine"
     return rel.removesuffix("/mod.rs").removesuffix(".rs")

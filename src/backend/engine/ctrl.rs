@@ -1,5 +1,5 @@
 //! The engine's control plane: an abstract Unix socket that receives notifications from peers on this host,
-//! pidfds that tell when a peer process exits, the TCP listener and control connections (see `tcp`), and
+//! pidfds that tell when a peer process exits, the TCP listener and control connections (see `route::tcp::listen`), and
 //! the one progress thread that waits on all of them with epoll.
 //!
 //! The thread sleeps in `epoll_wait` with no timeout unless a TCP peer has requests in flight (heartbeats)
@@ -20,7 +20,7 @@ use parking_lot::Mutex;
 
 use super::net::{epoll_add, epoll_del};
 use super::notif::{NotifQueue, MAX_NOTIF};
-use super::tcp::{self, TcpProgress, TcpSetup, TcpShared};
+use super::route::tcp::listen::{self, TcpProgress, TcpSetup, TcpShared};
 use crate::os;
 use crate::status::{Error, Result, Status};
 
@@ -495,8 +495,8 @@ impl Progress {
                             self.paused.store(true, Ordering::Release);
                         }
                     }
-                    tcp::TOKEN_LISTEN => self.tcp.on_event(token),
-                    t if t >= tcp::TOKEN_IN => self.tcp.on_event(t),
+                    listen::TOKEN_LISTEN => self.tcp.on_event(token),
+                    t if t >= listen::TOKEN_IN => self.tcp.on_event(t),
                     t if t >= TOKEN_PIDFD => {
                         if let Some(dead) = self.watches.lock().get(&t) {
                             dead.store(true, Ordering::Release);
@@ -1069,7 +1069,7 @@ mod tests {
         let q: Arc<NotifQueue> = Arc::default();
         let setup = TcpSetup {
             bind: "127.0.0.1:0".parse().unwrap(),
-            opts: tcp::TcpOpts { conns: 1, timeout: Duration::from_secs(1) },
+            opts: listen::TcpOpts { conns: 1, timeout: Duration::from_secs(1) },
             secret,
             regions: Arc::default(),
         };
@@ -1315,7 +1315,7 @@ mod tests {
 
     /// An authenticated TCP control connection, as a raw client.
     fn tcp_ctrl_client(ctrl: &Ctrl, inc: u128, secret: u128, name: &str) -> std::net::TcpStream {
-        use super::super::wire;
+        use super::super::route::tcp::wire;
         let mut s = std::net::TcpStream::connect(("127.0.0.1", ctrl.tcp.port)).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let mut c = [0u8; wire::CHALLENGE_BYTES];
@@ -1336,7 +1336,7 @@ mod tests {
     /// with its reservation, is closed after the stall bound.
     #[test]
     fn tcp_control_connections_share_a_budget() {
-        use super::super::wire;
+        use super::super::route::tcp::wire;
         let (inc, secret) = (82u128, 6u128);
         let (q, ctrl) = start_ctrl(inc, secret);
         let ping = wire::encode_ctrl_head(wire::CTRL_PING, 0);
@@ -1393,7 +1393,7 @@ mod tests {
     /// unread), and resumes, in order, once the application takes notifications.
     #[test]
     fn a_paused_tcp_control_connection_answers_heartbeats_and_resumes() {
-        use super::super::wire;
+        use super::super::route::tcp::wire;
         let (inc, secret) = (81u128, 5u128);
         let (q, ctrl) = start_ctrl(inc, secret);
         q.set_bounds(2, 1 << 20);

@@ -9,7 +9,7 @@
 //!   identified by pid + start time and watched through a pidfd, notifications over an abstract Unix socket;
 //!   if the kernel denies cross-memory attach (EPERM/ENOSYS: containers, seccomp, Yama), that peer's data
 //!   moves over TCP from then on;
-//! - peers on another host (another boot, pid or network namespace): TCP (see `tcp`), with notifications
+//! - peers on another host (another boot, pid or network namespace): TCP (see `route::tcp`), with notifications
 //!   and heartbeats on a control connection.
 //!
 //! Same-host routes copy batch by batch, each batch inside the target incarnation's gate (see `gate`): the
@@ -20,7 +20,7 @@
 //! process, every batch of device copies behind the same gate as cross-memory attach, with the same
 //! per-call identity probe of the target's gate page.
 //!
-//! VRAM to a peer reached over TCP goes through `vram_tcp` instead: page-locked staging on both sides, the
+//! VRAM to a peer reached over TCP goes through `route::tcp::vram` instead: page-locked staging on both sides, the
 //! target serving its VRAM registrations under the same leases as DRAM ones.
 //!
 //! Small requests complete inline in `post`; large ones are split across a few copy threads (or, over TCP,
@@ -54,15 +54,9 @@ mod pool;
 mod route;
 mod router;
 mod sentinel;
-mod serve_stage;
 mod shared;
-mod tcp;
-mod tcp_link;
-mod tcp_regions;
 mod vram;
 mod vram_regions;
-mod vram_tcp;
-pub mod wire;
 mod xfer;
 
 use std::sync::Arc;
@@ -78,6 +72,7 @@ use xfer::{Core, EngineXfer, Mover};
 pub use conn::tcp_endpoint;
 pub(crate) use conn::{fuzz_conn_as_v4, fuzz_parse_conn};
 pub(crate) use ctrl::{fuzz_hello, fuzz_parse_frames};
+pub use route::tcp::wire;
 
 pub fn default_params() -> Params {
     [("num_threads", "0"), ("num_workers", "1"), ("ucx_devices", ""), ("ucx_error_handling_mode", "peer")]
@@ -123,7 +118,7 @@ impl Backend for Engine {
     fn register(&self, mem: MemType, desc: &RegDesc) -> Result<LocalRegion> {
         if mem == MemType::Vram {
             let r = self.shared.vram.register(&self.shared.ctrl, &self.shared.gate, desc)?;
-            // TCP peers reach it through the serving loops, staged (see `vram_tcp`); `register` checked
+            // TCP peers reach it through the serving loops, staged (see `route::tcp::vram`); `register` checked
             // that the descriptor's device is the allocation's.
             self.shared.regions.add_vram(desc.desc.addr, desc.desc.len, desc.desc.dev as u32);
             return Ok(r);
@@ -139,7 +134,7 @@ impl Backend for Engine {
     fn deregister(&self, mem: MemType, desc: &Desc, key: Option<&RegionKey>) {
         if mem == MemType::Vram {
             // Waits for peers' copies inside the region (see `vram`), then for TCP requests being served
-            // from it (see `vram_tcp`).
+            // from it (see `route::tcp::vram`).
             self.shared.vram.deregister(&self.shared.ctrl, &self.shared.gate, self.shared.tcp_opts.timeout, key);
             self.shared.regions.remove_vram(desc.addr, desc.len);
             return;
@@ -209,10 +204,10 @@ impl Backend for Engine {
 
     fn prep_xfer(&self, plan: XferPlan) -> Result<Box<dyn BackendXfer>> {
         let wants = vram::wants(&plan);
-        // VRAM to a peer reached over TCP is staged (see `vram_tcp`); other VRAM routes are `vram`'s.
+        // VRAM to a peer reached over TCP is staged (see `route::tcp::vram`); other VRAM routes are `vram`'s.
         let link = if wants { router::vram_over_tcp(&plan)? } else { None };
         let mover: Option<Box<dyn Mover>> = match link {
-            Some(link) => Some(Box::new(vram_tcp::prep(&plan, link)?)),
+            Some(link) => Some(Box::new(route::tcp::vram::prep(&plan, link)?)),
             None if wants => Some(Box::new(vram::prep(&self.shared, &plan)?)),
             None => None,
         };
@@ -382,7 +377,7 @@ mod tests {
     use std::net::TcpStream;
 
     /// The TCP link `a` holds to the loaded peer `name`.
-    fn tcp_link_of(a: &Agent, name: &str) -> Arc<tcp_link::TcpLink> {
+    fn tcp_link_of(a: &Agent, name: &str) -> Arc<route::tcp::link::TcpLink> {
         let remotes = a.inner.remotes.read();
         let (_, p) = remotes.get(name).unwrap().peers[0].clone();
         match &downcast(&p).unwrap().kind {
@@ -393,7 +388,10 @@ mod tests {
 
     /// Put a data connection to a stand-in target, which `serve` answers on a thread, in `link`'s pool of idle
     /// connections: the next request takes it.
-    fn plant(link: &tcp_link::TcpLink, serve: impl FnOnce(TcpStream) + Send + 'static) -> std::thread::JoinHandle<()> {
+    fn plant(
+        link: &route::tcp::link::TcpLink,
+        serve: impl FnOnce(TcpStream) + Send + 'static,
+    ) -> std::thread::JoinHandle<()> {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let planted = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let h = std::thread::spawn(move || serve(l.accept().unwrap().0));

@@ -1,5 +1,5 @@
 //! The notification queue and its bounds, shared by both ways notifications arrive: the local socket (`ctrl`)
-//! and TCP control connections (`tcp`).
+//! and TCP control connections (`route::tcp::listen`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 

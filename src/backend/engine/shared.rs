@@ -18,8 +18,8 @@ use super::ctrl::{self, Ctrl};
 use super::gate::{self, Attached, Gate};
 use super::notif::{NotifQueue, QUEUE_BYTES, QUEUE_MSGS};
 use super::pool::Pool;
-use super::tcp::{self, TcpOpts, TcpSetup};
-use super::tcp_regions::Regions;
+use super::route::tcp::listen::{self, TcpOpts, TcpSetup};
+use super::route::tcp::regions::Regions;
 use super::vram_regions::Vram;
 use crate::backend::BackendInit;
 use crate::os;
@@ -114,7 +114,7 @@ impl Shared {
         )?
         .clamp(10, 3_600_000);
         let tcp_opts = TcpOpts { conns, timeout: Duration::from_millis(ms) };
-        let bind = tcp::parse_bind(&setting(&init, "tcp_addr", "GIXL_TCP_ADDR").unwrap_or_default())?;
+        let bind = listen::parse_bind(&setting(&init, "tcp_addr", "GIXL_TCP_ADDR").unwrap_or_default())?;
         let secret = crate::util::random_u128();
         let regions: Arc<Regions> = Arc::default();
         let queue: Arc<NotifQueue> = Arc::default();

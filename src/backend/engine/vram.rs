@@ -22,7 +22,7 @@
 //! - a peer reached over TCP (another host, `GIXL_TRANSPORT=tcp`, or cross-memory attach denied unless its
 //!   VRAM stays reachable by IPC handles, see `router::ipc_despite_denial`): both
 //!   sides stage through page-locked buffers, the TCP target serving its VRAM registrations chunk by chunk
-//!   under the same leases as DRAM (see `vram_tcp`; no same-host gate there: the TCP target checks every
+//!   under the same leases as DRAM (see `route::tcp::vram`; no same-host gate there: the TCP target checks every
 //!   request against its own registrations).
 //!
 //! The gate is the engine's one transfer gate (`gate`): a VRAM registration takes a region slot there, as a
@@ -226,9 +226,9 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
             }
             Far::Process
         }
-        // The engine hands these to `vram_tcp` before this.
+        // The engine hands these to `route::tcp::vram` before this.
         Some((ep, PeerKind::Tcp(_))) => {
-            return Err(Error::backend(format!("VRAM to agent '{}' over TCP goes through vram_tcp", ep.name)))
+            return Err(Error::backend(format!("VRAM to agent '{}' over TCP goes through route::tcp::vram", ep.name)))
         }
     };
     let remote_dev =

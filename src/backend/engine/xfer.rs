@@ -11,9 +11,9 @@ use parking_lot::{Condvar, Mutex};
 
 use super::copy;
 use super::peer::EnginePeer;
+use super::route::tcp::link::TcpLink;
 use super::route::{self, Job};
 use super::shared::Shared;
-use super::tcp_link::TcpLink;
 use crate::backend::{BackendXfer, Peer, Seg, Target, XferPlan};
 use crate::status::{Error, Result, Status};
 
@@ -29,7 +29,7 @@ const TCP_INLINE_BYTES: u64 = 256 << 10;
 pub(super) struct Core {
     pub(super) shared: Arc<Shared>,
     pub(super) plan: XferPlan,
-    /// Set when the request touches VRAM: its pieces go through it (`vram`, inside the same gate; `vram_tcp`
+    /// Set when the request touches VRAM: its pieces go through it (`vram`, inside the same gate; `route::tcp::vram`
     /// when its peer is reached over TCP) instead of the DRAM copies of `copy`.
     pub(super) mover: Option<Box<dyn Mover>>,
 }

@@ -8,12 +8,12 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use super::tcp::link::TcpLink;
 use super::{Job, Route};
 use crate::backend::engine::copy::{self, cma_denied};
 use crate::backend::engine::ctrl::Sender;
 use crate::backend::engine::gate::Attached;
 use crate::backend::engine::shared::Proof;
-use crate::backend::engine::tcp_link::TcpLink;
 use crate::backend::Seg;
 use crate::status::{Error, Result, Status};
 

@@ -3,11 +3,11 @@
 
 use std::sync::{Arc, Weak};
 
+use super::tcp::link::TcpLink;
 use super::{Job, Route};
 use crate::backend::engine::copy;
 use crate::backend::engine::gate::Attached;
 use crate::backend::engine::shared::Shared;
-use crate::backend::engine::tcp_link::TcpLink;
 use crate::backend::Seg;
 use crate::status::{Error, Result};
 

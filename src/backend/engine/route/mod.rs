@@ -1,10 +1,10 @@
-//! The engine's routes to a peer, one file each, behind one trait (`Route`): an agent in this process
-//! (`in_process`), another process on this host by cross-memory attach (`cma`), and TCP (`tcp`). A peer holds
-//! one (`peer::PeerKind`); everything the engine asks of a peer (is it down and why, connect, close, notify,
-//! copy a piece of a request) goes through the trait, so a new route is a file here, a variant of `PeerKind`
-//! and its choice in `load_peer`.
+//! The engine's routes to a peer, a file or a folder each, behind one trait (`Route`): an agent in this process
+//! (`in_process`), another process on this host by cross-memory attach (`cma`), and TCP (`tcp/`, split by
+//! responsibility). A peer holds one (`peer::PeerKind`); everything the engine asks of a peer (is it down and
+//! why, connect, close, notify, copy a piece of a request) goes through the trait, so a new route is a file or
+//! folder here, a variant of `PeerKind` and its choice in `router`.
 //!
-//! Requests that touch VRAM go through their `xfer::Mover` instead (`vram`, `vram_tcp`), which reads the
+//! Requests that touch VRAM go through their `xfer::Mover` instead (`vram`, `tcp::vram`), which reads the
 //! route's own fields.
 
 pub(super) mod cma;
@@ -15,9 +15,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::conn::RemoteRegion;
-use super::tcp_link::TcpLink;
 use crate::backend::{RegionKey, Seg, XferOp};
 use crate::status::{Error, Result, Status};
+use tcp::link::TcpLink;
 
 /// A way to reach one peer. Every method is required: a new route says what each means for it.
 pub(super) trait Route: Send + Sync {

@@ -1,6 +1,6 @@
 //! The initiator's side of the TCP route: one `TcpLink` per peer (its control connection, read by the
-//! progress thread of `tcp`, and its data connections, used by the requests' pieces directly), its liveness
-//! (`liveness::Liveness`, fed by the progress thread through `tcp::Watched`), and redialing after a failure.
+//! progress thread (`listen`), and its data connections, used by the requests' pieces directly), its liveness
+//! (`liveness::Liveness`, fed by the progress thread through `listen::Watched`), and redialing after a failure.
 
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpStream};
@@ -11,11 +11,11 @@ use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
-use super::liveness::{DialPlan, Liveness, Tick};
-use super::net::{self, iovec};
-use super::notif::MAX_NOTIF;
-use super::tcp::{CtrlConn, TcpOpts, TcpShared, Watched, TOKEN_OUT};
+use super::listen::{CtrlConn, TcpOpts, TcpShared, Watched, TOKEN_OUT};
 use super::wire::{self, Hello, WireSeg};
+use crate::backend::engine::liveness::{DialPlan, Liveness, Tick};
+use crate::backend::engine::net::{self, iovec};
+use crate::backend::engine::notif::MAX_NOTIF;
 use crate::backend::{Seg, XferOp};
 use crate::status::{Error, Result, Status};
 use crate::util::monotonic_ns;
@@ -417,7 +417,7 @@ impl TcpLink {
 
     /// Tests: put `s` in the pool of idle data connections, as if it were one of ours that the target keeps.
     #[cfg(test)]
-    pub(super) fn plant_idle(&self, s: TcpStream) {
+    pub(crate) fn plant_idle(&self, s: TcpStream) {
         // Set up as `dial_one` sets up the data connections it dials.
         net::tune(&s, self.opts.patience());
         s.set_read_timeout(Some(self.opts.stall())).unwrap();

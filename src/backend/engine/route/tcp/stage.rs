@@ -1,7 +1,7 @@
-//! Staging of device memory in the TCP serving loops (see `tcp`), the target's side of VRAM over TCP (the
-//! initiator's is `vram_tcp`).
+//! Staging of device memory in the TCP serving loops (see `serve`), the target's side of VRAM over TCP (the
+//! initiator's is `vram`).
 //!
-//! The serving loops of `tcp` recognise a request on registrations made in VRAM (`Regions::lease` says
+//! The serving loops (`serve`) recognise a request on registrations made in VRAM (`Regions::lease` says
 //! `Device`) and serve it chunk by chunk through a staging buffer of their loop (`SERVE_CHUNK` bytes, at most `LOOP_BUFS` per loop, kept for reuse until the engine closes; a request
 //! finding none free waits in its loop's queue, holding no thread). The device copy of one chunk runs on the
 //! loop thread: a bounded stall (2 MiB: about 0.1 ms at PCIe rates, a memcpy with the fake device) that
@@ -16,7 +16,7 @@ use crate::status::{Error, Result};
 use super::wire::WireSeg;
 
 /// Bytes a serving loop stages per device copy.
-pub(super) const SERVE_CHUNK: usize = 2 << 20;
+pub(crate) const SERVE_CHUNK: usize = 2 << 20;
 /// A serving loop's staging buffer: a chunk, and room for the reply in front of a READ's first chunk (so a
 /// 2 MiB request, the initiator's slot, goes out in one chunk).
 const SERVE_BUF: usize = SERVE_CHUNK + super::wire::REPLY_BYTES;
@@ -24,14 +24,14 @@ const SERVE_BUF: usize = SERVE_CHUNK + super::wire::REPLY_BYTES;
 const LOOP_BUFS: usize = 4;
 
 /// A staging buffer of a serving loop, and the device it was made for.
-pub(super) struct PoolBuf {
+pub(crate) struct PoolBuf {
     dev: u32,
     buf: Box<dyn HostBuf>,
 }
 
 /// A serving loop's staging buffers: at most `LOOP_BUFS`, made on first use and kept.
 #[derive(Default)]
-pub(super) struct StagePool {
+pub(crate) struct StagePool {
     free: Vec<PoolBuf>,
     /// Buffers out with a request.
     out: usize,
@@ -39,12 +39,12 @@ pub(super) struct StagePool {
 
 impl StagePool {
     /// Would `take` give a buffer now?
-    pub(super) fn can_take(&self) -> bool {
+    pub(crate) fn can_take(&self) -> bool {
         !self.free.is_empty() || self.out < LOOP_BUFS
     }
 
     /// A buffer for device `dev`, or None when all are out.
-    pub(super) fn take(&mut self, dev: u32) -> Result<Option<PoolBuf>> {
+    pub(crate) fn take(&mut self, dev: u32) -> Result<Option<PoolBuf>> {
         if let Some(i) = self.free.iter().position(|b| b.dev == dev) {
             self.out += 1;
             return Ok(Some(self.free.swap_remove(i)));
@@ -61,7 +61,7 @@ impl StagePool {
         Ok(Some(PoolBuf { dev, buf }))
     }
 
-    pub(super) fn put(&mut self, b: PoolBuf) {
+    pub(crate) fn put(&mut self, b: PoolBuf) {
         self.out = self.out.saturating_sub(1);
         self.free.push(b);
     }
@@ -69,7 +69,7 @@ impl StagePool {
 
 /// One request on registered VRAM as a serving loop moves it: its segments (addresses in this process,
 /// each with its device) and the chunk in the staging buffer.
-pub(super) struct Staged {
+pub(crate) struct Staged {
     op: XferOp,
     segs: Vec<(u64, u64, u32)>,
     /// Next byte not staged yet: segment index and offset in it.
@@ -84,35 +84,35 @@ pub(super) struct Staged {
 }
 
 impl Staged {
-    pub(super) fn new(op: XferOp, segs: &[WireSeg], devs: &[u32]) -> Staged {
+    pub(crate) fn new(op: XferOp, segs: &[WireSeg], devs: &[u32]) -> Staged {
         let segs = segs.iter().zip(devs).map(|(s, &d)| (s.addr, s.len, d)).collect();
         Staged { op, segs, seg: 0, off: 0, chunk: Vec::new(), buf: None, fill: 0, done: 0 }
     }
 
-    pub(super) fn op(&self) -> XferOp {
+    pub(crate) fn op(&self) -> XferOp {
         self.op
     }
 
     /// The device whose buffer stages the request (its first segment's).
-    pub(super) fn dev(&self) -> u32 {
+    pub(crate) fn dev(&self) -> u32 {
         self.segs.first().map_or(0, |s| s.2)
     }
 
-    pub(super) fn attach(&mut self, b: PoolBuf) {
+    pub(crate) fn attach(&mut self, b: PoolBuf) {
         self.buf = Some(b);
     }
 
-    pub(super) fn detach(&mut self) -> Option<PoolBuf> {
+    pub(crate) fn detach(&mut self) -> Option<PoolBuf> {
         self.buf.take()
     }
 
     /// Every byte of the request has been staged (and, once the chunk is moved, served).
-    pub(super) fn finished(&self) -> bool {
+    pub(crate) fn finished(&self) -> bool {
         self.seg >= self.segs.len()
     }
 
     /// Bytes of the request not staged yet.
-    pub(super) fn unstaged(&self) -> u64 {
+    pub(crate) fn unstaged(&self) -> u64 {
         self.segs.iter().skip(self.seg).map(|s| s.1).sum::<u64>() - self.off
     }
 
@@ -154,7 +154,7 @@ impl Staged {
     }
 
     /// READ: stage the next chunk out of device memory, after `head` (the reply) if given.
-    pub(super) fn load(&mut self, head: Option<&[u8]>) -> Result<()> {
+    pub(crate) fn load(&mut self, head: Option<&[u8]>) -> Result<()> {
         let Some(b) = &self.buf else { return Err(Error::backend("no staging buffer")) };
         let start = head.map_or(0, |h| h.len());
         if let Some(h) = head {
@@ -167,12 +167,12 @@ impl Staged {
     }
 
     /// WRITE: the next chunk is to come into the buffer.
-    pub(super) fn expect(&mut self) {
+    pub(crate) fn expect(&mut self) {
         self.next_chunk(0);
     }
 
     /// WRITE: the chunk is in the buffer; copy it into device memory.
-    pub(super) fn store(&mut self) -> Result<()> {
+    pub(crate) fn store(&mut self) -> Result<()> {
         let device = device::get()?;
         self.copies(true).iter().try_for_each(|(d, c)| device.copy(*d, c))
     }
@@ -181,36 +181,36 @@ impl Staged {
     ///
     /// # Safety
     /// `fd` is a socket; the staged range lies inside the buffer this request holds.
-    pub(super) unsafe fn send(&self, fd: i32) -> std::io::Result<usize> {
+    pub(crate) unsafe fn send(&self, fd: i32) -> std::io::Result<usize> {
         let Some(b) = &self.buf else { return Ok(0) };
         // SAFETY: `done..fill` lies inside the buffer, which lives as long as `self`.
         let s = unsafe {
             std::slice::from_raw_parts((b.buf.ptr() as usize + self.done) as *const u8, self.fill - self.done)
         };
-        super::net::send_now(fd, s)
+        crate::backend::engine::net::send_now(fd, s)
     }
 
     /// Receive into what is left of the chunk.
     ///
     /// # Safety
     /// As for `send`.
-    pub(super) unsafe fn recv(&mut self, fd: i32) -> std::io::Result<usize> {
+    pub(crate) unsafe fn recv(&mut self, fd: i32) -> std::io::Result<usize> {
         let Some(b) = &self.buf else { return Ok(0) };
         // SAFETY: as above; nothing else refers to the buffer while the request holds it.
         let s = unsafe {
             std::slice::from_raw_parts_mut((b.buf.ptr() as usize + self.done) as *mut u8, self.fill - self.done)
         };
-        super::net::recv_now(fd, s)
+        crate::backend::engine::net::recv_now(fd, s)
     }
 
     /// `n` more bytes went out; true when the chunk is complete.
-    pub(super) fn sent(&mut self, n: usize) -> bool {
+    pub(crate) fn sent(&mut self, n: usize) -> bool {
         self.done += n;
         self.done >= self.fill
     }
 
     /// `n` more bytes came in; true when the chunk is complete.
-    pub(super) fn received(&mut self, n: usize) -> bool {
+    pub(crate) fn received(&mut self, n: usize) -> bool {
         self.sent(n)
     }
 }

@@ -13,12 +13,12 @@
 //! Data connections move bytes straight between the socket and registered host memory (`sendmsg`/`readv` on
 //! iovecs that point into it); there is no staging buffer on either side. Registrations in device memory
 //! (VRAM) are never handed to a socket: a request on them is served through a page-locked staging buffer
-//! of the serving loop, one bounded device copy per chunk (see `vram_tcp`). The target checks every segment
+//! of the serving loop, one bounded device copy per chunk (see `vram`). The target checks every segment
 //! of every request against its own table of registrations and leases the registrations it names while it
-//! touches their memory (`tcp_regions::Regions`): no lock is held across socket I/O, a deregistration waits only for
+//! touches their memory (`regions::Regions`): no lock is held across socket I/O, a deregistration waits only for
 //! requests on that range and at most the disconnect timeout (then the slow peer is cut off), and agent
 //! teardown cuts every serving connection at once. Authenticated data connections are served by a few
-//! edge-triggered epoll loops (`ServeLoop`), each connection a small state machine, so a slow or idle
+//! edge-triggered epoll loops (`serve`), each connection a small state machine, so a slow or idle
 //! peer holds no thread.
 //!
 //! Liveness (see `liveness`): the progress thread (see `ctrl`) reads the control connections and feeds each
@@ -38,27 +38,26 @@
 //! up (a frame left half written retires that control connection: it is half-closed, and the target
 //! queues everything before the partial frame).
 //!
-//! Here: the listener, both ends of the control connections (the progress thread), the serving loops. Not
-//! here: the initiator's link to a peer (`tcp_link`), the region table and its leases (`tcp_regions`), wire
+//! Here: the listener and both ends of the control connections (the progress thread). Not here: the serving
+//! loops (`serve`), the initiator's link to a peer (`link`), the region table and its leases (`regions`), wire
 //! encoding (`wire`), socket syscalls (`net`), splitting a request into pieces (`xfer`).
 
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::liveness::{LiveCfg, Tick};
-use super::net::{self, epoll_add, epoll_del, iovec};
-use super::notif::{NotifQueue, MAX_NOTIF};
-use super::serve_stage::{StagePool, Staged};
-use super::tcp_regions::{Leased, Regions};
+use super::regions::Regions;
+use super::serve::Serving;
 use super::wire::{self, CtrlMsg};
-use crate::backend::XferOp;
+use crate::backend::engine::liveness::{LiveCfg, Tick};
+use crate::backend::engine::net::{self, epoll_add, epoll_del};
+use crate::backend::engine::notif::{NotifQueue, MAX_NOTIF};
 use crate::os;
 use crate::status::{Error, Result, Status};
 use crate::util::monotonic_ns;
@@ -73,15 +72,6 @@ const PER_SOURCE: usize = 16;
 const ACCEPT_BURST: usize = 64;
 /// Authenticated inbound control connections kept at once.
 const MAX_CTRL_IN: usize = 1024;
-/// Data connections served at once. When all are taken, a newcomer replaces an idle one (see
-/// `TcpProgress::make_serving_room`).
-const MAX_SERVING: usize = 1024;
-/// How long a data connection must have waited for a request before a newcomer may replace it: a burst of fresh
-/// connections cannot push out each other, and a peer's connection is not cut while its next request is on the way.
-const REPLACE_IDLE: Duration = Duration::from_secs(1);
-/// A data connection that has waited this long for a request is closed (the initiator dials again when it
-/// needs one: it checks a pooled connection for a hang-up before using it).
-pub const IDLE_DATA: Duration = Duration::from_secs(300);
 /// Bytes the authenticated inbound control connections may hold at once, together (a frame being received
 /// reserves its whole length when its header arrives; frames waiting for room in the notification queue
 /// count too), plus at most one read chunk each. A connection that would exceed it is not read until
@@ -161,7 +151,7 @@ pub struct TcpSetup {
     pub regions: Arc<Regions>,
 }
 
-/// What the progress thread asks of the link behind an outbound control connection (`tcp_link::TcpLink`).
+/// What the progress thread asks of the link behind an outbound control connection (`link::TcpLink`).
 pub trait Watched: Send + Sync {
     /// Requests in flight on the link.
     fn inflight(&self) -> usize;
@@ -180,22 +170,16 @@ pub struct TcpShared {
     pub incarnation: u128,
     pub secret: u128,
     pub opts: TcpOpts,
-    pub regions: Arc<Regions>,
     pub port: u16,
     pub addrs: Vec<SocketAddr>,
     epfd: Arc<OwnedFd>,
     wake: Arc<OwnedFd>,
     out: Mutex<HashMap<u64, Out>>,
-    pub(super) next_out: AtomicU64,
-    /// Authenticated data connections being served, by id: shut at teardown, replaced when `MAX_SERVING` is
-    /// reached.
-    serving: Mutex<HashMap<u64, Served>>,
-    nserving: AtomicUsize,
-    loops: OnceLock<Vec<Arc<ServeLoop>>>,
-    next_serve: AtomicU64,
-    closed: AtomicBool,
+    pub(crate) next_out: AtomicU64,
+    /// The serving loops and the data connections they serve.
+    serve: Arc<Serving>,
     /// Some inbound control connection is paused (queue full or budget spent).
-    pub(super) paused: AtomicBool,
+    pub(crate) paused: AtomicBool,
     /// The application took notifications: the progress thread should resume paused connections.
     resume: AtomicBool,
 }
@@ -209,14 +193,14 @@ struct Out {
 
 /// A control connection to a peer. Frames are written whole under `w`.
 pub struct CtrlConn {
-    pub(super) stream: TcpStream,
-    pub(super) w: Mutex<()>,
-    pub(super) token: u64,
+    pub(crate) stream: TcpStream,
+    pub(crate) w: Mutex<()>,
+    pub(crate) token: u64,
     /// The link's epoch when it was made.
-    pub(super) epoch: u64,
+    pub(crate) epoch: u64,
     /// A notification was left half written (the target did not take it in time): the connection was
     /// half-closed and replaced, and its end is not a death.
-    pub(super) retired: AtomicBool,
+    pub(crate) retired: AtomicBool,
 }
 
 impl TcpShared {
@@ -228,11 +212,11 @@ impl TcpShared {
         }
     }
 
-    pub(super) fn wake(&self) {
+    pub(crate) fn wake(&self) {
         os::wake(&self.wake);
     }
 
-    pub(super) fn add_out(&self, conn: Arc<CtrlConn>, link: Weak<dyn Watched>) -> Result<()> {
+    pub(crate) fn add_out(&self, conn: Arc<CtrlConn>, link: Weak<dyn Watched>) -> Result<()> {
         self.out.lock().insert(conn.token, Out { conn: conn.clone(), link, buf: Vec::new() });
         if let Err(e) = epoll_add(self.epfd.as_raw_fd(), conn.stream.as_raw_fd(), conn.token) {
             self.out.lock().remove(&conn.token);
@@ -242,7 +226,7 @@ impl TcpShared {
     }
 
     /// Shut down and forget every control connection registered for `link` (see `add_out`).
-    pub(super) fn remove_outs_of<T>(&self, link: *const T) {
+    pub(crate) fn remove_outs_of<T>(&self, link: *const T) {
         let mine: Vec<u64> =
             self.out.lock().iter().filter(|(_, o)| std::ptr::addr_eq(o.link.as_ptr(), link)).map(|(t, _)| *t).collect();
         for t in mine {
@@ -253,7 +237,7 @@ impl TcpShared {
         }
     }
 
-    pub(super) fn remove_out(&self, token: u64) {
+    pub(crate) fn remove_out(&self, token: u64) {
         if let Some(o) = self.out.lock().remove(&token) {
             // It is still open (`o` holds it).
             epoll_del(self.epfd.as_raw_fd(), o.conn.stream.as_raw_fd());
@@ -263,14 +247,7 @@ impl TcpShared {
     /// The engine is going away: refuse every later request and drop the serving connections. Waits for
     /// requests being served, so nothing touches memory after this returns.
     pub fn close(&self) {
-        self.closed.store(true, Ordering::Release);
-        for s in self.serving.lock().drain().filter_map(|(_, s)| s.stream.upgrade()) {
-            let _ = s.shutdown(Shutdown::Both);
-        }
-        for l in self.loops.get().into_iter().flatten() {
-            l.wake();
-        }
-        self.regions.close();
+        self.serve.close();
         let outs: Vec<_> = self.out.lock().drain().map(|(_, o)| o).collect();
         for o in outs {
             let _ = o.conn.stream.shutdown(Shutdown::Both);
@@ -427,14 +404,6 @@ impl In {
     }
 }
 
-/// A data connection as the progress thread sees it once a serving loop has it.
-struct Served {
-    src: IpAddr,
-    stream: Weak<TcpStream>,
-    /// Since when (ns) it has waited for a request; 0 while a request is in progress.
-    idle: Arc<AtomicU64>,
-}
-
 pub const TOKEN_LISTEN: u64 = 2;
 pub const TOKEN_IN: u64 = 3 << 32;
 pub const TOKEN_OUT: u64 = 4 << 32;
@@ -464,18 +433,13 @@ impl TcpProgress {
             incarnation,
             secret,
             opts,
-            regions,
+            serve: Arc::new(Serving::new(regions, opts.stall())),
             port: local.port(),
             addrs: advertised(local),
             epfd,
             wake,
             out: Mutex::new(HashMap::new()),
             next_out: AtomicU64::new(0),
-            serving: Mutex::new(HashMap::new()),
-            nserving: AtomicUsize::new(0),
-            loops: OnceLock::new(),
-            next_serve: AtomicU64::new(0),
-            closed: AtomicBool::new(false),
             paused: AtomicBool::new(false),
             resume: AtomicBool::new(false),
         });
@@ -568,7 +532,7 @@ impl TcpProgress {
                 Err(e) if crate::util::accept_again(&e, self.listener.as_raw_fd()) => continue,
                 Err(_) => return,
             };
-            if self.shared.closed.load(Ordering::Acquire) || stream.set_nonblocking(true).is_err() {
+            if self.shared.serve.closed() || stream.set_nonblocking(true).is_err() {
                 continue;
             }
             self.make_room(from.ip());
@@ -689,7 +653,7 @@ impl TcpProgress {
             let _ = net::send_now(c.stream.as_raw_fd(), &[wire::NAK]);
             return false;
         }
-        if self.shared.closed.load(Ordering::Acquire) {
+        if self.shared.serve.closed() {
             return false;
         }
         if h.kind == wire::KIND_CTRL {
@@ -708,61 +672,7 @@ impl TcpProgress {
         }
         // A data connection leaves the epoll set for its own thread.
         let Some(c) = self.drop_in(token) else { return false };
-        self.serve_data(c.stream, c.src);
-        true
-    }
-
-    /// Hand an authenticated data connection to a serving loop (started on first use).
-    fn serve_data(&mut self, stream: TcpStream, src: IpAddr) {
-        let sh = &self.shared;
-        if sh.nserving.load(Ordering::Acquire) >= MAX_SERVING && !self.make_serving_room() {
-            return;
-        }
-        let loops = sh.loops.get_or_init(|| start_loops(sh));
-        if loops.is_empty() {
-            return;
-        }
-        net::tune(&stream, sh.opts.stall());
-        // A fresh socket's send buffer is empty: the answer always fits.
-        if net::send_now(stream.as_raw_fd(), &[wire::ACK]).ok() != Some(1) {
-            return;
-        }
-        let stream = Arc::new(stream);
-        let id = sh.next_serve.fetch_add(1, Ordering::Relaxed);
-        let idle = Arc::new(AtomicU64::new(0));
-        sh.serving.lock().insert(id, Served { src, stream: Arc::downgrade(&stream), idle: idle.clone() });
-        sh.nserving.fetch_add(1, Ordering::AcqRel);
-        let l = &loops[id as usize % loops.len()];
-        l.inbox.lock().push((id, stream, idle));
-        l.wake();
-    }
-
-    /// Every serving slot is taken: cut one data connection that has waited for a request for at least
-    /// `REPLACE_IDLE`, of the source address holding the most, the longest idle of those. False when none
-    /// qualifies (every connection busy or freshly idle): the newcomer is refused. Authenticated strangers
-    /// (the secret comes with the metadata) holding every slot can so no longer lock real peers out; a peer whose
-    /// idle connection is cut sees the hang-up before it reuses it and dials again.
-    fn make_serving_room(&self) -> bool {
-        let now = monotonic_ns();
-        let long = REPLACE_IDLE.as_nanos() as u64;
-        let mut serving = self.shared.serving.lock();
-        let mut per: HashMap<IpAddr, usize> = HashMap::new();
-        for s in serving.values() {
-            *per.entry(s.src).or_default() += 1;
-        }
-        let victim = serving
-            .iter()
-            .filter_map(|(&id, s)| {
-                let since = s.idle.load(Ordering::Acquire);
-                (since != 0 && since + long <= now).then(|| (per[&s.src], u64::MAX - since, id))
-            })
-            .max()
-            .map(|(_, _, id)| id);
-        let Some(s) = victim.and_then(|id| serving.remove(&id)) else { return false };
-        // Its serving loop sees the hang-up and closes it (the count drops then).
-        if let Some(stream) = s.stream.upgrade() {
-            let _ = stream.shutdown(Shutdown::Both);
-        }
+        self.shared.serve.hand(c.stream, c.src);
         true
     }
 
@@ -914,480 +824,9 @@ fn ctrl_frames(c: &mut In, name: &str, queue: &NotifQueue, queued: &mut (usize, 
     ok
 }
 
-/// Authenticated data connections are served by a few event loops (one per core, at least
-/// `MIN_LOOPS` so a peer's default four connections move in parallel, at most `MAX_LOOPS`), not a thread
-/// each: every socket is non-blocking and edge-triggered in the loop's epoll
-/// set, and each connection is a small state machine (header → segment table → payload → reply) that runs
-/// until the socket would block. An idle connection costs nothing; a slow one holds no thread, only its
-/// state and, while its payload moves, a lease on the registrations it names.
-const MIN_LOOPS: usize = 4;
-const MAX_LOOPS: usize = 8;
-
-/// A data connection handed to a serving loop: its id, the socket, and its idle word (see `Served`).
-type Handed = (u64, Arc<TcpStream>, Arc<AtomicU64>);
-
-struct ServeLoop {
-    epfd: OwnedFd,
-    wake: OwnedFd,
-    /// Connections handed over by the progress thread (with their idle word, see `Served`), taken on the next
-    /// wake-up.
-    inbox: Mutex<Vec<Handed>>,
-}
-
-impl ServeLoop {
-    fn new() -> Result<ServeLoop> {
-        let epfd = os::epoll()?;
-        let wake = os::eventfd(false)?;
-        crate::util::epoll_ctl(
-            epfd.as_raw_fd(),
-            libc::EPOLL_CTL_ADD,
-            wake.as_raw_fd(),
-            libc::EPOLLIN as u32,
-            u64::MAX,
-        )?;
-        Ok(ServeLoop { epfd, wake, inbox: Mutex::new(Vec::new()) })
-    }
-
-    fn wake(&self) {
-        os::wake(&self.wake);
-    }
-
-    /// Runs until the engine closes. `sh` is weak so the loop does not keep the engine alive.
-    fn run(&self, sh: Weak<TcpShared>) {
-        let mut conns: HashMap<u64, Box<DataConn>> = HashMap::new();
-        let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
-        let mut scratch = vec![0u8; 64 * 1024];
-        // Staging buffers for requests on device memory, and the connections waiting for one, in order.
-        let mut pool = StagePool::default();
-        let mut waiting: std::collections::VecDeque<u64> = Default::default();
-        loop {
-            let Some(shared) = sh.upgrade() else { return };
-            if shared.closed.load(Ordering::Acquire) {
-                for (_, mut c) in conns.drain() {
-                    c.close(&shared, &self.epfd, &mut pool);
-                }
-                return;
-            }
-            let stall = shared.opts.stall().as_nanos() as u64;
-            let now = monotonic_ns();
-            let timeout = conns
-                .values()
-                .map(|c| c.deadline(stall))
-                .map(|d| d.saturating_sub(now).div_ceil(1_000_000).min(i32::MAX as u64) as i32)
-                .min()
-                .unwrap_or(-1);
-            drop(shared);
-            // SAFETY: `events` has room for its length.
-            let n =
-                unsafe { libc::epoll_wait(self.epfd.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, timeout) };
-            let Some(shared) = sh.upgrade() else { return };
-            if n < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
-                return;
-            }
-            let mut ready: Vec<u64> = events[..n.max(0) as usize].iter().map(|e| e.u64).collect();
-            if ready.contains(&u64::MAX) {
-                os::woken(&self.wake);
-                for (id, stream, idle) in self.inbox.lock().drain(..) {
-                    let edge = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET) as u32;
-                    let fd = stream.as_raw_fd();
-                    if crate::util::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, edge, id).is_err() {
-                        shared.serving.lock().remove(&id);
-                        shared.nserving.fetch_sub(1, Ordering::AcqRel);
-                        continue;
-                    }
-                    conns.insert(id, Box::new(DataConn::new(id, stream, idle)));
-                    ready.push(id);
-                }
-            }
-            for id in ready {
-                let Some(c) = conns.get_mut(&id) else { continue };
-                if !c.drive(&shared.regions, &mut scratch, &mut pool) {
-                    if let Some(mut c) = conns.remove(&id) {
-                        c.close(&shared, &self.epfd, &mut pool);
-                    }
-                } else if c.phase == Phase::StageWait && !c.queued {
-                    c.queued = true;
-                    waiting.push_back(id);
-                }
-            }
-            // Connections stuck mid-request for longer than the stall bound are given up, and so are those that
-            // have waited `IDLE_DATA` for a request.
-            let stall = shared.opts.stall().as_nanos() as u64;
-            let now = monotonic_ns();
-            let late: Vec<u64> = conns.values().filter(|c| c.deadline(stall) <= now).map(|c| c.id).collect();
-            for id in late {
-                if let Some(mut c) = conns.remove(&id) {
-                    c.close(&shared, &self.epfd, &mut pool);
-                }
-            }
-            // Buffers given back: the connections waiting for one go on, oldest first.
-            while pool.can_take() {
-                let Some(id) = waiting.pop_front() else { break };
-                let Some(c) = conns.get_mut(&id) else { continue };
-                c.queued = false;
-                if !c.drive(&shared.regions, &mut scratch, &mut pool) {
-                    if let Some(mut c) = conns.remove(&id) {
-                        c.close(&shared, &self.epfd, &mut pool);
-                    }
-                } else if c.phase == Phase::StageWait {
-                    c.queued = true;
-                    waiting.push_front(id);
-                    break;
-                }
-            }
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Phase {
-    Header,
-    Table,
-    /// WRITE payload into leased memory.
-    Recv,
-    /// A refused WRITE's payload, swallowed so the connection stays in step.
-    Drain,
-    /// READ: the OK reply and the payload out of leased memory.
-    Send,
-    /// The 8-byte reply of a WRITE or a refusal.
-    Reply,
-    /// A request on device memory waits for a staging buffer of the loop (see `serve_stage::StagePool`).
-    StageWait,
-    /// READ from device memory: the staged chunk (the OK reply first) goes out.
-    StageSend,
-    /// WRITE into device memory: the next chunk comes into the staging buffer.
-    StageRecv,
-}
-
-/// One data connection's state in a serving loop.
-struct DataConn {
-    id: u64,
-    stream: Arc<TcpStream>,
-    phase: Phase,
-    hdr: [u8; wire::REQ_HEADER],
-    req: Option<wire::ReqHeader>,
-    table: Vec<u8>,
-    got: usize,
-    iov: Vec<libc::iovec>,
-    at: usize,
-    leased: bool,
-    reply: [u8; wire::REPLY_BYTES],
-    left: u64,
-    /// Last progress (ns): a connection mid-request that makes none for the stall bound is closed.
-    last: u64,
-    /// The request in progress on device memory (phases `Stage*`).
-    staged: Option<Box<Staged>>,
-    /// In its loop's queue of connections waiting for a staging buffer.
-    queued: bool,
-    /// Shared with the progress thread (see `Served`): since when it has waited for a request, 0 while busy.
-    idle: Arc<AtomicU64>,
-}
-
-// SAFETY: the iovecs point into registered memory leased by this connection, or at `reply` (re-pointed
-// before each use); the connection is only ever used by the loop thread that owns it.
-unsafe impl Send for DataConn {}
-
-impl DataConn {
-    fn new(id: u64, stream: Arc<TcpStream>, idle: Arc<AtomicU64>) -> DataConn {
-        DataConn {
-            id,
-            stream,
-            phase: Phase::Header,
-            hdr: [0; wire::REQ_HEADER],
-            req: None,
-            table: Vec::new(),
-            got: 0,
-            iov: Vec::new(),
-            at: 0,
-            leased: false,
-            reply: [0; wire::REPLY_BYTES],
-            left: 0,
-            last: monotonic_ns(),
-            staged: None,
-            queued: false,
-            idle,
-        }
-    }
-
-    /// Waiting for a request: no part of one has arrived.
-    fn waiting(&self) -> bool {
-        self.phase == Phase::Header && self.got == 0
-    }
-
-    /// When this connection is closed unless it makes progress: `stall` after its last progress mid-request,
-    /// `IDLE_DATA` after it while waiting for a request.
-    fn deadline(&self, stall: u64) -> u64 {
-        self.last.saturating_add(if self.waiting() { IDLE_DATA.as_nanos() as u64 } else { stall })
-    }
-
-    fn close(&mut self, sh: &TcpShared, epfd: &OwnedFd, pool: &mut StagePool) {
-        if let Some(b) = self.staged.take().and_then(|mut s| s.detach()) {
-            pool.put(b);
-        }
-        if self.leased {
-            sh.regions.release(self.id);
-        }
-        let _ = self.stream.shutdown(Shutdown::Both);
-        // `self.stream` still holds it open.
-        epoll_del(epfd.as_raw_fd(), self.stream.as_raw_fd());
-        sh.serving.lock().remove(&self.id);
-        sh.nserving.fetch_sub(1, Ordering::AcqRel);
-    }
-
-    /// Move the state machine as far as the socket allows. False: close the connection (end of stream, an
-    /// error, or a malformed request).
-    fn drive(&mut self, regions: &Regions, scratch: &mut [u8], pool: &mut StagePool) -> bool {
-        let fd = self.stream.as_raw_fd();
-        loop {
-            if self.phase == Phase::StageWait && !self.stage_begin(regions, pool) {
-                // No buffer free: wait for one (the loop drives this connection again), unless the peer
-                // has gone or we cut it off (then the lease goes now, not when a buffer frees up).
-                return !net::hung_up(fd);
-            }
-            let r = match self.phase {
-                Phase::StageWait => continue,
-                // SAFETY: the staged chunk lies inside the staging buffer `self.staged` owns.
-                Phase::StageSend => unsafe { self.staged.as_ref().map_or(Ok(0), |st| st.send(fd)) },
-                // SAFETY: as above.
-                Phase::StageRecv => unsafe { self.staged.as_mut().map_or(Ok(0), |st| st.recv(fd)) },
-                Phase::Header => net::recv_now(fd, &mut self.hdr[self.got..]),
-                Phase::Table => net::recv_now(fd, &mut self.table[self.got..]),
-                Phase::Drain => {
-                    let n = (self.left as usize).min(scratch.len());
-                    net::recv_now(fd, &mut scratch[..n])
-                }
-                Phase::Reply => net::send_now(fd, &self.reply[self.got..]),
-                // SAFETY: the iovecs point into registrations this connection holds a lease on
-                // (registered memory stays valid while registered, NIXL's contract; deregistration waits
-                // for the lease), or at `self.reply`, which lives in `self`.
-                Phase::Recv => unsafe { net::readv_now(fd, &self.iov[self.at..]) },
-                // SAFETY: as above; only read.
-                Phase::Send => unsafe { net::sendmsg_now(fd, &self.iov[self.at..]) },
-            };
-            let n = match r {
-                Ok(0) => return false,
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    // Waiting for a request from here: the progress thread may replace it once it has waited
-                    // `REPLACE_IDLE`.
-                    if self.waiting() {
-                        self.idle.store(self.last.max(1), Ordering::Release);
-                    }
-                    return true;
-                }
-                Err(_) => return false,
-            };
-            if self.waiting() {
-                self.idle.store(0, Ordering::Release);
-            }
-            self.last = monotonic_ns();
-            match self.phase {
-                Phase::Header => {
-                    self.got += n;
-                    if self.got == wire::REQ_HEADER {
-                        let Ok(h) = wire::parse_req_header(&self.hdr) else { return false };
-                        self.req = Some(h);
-                        self.table.resize(h.nseg * wire::SEG_BYTES, 0);
-                        (self.phase, self.got) = (Phase::Table, 0);
-                    }
-                }
-                Phase::Table => {
-                    self.got += n;
-                    if self.got == self.table.len() && !self.start(regions) {
-                        return false;
-                    }
-                }
-                Phase::Drain => {
-                    self.left -= n as u64;
-                    if self.left == 0 {
-                        self.reply_with(wire::REPLY_DENIED);
-                    }
-                }
-                Phase::Reply => {
-                    self.got += n;
-                    if self.got == wire::REPLY_BYTES {
-                        (self.phase, self.got) = (Phase::Header, 0);
-                    }
-                }
-                Phase::StageWait => {}
-                Phase::StageSend => {
-                    let Some(st) = self.staged.as_mut() else { return false };
-                    if st.sent(n) {
-                        if !st.finished() {
-                            // The next chunk out of device memory (a bounded device copy on this thread).
-                            if st.load(None).is_err() {
-                                // The reply went out as OK: the connection cannot say so any more.
-                                return false;
-                            }
-                        } else {
-                            self.stage_end(regions, pool);
-                            (self.phase, self.got) = (Phase::Header, 0);
-                        }
-                    }
-                }
-                Phase::StageRecv => {
-                    let Some(st) = self.staged.as_mut() else { return false };
-                    if st.received(n) {
-                        // Into device memory (a bounded device copy on this thread).
-                        match st.store() {
-                            Ok(()) if st.finished() => {
-                                self.stage_end(regions, pool);
-                                self.reply_with(wire::REPLY_OK);
-                            }
-                            Ok(()) => st.expect(),
-                            Err(e) => {
-                                crate::telemetry::log::warn(&format!(
-                                    "serving a WRITE into VRAM over TCP failed: {e}; the request is refused"
-                                ));
-                                let rest = st.unstaged();
-                                self.stage_end(regions, pool);
-                                self.left = rest;
-                                if rest > 0 {
-                                    self.phase = Phase::Drain;
-                                } else {
-                                    self.reply_with(wire::REPLY_DENIED);
-                                }
-                            }
-                        }
-                    }
-                }
-                Phase::Recv | Phase::Send => {
-                    self.at = net::advance(&mut self.iov, self.at, n);
-                    if self.at == self.iov.len() {
-                        regions.release(self.id);
-                        self.leased = false;
-                        if self.phase == Phase::Recv {
-                            self.reply_with(wire::REPLY_OK);
-                        } else {
-                            (self.phase, self.got) = (Phase::Header, 0);
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    /// The segment table is complete: check it, lease the registrations, and pick the next phase.
-    fn start(&mut self, regions: &Regions) -> bool {
-        let Some(h) = self.req else { return false };
-        let Ok(segs) = wire::parse_segs(&self.table, &h) else { return false };
-        let leased = regions.lease(self.id, &self.stream, &segs);
-        self.iov.clear();
-        self.at = 0;
-        let allowed = match leased {
-            Leased::Refused => false,
-            Leased::Host => true,
-            Leased::Device(devs) => {
-                self.leased = true;
-                self.staged = Some(Box::new(Staged::new(h.op, &segs, &devs)));
-                self.phase = Phase::StageWait;
-                return true;
-            }
-        };
-        match (h.op, allowed) {
-            (XferOp::Read, true) => {
-                self.leased = true;
-                self.reply = wire::encode_reply(wire::REPLY_OK);
-                self.iov.push(iovec(self.reply.as_ptr() as u64, wire::REPLY_BYTES as u64));
-                self.iov.extend(segs.iter().map(|s| iovec(s.addr, s.len)));
-                self.phase = Phase::Send;
-            }
-            (XferOp::Write, true) => {
-                self.leased = true;
-                self.iov.extend(segs.iter().map(|s| iovec(s.addr, s.len)));
-                self.phase = Phase::Recv;
-            }
-            (XferOp::Write, false) if h.total > 0 => {
-                self.left = h.total;
-                self.phase = Phase::Drain;
-            }
-            (_, false) => self.reply_with(wire::REPLY_DENIED),
-        }
-        self.at = net::skip_empty(&self.iov, 0);
-        true
-    }
-
-    fn reply_with(&mut self, status: u8) {
-        self.reply = wire::encode_reply(status);
-        (self.phase, self.got) = (Phase::Reply, 0);
-    }
-
-    /// A request on device memory takes a staging buffer and starts moving (true), or waits for one
-    /// (false). A READ's first chunk is staged before the reply goes out, so a failing device copy can
-    /// still be answered with DENIED.
-    fn stage_begin(&mut self, regions: &Regions, pool: &mut StagePool) -> bool {
-        let Some(st) = self.staged.as_mut() else { return false };
-        let buf = match pool.take(st.dev()) {
-            Ok(Some(b)) => b,
-            Ok(None) => return false,
-            Err(e) => {
-                crate::telemetry::log::warn(&format!("no staging buffer for VRAM over TCP: {e}"));
-                return self.stage_refuse(regions, pool);
-            }
-        };
-        st.attach(buf);
-        match st.op() {
-            XferOp::Read => {
-                if let Err(e) = st.load(Some(&wire::encode_reply(wire::REPLY_OK))) {
-                    crate::telemetry::log::warn(&format!(
-                        "serving a READ from VRAM over TCP failed: {e}; the request is refused"
-                    ));
-                    return self.stage_refuse(regions, pool);
-                }
-                self.phase = Phase::StageSend;
-            }
-            XferOp::Write => {
-                st.expect();
-                self.phase = Phase::StageRecv;
-            }
-        }
-        true
-    }
-
-    /// Refuse the request on device memory in progress, keeping the connection in step.
-    fn stage_refuse(&mut self, regions: &Regions, pool: &mut StagePool) -> bool {
-        let (op, total) = (self.staged.as_ref().map(|s| s.op()), self.req.map_or(0, |h| h.total));
-        self.stage_end(regions, pool);
-        if op == Some(XferOp::Write) && total > 0 {
-            self.left = total;
-            self.phase = Phase::Drain;
-        } else {
-            self.reply_with(wire::REPLY_DENIED);
-        }
-        true
-    }
-
-    /// The request on device memory is over: its lease and staging buffer go back.
-    fn stage_end(&mut self, regions: &Regions, pool: &mut StagePool) {
-        if self.leased {
-            regions.release(self.id);
-            self.leased = false;
-        }
-        if let Some(b) = self.staged.take().and_then(|mut s| s.detach()) {
-            pool.put(b);
-        }
-    }
-}
-
-/// Start the serving loops (see `MIN_LOOPS`). Empty if none could start.
-fn start_loops(sh: &Arc<TcpShared>) -> Vec<Arc<ServeLoop>> {
-    let n = std::thread::available_parallelism().map_or(MIN_LOOPS, |n| n.get()).clamp(MIN_LOOPS, MAX_LOOPS);
-    let mut loops = Vec::new();
-    for _ in 0..n {
-        let Ok(l) = ServeLoop::new().map(Arc::new) else { break };
-        let (l2, weak) = (l.clone(), Arc::downgrade(sh));
-        if std::thread::Builder::new().name("gixl-tcp-serve".into()).spawn(move || l2.run(weak)).is_err() {
-            break;
-        }
-        loops.push(l);
-    }
-    loops
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::engine::wire::WireSeg;
     use std::os::fd::FromRawFd;
 
     /// The progress thread's TCP side, driven by hand (no thread): `accept` and `on_in` run when the test says.
@@ -1456,34 +895,6 @@ mod tests {
         assert_eq!(ack[0], wire::ACK);
         let pending = p.inbound.values().filter(|c| c.name.is_none()).count();
         assert!(pending <= MAX_PENDING, "{pending} pending");
-    }
-
-    #[test]
-    fn vram_registrations_lease_as_device_and_never_mixed_with_host() {
-        let r = Regions::default();
-        r.add(0x1000, 0x1000);
-        r.add_vram(0x10_0000, 0x1000, 3);
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let s = Arc::new(TcpStream::connect(l.local_addr().unwrap()).unwrap());
-        let seg = |region, addr| WireSeg { region, region_len: 0x1000, addr, len: 16 };
-        assert_eq!(r.lease(1, &s, &[seg(0x1000, 0x1000)]), Leased::Host);
-        r.release(1);
-        let two = [seg(0x10_0000, 0x10_0010), seg(0x10_0000, 0x10_0100)];
-        assert_eq!(r.lease(1, &s, &two), Leased::Device(vec![3, 3]));
-        r.release(1);
-        assert_eq!(r.lease(1, &s, &[seg(0x1000, 0x1000), seg(0x10_0000, 0x10_0000)]), Leased::Refused);
-        // Deregistered: refused; the same range registered again as host memory is host memory.
-        r.remove_vram(0x10_0000, 0x1000);
-        assert_eq!(r.lease(1, &s, &[seg(0x10_0000, 0x10_0000)]), Leased::Refused);
-        r.add(0x10_0000, 0x1000);
-        assert_eq!(r.lease(1, &s, &[seg(0x10_0000, 0x10_0000)]), Leased::Host);
-        r.release(1);
-        // Two VRAM registrations of one range: the first removal leaves it device memory.
-        r.remove(0x10_0000, 0x1000);
-        r.add_vram(0x10_0000, 0x1000, 2);
-        r.add_vram(0x10_0000, 0x1000, 2);
-        r.remove_vram(0x10_0000, 0x1000);
-        assert_eq!(r.lease(1, &s, &[seg(0x10_0000, 0x10_0000)]), Leased::Device(vec![2]));
     }
 
     #[test]

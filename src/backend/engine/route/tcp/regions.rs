@@ -33,7 +33,7 @@ pub struct Regions {
 struct RegionState {
     table: RegionTable,
     /// The ranges of `table` registered as device memory (VRAM): range → (device, registrations). Served
-    /// staged through page-locked buffers (see `vram_tcp`), never by socket I/O on their addresses.
+    /// staged through page-locked buffers (see `vram`), never by socket I/O on their addresses.
     vram: HashMap<(u64, u64), (u32, u32)>,
     /// Serving connection id → the ranges its current request holds, and its socket (to cut it off).
     leases: HashMap<u64, Held>,
@@ -180,6 +180,40 @@ pub enum Leased {
     Refused,
     /// Every segment lies in host memory: served by socket I/O straight on it.
     Host,
-    /// Every segment lies in device memory (the device of each): staged (see `vram_tcp`).
+    /// Every segment lies in device memory (the device of each): staged (see `vram`).
     Device(Vec<u32>),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    #[test]
+    fn vram_registrations_lease_as_device_and_never_mixed_with_host() {
+        let r = Regions::default();
+        r.add(0x1000, 0x1000);
+        r.add_vram(0x10_0000, 0x1000, 3);
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = Arc::new(TcpStream::connect(l.local_addr().unwrap()).unwrap());
+        let seg = |region, addr| WireSeg { region, region_len: 0x1000, addr, len: 16 };
+        assert_eq!(r.lease(1, &s, &[seg(0x1000, 0x1000)]), Leased::Host);
+        r.release(1);
+        let two = [seg(0x10_0000, 0x10_0010), seg(0x10_0000, 0x10_0100)];
+        assert_eq!(r.lease(1, &s, &two), Leased::Device(vec![3, 3]));
+        r.release(1);
+        assert_eq!(r.lease(1, &s, &[seg(0x1000, 0x1000), seg(0x10_0000, 0x10_0000)]), Leased::Refused);
+        // Deregistered: refused; the same range registered again as host memory is host memory.
+        r.remove_vram(0x10_0000, 0x1000);
+        assert_eq!(r.lease(1, &s, &[seg(0x10_0000, 0x10_0000)]), Leased::Refused);
+        r.add(0x10_0000, 0x1000);
+        assert_eq!(r.lease(1, &s, &[seg(0x10_0000, 0x10_0000)]), Leased::Host);
+        r.release(1);
+        // Two VRAM registrations of one range: the first removal leaves it device memory.
+        r.remove(0x10_0000, 0x1000);
+        r.add_vram(0x10_0000, 0x1000, 2);
+        r.add_vram(0x10_0000, 0x1000, 2);
+        r.remove_vram(0x10_0000, 0x1000);
+        assert_eq!(r.lease(1, &s, &[seg(0x10_0000, 0x10_0000)]), Leased::Device(vec![2]));
+    }
 }

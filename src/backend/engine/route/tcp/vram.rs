@@ -12,20 +12,20 @@
 //! buffer per piece in flight (pieces ≤ `tcp_conns`). A request whose local side is DRAM goes over the
 //! socket as DRAM does: only the target stages (so an initiator without a GPU can pull from one).
 //!
-//! The target's side (staging in the serving loops of `tcp`) is `serve_stage`.
+//! The target's side (staging in the serving loops of `serve`) is `stage`.
 //!
-//! Not here: routes inside one host (see `vram`), the wire format (see `wire`), the socket state machines
-//! (see `tcp`).
+//! Not here: routes inside one host (the engine's `vram`), the wire format (see `wire`), the socket state machines
+//! (see `serve`).
 
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 
-use super::conn::RemoteRegion;
-use super::copy::chunks;
-use super::tcp_link::TcpLink;
-use super::vram::Staging;
-use super::vram_regions::RemoteVram;
-use super::xfer::{Core, Mover, Run};
+use super::link::TcpLink;
+use crate::backend::engine::conn::RemoteRegion;
+use crate::backend::engine::copy::chunks;
+use crate::backend::engine::vram::Staging;
+use crate::backend::engine::vram_regions::RemoteVram;
+use crate::backend::engine::xfer::{Core, Mover, Run};
 use crate::backend::{RegionKey, Seg, XferOp, XferPlan};
 use crate::device::{self, Copy, Device};
 use crate::mem::MemType;
@@ -35,13 +35,13 @@ use crate::status::{Error, Result, Status};
 const SLOTS: usize = 4;
 
 /// A request touching VRAM whose peer is reached over TCP.
-pub(super) struct TcpVramPlan {
+pub(crate) struct TcpVramPlan {
     link: Arc<TcpLink>,
     /// The device layer when the local side is VRAM (staged here); None when it is DRAM.
     device: Option<&'static dyn Device>,
 }
 
-pub(super) fn prep(plan: &XferPlan, link: Arc<TcpLink>) -> Result<TcpVramPlan> {
+pub(crate) fn prep(plan: &XferPlan, link: Arc<TcpLink>) -> Result<TcpVramPlan> {
     for m in [plan.local_mem, plan.remote_mem] {
         if m != MemType::Dram && m != MemType::Vram {
             return Err(Error::not_supported(format!("this engine does not move {}", m.seg_name())));

@@ -1,0 +1,61 @@
+//! The TCP route: peers on other hosts, peers the kernel will not let us reach with cross-memory attach, and
+//! every peer when `GIXL_TRANSPORT=tcp`. As a peer's `Route` (here): every request and notification over the
+//! peer's link. Split by responsibility:
+//! - `wire`: the wire format, as pure functions;
+//! - `link`: the initiator's side of one peer (control and data connections, liveness, redial);
+//! - `listen`: the listener and both ends of the control connections (the progress thread's TCP side);
+//! - `serve`: the target's serving loops (data connections as state machines);
+//! - `regions`: the target's region table and the leases its serving loops hold (what deregistration waits for);
+//! - `stage` and `vram`: device memory over TCP, staged through page-locked buffers (target and initiator).
+
+use std::sync::Arc;
+
+pub(crate) mod link;
+pub(crate) mod listen;
+pub(crate) mod regions;
+pub(crate) mod serve;
+pub(crate) mod stage;
+pub(crate) mod vram;
+pub mod wire;
+
+use super::{Job, Route};
+use crate::backend::engine::route::tcp::link::TcpLink;
+use crate::backend::Seg;
+use crate::status::Result;
+
+pub(crate) struct Tcp {
+    pub(crate) link: Arc<TcpLink>,
+}
+
+impl Route for Tcp {
+    fn label(&self) -> &'static str {
+        "tcp"
+    }
+    fn pid(&self) -> Option<i32> {
+        None
+    }
+    fn exited(&self) -> bool {
+        false
+    }
+    fn down(&self) -> bool {
+        self.link.down()
+    }
+    fn why_down(&self) -> String {
+        self.link.why().map(|w| format!(" ({w})")).unwrap_or_default()
+    }
+    fn connect(&self, _from: &str) -> Result<()> {
+        self.link.connect().map(|_| ())
+    }
+    fn close(&self) {
+        self.link.close()
+    }
+    fn notify(&self, _from: &str, msg: &[u8]) -> Result<()> {
+        self.link.notif(msg)
+    }
+    fn link(&self) -> Option<&Arc<TcpLink>> {
+        Some(&self.link)
+    }
+    fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {
+        job.over_tcp(&self.link, segs)
+    }
+}

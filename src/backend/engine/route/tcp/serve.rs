@@ -1,0 +1,611 @@
+//! The TCP target's serving loops: authenticated data connections, handed over by the progress thread (see
+//! `listen`), served against the region table and its leases (`regions`), device memory staged through
+//! page-locked buffers (`stage`).
+
+use std::collections::HashMap;
+use std::io;
+use std::net::{IpAddr, Shutdown, TcpStream};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use super::regions::{Leased, Regions};
+use super::stage::{StagePool, Staged};
+use super::wire;
+use crate::backend::engine::net::{self, epoll_del, iovec};
+use crate::backend::XferOp;
+use crate::os;
+use crate::status::Result;
+use crate::util::monotonic_ns;
+
+/// Data connections served at once. When all are taken, a newcomer replaces an idle one (see
+/// `Serving::make_room`).
+const MAX_SERVING: usize = 1024;
+/// How long a data connection must have waited for a request before a newcomer may replace it: a burst of fresh
+/// connections cannot push out each other, and a peer's connection is not cut while its next request is on the way.
+const REPLACE_IDLE: Duration = Duration::from_secs(1);
+/// A data connection that has waited this long for a request is closed (the initiator dials again when it
+/// needs one: it checks a pooled connection for a hang-up before using it).
+pub const IDLE_DATA: Duration = Duration::from_secs(300);
+
+/// A data connection as the progress thread sees it once a serving loop has it.
+struct Served {
+    src: IpAddr,
+    stream: Weak<TcpStream>,
+    /// Since when (ns) it has waited for a request; 0 while a request is in progress.
+    idle: Arc<AtomicU64>,
+}
+
+/// The data connections being served and the loops serving them, shared by the progress thread (which hands
+/// connections over) and the loops.
+pub struct Serving {
+    pub regions: Arc<Regions>,
+    /// How long a request may make no progress (`TcpOpts::stall`).
+    stall: Duration,
+    /// Authenticated data connections being served, by id: shut at teardown, replaced when `MAX_SERVING` is
+    /// reached.
+    serving: Mutex<HashMap<u64, Served>>,
+    nserving: AtomicUsize,
+    loops: OnceLock<Vec<Arc<ServeLoop>>>,
+    next_serve: AtomicU64,
+    closed: AtomicBool,
+}
+
+impl Serving {
+    pub fn new(regions: Arc<Regions>, stall: Duration) -> Serving {
+        Serving {
+            regions,
+            stall,
+            serving: Mutex::default(),
+            nserving: AtomicUsize::new(0),
+            loops: OnceLock::new(),
+            next_serve: AtomicU64::new(0),
+            closed: AtomicBool::new(false),
+        }
+    }
+
+    /// The engine is closing: nothing new is served.
+    pub fn closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// The engine is going away: refuse every later request and drop the serving connections. Waits for
+    /// requests being served, so nothing touches memory after this returns.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        for s in self.serving.lock().drain().filter_map(|(_, s)| s.stream.upgrade()) {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        for l in self.loops.get().into_iter().flatten() {
+            l.wake();
+        }
+        self.regions.close();
+    }
+
+    /// Hand an authenticated data connection to a serving loop (started on first use).
+    pub fn hand(self: &Arc<Self>, stream: TcpStream, src: IpAddr) {
+        let sh = self;
+        if sh.nserving.load(Ordering::Acquire) >= MAX_SERVING && !self.make_room() {
+            return;
+        }
+        let loops = sh.loops.get_or_init(|| start_loops(sh));
+        if loops.is_empty() {
+            return;
+        }
+        net::tune(&stream, sh.stall);
+        // A fresh socket's send buffer is empty: the answer always fits.
+        if net::send_now(stream.as_raw_fd(), &[wire::ACK]).ok() != Some(1) {
+            return;
+        }
+        let stream = Arc::new(stream);
+        let id = sh.next_serve.fetch_add(1, Ordering::Relaxed);
+        let idle = Arc::new(AtomicU64::new(0));
+        sh.serving.lock().insert(id, Served { src, stream: Arc::downgrade(&stream), idle: idle.clone() });
+        sh.nserving.fetch_add(1, Ordering::AcqRel);
+        let l = &loops[id as usize % loops.len()];
+        l.inbox.lock().push((id, stream, idle));
+        l.wake();
+    }
+
+    /// Every serving slot is taken: cut one data connection that has waited for a request for at least
+    /// `REPLACE_IDLE`, of the source address holding the most, the longest idle of those. False when none
+    /// qualifies (every connection busy or freshly idle): the newcomer is refused. Authenticated strangers
+    /// (the secret comes with the metadata) holding every slot can so no longer lock real peers out; a peer whose
+    /// idle connection is cut sees the hang-up before it reuses it and dials again.
+    fn make_room(&self) -> bool {
+        let now = monotonic_ns();
+        let long = REPLACE_IDLE.as_nanos() as u64;
+        let mut serving = self.serving.lock();
+        let mut per: HashMap<IpAddr, usize> = HashMap::new();
+        for s in serving.values() {
+            *per.entry(s.src).or_default() += 1;
+        }
+        let victim = serving
+            .iter()
+            .filter_map(|(&id, s)| {
+                let since = s.idle.load(Ordering::Acquire);
+                (since != 0 && since + long <= now).then(|| (per[&s.src], u64::MAX - since, id))
+            })
+            .max()
+            .map(|(_, _, id)| id);
+        let Some(s) = victim.and_then(|id| serving.remove(&id)) else { return false };
+        // Its serving loop sees the hang-up and closes it (the count drops then).
+        if let Some(stream) = s.stream.upgrade() {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+        true
+    }
+}
+
+/// Authenticated data connections are served by a few event loops (one per core, at least
+/// `MIN_LOOPS` so a peer's default four connections move in parallel, at most `MAX_LOOPS`), not a thread
+/// each: every socket is non-blocking and edge-triggered in the loop's epoll
+/// set, and each connection is a small state machine (header → segment table → payload → reply) that runs
+/// until the socket would block. An idle connection costs nothing; a slow one holds no thread, only its
+/// state and, while its payload moves, a lease on the registrations it names.
+const MIN_LOOPS: usize = 4;
+const MAX_LOOPS: usize = 8;
+
+/// A data connection handed to a serving loop: its id, the socket, and its idle word (see `Served`).
+type Handed = (u64, Arc<TcpStream>, Arc<AtomicU64>);
+
+struct ServeLoop {
+    epfd: OwnedFd,
+    wake: OwnedFd,
+    /// Connections handed over by the progress thread (with their idle word, see `Served`), taken on the next
+    /// wake-up.
+    inbox: Mutex<Vec<Handed>>,
+}
+
+impl ServeLoop {
+    fn new() -> Result<ServeLoop> {
+        let epfd = os::epoll()?;
+        let wake = os::eventfd(false)?;
+        crate::util::epoll_ctl(
+            epfd.as_raw_fd(),
+            libc::EPOLL_CTL_ADD,
+            wake.as_raw_fd(),
+            libc::EPOLLIN as u32,
+            u64::MAX,
+        )?;
+        Ok(ServeLoop { epfd, wake, inbox: Mutex::new(Vec::new()) })
+    }
+
+    fn wake(&self) {
+        os::wake(&self.wake);
+    }
+
+    /// Runs until the engine closes. `sh` is weak so the loop does not keep the engine alive.
+    fn run(&self, sh: Weak<Serving>) {
+        let mut conns: HashMap<u64, Box<DataConn>> = HashMap::new();
+        let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
+        let mut scratch = vec![0u8; 64 * 1024];
+        // Staging buffers for requests on device memory, and the connections waiting for one, in order.
+        let mut pool = StagePool::default();
+        let mut waiting: std::collections::VecDeque<u64> = Default::default();
+        loop {
+            let Some(shared) = sh.upgrade() else { return };
+            if shared.closed.load(Ordering::Acquire) {
+                for (_, mut c) in conns.drain() {
+                    c.close(&shared, &self.epfd, &mut pool);
+                }
+                return;
+            }
+            let stall = shared.stall.as_nanos() as u64;
+            let now = monotonic_ns();
+            let timeout = conns
+                .values()
+                .map(|c| c.deadline(stall))
+                .map(|d| d.saturating_sub(now).div_ceil(1_000_000).min(i32::MAX as u64) as i32)
+                .min()
+                .unwrap_or(-1);
+            drop(shared);
+            // SAFETY: `events` has room for its length.
+            let n =
+                unsafe { libc::epoll_wait(self.epfd.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, timeout) };
+            let Some(shared) = sh.upgrade() else { return };
+            if n < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+                return;
+            }
+            let mut ready: Vec<u64> = events[..n.max(0) as usize].iter().map(|e| e.u64).collect();
+            if ready.contains(&u64::MAX) {
+                os::woken(&self.wake);
+                for (id, stream, idle) in self.inbox.lock().drain(..) {
+                    let edge = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET) as u32;
+                    let fd = stream.as_raw_fd();
+                    if crate::util::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, edge, id).is_err() {
+                        shared.serving.lock().remove(&id);
+                        shared.nserving.fetch_sub(1, Ordering::AcqRel);
+                        continue;
+                    }
+                    conns.insert(id, Box::new(DataConn::new(id, stream, idle)));
+                    ready.push(id);
+                }
+            }
+            for id in ready {
+                let Some(c) = conns.get_mut(&id) else { continue };
+                if !c.drive(&shared.regions, &mut scratch, &mut pool) {
+                    if let Some(mut c) = conns.remove(&id) {
+                        c.close(&shared, &self.epfd, &mut pool);
+                    }
+                } else if c.phase == Phase::StageWait && !c.queued {
+                    c.queued = true;
+                    waiting.push_back(id);
+                }
+            }
+            // Connections stuck mid-request for longer than the stall bound are given up, and so are those that
+            // have waited `IDLE_DATA` for a request.
+            let stall = shared.stall.as_nanos() as u64;
+            let now = monotonic_ns();
+            let late: Vec<u64> = conns.values().filter(|c| c.deadline(stall) <= now).map(|c| c.id).collect();
+            for id in late {
+                if let Some(mut c) = conns.remove(&id) {
+                    c.close(&shared, &self.epfd, &mut pool);
+                }
+            }
+            // Buffers given back: the connections waiting for one go on, oldest first.
+            while pool.can_take() {
+                let Some(id) = waiting.pop_front() else { break };
+                let Some(c) = conns.get_mut(&id) else { continue };
+                c.queued = false;
+                if !c.drive(&shared.regions, &mut scratch, &mut pool) {
+                    if let Some(mut c) = conns.remove(&id) {
+                        c.close(&shared, &self.epfd, &mut pool);
+                    }
+                } else if c.phase == Phase::StageWait {
+                    c.queued = true;
+                    waiting.push_front(id);
+                    break;
+                }
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Header,
+    Table,
+    /// WRITE payload into leased memory.
+    Recv,
+    /// A refused WRITE's payload, swallowed so the connection stays in step.
+    Drain,
+    /// READ: the OK reply and the payload out of leased memory.
+    Send,
+    /// The 8-byte reply of a WRITE or a refusal.
+    Reply,
+    /// A request on device memory waits for a staging buffer of the loop (see `stage::StagePool`).
+    StageWait,
+    /// READ from device memory: the staged chunk (the OK reply first) goes out.
+    StageSend,
+    /// WRITE into device memory: the next chunk comes into the staging buffer.
+    StageRecv,
+}
+
+/// One data connection's state in a serving loop.
+struct DataConn {
+    id: u64,
+    stream: Arc<TcpStream>,
+    phase: Phase,
+    hdr: [u8; wire::REQ_HEADER],
+    req: Option<wire::ReqHeader>,
+    table: Vec<u8>,
+    got: usize,
+    iov: Vec<libc::iovec>,
+    at: usize,
+    leased: bool,
+    reply: [u8; wire::REPLY_BYTES],
+    left: u64,
+    /// Last progress (ns): a connection mid-request that makes none for the stall bound is closed.
+    last: u64,
+    /// The request in progress on device memory (phases `Stage*`).
+    staged: Option<Box<Staged>>,
+    /// In its loop's queue of connections waiting for a staging buffer.
+    queued: bool,
+    /// Shared with the progress thread (see `Served`): since when it has waited for a request, 0 while busy.
+    idle: Arc<AtomicU64>,
+}
+
+// SAFETY: the iovecs point into registered memory leased by this connection, or at `reply` (re-pointed
+// before each use); the connection is only ever used by the loop thread that owns it.
+unsafe impl Send for DataConn {}
+
+impl DataConn {
+    fn new(id: u64, stream: Arc<TcpStream>, idle: Arc<AtomicU64>) -> DataConn {
+        DataConn {
+            id,
+            stream,
+            phase: Phase::Header,
+            hdr: [0; wire::REQ_HEADER],
+            req: None,
+            table: Vec::new(),
+            got: 0,
+            iov: Vec::new(),
+            at: 0,
+            leased: false,
+            reply: [0; wire::REPLY_BYTES],
+            left: 0,
+            last: monotonic_ns(),
+            staged: None,
+            queued: false,
+            idle,
+        }
+    }
+
+    /// Waiting for a request: no part of one has arrived.
+    fn waiting(&self) -> bool {
+        self.phase == Phase::Header && self.got == 0
+    }
+
+    /// When this connection is closed unless it makes progress: `stall` after its last progress mid-request,
+    /// `IDLE_DATA` after it while waiting for a request.
+    fn deadline(&self, stall: u64) -> u64 {
+        self.last.saturating_add(if self.waiting() { IDLE_DATA.as_nanos() as u64 } else { stall })
+    }
+
+    fn close(&mut self, sh: &Serving, epfd: &OwnedFd, pool: &mut StagePool) {
+        if let Some(b) = self.staged.take().and_then(|mut s| s.detach()) {
+            pool.put(b);
+        }
+        if self.leased {
+            sh.regions.release(self.id);
+        }
+        let _ = self.stream.shutdown(Shutdown::Both);
+        // `self.stream` still holds it open.
+        epoll_del(epfd.as_raw_fd(), self.stream.as_raw_fd());
+        sh.serving.lock().remove(&self.id);
+        sh.nserving.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Move the state machine as far as the socket allows. False: close the connection (end of stream, an
+    /// error, or a malformed request).
+    fn drive(&mut self, regions: &Regions, scratch: &mut [u8], pool: &mut StagePool) -> bool {
+        let fd = self.stream.as_raw_fd();
+        loop {
+            if self.phase == Phase::StageWait && !self.stage_begin(regions, pool) {
+                // No buffer free: wait for one (the loop drives this connection again), unless the peer
+                // has gone or we cut it off (then the lease goes now, not when a buffer frees up).
+                return !net::hung_up(fd);
+            }
+            let r = match self.phase {
+                Phase::StageWait => continue,
+                // SAFETY: the staged chunk lies inside the staging buffer `self.staged` owns.
+                Phase::StageSend => unsafe { self.staged.as_ref().map_or(Ok(0), |st| st.send(fd)) },
+                // SAFETY: as above.
+                Phase::StageRecv => unsafe { self.staged.as_mut().map_or(Ok(0), |st| st.recv(fd)) },
+                Phase::Header => net::recv_now(fd, &mut self.hdr[self.got..]),
+                Phase::Table => net::recv_now(fd, &mut self.table[self.got..]),
+                Phase::Drain => {
+                    let n = (self.left as usize).min(scratch.len());
+                    net::recv_now(fd, &mut scratch[..n])
+                }
+                Phase::Reply => net::send_now(fd, &self.reply[self.got..]),
+                // SAFETY: the iovecs point into registrations this connection holds a lease on
+                // (registered memory stays valid while registered, NIXL's contract; deregistration waits
+                // for the lease), or at `self.reply`, which lives in `self`.
+                Phase::Recv => unsafe { net::readv_now(fd, &self.iov[self.at..]) },
+                // SAFETY: as above; only read.
+                Phase::Send => unsafe { net::sendmsg_now(fd, &self.iov[self.at..]) },
+            };
+            let n = match r {
+                Ok(0) => return false,
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    // Waiting for a request from here: the progress thread may replace it once it has waited
+                    // `REPLACE_IDLE`.
+                    if self.waiting() {
+                        self.idle.store(self.last.max(1), Ordering::Release);
+                    }
+                    return true;
+                }
+                Err(_) => return false,
+            };
+            if self.waiting() {
+                self.idle.store(0, Ordering::Release);
+            }
+            self.last = monotonic_ns();
+            match self.phase {
+                Phase::Header => {
+                    self.got += n;
+                    if self.got == wire::REQ_HEADER {
+                        let Ok(h) = wire::parse_req_header(&self.hdr) else { return false };
+                        self.req = Some(h);
+                        self.table.resize(h.nseg * wire::SEG_BYTES, 0);
+                        (self.phase, self.got) = (Phase::Table, 0);
+                    }
+                }
+                Phase::Table => {
+                    self.got += n;
+                    if self.got == self.table.len() && !self.start(regions) {
+                        return false;
+                    }
+                }
+                Phase::Drain => {
+                    self.left -= n as u64;
+                    if self.left == 0 {
+                        self.reply_with(wire::REPLY_DENIED);
+                    }
+                }
+                Phase::Reply => {
+                    self.got += n;
+                    if self.got == wire::REPLY_BYTES {
+                        (self.phase, self.got) = (Phase::Header, 0);
+                    }
+                }
+                Phase::StageWait => {}
+                Phase::StageSend => {
+                    let Some(st) = self.staged.as_mut() else { return false };
+                    if st.sent(n) {
+                        if !st.finished() {
+                            // The next chunk out of device memory (a bounded device copy on this thread).
+                            if st.load(None).is_err() {
+                                // The reply went out as OK: the connection cannot say so any more.
+                                return false;
+                            }
+                        } else {
+                            self.stage_end(regions, pool);
+                            (self.phase, self.got) = (Phase::Header, 0);
+                        }
+                    }
+                }
+                Phase::StageRecv => {
+                    let Some(st) = self.staged.as_mut() else { return false };
+                    if st.received(n) {
+                        // Into device memory (a bounded device copy on this thread).
+                        match st.store() {
+                            Ok(()) if st.finished() => {
+                                self.stage_end(regions, pool);
+                                self.reply_with(wire::REPLY_OK);
+                            }
+                            Ok(()) => st.expect(),
+                            Err(e) => {
+                                crate::telemetry::log::warn(&format!(
+                                    "serving a WRITE into VRAM over TCP failed: {e}; the request is refused"
+                                ));
+                                let rest = st.unstaged();
+                                self.stage_end(regions, pool);
+                                self.left = rest;
+                                if rest > 0 {
+                                    self.phase = Phase::Drain;
+                                } else {
+                                    self.reply_with(wire::REPLY_DENIED);
+                                }
+                            }
+                        }
+                    }
+                }
+                Phase::Recv | Phase::Send => {
+                    self.at = net::advance(&mut self.iov, self.at, n);
+                    if self.at == self.iov.len() {
+                        regions.release(self.id);
+                        self.leased = false;
+                        if self.phase == Phase::Recv {
+                            self.reply_with(wire::REPLY_OK);
+                        } else {
+                            (self.phase, self.got) = (Phase::Header, 0);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The segment table is complete: check it, lease the registrations, and pick the next phase.
+    fn start(&mut self, regions: &Regions) -> bool {
+        let Some(h) = self.req else { return false };
+        let Ok(segs) = wire::parse_segs(&self.table, &h) else { return false };
+        let leased = regions.lease(self.id, &self.stream, &segs);
+        self.iov.clear();
+        self.at = 0;
+        let allowed = match leased {
+            Leased::Refused => false,
+            Leased::Host => true,
+            Leased::Device(devs) => {
+                self.leased = true;
+                self.staged = Some(Box::new(Staged::new(h.op, &segs, &devs)));
+                self.phase = Phase::StageWait;
+                return true;
+            }
+        };
+        match (h.op, allowed) {
+            (XferOp::Read, true) => {
+                self.leased = true;
+                self.reply = wire::encode_reply(wire::REPLY_OK);
+                self.iov.push(iovec(self.reply.as_ptr() as u64, wire::REPLY_BYTES as u64));
+                self.iov.extend(segs.iter().map(|s| iovec(s.addr, s.len)));
+                self.phase = Phase::Send;
+            }
+            (XferOp::Write, true) => {
+                self.leased = true;
+                self.iov.extend(segs.iter().map(|s| iovec(s.addr, s.len)));
+                self.phase = Phase::Recv;
+            }
+            (XferOp::Write, false) if h.total > 0 => {
+                self.left = h.total;
+                self.phase = Phase::Drain;
+            }
+            (_, false) => self.reply_with(wire::REPLY_DENIED),
+        }
+        self.at = net::skip_empty(&self.iov, 0);
+        true
+    }
+
+    fn reply_with(&mut self, status: u8) {
+        self.reply = wire::encode_reply(status);
+        (self.phase, self.got) = (Phase::Reply, 0);
+    }
+
+    /// A request on device memory takes a staging buffer and starts moving (true), or waits for one
+    /// (false). A READ's first chunk is staged before the reply goes out, so a failing device copy can
+    /// still be answered with DENIED.
+    fn stage_begin(&mut self, regions: &Regions, pool: &mut StagePool) -> bool {
+        let Some(st) = self.staged.as_mut() else { return false };
+        let buf = match pool.take(st.dev()) {
+            Ok(Some(b)) => b,
+            Ok(None) => return false,
+            Err(e) => {
+                crate::telemetry::log::warn(&format!("no staging buffer for VRAM over TCP: {e}"));
+                return self.stage_refuse(regions, pool);
+            }
+        };
+        st.attach(buf);
+        match st.op() {
+            XferOp::Read => {
+                if let Err(e) = st.load(Some(&wire::encode_reply(wire::REPLY_OK))) {
+                    crate::telemetry::log::warn(&format!(
+                        "serving a READ from VRAM over TCP failed: {e}; the request is refused"
+                    ));
+                    return self.stage_refuse(regions, pool);
+                }
+                self.phase = Phase::StageSend;
+            }
+            XferOp::Write => {
+                st.expect();
+                self.phase = Phase::StageRecv;
+            }
+        }
+        true
+    }
+
+    /// Refuse the request on device memory in progress, keeping the connection in step.
+    fn stage_refuse(&mut self, regions: &Regions, pool: &mut StagePool) -> bool {
+        let (op, total) = (self.staged.as_ref().map(|s| s.op()), self.req.map_or(0, |h| h.total));
+        self.stage_end(regions, pool);
+        if op == Some(XferOp::Write) && total > 0 {
+            self.left = total;
+            self.phase = Phase::Drain;
+        } else {
+            self.reply_with(wire::REPLY_DENIED);
+        }
+        true
+    }
+
+    /// The request on device memory is over: its lease and staging buffer go back.
+    fn stage_end(&mut self, regions: &Regions, pool: &mut StagePool) {
+        if self.leased {
+            regions.release(self.id);
+            self.leased = false;
+        }
+        if let Some(b) = self.staged.take().and_then(|mut s| s.detach()) {
+            pool.put(b);
+        }
+    }
+}
+
+/// Start the serving loops (see `MIN_LOOPS`). Empty if none could start.
+fn start_loops(sh: &Arc<Serving>) -> Vec<Arc<ServeLoop>> {
+    let n = std::thread::available_parallelism().map_or(MIN_LOOPS, |n| n.get()).clamp(MIN_LOOPS, MAX_LOOPS);
+    let mut loops = Vec::new();
+    for _ in 0..n {
+        let Ok(l) = ServeLoop::new().map(Arc::new) else { break };
+        let (l2, weak) = (l.clone(), Arc::downgrade(sh));
+        if std::thread::Builder::new().name("gixl-tcp-serve".into()).spawn(move || l2.run(weak)).is_err() {
+            break;
+        }
+        loops.push(l);
+    }
+    loops
+}
