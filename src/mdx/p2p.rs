@@ -12,7 +12,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -23,9 +23,9 @@ use parking_lot::Mutex;
 use super::wire::{self, Msg};
 use super::{log, Host};
 use crate::auth::ClusterKey;
-use crate::os;
+use crate::os::Reactor;
 use crate::status::{Error, Result, Status};
-use crate::util::{epoll_ctl, epoll_del, monotonic_ns};
+use crate::util::monotonic_ns;
 use crate::util::{recv_now, send_now};
 
 /// NIXL's connect timeout for metadata peers.
@@ -46,18 +46,19 @@ const READ_BUDGET: usize = 64 << 20;
 const IDLE: Duration = Duration::from_secs(60);
 const FRAME_DEADLINE: Duration = Duration::from_secs(10);
 
-const TOKEN_WAKE: u64 = 0;
+/// The listener's token in the loop's reactor; connections count from 2.
 const TOKEN_LISTEN: u64 = 1;
 
+/// What other threads hand the loop, and the loop's reactor (which they wake).
 struct Queue {
     cmds: Mutex<VecDeque<(SocketAddr, Vec<u8>)>>,
-    wake: OwnedFd,
+    reactor: Reactor,
     stop: AtomicBool,
 }
 
 impl Queue {
     fn wake(&self) {
-        os::wake(&self.wake);
+        self.reactor.wake();
     }
 }
 
@@ -86,17 +87,14 @@ impl P2p {
             }
             None => None,
         };
-        let epfd = os::epoll()?;
-        let wake = os::eventfd(false)?;
-        epoll_ctl(epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, wake.as_raw_fd(), libc::EPOLLIN as u32, TOKEN_WAKE)?;
+        let reactor = Reactor::new()?;
         if let Some(l) = &listener {
-            epoll_ctl(epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, l.as_raw_fd(), libc::EPOLLIN as u32, TOKEN_LISTEN)?;
+            reactor.add(l.as_raw_fd(), TOKEN_LISTEN, libc::EPOLLIN as u32)?;
         }
-        let q = Arc::new(Queue { cmds: Mutex::new(VecDeque::new()), wake, stop: AtomicBool::new(false) });
+        let q = Arc::new(Queue { cmds: Mutex::new(VecDeque::new()), reactor, stop: AtomicBool::new(false) });
         let mut lp = Loop {
             host,
             q: q.clone(),
-            epfd,
             listener,
             conns: HashMap::new(),
             cache: HashMap::new(),
@@ -178,7 +176,6 @@ impl Conn {
 struct Loop {
     host: Arc<dyn Host>,
     q: Arc<Queue>,
-    epfd: OwnedFd,
     listener: Option<TcpListener>,
     conns: HashMap<u64, Conn>,
     cache: HashMap<SocketAddr, u64>,
@@ -188,7 +185,7 @@ struct Loop {
 
 impl Loop {
     fn run(&mut self) {
-        let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
+        let mut ready = Vec::new();
         let mut drain_until: Option<u64> = None;
         loop {
             let now = monotonic_ns();
@@ -205,22 +202,12 @@ impl Loop {
                 next = Some(next.map_or(d, |n| n.min(d)));
             }
             let timeout = next.map_or(-1, |d| d.saturating_sub(now).div_ceil(1_000_000).min(i32::MAX as u64) as i32);
-            // SAFETY: `events` has room for its length.
-            let n =
-                unsafe { libc::epoll_wait(self.epfd.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, timeout) };
-            if n < 0 {
-                if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
+            if !self.q.reactor.wait(timeout, &mut ready) {
                 return;
             }
-            for ev in &events[..n as usize] {
-                let (token, flags) = (ev.u64, ev.events);
+            for &(token, flags) in &ready {
                 match token {
-                    TOKEN_WAKE => {
-                        os::woken(&self.q.wake);
-                        self.take_cmds();
-                    }
+                    Reactor::WAKE => self.take_cmds(),
                     TOKEN_LISTEN => self.accept(),
                     t => self.on_conn(t, flags),
                 }
@@ -276,9 +263,7 @@ impl Loop {
                     let mut c = conn(stream, to, true, now);
                     c.connecting = Some(now + CONNECT_TIMEOUT.as_nanos() as u64);
                     let flags = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP) as u32;
-                    if let Err(e) =
-                        epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, c.stream.as_raw_fd(), flags, t)
-                    {
+                    if let Err(e) = self.q.reactor.add(c.stream.as_raw_fd(), t, flags) {
                         log!("metadata peer {to}: {e}");
                         return;
                     }
@@ -378,7 +363,7 @@ impl Loop {
                 c.nonce = Some(n);
             }
             let flags = (libc::EPOLLIN | libc::EPOLLRDHUP) as u32;
-            if epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, c.stream.as_raw_fd(), flags, t).is_ok() {
+            if self.q.reactor.add(c.stream.as_raw_fd(), t, flags).is_ok() {
                 c.interest = flags;
                 self.conns.insert(t, c);
                 self.flush(t);
@@ -627,16 +612,14 @@ impl Loop {
         if c.pending() || (c.connecting.is_some() && c.nonce.is_none() && c.outbound && !key) {
             want |= libc::EPOLLOUT as u32;
         }
-        if want != c.interest
-            && epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_MOD, c.stream.as_raw_fd(), want, token).is_ok()
-        {
+        if want != c.interest && self.q.reactor.modify(c.stream.as_raw_fd(), token, want).is_ok() {
             c.interest = want;
         }
     }
 
     fn close(&mut self, token: u64) {
         if let Some(c) = self.conns.remove(&token) {
-            epoll_del(self.epfd.as_raw_fd(), c.stream.as_raw_fd());
+            self.q.reactor.remove(c.stream.as_raw_fd());
             if c.outbound && self.cache.get(&c.peer) == Some(&token) {
                 self.cache.remove(&c.peer);
             }

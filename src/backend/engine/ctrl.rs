@@ -20,8 +20,8 @@ use parking_lot::Mutex;
 
 use super::net::{epoll_add, epoll_del};
 use super::notif::{NotifQueue, MAX_NOTIF};
-use super::route::tcp::listen::{self, TcpProgress, TcpSetup, TcpShared};
-use crate::os;
+use super::route::tcp::listen::{TcpProgress, TcpSetup, TcpShared};
+use crate::os::{self, Reactor, Tokens};
 use crate::status::{Error, Result, Status};
 
 // Frames on the local socket: `length u32 | kind u8 | body` (length counts kind + body).
@@ -69,17 +69,19 @@ const LOCAL_STALL: Duration = Duration::from_secs(5);
 /// holds the name and never accepts, would otherwise block `add_remote_agent` for as long as they like).
 const CONNECT_WAIT: Duration = Duration::from_secs(1);
 
-const TOKEN_WAKE: u64 = 0;
-/// In the progress thread's epoll set: the local epoll set (`Local::epfd`); inside that set: the listener.
+/// Inside the local epoll set (`Local::epfd`): the listener, then connections.
 const TOKEN_LISTEN: u64 = 1;
 const TOKEN_CONN: u64 = 1 << 32;
-const TOKEN_PIDFD: u64 = 2 << 32;
+/// This module's tokens in the progress thread's reactor, by their own number: the local epoll set, then
+/// the pidfd watches.
+const LOCAL: u64 = 0;
+const PIDFD: u64 = 1;
 
 pub struct Ctrl {
     pub sock_name: Vec<u8>,
     pub tcp: Arc<TcpShared>,
-    epfd: Arc<OwnedFd>,
-    wake: Arc<OwnedFd>,
+    reactor: Arc<Reactor>,
+    tokens: Tokens,
     stop: Arc<AtomicBool>,
     watches: Arc<Mutex<HashMap<u64, Arc<AtomicBool>>>>,
     next_watch: AtomicU64,
@@ -105,9 +107,8 @@ impl Ctrl {
         let listener = UnixListener::bind_addr(&addr)
             .map_err(|e| Error::os(Status::Backend, "binding the notification socket", e))?;
         listener.set_nonblocking(true).map_err(|e| Error::os(Status::Backend, "notification socket", e))?;
-        let epfd = Arc::new(os::epoll()?);
-        let wake = Arc::new(os::eventfd(false)?);
-        epoll_add(epfd.as_raw_fd(), wake.as_raw_fd(), TOKEN_WAKE)?;
+        let reactor = Arc::new(Reactor::new()?);
+        let tokens = reactor.tokens();
         // The notification listener and its connections live in their own epoll set, itself watched by the
         // progress thread: whichever thread gets there first (the progress thread, or the application's
         // `notifs` poll through `drain`) reads them, under one lock, so a polling application does not wait
@@ -115,7 +116,7 @@ impl Ctrl {
         let local_fd = os::epoll()?;
         epoll_add(local_fd.as_raw_fd(), listener.as_raw_fd(), TOKEN_LISTEN)?;
         let local_raw = local_fd.as_raw_fd();
-        local_arm(epfd.as_raw_fd(), local_raw, libc::EPOLL_CTL_ADD)?;
+        reactor.add(local_raw, tokens.token(LOCAL), LOCAL_ARM)?;
         let last_poll = Arc::new(AtomicU64::new(0));
         let paused = Arc::new(AtomicBool::new(false));
         let offered: Arc<Mutex<HashSet<RawFd>>> = Arc::default();
@@ -138,14 +139,14 @@ impl Ctrl {
             parked: std::collections::VecDeque::new(),
             stall: LOCAL_STALL,
         }));
-        let tcp = TcpProgress::new(setup, incarnation, queue.clone(), epfd.clone(), wake.clone())?;
+        let tcp = TcpProgress::new(setup, incarnation, queue.clone(), reactor.clone())?;
         let tcp_shared = tcp.shared.clone();
 
         let stop = Arc::new(AtomicBool::new(false));
         let watches: Arc<Mutex<HashMap<u64, Arc<AtomicBool>>>> = Arc::default();
         let mut progress = Progress {
-            epfd: epfd.clone(),
-            wake: wake.clone(),
+            reactor: reactor.clone(),
+            tokens,
             stop: stop.clone(),
             local: local.clone(),
             local_fd: local_raw,
@@ -164,8 +165,8 @@ impl Ctrl {
         Ok(Ctrl {
             sock_name,
             tcp: tcp_shared,
-            epfd,
-            wake,
+            reactor,
+            tokens,
             stop,
             watches,
             next_watch: AtomicU64::new(0),
@@ -199,15 +200,16 @@ impl Ctrl {
         // The application is about to take the queue: let the progress thread read again (it pauses
         // again at once if the queue is still full).
         if self.paused.swap(false, Ordering::AcqRel) {
-            let _ = local_arm(self.epfd.as_raw_fd(), self.local_fd, libc::EPOLL_CTL_MOD);
+            let _ = self.reactor.modify(self.local_fd, self.tokens.token(LOCAL), LOCAL_ARM);
         }
     }
 
     /// Watch a peer's pidfd; `dead` is set when the process exits. Returns a token for `unwatch`.
     pub fn watch(&self, pidfd: RawFd, dead: Arc<AtomicBool>) -> Result<u64> {
-        let token = TOKEN_PIDFD + self.next_watch.fetch_add(1, Ordering::Relaxed);
+        let token = self.tokens.token(PIDFD + self.next_watch.fetch_add(1, Ordering::Relaxed));
         self.watches.lock().insert(token, dead);
-        if let Err(e) = epoll_add(self.epfd.as_raw_fd(), pidfd, token) {
+        // One-shot: an exited process's pidfd stays readable, and the one event is all this needs.
+        if let Err(e) = self.reactor.add(pidfd, token, (libc::EPOLLIN | libc::EPOLLONESHOT) as u32) {
             self.watches.lock().remove(&token);
             return Err(e);
         }
@@ -216,7 +218,7 @@ impl Ctrl {
 
     /// Stop watching; call before closing the pidfd.
     pub fn unwatch(&self, token: u64, pidfd: RawFd) {
-        epoll_del(self.epfd.as_raw_fd(), pidfd);
+        self.reactor.remove(pidfd);
         self.watches.lock().remove(&token);
     }
 
@@ -224,7 +226,7 @@ impl Ctrl {
     pub fn shutdown(&self) {
         self.tcp.close();
         self.stop.store(true, Ordering::Release);
-        os::wake(&self.wake);
+        self.reactor.wake();
         if let Some(t) = self.thread.lock().take() {
             if t.thread().id() != std::thread::current().id() {
                 let _ = t.join();
@@ -427,8 +429,8 @@ struct Inbox {
 }
 
 struct Progress {
-    epfd: Arc<OwnedFd>,
-    wake: Arc<OwnedFd>,
+    reactor: Arc<Reactor>,
+    tokens: Tokens,
     stop: Arc<AtomicBool>,
     local: Arc<Mutex<Local>>,
     local_fd: RawFd,
@@ -446,7 +448,7 @@ struct Progress {
 
 impl Progress {
     fn run(&mut self) {
-        let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
+        let mut ready = Vec::new();
         while !self.stop.load(Ordering::Acquire) {
             // -1 (sleep until an event) unless heartbeats or handshake deadlines are pending.
             let mut timeout = self.tcp.tick();
@@ -462,50 +464,43 @@ impl Progress {
                 let now = crate::util::monotonic_ns();
                 if at <= now {
                     self.rearm_at = None;
-                    let _ = local_arm(self.epfd.as_raw_fd(), self.local_fd, libc::EPOLL_CTL_MOD);
+                    self.rearm();
                 } else {
                     let ms = (at - now).div_ceil(1_000_000) as i32;
                     timeout = if timeout < 0 { ms } else { timeout.min(ms) };
                 }
             }
-            // SAFETY: `events` has room for 64 entries.
-            let n =
-                unsafe { libc::epoll_wait(self.epfd.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, timeout) };
-            if n < 0 {
-                if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
+            if !self.reactor.wait(timeout, &mut ready) {
                 return;
             }
-            for ev in &events[..n as usize] {
-                let token = ev.u64;
-                match token {
-                    TOKEN_WAKE => os::woken(&self.wake),
-                    TOKEN_LISTEN => {
-                        // One-shot: disarmed now. If the application is polling, it reads the sockets itself
-                        // and this thread stays out of its way (no lock contention, no wake-up per message);
-                        // look again after POLL_GRACE_NS in case it stopped.
-                        let now = crate::util::monotonic_ns();
-                        if now.saturating_sub(self.last_poll.load(Ordering::Relaxed)) < POLL_GRACE_NS {
-                            self.rearm_at = Some(now + POLL_GRACE_NS);
-                        } else if self.local.lock().drain() {
-                            let _ = local_arm(self.epfd.as_raw_fd(), self.local_fd, libc::EPOLL_CTL_MOD);
-                        } else {
-                            // Queue full: stay disarmed until the application takes notifications.
-                            self.paused.store(true, Ordering::Release);
-                        }
+            for &(token, _) in &ready {
+                if self.tcp.shared.owns(token) {
+                    self.tcp.on_event(token);
+                } else if token == self.tokens.token(LOCAL) {
+                    // One-shot: disarmed now. If the application is polling, it reads the sockets itself
+                    // and this thread stays out of its way (no lock contention, no wake-up per message);
+                    // look again after POLL_GRACE_NS in case it stopped.
+                    let now = crate::util::monotonic_ns();
+                    if now.saturating_sub(self.last_poll.load(Ordering::Relaxed)) < POLL_GRACE_NS {
+                        self.rearm_at = Some(now + POLL_GRACE_NS);
+                    } else if self.local.lock().drain() {
+                        self.rearm();
+                    } else {
+                        // Queue full: stay disarmed until the application takes notifications.
+                        self.paused.store(true, Ordering::Release);
                     }
-                    listen::TOKEN_LISTEN => self.tcp.on_event(token),
-                    t if t >= listen::TOKEN_IN => self.tcp.on_event(t),
-                    t if t >= TOKEN_PIDFD => {
-                        if let Some(dead) = self.watches.lock().get(&t) {
-                            dead.store(true, Ordering::Release);
-                        }
+                } else if self.tokens.owns(token) {
+                    // A watched process exited (its pidfd fires once: one-shot, see `Ctrl::watch`).
+                    if let Some(dead) = self.watches.lock().get(&token) {
+                        dead.store(true, Ordering::Release);
                     }
-                    _ => {}
                 }
             }
         }
+    }
+
+    fn rearm(&self) {
+        let _ = self.reactor.modify(self.local_fd, self.tokens.token(LOCAL), LOCAL_ARM);
     }
 }
 
@@ -1056,9 +1051,8 @@ pub(crate) fn fuzz_hello(incarnation: u128, from: &str) -> Vec<u8> {
 const POLL_GRACE_NS: u64 = 2_000_000;
 
 /// Arm (add or re-arm) the local epoll set in the progress thread's set, one-shot.
-fn local_arm(epfd: RawFd, local: RawFd, op: i32) -> Result<()> {
-    crate::util::epoll_ctl(epfd, op, local, (libc::EPOLLIN | libc::EPOLLONESHOT) as u32, TOKEN_LISTEN)
-}
+/// The local epoll set in the progress thread's reactor: one-shot, re-armed by whoever drained it.
+const LOCAL_ARM: u32 = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
 
 #[cfg(test)]
 mod tests {
@@ -1069,7 +1063,7 @@ mod tests {
         let q: Arc<NotifQueue> = Arc::default();
         let setup = TcpSetup {
             bind: "127.0.0.1:0".parse().unwrap(),
-            opts: listen::TcpOpts { conns: 1, timeout: Duration::from_secs(1) },
+            opts: super::super::route::tcp::listen::TcpOpts { conns: 1, timeout: Duration::from_secs(1) },
             secret,
             regions: Arc::default(),
         };

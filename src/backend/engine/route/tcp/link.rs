@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
-use super::listen::{CtrlConn, TcpOpts, TcpShared, Watched, TOKEN_OUT};
+use super::listen::{CtrlConn, TcpOpts, TcpShared, Watched};
 use super::wire::{self, Hello, WireSeg};
 use crate::backend::engine::liveness::{DialPlan, Liveness, Tick};
 use crate::backend::engine::net::{self, iovec};
@@ -245,7 +245,7 @@ impl TcpLink {
             let _ = stream.shutdown(Shutdown::Both);
             return Err(self.gone());
         }
-        let token = TOKEN_OUT + (shared.next_out.fetch_add(1, Ordering::Relaxed) % (1 << 32));
+        let token = shared.out_token();
         // No TCP_USER_TIMEOUT here: a target whose queue is full keeps its window shut for as long as its
         // application does not take notifications, and notifications already handed to this socket must
         // not be thrown away for that (heartbeats catch a partition; a live peer acks window probes).

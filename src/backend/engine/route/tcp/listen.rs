@@ -45,7 +45,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -56,9 +56,9 @@ use super::regions::Regions;
 use super::serve::Serving;
 use super::wire::{self, CtrlMsg};
 use crate::backend::engine::liveness::{LiveCfg, Tick};
-use crate::backend::engine::net::{self, epoll_add, epoll_del};
+use crate::backend::engine::net;
 use crate::backend::engine::notif::{NotifQueue, MAX_NOTIF};
-use crate::os;
+use crate::os::{Reactor, Tokens};
 use crate::status::{Error, Result, Status};
 use crate::util::monotonic_ns;
 
@@ -172,10 +172,11 @@ pub struct TcpShared {
     pub opts: TcpOpts,
     pub port: u16,
     pub addrs: Vec<SocketAddr>,
-    epfd: Arc<OwnedFd>,
-    wake: Arc<OwnedFd>,
+    /// The progress thread's reactor, and this side's tokens in it (see `LISTEN`).
+    reactor: Arc<Reactor>,
+    tokens: Tokens,
     out: Mutex<HashMap<u64, Out>>,
-    pub(crate) next_out: AtomicU64,
+    next_out: AtomicU64,
     /// The serving loops and the data connections they serve.
     serve: Arc<Serving>,
     /// Some inbound control connection is paused (queue full or budget spent).
@@ -213,12 +214,22 @@ impl TcpShared {
     }
 
     pub(crate) fn wake(&self) {
-        os::wake(&self.wake);
+        self.reactor.wake();
+    }
+
+    /// A token for a new outbound control connection (`add_out`).
+    pub(crate) fn out_token(&self) -> u64 {
+        self.tokens.token(OUT + self.next_out.fetch_add(1, Ordering::Relaxed) % (1 << 32))
+    }
+
+    /// `token` is one of this side's (see `TcpProgress::on_event`).
+    pub fn owns(&self, token: u64) -> bool {
+        self.tokens.owns(token)
     }
 
     pub(crate) fn add_out(&self, conn: Arc<CtrlConn>, link: Weak<dyn Watched>) -> Result<()> {
         self.out.lock().insert(conn.token, Out { conn: conn.clone(), link, buf: Vec::new() });
-        if let Err(e) = epoll_add(self.epfd.as_raw_fd(), conn.stream.as_raw_fd(), conn.token) {
+        if let Err(e) = self.reactor.add_input(conn.stream.as_raw_fd(), conn.token) {
             self.out.lock().remove(&conn.token);
             return Err(e);
         }
@@ -240,7 +251,7 @@ impl TcpShared {
     pub(crate) fn remove_out(&self, token: u64) {
         if let Some(o) = self.out.lock().remove(&token) {
             // It is still open (`o` holds it).
-            epoll_del(self.epfd.as_raw_fd(), o.conn.stream.as_raw_fd());
+            self.reactor.remove(o.conn.stream.as_raw_fd());
         }
     }
 
@@ -404,18 +415,19 @@ impl In {
     }
 }
 
-pub const TOKEN_LISTEN: u64 = 2;
-pub const TOKEN_IN: u64 = 3 << 32;
-pub const TOKEN_OUT: u64 = 4 << 32;
+/// This side's tokens in the progress thread's reactor, by their own number: the listener, then inbound and
+/// outbound connections, 2^32 each.
+const LISTEN: u64 = 0;
+const IN: u64 = 1 << 32;
+const OUT: u64 = 2 << 32;
 
 impl TcpProgress {
-    /// Bind the listener and register it with the progress thread's epoll set.
+    /// Bind the listener and register it with the progress thread's reactor, under tokens of its own.
     pub fn new(
         setup: TcpSetup,
         incarnation: u128,
         queue: Arc<NotifQueue>,
-        epfd: Arc<OwnedFd>,
-        wake: Arc<OwnedFd>,
+        reactor: Arc<Reactor>,
     ) -> Result<TcpProgress> {
         let TcpSetup { bind, opts, secret, regions } = setup;
         regions.set_bound(opts.timeout);
@@ -428,7 +440,8 @@ impl TcpProgress {
         // SAFETY: listen(2) on a socket we own, already listening (this only changes its backlog).
         unsafe { libc::listen(listener.as_raw_fd(), 4096) };
         let local = listener.local_addr().map_err(|e| Error::os(Status::Backend, "TCP listener address", e))?;
-        epoll_add(epfd.as_raw_fd(), listener.as_raw_fd(), TOKEN_LISTEN)?;
+        let tokens = reactor.tokens();
+        reactor.add_input(listener.as_raw_fd(), tokens.token(LISTEN))?;
         let shared = Arc::new(TcpShared {
             incarnation,
             secret,
@@ -436,8 +449,8 @@ impl TcpProgress {
             serve: Arc::new(Serving::new(regions, opts.stall())),
             port: local.port(),
             addrs: advertised(local),
-            epfd,
-            wake,
+            reactor,
+            tokens,
             out: Mutex::new(HashMap::new()),
             next_out: AtomicU64::new(0),
             paused: AtomicBool::new(false),
@@ -454,13 +467,13 @@ impl TcpProgress {
         })
     }
 
+    /// One of this side's tokens fired (`TcpShared::owns`).
     pub fn on_event(&mut self, token: u64) {
-        if token == TOKEN_LISTEN {
-            self.accept();
-        } else if token >= TOKEN_OUT {
-            self.shared.on_out(token);
-        } else if token >= TOKEN_IN {
-            self.on_in(token);
+        match Tokens::index(token) {
+            LISTEN => self.accept(),
+            n if n >= OUT => self.shared.on_out(token),
+            n if n >= IN => self.on_in(token),
+            _ => {}
         }
     }
 
@@ -542,9 +555,9 @@ impl TcpProgress {
             if net::send_now(stream.as_raw_fd(), &challenge).ok() != Some(challenge.len()) {
                 continue;
             }
-            let token = TOKEN_IN + self.next_in;
+            let token = self.shared.tokens.token(IN + self.next_in);
             self.next_in = (self.next_in + 1) % (1 << 32);
-            if epoll_add(self.shared.epfd.as_raw_fd(), stream.as_raw_fd(), token).is_ok() {
+            if self.shared.reactor.add_input(stream.as_raw_fd(), token).is_ok() {
                 let deadline = monotonic_ns() + self.shared.opts.handshake().as_nanos() as u64;
                 let (src, seq) = (from.ip(), self.next_in);
                 let c = In {
@@ -597,7 +610,7 @@ impl TcpProgress {
         self.paused.remove(&token);
         self.freed |= c.held() > 0;
         // `c` still owns it.
-        epoll_del(self.shared.epfd.as_raw_fd(), c.stream.as_raw_fd());
+        self.shared.reactor.remove(c.stream.as_raw_fd());
         Some(c)
     }
 
@@ -748,7 +761,7 @@ impl TcpProgress {
         let Some(c) = self.inbound.get_mut(&token) else { return };
         if self.paused.insert(token) {
             // `c` still owns it.
-            epoll_del(self.shared.epfd.as_raw_fd(), c.stream.as_raw_fd());
+            self.shared.reactor.remove(c.stream.as_raw_fd());
             c.keep_at = 0;
         }
         self.shared.paused.store(true, Ordering::SeqCst);
@@ -767,7 +780,7 @@ impl TcpProgress {
             let Some(name) = c.name.clone() else { continue };
             // Its sender was held back by us, not silent.
             c.last_rx = monotonic_ns();
-            if epoll_add(self.shared.epfd.as_raw_fd(), c.stream.as_raw_fd(), t).is_err() {
+            if self.shared.reactor.add_input(c.stream.as_raw_fd(), t).is_err() {
                 self.drop_in(t);
                 continue;
             }
@@ -831,14 +844,13 @@ mod tests {
 
     /// The progress thread's TCP side, driven by hand (no thread): `accept` and `on_in` run when the test says.
     fn progress(inc: u128, secret: u128) -> TcpProgress {
-        let (ep, ev) = (os::epoll().unwrap(), os::eventfd(true).unwrap());
         let setup = TcpSetup {
             bind: "127.0.0.1:0".parse().unwrap(),
             opts: TcpOpts { conns: 1, timeout: Duration::from_secs(1) },
             secret,
             regions: Arc::default(),
         };
-        TcpProgress::new(setup, inc, Arc::default(), Arc::new(ep), Arc::new(ev)).unwrap()
+        TcpProgress::new(setup, inc, Arc::default(), Arc::new(Reactor::new().unwrap())).unwrap()
     }
 
     /// A connection to `to` from the loopback source address `src`.

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, Shutdown, TcpStream};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
@@ -15,9 +15,9 @@ use parking_lot::Mutex;
 use super::regions::{Leased, Regions};
 use super::stage::{StagePool, Staged};
 use super::wire;
-use crate::backend::engine::net::{self, epoll_del, iovec};
+use crate::backend::engine::net::{self, iovec};
 use crate::backend::XferOp;
-use crate::os;
+use crate::os::Reactor;
 use crate::status::Result;
 use crate::util::monotonic_ns;
 
@@ -153,8 +153,7 @@ const MAX_LOOPS: usize = 8;
 type Handed = (u64, Arc<TcpStream>, Arc<AtomicU64>);
 
 struct ServeLoop {
-    epfd: OwnedFd,
-    wake: OwnedFd,
+    reactor: Reactor,
     /// Connections handed over by the progress thread (with their idle word, see `Served`), taken on the next
     /// wake-up.
     inbox: Mutex<Vec<Handed>>,
@@ -162,26 +161,17 @@ struct ServeLoop {
 
 impl ServeLoop {
     fn new() -> Result<ServeLoop> {
-        let epfd = os::epoll()?;
-        let wake = os::eventfd(false)?;
-        crate::util::epoll_ctl(
-            epfd.as_raw_fd(),
-            libc::EPOLL_CTL_ADD,
-            wake.as_raw_fd(),
-            libc::EPOLLIN as u32,
-            u64::MAX,
-        )?;
-        Ok(ServeLoop { epfd, wake, inbox: Mutex::new(Vec::new()) })
+        Ok(ServeLoop { reactor: Reactor::new()?, inbox: Mutex::new(Vec::new()) })
     }
 
     fn wake(&self) {
-        os::wake(&self.wake);
+        self.reactor.wake();
     }
 
     /// Runs until the engine closes. `sh` is weak so the loop does not keep the engine alive.
     fn run(&self, sh: Weak<Serving>) {
         let mut conns: HashMap<u64, Box<DataConn>> = HashMap::new();
-        let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
+        let mut fired = Vec::new();
         let mut scratch = vec![0u8; 64 * 1024];
         // Staging buffers for requests on device memory, and the connections waiting for one, in order.
         let mut pool = StagePool::default();
@@ -190,7 +180,7 @@ impl ServeLoop {
             let Some(shared) = sh.upgrade() else { return };
             if shared.closed.load(Ordering::Acquire) {
                 for (_, mut c) in conns.drain() {
-                    c.close(&shared, &self.epfd, &mut pool);
+                    c.close(&shared, &self.reactor, &mut pool);
                 }
                 return;
             }
@@ -203,20 +193,18 @@ impl ServeLoop {
                 .min()
                 .unwrap_or(-1);
             drop(shared);
-            // SAFETY: `events` has room for its length.
-            let n =
-                unsafe { libc::epoll_wait(self.epfd.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, timeout) };
+            let ok = self.reactor.wait(timeout, &mut fired);
             let Some(shared) = sh.upgrade() else { return };
-            if n < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+            if !ok {
                 return;
             }
-            let mut ready: Vec<u64> = events[..n.max(0) as usize].iter().map(|e| e.u64).collect();
-            if ready.contains(&u64::MAX) {
-                os::woken(&self.wake);
+            // Connection ids are the tokens (they never reach `Reactor::WAKE`).
+            let mut ready: Vec<u64> = fired.iter().map(|e| e.0).collect();
+            if ready.contains(&Reactor::WAKE) {
                 for (id, stream, idle) in self.inbox.lock().drain(..) {
                     let edge = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET) as u32;
                     let fd = stream.as_raw_fd();
-                    if crate::util::epoll_ctl(self.epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, edge, id).is_err() {
+                    if self.reactor.add(fd, id, edge).is_err() {
                         shared.serving.lock().remove(&id);
                         shared.nserving.fetch_sub(1, Ordering::AcqRel);
                         continue;
@@ -229,7 +217,7 @@ impl ServeLoop {
                 let Some(c) = conns.get_mut(&id) else { continue };
                 if !c.drive(&shared.regions, &mut scratch, &mut pool) {
                     if let Some(mut c) = conns.remove(&id) {
-                        c.close(&shared, &self.epfd, &mut pool);
+                        c.close(&shared, &self.reactor, &mut pool);
                     }
                 } else if c.phase == Phase::StageWait && !c.queued {
                     c.queued = true;
@@ -243,7 +231,7 @@ impl ServeLoop {
             let late: Vec<u64> = conns.values().filter(|c| c.deadline(stall) <= now).map(|c| c.id).collect();
             for id in late {
                 if let Some(mut c) = conns.remove(&id) {
-                    c.close(&shared, &self.epfd, &mut pool);
+                    c.close(&shared, &self.reactor, &mut pool);
                 }
             }
             // Buffers given back: the connections waiting for one go on, oldest first.
@@ -253,7 +241,7 @@ impl ServeLoop {
                 c.queued = false;
                 if !c.drive(&shared.regions, &mut scratch, &mut pool) {
                     if let Some(mut c) = conns.remove(&id) {
-                        c.close(&shared, &self.epfd, &mut pool);
+                        c.close(&shared, &self.reactor, &mut pool);
                     }
                 } else if c.phase == Phase::StageWait {
                     c.queued = true;
@@ -346,7 +334,7 @@ impl DataConn {
         self.last.saturating_add(if self.waiting() { IDLE_DATA.as_nanos() as u64 } else { stall })
     }
 
-    fn close(&mut self, sh: &Serving, epfd: &OwnedFd, pool: &mut StagePool) {
+    fn close(&mut self, sh: &Serving, reactor: &Reactor, pool: &mut StagePool) {
         if let Some(b) = self.staged.take().and_then(|mut s| s.detach()) {
             pool.put(b);
         }
@@ -355,7 +343,7 @@ impl DataConn {
         }
         let _ = self.stream.shutdown(Shutdown::Both);
         // `self.stream` still holds it open.
-        epoll_del(epfd.as_raw_fd(), self.stream.as_raw_fd());
+        reactor.remove(self.stream.as_raw_fd());
         sh.serving.lock().remove(&self.id);
         sh.nserving.fetch_sub(1, Ordering::AcqRel);
     }
