@@ -49,12 +49,13 @@
 
 use std::os::fd::AsFd;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 
 use super::copy::{self, cma_denied};
 use super::peer::{downcast, EnginePeer, PeerKind};
+use super::pool::{Pinned, PinnedBuf};
 use super::route::cma::Cma;
 use super::route::in_process::InProcess;
 use super::route::Job;
@@ -64,7 +65,7 @@ use super::shared::{take_peer_fd, Shared};
 use super::vram_regions::{open_alloc, LocalVram, Opened, RemoteVram};
 use super::xfer::{Core, Mover, Run};
 use crate::backend::{Seg, Target, XferOp, XferPlan};
-use crate::device::{self, Copy, Device, HostBuf};
+use crate::device::{self, Copy, Device};
 use crate::mem::MemType;
 use crate::status::{Error, Result, Status};
 
@@ -391,52 +392,34 @@ impl VramPlan {
     }
 }
 
-/// Page-locked staging buffers, kept for reuse (allocating pinned memory costs milliseconds).
-pub(super) struct Staging {
-    dev: u32,
-    buf: Option<Box<dyn HostBuf>>,
-}
+/// A buffer of the engine's staging pool (`pool::Pinned`, shared by every VRAM request that stages), given
+/// back when dropped.
+pub(super) struct Staging(Option<PinnedBuf>);
 
-type Kept = Vec<(u32, Box<dyn HostBuf>)>;
-
-fn staging_pool() -> &'static Mutex<Kept> {
-    static P: OnceLock<Mutex<Kept>> = OnceLock::new();
-    P.get_or_init(Default::default)
-}
-
-/// Buffers kept in the pool at most.
-const STAGING_KEPT: usize = 8;
+/// At most this many are kept; as many as requests need are lent (a request stages through one at a time).
+static STAGING: Mutex<Pinned> = Mutex::new(Pinned::new(STAGE as usize, 8, usize::MAX));
 
 impl Staging {
     pub(super) fn take(device: &dyn Device, dev: u32) -> Result<Staging> {
-        let kept = {
-            let mut p = staging_pool().lock();
-            p.iter().position(|(d, _)| *d == dev).map(|i| p.swap_remove(i).1)
-        };
-        let buf = match kept {
-            Some(b) => b,
-            None => device.host_buf(dev, STAGE as usize)?,
-        };
-        Ok(Staging { dev, buf: Some(buf) })
+        // Never None: every request gets one (`lend` is unbounded).
+        let b = STAGING.lock().take(device, dev)?.ok_or_else(|| Error::backend("no staging buffer"))?;
+        Ok(Staging(Some(b)))
     }
 
     pub(super) fn ptr(&self) -> u64 {
-        self.buf.as_ref().map_or(0, |b| b.ptr())
+        self.0.as_ref().map_or(0, |b| b.buf.ptr())
     }
 
     /// Its size in bytes.
     pub(super) fn size(&self) -> u64 {
-        self.buf.as_ref().map_or(0, |b| b.size() as u64)
+        self.0.as_ref().map_or(0, |b| b.buf.size() as u64)
     }
 }
 
 impl Drop for Staging {
     fn drop(&mut self) {
-        let mut p = staging_pool().lock();
-        if let Some(b) = self.buf.take() {
-            if p.len() < STAGING_KEPT {
-                p.push((self.dev, b));
-            }
+        if let Some(b) = self.0.take() {
+            STAGING.lock().put(b);
         }
     }
 }

@@ -13,9 +13,10 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use super::regions::{Leased, Regions};
-use super::stage::{StagePool, Staged};
+use super::stage::{loop_pool, Staged};
 use super::wire;
 use crate::backend::engine::net::{self, iovec};
+use crate::backend::engine::pool::Pinned;
 use crate::backend::XferOp;
 use crate::os::Reactor;
 use crate::status::Result;
@@ -174,7 +175,7 @@ impl ServeLoop {
         let mut fired = Vec::new();
         let mut scratch = vec![0u8; 64 * 1024];
         // Staging buffers for requests on device memory, and the connections waiting for one, in order.
-        let mut pool = StagePool::default();
+        let mut pool = loop_pool();
         let mut waiting: std::collections::VecDeque<u64> = Default::default();
         loop {
             let Some(shared) = sh.upgrade() else { return };
@@ -265,7 +266,7 @@ enum Phase {
     Send,
     /// The 8-byte reply of a WRITE or a refusal.
     Reply,
-    /// A request on device memory waits for a staging buffer of the loop (see `stage::StagePool`).
+    /// A request on device memory waits for a staging buffer of the loop (see `stage::loop_pool`).
     StageWait,
     /// READ from device memory: the staged chunk (the OK reply first) goes out.
     StageSend,
@@ -334,7 +335,7 @@ impl DataConn {
         self.last.saturating_add(if self.waiting() { IDLE_DATA.as_nanos() as u64 } else { stall })
     }
 
-    fn close(&mut self, sh: &Serving, reactor: &Reactor, pool: &mut StagePool) {
+    fn close(&mut self, sh: &Serving, reactor: &Reactor, pool: &mut Pinned) {
         if let Some(b) = self.staged.take().and_then(|mut s| s.detach()) {
             pool.put(b);
         }
@@ -350,7 +351,7 @@ impl DataConn {
 
     /// Move the state machine as far as the socket allows. False: close the connection (end of stream, an
     /// error, or a malformed request).
-    fn drive(&mut self, regions: &Regions, scratch: &mut [u8], pool: &mut StagePool) -> bool {
+    fn drive(&mut self, regions: &Regions, scratch: &mut [u8], pool: &mut Pinned) -> bool {
         let fd = self.stream.as_raw_fd();
         loop {
             if self.phase == Phase::StageWait && !self.stage_begin(regions, pool) {
@@ -529,9 +530,9 @@ impl DataConn {
     /// A request on device memory takes a staging buffer and starts moving (true), or waits for one
     /// (false). A READ's first chunk is staged before the reply goes out, so a failing device copy can
     /// still be answered with DENIED.
-    fn stage_begin(&mut self, regions: &Regions, pool: &mut StagePool) -> bool {
+    fn stage_begin(&mut self, regions: &Regions, pool: &mut Pinned) -> bool {
         let Some(st) = self.staged.as_mut() else { return false };
-        let buf = match pool.take(st.dev()) {
+        let buf = match crate::device::get().and_then(|d| pool.take(d, st.dev())) {
             Ok(Some(b)) => b,
             Ok(None) => return false,
             Err(e) => {
@@ -559,7 +560,7 @@ impl DataConn {
     }
 
     /// Refuse the request on device memory in progress, keeping the connection in step.
-    fn stage_refuse(&mut self, regions: &Regions, pool: &mut StagePool) -> bool {
+    fn stage_refuse(&mut self, regions: &Regions, pool: &mut Pinned) -> bool {
         let (op, total) = (self.staged.as_ref().map(|s| s.op()), self.req.map_or(0, |h| h.total));
         self.stage_end(regions, pool);
         if op == Some(XferOp::Write) && total > 0 {
@@ -572,7 +573,7 @@ impl DataConn {
     }
 
     /// The request on device memory is over: its lease and staging buffer go back.
-    fn stage_end(&mut self, regions: &Regions, pool: &mut StagePool) {
+    fn stage_end(&mut self, regions: &Regions, pool: &mut Pinned) {
         if self.leased {
             regions.release(self.id);
             self.leased = false;

@@ -9,8 +9,9 @@
 //! its check to its last device copy, so deregistration waits for it exactly as for DRAM (and cuts a slow
 //! peer off after the disconnect timeout); a request mixing host and device registrations is refused.
 
+use crate::backend::engine::pool::{Pinned, PinnedBuf};
 use crate::backend::XferOp;
-use crate::device::{self, Copy, HostBuf};
+use crate::device::{self, Copy};
 use crate::status::{Error, Result};
 
 use super::wire::WireSeg;
@@ -23,48 +24,9 @@ const SERVE_BUF: usize = SERVE_CHUNK + super::wire::REPLY_BYTES;
 /// Staging buffers one serving loop holds at most.
 const LOOP_BUFS: usize = 4;
 
-/// A staging buffer of a serving loop, and the device it was made for.
-pub(crate) struct PoolBuf {
-    dev: u32,
-    buf: Box<dyn HostBuf>,
-}
-
 /// A serving loop's staging buffers: at most `LOOP_BUFS`, made on first use and kept.
-#[derive(Default)]
-pub(crate) struct StagePool {
-    free: Vec<PoolBuf>,
-    /// Buffers out with a request.
-    out: usize,
-}
-
-impl StagePool {
-    /// Would `take` give a buffer now?
-    pub(crate) fn can_take(&self) -> bool {
-        !self.free.is_empty() || self.out < LOOP_BUFS
-    }
-
-    /// A buffer for device `dev`, or None when all are out.
-    pub(crate) fn take(&mut self, dev: u32) -> Result<Option<PoolBuf>> {
-        if let Some(i) = self.free.iter().position(|b| b.dev == dev) {
-            self.out += 1;
-            return Ok(Some(self.free.swap_remove(i)));
-        }
-        if self.out + self.free.len() >= LOOP_BUFS {
-            if self.free.is_empty() {
-                return Ok(None);
-            }
-            // Another device's buffer makes room.
-            self.free.pop();
-        }
-        let buf = device::get()?.host_buf(dev, SERVE_BUF)?;
-        self.out += 1;
-        Ok(Some(PoolBuf { dev, buf }))
-    }
-
-    pub(crate) fn put(&mut self, b: PoolBuf) {
-        self.out = self.out.saturating_sub(1);
-        self.free.push(b);
-    }
+pub(crate) fn loop_pool() -> Pinned {
+    Pinned::new(SERVE_BUF, LOOP_BUFS, LOOP_BUFS)
 }
 
 /// One request on registered VRAM as a serving loop moves it: its segments (addresses in this process,
@@ -77,7 +39,7 @@ pub(crate) struct Staged {
     off: u64,
     /// The chunk in the buffer: (offset in the buffer, address, length, device) of each piece.
     chunk: Vec<(u64, u64, u64, u32)>,
-    buf: Option<PoolBuf>,
+    buf: Option<PinnedBuf>,
     /// Bytes of the buffer the chunk fills, and how many of them the socket has moved.
     fill: usize,
     done: usize,
@@ -98,11 +60,11 @@ impl Staged {
         self.segs.first().map_or(0, |s| s.2)
     }
 
-    pub(crate) fn attach(&mut self, b: PoolBuf) {
+    pub(crate) fn attach(&mut self, b: PinnedBuf) {
         self.buf = Some(b);
     }
 
-    pub(crate) fn detach(&mut self) -> Option<PoolBuf> {
+    pub(crate) fn detach(&mut self) -> Option<PinnedBuf> {
         self.buf.take()
     }
 
@@ -227,8 +189,9 @@ mod tests {
             WireSeg { region: 0, region_len: 0, addr: 0x8000, len: SERVE_BUF as u64 },
         ];
         let mut st = Staged::new(XferOp::Write, &segs, &[3, 4]);
-        let mut pool = StagePool::default();
-        st.attach(pool.take(st.dev()).unwrap().unwrap());
+        let mut pool = loop_pool();
+        let d = device::get().unwrap();
+        st.attach(pool.take(d, st.dev()).unwrap().unwrap());
         st.expect();
         assert_eq!(st.fill, SERVE_BUF);
         assert_eq!(st.chunk, vec![(0, 0x1000, 5, 3), (5, 0x8000, SERVE_BUF as u64 - 5, 4)]);
@@ -241,7 +204,7 @@ mod tests {
         let src: Vec<u8> = (0..SERVE_CHUNK).map(|i| (i % 251) as u8).collect();
         let segs = [WireSeg { region: 0, region_len: 0, addr: src.as_ptr() as u64, len: SERVE_CHUNK as u64 }];
         let mut rd = Staged::new(XferOp::Read, &segs, &[0]);
-        rd.attach(pool.take(0).unwrap().unwrap());
+        rd.attach(pool.take(d, 0).unwrap().unwrap());
         rd.load(Some(&[9; 8])).unwrap();
         assert!(rd.finished() && rd.fill == SERVE_BUF);
         let b = rd.detach().unwrap();
@@ -250,11 +213,11 @@ mod tests {
         assert!(got[..8] == [9; 8] && got[8..] == src[..]);
         pool.put(b);
         // The pool lends at most LOOP_BUFS buffers.
-        let mut held: Vec<PoolBuf> = (1..LOOP_BUFS).map(|_| pool.take(0).unwrap().unwrap()).collect();
-        assert!(!pool.can_take() && pool.take(0).unwrap().is_none());
+        let mut held: Vec<PinnedBuf> = (1..LOOP_BUFS).map(|_| pool.take(d, 0).unwrap().unwrap()).collect();
+        assert!(!pool.can_take() && pool.take(d, 0).unwrap().is_none());
         pool.put(st.detach().unwrap());
         assert!(pool.can_take());
-        held.push(pool.take(5).unwrap().unwrap());
-        assert!(pool.take(5).unwrap().is_none());
+        held.push(pool.take(d, 5).unwrap().unwrap());
+        assert!(pool.take(d, 5).unwrap().is_none());
     }
 }
