@@ -224,9 +224,6 @@ pub(super) struct RemoteRegion {
     pub(super) ticket: RegionTicket,
 }
 
-/// What a local registration keeps: its place in the gate.
-pub(super) struct LocalGateRegion(pub(super) RegionTicket);
-
 pub(super) fn encode_ticket(t: RegionTicket) -> Vec<u8> {
     let mut out = Vec::with_capacity(8);
     put_uvar(&mut out, t.slot as u64);

@@ -277,15 +277,9 @@ impl Gate {
         Ok(RegionTicket { slot, state })
     }
 
-    /// Retire a registration: from now on no batch passes the gate for it; returns once none that passed
-    /// is still copying (or after `limit`, logged).
-    pub fn retire(&self, t: RegionTicket, limit: Duration) {
-        self.retire_many(std::slice::from_ref(&t), limit);
-    }
-
-    /// `retire` for many regions at once: every one refuses new batches first, then one drain (bounded by
-    /// `limit` in all, not per region) waits for the batches inside.
-    pub fn retire_many(&self, tickets: &[RegionTicket], limit: Duration) {
+    /// Retire registrations: from now on no batch passes the gate for any of them; returns once none that
+    /// passed is still copying (one drain, bounded by `limit` in all, not per region; logged past it).
+    pub fn retire(&self, tickets: &[RegionTicket], limit: Duration) {
         let flipped: Vec<u32> = tickets
             .iter()
             .filter(|t| {
@@ -606,7 +600,7 @@ mod tests {
         let left = Arc::new(AtomicU64::new(0));
         let (g2, l2) = (g.clone(), left.clone());
         let retire = std::thread::spawn(move || {
-            g2.retire(t, Duration::from_secs(10));
+            g2.retire(&[t], Duration::from_secs(10));
             l2.load(Ordering::SeqCst)
         });
         // The retirement is visible at once, even while the drain waits.
@@ -641,7 +635,7 @@ mod tests {
         let inside = at.enter([(a.slot, a.state, 0x1000, 16)]).unwrap();
         let limit = Duration::from_millis(400);
         let t0 = Instant::now();
-        g.retire(b, limit);
+        g.retire(&[b], limit);
         assert!(t0.elapsed() < limit / 2, "waited {:?} for a batch on another region", t0.elapsed());
         let t0 = Instant::now();
         std::thread::scope(|s| {
@@ -649,7 +643,7 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(100));
                 drop(inside);
             });
-            g.retire(a, Duration::from_secs(10));
+            g.retire(&[a], Duration::from_secs(10));
         });
         let waited = t0.elapsed();
         assert!(waited >= Duration::from_millis(90) && waited < Duration::from_secs(5), "{waited:?}");
@@ -657,7 +651,7 @@ mod tests {
         let o = init_off(at.slot as usize);
         g.word(o + OFF_COUNT).fetch_add(1, Ordering::SeqCst);
         let t0 = Instant::now();
-        g.retire(c, limit);
+        g.retire(&[c], limit);
         assert!(t0.elapsed() >= limit, "an unpublished batch was not waited for");
         g.word(o + OFF_COUNT).fetch_sub(1, Ordering::SeqCst);
     }
@@ -672,7 +666,7 @@ mod tests {
         g.word(o + 8).store((1 << 23) as u64, Ordering::Relaxed);
         g.word(o + OFF_COUNT).store(3, Ordering::SeqCst);
         let t = g.register(0, 1).unwrap();
-        g.retire(t, Duration::from_secs(10)); // the drain reclaims the dead owner's count instead of waiting
+        g.retire(&[t], Duration::from_secs(10)); // the drain reclaims the dead owner's count instead of waiting
         let again = Attached::new(g.clone()).unwrap();
         assert_eq!(again.slot, 7);
         // Full again; an owner that exited without letting go (count zero) is taken over by the next claim.

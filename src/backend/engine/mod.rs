@@ -45,8 +45,9 @@
 mod conn;
 mod copy;
 mod ctrl;
+mod exports;
 mod gate;
-mod liveness;
+mod health;
 mod net;
 mod notif;
 mod peer;
@@ -64,7 +65,7 @@ use std::sync::Arc;
 use super::{Backend, BackendInit, BackendXfer, Caps, LocalRegion, Params, Peer, RegionKey, Target, XferPlan};
 use crate::mem::{Desc, MemType, RegDesc};
 use crate::status::{Error, Result};
-use conn::{decode_ticket, encode_ticket, parse_conn, LocalGateRegion, RemoteRegion};
+use conn::{decode_ticket, parse_conn, RemoteRegion};
 use peer::downcast;
 use shared::Shared;
 use xfer::{Core, EngineXfer, Mover};
@@ -116,54 +117,16 @@ impl Backend for Engine {
     }
 
     fn register(&self, mem: MemType, desc: &RegDesc) -> Result<LocalRegion> {
-        if mem == MemType::Vram {
-            let r = self.shared.vram.register(&self.shared.ctrl, &self.shared.gate, desc)?;
-            // TCP peers reach it through the serving loops, staged (see `route::tcp::vram`); `register` checked
-            // that the descriptor's device is the allocation's.
-            self.shared.regions.add_vram(desc.desc.addr, desc.desc.len, desc.desc.dev as u32);
-            return Ok(r);
-        }
-        if mem != MemType::Dram {
-            return Err(Error::not_supported(format!("{} is not supported by this engine", mem.seg_name())));
-        }
-        let ticket = self.shared.gate.register(desc.desc.addr, desc.desc.len)?;
-        self.shared.regions.add(desc.desc.addr, desc.desc.len);
-        Ok(LocalRegion { public: encode_ticket(ticket), key: Some(Arc::new(LocalGateRegion(ticket))) })
+        self.shared.register(mem, desc)
     }
 
-    fn deregister(&self, mem: MemType, desc: &Desc, key: Option<&RegionKey>) {
-        if mem == MemType::Vram {
-            // Waits for peers' copies inside the region (see `vram`), then for TCP requests being served
-            // from it (see `route::tcp::vram`).
-            self.shared.vram.deregister(&self.shared.ctrl, &self.shared.gate, self.shared.tcp_opts.timeout, key);
-            self.shared.regions.remove_vram(desc.addr, desc.len);
-            return;
-        }
-        if mem != MemType::Dram {
-            return;
-        }
-        // Same-host peers first: refuse new batches, wait (bounded) for those inside.
-        if let Some(t) = key.and_then(|k| k.downcast_ref::<LocalGateRegion>()) {
-            self.shared.gate.retire(t.0, self.shared.tcp_opts.timeout);
-        }
-        // Waits (bounded) for TCP requests being served from the range, so none touches it after this.
-        self.shared.regions.remove(desc.addr, desc.len);
+    fn deregister(&self, _: MemType, _: &Desc, key: Option<&RegionKey>) {
+        self.shared.deregister(&[key]);
     }
 
-    fn deregister_many(&self, mem: MemType, regions: &[(Desc, Option<RegionKey>)]) {
-        if mem != MemType::Dram {
-            for (d, k) in regions {
-                self.deregister(mem, d, k.as_ref());
-            }
-            return;
-        }
-        // Every region refuses new batches first; then one bounded wait for same-host peers inside the gate
-        // and one for TCP requests being served, however many regions go.
-        let tickets: Vec<_> =
-            regions.iter().filter_map(|(_, k)| k.as_ref()?.downcast_ref::<LocalGateRegion>().map(|t| t.0)).collect();
-        self.shared.gate.retire_many(&tickets, self.shared.tcp_opts.timeout);
-        let ranges: Vec<(u64, u64)> = regions.iter().map(|(d, _)| (d.addr, d.len)).collect();
-        self.shared.regions.remove_many(&ranges);
+    fn deregister_many(&self, _: MemType, regions: &[(Desc, Option<RegionKey>)]) {
+        let keys: Vec<Option<&RegionKey>> = regions.iter().map(|(_, k)| k.as_ref()).collect();
+        self.shared.deregister(&keys);
     }
 
     fn load_remote_region(

@@ -2,9 +2,9 @@
 //! (`PeerKind`: an agent of this process, another process on this host, or a TCP peer; each a `route::Route`).
 
 use std::any::Any;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use super::health::PeerHealth;
 use super::route::cma::Cma;
 use super::route::in_process::InProcess;
 use super::route::tcp::Tcp;
@@ -27,9 +27,9 @@ pub(super) struct EnginePeer {
     pub(super) name: String,
     pub(super) incarnation: u128,
     pub(super) kind: PeerKind,
-    /// This name's route has failed for good (its metadata's gate address faulted, its link gave up): per
-    /// name, so a forged copy of a peer's metadata can only break itself. The process's exit is `Proof::exited`.
-    pub(super) dead: Arc<AtomicBool>,
+    /// Its health, fed by its route: per name, so a forged copy of a peer's metadata can only break itself
+    /// (the process's exit, `Proof::exited`, is one signal of it for every name).
+    pub(super) health: Arc<PeerHealth>,
 }
 
 impl EnginePeer {
@@ -42,11 +42,6 @@ impl EnginePeer {
         }
     }
 
-    /// This name's route is dead, or the process behind it has exited.
-    pub(super) fn gone(&self) -> bool {
-        self.dead.load(Ordering::Acquire) || self.via().exited()
-    }
-
     pub(super) fn send_notif(&self, from: &str, msg: &[u8]) -> Result<()> {
         self.via().notify(from, msg)
     }
@@ -57,7 +52,7 @@ impl Peer for EnginePeer {
         self
     }
     fn disconnected(&self) -> bool {
-        self.via().down()
+        self.health.down_at(crate::util::monotonic_ns()) || self.via().closed()
     }
     fn why_down(&self) -> String {
         self.via().why_down()

@@ -12,6 +12,7 @@ use parking_lot::Mutex;
 use super::conn::ConnInfo;
 use super::copy;
 use super::gate::{self, Attached};
+use super::health::PeerHealth;
 use super::peer::{downcast, EnginePeer, PeerKind};
 use super::route::cma::Cma;
 use super::route::in_process::InProcess;
@@ -33,20 +34,21 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
         // Another host's loopback is our own: connecting there would hand the secret to a local stranger.
         addrs.retain(|a| !a.ip().is_loopback());
     }
-    let dead = Arc::new(AtomicBool::new(false));
-    let link = |dead: &Arc<AtomicBool>| {
-        // A TCP-only peer recovers from transient failures; a CMA peer's liveness is its pidfd's.
-        let recover = !same_host || s.transport == Transport::Tcp || !ci.has_local;
-        let t = LinkTarget { peer: agent, incarnation, secret: ci.secret, addrs: addrs.clone(), recover };
-        TcpLink::new(&s.ctrl.tcp, &s.agent, t, dead.clone())
+    let link = |health: &Arc<PeerHealth>| {
+        let t = LinkTarget { peer: agent, incarnation, secret: ci.secret, addrs: addrs.clone() };
+        TcpLink::new(&s.ctrl.tcp, &s.agent, t, health.clone())
     };
+    // The peer's health: a TCP-only peer recovers from transient failures; a same-host peer's is its
+    // process's (pidfd) and its gate's, and its TCP fall-back's first failure is final.
+    let health = |recover, exited, gate| Arc::new(PeerHealth::new(s.tcp_opts.live(), recover, exited, gate));
     if !same_host || s.transport == Transport::Tcp || !ci.has_local {
         if addrs.is_empty() {
             return Err(Error::backend(format!(
                 "agent '{agent}' runs on another host but advertises no address reachable from here"
             )));
         }
-        let kind = PeerKind::Tcp(Tcp { link: link(&dead) });
+        let health = health(true, None, None);
+        let kind = PeerKind::Tcp(Tcp { link: link(&health) });
         let why = match (same_host, ci.has_local) {
             (false, _) => "another host, or another pid or network namespace",
             (true, false) => "its connection info offers no same-host route",
@@ -56,27 +58,32 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
             "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route tcp ({why})",
             s.agent
         ));
-        return Ok(EnginePeer { name: agent.to_owned(), incarnation, kind, dead });
+        return Ok(EnginePeer { name: agent.to_owned(), incarnation, kind, health });
     }
     // In process only to an engine that lives here under that incarnation, whatever the connection info
     // says; an incarnation of this process that is not in the registry was destroyed (or never existed).
     let local = registry().lock().get(&incarnation).and_then(Weak::upgrade);
     // Why the kernel refused the peer's gate (so cross-memory attach): its data goes over TCP.
     let mut fallback = None;
-    let kind = if let Some(t) = local {
+    let (kind, health) = if let Some(t) = local {
         let gate = Some(gate::attach_shared((s.pid, s.start_time, incarnation), || Ok(t.gate.clone()))?);
-        PeerKind::InProcess(InProcess { name: agent.to_owned(), target: Arc::downgrade(&t), gate })
+        let health = health(false, None, gate.clone());
+        (PeerKind::InProcess(InProcess { name: agent.to_owned(), target: Arc::downgrade(&t), gate }), health)
     } else if ci.pid == s.pid && ci.start_time == s.start_time {
-        PeerKind::InProcess(InProcess { name: agent.to_owned(), target: Weak::new(), gate: None })
+        let health = health(false, None, None);
+        health.kill(|| "no agent of that incarnation lives in this process".into());
+        (PeerKind::InProcess(InProcess { name: agent.to_owned(), target: Weak::new(), gate: None }), health)
     } else {
         let proof = s.prove(ci, incarnation)?;
+        let health =
+            health(false, proof.as_ref().map(|p| p.exited.clone()), proof.as_ref().and_then(|p| p.gate.clone()));
         if proof.is_none() {
-            dead.store(true, Ordering::Release);
+            health.kill(|| "it did not prove it runs on this host".into());
         }
         let denied = proof.as_ref().and_then(|p| p.denied.clone());
-        let tcp = link(&dead);
+        let tcp = link(&health);
         fallback.clone_from(&denied);
-        PeerKind::Cma(Cma {
+        let kind = PeerKind::Cma(Cma {
             name: agent.to_owned(),
             incarnation,
             pid: ci.pid,
@@ -90,10 +97,11 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
             sender: Mutex::new(None),
             tcp,
             denied: AtomicBool::new(denied.is_some()),
-            dead: dead.clone(),
-        })
+            health: health.clone(),
+        });
+        (kind, health)
     };
-    let peer = EnginePeer { name: agent.to_owned(), incarnation, kind, dead };
+    let peer = EnginePeer { name: agent.to_owned(), incarnation, kind, health };
     match &fallback {
         None => crate::telemetry::log::info(&format!(
             "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route {} (same host)",

@@ -54,6 +54,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::copy::{self, cma_denied};
+use super::exports::Registered;
 use super::peer::{downcast, EnginePeer, PeerKind};
 use super::pool::{Pinned, PinnedBuf};
 use super::route::cma::Cma;
@@ -62,7 +63,7 @@ use super::route::Job;
 use super::router::ipc_despite_denial;
 use super::sentinel;
 use super::shared::{take_peer_fd, Shared};
-use super::vram_regions::{open_alloc, LocalVram, Opened, RemoteVram};
+use super::vram_regions::{open_alloc, Opened, RemoteVram};
 use super::xfer::{Core, Mover, Run};
 use crate::backend::{Seg, Target, XferOp, XferPlan};
 use crate::device::{self, Copy, Device};
@@ -152,10 +153,10 @@ fn in_peer_gate<T>(p: &EnginePeer, regions: &[(u32, u64, u64, u64)], f: impl FnO
         return Err(Error::backend("unreachable route"));
     };
     let gone = || {
-        p.dead.store(true, Ordering::Release);
+        p.health.kill(|| "it exited or exec'd".into());
         Error::disconnected(format!("agent '{}' exited or exec'd (it no longer runs that incarnation)", p.name))
     };
-    if p.gone() {
+    if p.health.gone() {
         return Err(gone());
     }
     let gate = gate.as_ref().ok_or_else(|| Error::disconnected(format!("agent '{}' is not reachable", p.name)))?;
@@ -168,7 +169,7 @@ fn in_peer_gate<T>(p: &EnginePeer, regions: &[(u32, u64, u64, u64)], f: impl FnO
             let mut lost = false;
             if let Err(e) = copy::probe(*pid, probe, &mut lost) {
                 if lost {
-                    p.dead.store(true, Ordering::Release);
+                    p.health.kill(|| "its incarnation is gone (identity probe)".into());
                 }
                 if cma_denied(&e) {
                     // No sentinel, and the kernel refuses the probe: nothing can check this peer's identity.
@@ -199,7 +200,7 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
     }
     let local_is_vram = plan.local_mem == MemType::Vram;
     let remote_is_vram = plan.remote_mem == MemType::Vram;
-    let local_dev = plan.local_keys.iter().flatten().find_map(|k| k.downcast_ref::<LocalVram>()).map(|l| l.dev);
+    let local_dev = plan.local_keys.iter().flatten().find_map(Registered::vram_dev);
     let peer = match &plan.target {
         Target::Local => None,
         Target::Remote(p) => Some(downcast(p)?),
@@ -232,10 +233,11 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
             return Err(Error::backend(format!("VRAM to agent '{}' over TCP goes through route::tcp::vram", ep.name)))
         }
     };
-    let remote_dev =
-        plan.remote_keys.iter().flatten().find_map(|k| {
-            k.downcast_ref::<RemoteVram>().map(|r| r.dev).or(k.downcast_ref::<LocalVram>().map(|l| l.dev))
-        });
+    let remote_dev = plan
+        .remote_keys
+        .iter()
+        .flatten()
+        .find_map(|k| k.downcast_ref::<RemoteVram>().map(|r| r.dev).or(Registered::vram_dev(k)));
     // The device whose context runs the copies: the local region's, else (this process) the remote one's,
     // else device 0 (a peer's allocation opened here from DRAM).
     let dev = match (&far, local_dev) {
@@ -248,7 +250,7 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
     let mut gated = Vec::new();
     for (i, k) in plan.remote_keys.iter().enumerate() {
         let k = k.as_ref().filter(|_| used.contains(&(i as u32)));
-        let u = if k.and_then(|k| k.downcast_ref::<LocalVram>()).is_some() {
+        let u = if k.and_then(Registered::vram_dev).is_some() {
             // Loopback: this agent's own key.
             Some(RegionUse::SAME)
         } else if let Some(r) = k.and_then(|k| k.downcast_ref::<RemoteVram>()) {

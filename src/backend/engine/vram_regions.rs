@@ -8,13 +8,12 @@
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, OnceLock, Weak};
-use std::time::Duration;
 
 use parking_lot::Mutex;
 
 use super::ctrl::Ctrl;
 use super::gate::{Gate, RegionTicket};
-use crate::backend::{LocalRegion, RegionKey};
+use crate::backend::RegionKey;
 use crate::device::{self, Device, Export, HandleKind, IpcHandle, Mapping};
 use crate::md::{put_bytes, put_uvar, Reader};
 use crate::mem::{Desc, RegDesc};
@@ -35,19 +34,21 @@ pub(super) struct Vram {
     exports: Mutex<HashMap<u64, Exported>>,
 }
 
-/// A registered local VRAM region.
-pub(super) struct LocalVram {
+/// A VRAM region as `Vram::register` exported it.
+pub(super) struct VramExport {
+    /// Its public bytes: the gate ticket and the allocations' handles.
+    pub(super) public: Vec<u8>,
+    pub(super) ticket: RegionTicket,
     /// Base of each allocation (chunk) it spans.
-    bases: Vec<u64>,
-    ticket: RegionTicket,
-    pub(super) dev: u32,
+    pub(super) bases: Vec<u64>,
 }
 
 /// Most allocations one region may span.
 const MAX_CHUNKS: usize = 4096;
 
 impl Vram {
-    pub(super) fn register(&self, ctrl: &Ctrl, gate: &Gate, desc: &RegDesc) -> Result<LocalRegion> {
+    /// Export the allocations `desc` spans (or count one more region on their exports) and take its gate slot.
+    pub(super) fn register(&self, ctrl: &Ctrl, gate: &Gate, desc: &RegDesc) -> Result<VramExport> {
         let dev = device::get()?;
         let d = &desc.desc;
         let chunks = chunks(dev, d.addr, d.len)?;
@@ -109,17 +110,14 @@ impl Vram {
             public.push(h.kind as u8);
             put_bytes(&mut public, &h.bytes);
         }
-        let key: RegionKey = Arc::new(LocalVram { bases: done, ticket, dev: chunks[0].dev });
-        Ok(LocalRegion { public, key: Some(key) })
+        Ok(VramExport { public, ticket, bases: done })
     }
 
-    /// Retire the region in the gate (returns once no peer's batch is inside, bounded by `wait`), then drop its
-    /// exports.
-    pub(super) fn deregister(&self, ctrl: &Ctrl, gate: &Gate, wait: Duration, key: Option<&RegionKey>) {
-        let Some(l) = key.and_then(|k| k.downcast_ref::<LocalVram>()) else { return };
-        gate.retire(l.ticket, wait);
+    /// One region fewer on the exports of `bases` (from `register`; its gate slot retired first): the last
+    /// one drops an export.
+    pub(super) fn unexport_all(&self, ctrl: &Ctrl, bases: &[u64]) {
         let mut ex = self.exports.lock();
-        for b in &l.bases {
+        for b in bases {
             if let Some(e) = ex.get_mut(b) {
                 e.regions -= 1;
                 if e.regions == 0 {

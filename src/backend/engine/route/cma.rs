@@ -13,6 +13,7 @@ use super::{Job, Route};
 use crate::backend::engine::copy::{self, cma_denied};
 use crate::backend::engine::ctrl::Sender;
 use crate::backend::engine::gate::Attached;
+use crate::backend::engine::health::PeerHealth;
 use crate::backend::engine::shared::Proof;
 use crate::backend::Seg;
 use crate::status::{Error, Result, Status};
@@ -37,14 +38,14 @@ pub(crate) struct Cma {
     pub(crate) sender: Mutex<Option<Sender>>,
     pub(crate) tcp: Arc<TcpLink>,
     pub(crate) denied: AtomicBool,
-    /// The peer's `EnginePeer::dead`: this name's route has failed for good.
-    pub(crate) dead: Arc<AtomicBool>,
+    /// The peer's `EnginePeer::health` (its process's exit and its gate among its signals).
+    pub(crate) health: Arc<PeerHealth>,
 }
 
 impl Cma {
-    /// This name's route is dead, or the process behind it has exited.
+    /// This name is gone for good (its incarnation proven gone), or its process exited.
     pub(crate) fn gone(&self) -> bool {
-        self.dead.load(Ordering::Acquire) || self.exited()
+        self.health.gone()
     }
 
     /// Data goes over TCP: the kernel denied cross-memory attach.
@@ -77,7 +78,7 @@ impl Cma {
             unsafe { copy::cma_batch(self.pid, job.op, b, &self.probe, gate.gate.sentinel(), &mut gone) }
         });
         if gone {
-            self.dead.store(true, Ordering::Release);
+            self.health.kill(|| "its incarnation is gone (the identity probe or the gate said so)".into());
         }
         r
     }
@@ -115,11 +116,8 @@ impl Route for Cma {
     fn pid(&self) -> Option<i32> {
         Some(self.pid)
     }
-    fn exited(&self) -> bool {
-        self.proof.as_ref().is_some_and(|p| p.exited.load(Ordering::Acquire))
-    }
-    fn down(&self) -> bool {
-        self.gone() || self.gate.as_ref().is_some_and(|g| !g.gate.live())
+    fn closed(&self) -> bool {
+        false
     }
     fn why_down(&self) -> String {
         if !self.denied() {

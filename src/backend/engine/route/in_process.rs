@@ -33,11 +33,8 @@ impl Route for InProcess {
     fn pid(&self) -> Option<i32> {
         None
     }
-    fn exited(&self) -> bool {
+    fn closed(&self) -> bool {
         false
-    }
-    fn down(&self) -> bool {
-        self.gate.as_ref().is_none_or(|g| !g.gate.live())
     }
     fn why_down(&self) -> String {
         String::new()
@@ -47,7 +44,8 @@ impl Route for InProcess {
     }
     fn close(&self) {}
     fn notify(&self, from: &str, msg: &[u8]) -> Result<()> {
-        let t = self.target.upgrade().filter(|_| !self.down()).ok_or_else(|| self.destroyed())?;
+        let live = self.gate.as_ref().is_some_and(|g| g.gate.live());
+        let t = self.target.upgrade().filter(|_| live).ok_or_else(|| self.destroyed())?;
         t.queue.lock().push((from.to_owned(), msg.to_vec()));
         Ok(())
     }

@@ -1,8 +1,9 @@
 //! The engine's routes to a peer, a file or a folder each, behind one trait (`Route`): an agent in this process
 //! (`in_process`), another process on this host by cross-memory attach (`cma`), and TCP (`tcp/`, split by
-//! responsibility). A peer holds one (`peer::PeerKind`); everything the engine asks of a peer (is it down and
-//! why, connect, close, notify, copy a piece of a request) goes through the trait, so a new route is a file or
-//! folder here, a variant of `PeerKind` and its choice in `router`.
+//! responsibility). A peer holds one (`peer::PeerKind`); everything the engine asks of a peer's route (why it is
+//! down, connect, close, notify, copy a piece of a request) goes through the trait, so a new route is a file or
+//! folder here, a variant of `PeerKind` and its choice in `router`. Whether the peer is down is not a route's
+//! answer but its health's (`health::PeerHealth`), which every route of the peer feeds.
 //!
 //! Requests that touch VRAM go through their `xfer::Mover` instead (`vram`, `tcp::vram`), which reads the
 //! route's own fields.
@@ -25,10 +26,9 @@ pub(super) trait Route: Send + Sync {
     fn label(&self) -> &'static str;
     /// The peer's process, where it is one on this host.
     fn pid(&self) -> Option<i32>;
-    /// The peer's process has exited (known without asking it).
-    fn exited(&self) -> bool;
-    /// The peer can no longer be reached: its requests fail with REMOTE_DISCONNECT.
-    fn down(&self) -> bool;
+    /// The route was closed (`close`) and keeps no way to the peer; whether the peer itself is down is its
+    /// health's answer (`EnginePeer::health`).
+    fn closed(&self) -> bool;
     /// Why it is down, as ` (reason)`, or empty.
     fn why_down(&self) -> String;
     /// Get ready to notify `from` this agent (connections the route keeps to the peer).

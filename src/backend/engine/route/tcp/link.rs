@@ -1,6 +1,6 @@
 //! The initiator's side of the TCP route: one `TcpLink` per peer (its control connection, read by the
 //! progress thread (`listen`), and its data connections, used by the requests' pieces directly), its liveness
-//! (`liveness::Liveness`, fed by the progress thread through `listen::Watched`), and redialing after a failure.
+//! (the peer's `health::PeerHealth`, its heartbeats fed by the progress thread through `listen::Watched`), and redialing after a failure.
 
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpStream};
@@ -13,7 +13,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::listen::{CtrlConn, TcpOpts, TcpShared, Watched};
 use super::wire::{self, Hello, WireSeg};
-use crate::backend::engine::liveness::{DialPlan, Liveness, Tick};
+use crate::backend::engine::health::{DialPlan, PeerHealth, Signal, Tick};
 use crate::backend::engine::net::{self, iovec};
 use crate::backend::engine::notif::MAX_NOTIF;
 use crate::backend::{Seg, XferOp};
@@ -32,15 +32,12 @@ pub struct TcpLink {
     addrs: Vec<SocketAddr>,
     opts: TcpOpts,
     shared: Weak<TcpShared>,
-    /// The peer's "disconnected" flag as the agent sees it: set while the link is down.
-    pub dead: Arc<AtomicBool>,
-    /// May a link that went down come back? (No when `dead` is shared with another liveness source, e.g.
-    /// a pidfd, whose verdict is final.)
-    recover: bool,
-    live: Mutex<Liveness>,
+    /// The peer's health, shared with its route (`EnginePeer::health`): down while the link is down, fed
+    /// by the link's failures, dials and heartbeats (a same-host peer's, whose process is watched otherwise,
+    /// does not recover).
+    pub health: Arc<PeerHealth>,
     /// Bumped each time the link goes down: failures of connections from an earlier epoch are old news.
     epoch: AtomicU64,
-    why: Mutex<Option<String>>,
     good: Mutex<Option<SocketAddr>>,
     dial_ctrl: Mutex<()>,
     ctrl: Mutex<Option<Arc<CtrlConn>>>,
@@ -67,15 +64,13 @@ pub struct LinkTarget<'a> {
     pub incarnation: u128,
     pub secret: u128,
     pub addrs: Vec<SocketAddr>,
-    /// Whether the link may recover after going down (see `TcpLink::recover`).
-    pub recover: bool,
 }
 
 /// Why a dial failed, and whether that proves the incarnation is not there.
 type DialError = (String, bool);
 
 impl TcpLink {
-    pub fn new(shared: &Arc<TcpShared>, me: &str, t: LinkTarget<'_>, dead: Arc<AtomicBool>) -> Arc<TcpLink> {
+    pub fn new(shared: &Arc<TcpShared>, me: &str, t: LinkTarget<'_>, health: Arc<PeerHealth>) -> Arc<TcpLink> {
         Arc::new(TcpLink {
             peer: t.peer.to_owned(),
             me: me.to_owned(),
@@ -84,11 +79,8 @@ impl TcpLink {
             addrs: t.addrs,
             opts: shared.opts,
             shared: Arc::downgrade(shared),
-            dead,
-            recover: t.recover,
-            live: Mutex::new(Liveness::new(shared.opts.live())),
+            health,
             epoch: AtomicU64::new(0),
-            why: Mutex::new(None),
             good: Mutex::new(None),
             dial_ctrl: Mutex::new(()),
             ctrl: Mutex::new(None),
@@ -106,11 +98,11 @@ impl TcpLink {
 
     /// Why the link last went down.
     pub fn why(&self) -> Option<String> {
-        self.why.lock().clone()
+        self.health.why()
     }
 
     fn gone(&self) -> Error {
-        let why = self.why.lock().clone().unwrap_or_else(|| "connection closed".into());
+        let why = self.health.why().unwrap_or_else(|| "connection closed".into());
         Error::disconnected(format!("agent '{}' is unreachable over TCP: {why}", self.peer))
     }
 
@@ -129,20 +121,16 @@ impl TcpLink {
     }
 
     fn went_down(&self, why: String, proven: bool) {
-        let now = monotonic_ns();
-        {
-            let mut l = self.live.lock();
-            if proven {
-                l.dial_failed(now, true);
-            } else {
-                l.broken(now);
-            }
-            // Under the liveness lock, so a concurrent revival sees either all of this or none.
-            if !self.dead.swap(true, Ordering::AcqRel) || proven {
-                *self.why.lock() = Some(why);
-            }
-            self.epoch.fetch_add(1, Ordering::AcqRel);
-        }
+        let s = if proven { Signal::DialFailed { proven } } else { Signal::Broken };
+        // The epoch moves under the health's lock, so a concurrent revival sees either all of this or none.
+        self.health.feed(
+            monotonic_ns(),
+            s,
+            || why,
+            || {
+                self.epoch.fetch_add(1, Ordering::AcqRel);
+            },
+        );
         self.drop_conns();
     }
 
@@ -171,38 +159,30 @@ impl TcpLink {
     /// A link that was down is up again (unless a proven failure or a close came first). False when the
     /// connection must not be used.
     fn handshook(&self, epoch: u64) -> bool {
-        let mut l = self.live.lock();
         if self.closed.load(Ordering::Acquire) {
             return false;
         }
-        if !self.dead.load(Ordering::Acquire) {
+        if !self.health.down.load(Ordering::Acquire) {
             return self.epoch.load(Ordering::Acquire) == epoch;
         }
-        if !self.recover || !l.dial_ok() {
-            return false;
-        }
-        self.why.lock().take();
-        self.touch();
-        self.dead.store(false, Ordering::Release);
-        true
+        self.health.feed(monotonic_ns(), Signal::Handshake, String::new, || self.touch())
     }
 
     /// The peer was invalidated or dropped: close everything, stop heartbeats. Not a death.
     pub fn close(&self) {
         self.closed.store(true, Ordering::Release);
-        self.why.lock().get_or_insert_with(|| "the peer was invalidated".into());
+        self.health.why.lock().get_or_insert_with(|| "the peer was invalidated".into());
         self.drop_conns();
+    }
+
+    /// Closed (`close`): nothing is dialed again.
+    pub fn closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
     }
 
     /// Is the peer unusable now? Down and not due for a retry, proven gone, or closed.
     pub fn down(&self) -> bool {
-        if self.closed.load(Ordering::Acquire) {
-            return true;
-        }
-        if !self.dead.load(Ordering::Acquire) {
-            return false;
-        }
-        !self.recover || !self.live.lock().may_dial(monotonic_ns())
+        self.closed.load(Ordering::Acquire) || self.health.down_at(monotonic_ns())
     }
 
     fn usable(&self) -> Result<()> {
@@ -261,7 +241,7 @@ impl TcpLink {
         let me: Weak<TcpLink> = Arc::downgrade(self);
         shared.add_out(conn.clone(), me)?;
         // Death or close may have raced with the dial; they shut down whatever `ctrl` held before.
-        if self.dead.load(Ordering::Acquire) || self.closed.load(Ordering::Acquire) {
+        if self.health.down.load(Ordering::Acquire) || self.closed.load(Ordering::Acquire) {
             let _ = conn.stream.shutdown(Shutdown::Both);
             shared.remove_out(token);
             return Err(self.gone());
@@ -270,10 +250,9 @@ impl TcpLink {
     }
 
     fn dial_failed(&self, (why, proven): DialError) -> Error {
-        if self.dead.load(Ordering::Acquire) {
+        if self.health.down.load(Ordering::Acquire) {
             // Already down: this was a retry. Back off further (or for good).
-            self.live.lock().dial_failed(monotonic_ns(), proven);
-            *self.why.lock() = Some(why);
+            self.health.feed(monotonic_ns(), Signal::DialFailed { proven }, || why, || {});
         } else {
             self.went_down(why, proven);
         }
@@ -463,7 +442,7 @@ impl TcpLink {
                         g.all.retain(|w| w.strong_count() > 0);
                         g.all.push(Arc::downgrade(&s));
                         let epoch = self.epoch.load(Ordering::Acquire);
-                        if self.dead.load(Ordering::Acquire) || self.closed.load(Ordering::Acquire) {
+                        if self.health.down.load(Ordering::Acquire) || self.closed.load(Ordering::Acquire) {
                             let _ = s.shutdown(Shutdown::Both);
                         }
                         Ok((s, epoch, false))
@@ -497,7 +476,7 @@ impl TcpLink {
     fn checkin(&self, s: Arc<TcpStream>, epoch: u64, reusable: bool) {
         let mut g = self.data.lock();
         let current = self.epoch.load(Ordering::Acquire) == epoch;
-        if reusable && current && !self.dead.load(Ordering::Acquire) && !self.closed.load(Ordering::Acquire) {
+        if reusable && current && !self.health.down.load(Ordering::Acquire) && !self.closed.load(Ordering::Acquire) {
             g.idle.push(s);
         } else {
             g.open -= 1;
@@ -658,7 +637,7 @@ impl net::Watch for DataWatch<'_> {
         let now = monotonic_ns();
         let silence = l.opts.live().silence;
         l.epoch.load(Ordering::Acquire) == self.epoch
-            && !l.dead.load(Ordering::Acquire)
+            && !l.health.down.load(Ordering::Acquire)
             && !l.closed.load(Ordering::Acquire)
             && now.saturating_sub(l.last_rx.load(Ordering::Acquire)) < silence
             && now.saturating_sub(self.last.get()) < l.opts.patience().as_nanos() as u64
@@ -682,7 +661,7 @@ impl Watched for TcpLink {
         TcpLink::touch(self)
     }
     fn tick(&self, now: u64, inflight: usize, last_rx: u64) -> Tick {
-        self.live.lock().tick(now, inflight, last_rx)
+        self.health.live.lock().tick(now, inflight, last_rx)
     }
     fn kill(&self, why: String) {
         TcpLink::kill(self, why)

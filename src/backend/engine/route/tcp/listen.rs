@@ -21,7 +21,7 @@
 //! edge-triggered epoll loops (`serve`), each connection a small state machine, so a slow or idle
 //! peer holds no thread.
 //!
-//! Liveness (see `liveness`): the progress thread (see `ctrl`) reads the control connections and feeds each
+//! Liveness (see `health`): the progress thread (see `ctrl`) reads the control connections and feeds each
 //! peer's state machine the time. While a peer has requests in flight it is pinged every `timeout / 8` and
 //! goes down when nothing (a pong or data progress) has arrived for `3/4 × timeout`, so requests fail
 //! within `timeout` of a partition; a closed connection is seen at once. Going down shuts all the peer's
@@ -55,7 +55,7 @@ use parking_lot::Mutex;
 use super::regions::Regions;
 use super::serve::Serving;
 use super::wire::{self, CtrlMsg};
-use crate::backend::engine::liveness::{LiveCfg, Tick};
+use crate::backend::engine::health::{LiveCfg, Tick};
 use crate::backend::engine::net;
 use crate::backend::engine::notif::{NotifQueue, MAX_NOTIF};
 use crate::os::{Reactor, Tokens};
@@ -95,7 +95,7 @@ impl TcpOpts {
     pub fn stall(&self) -> Duration {
         (self.timeout * 5).max(Duration::from_secs(5))
     }
-    /// The heartbeat timing of a link (see `liveness`).
+    /// The heartbeat timing of a link (see `health`).
     pub fn live(&self) -> LiveCfg {
         LiveCfg::for_timeout(self.timeout.as_nanos() as u64)
     }

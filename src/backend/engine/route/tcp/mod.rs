@@ -34,11 +34,8 @@ impl Route for Tcp {
     fn pid(&self) -> Option<i32> {
         None
     }
-    fn exited(&self) -> bool {
-        false
-    }
-    fn down(&self) -> bool {
-        self.link.down()
+    fn closed(&self) -> bool {
+        self.link.closed()
     }
     fn why_down(&self) -> String {
         self.link.why().map(|w| format!(" ({w})")).unwrap_or_default()

@@ -48,40 +48,31 @@ impl Regions {
         self.bound_ns.store(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
     }
 
-    /// One more registration of exactly `addr..addr+len`.
-    pub fn add(&self, addr: u64, len: u64) {
-        *self.st.lock().table.entry((addr, len)).or_insert(0) += 1;
-    }
-
-    /// One more registration of exactly `addr..addr+len`, in the memory of device `dev`.
-    pub fn add_vram(&self, addr: u64, len: u64, dev: u32) {
+    /// One more registration of exactly `addr..addr+len` (in the memory of device `dev`, for VRAM).
+    pub fn add(&self, addr: u64, len: u64, dev: Option<u32>) {
         let mut st = self.st.lock();
         *st.table.entry((addr, len)).or_insert(0) += 1;
-        st.vram.entry((addr, len)).or_insert((dev, 0)).1 += 1;
+        if let Some(dev) = dev {
+            st.vram.entry((addr, len)).or_insert((dev, 0)).1 += 1;
+        }
     }
 
-    /// `remove` for a registration made with `add_vram`.
-    pub fn remove_vram(&self, addr: u64, len: u64) {
-        let k = (addr, len);
+    /// One registration fewer of each range (and device, as given to `add`). Ranges whose last registration
+    /// this was refuse requests at once; then one wait (bounded in all, see the type's comment) for the
+    /// requests holding a lease on any of them.
+    pub fn remove(&self, ranges: &[(u64, u64, Option<u32>)]) {
         let mut st = self.st.lock();
-        if let Some(v) = st.vram.get_mut(&k) {
-            v.1 -= 1;
-            if v.1 == 0 {
-                st.vram.remove(&k);
+        for &(addr, len, _) in ranges.iter().filter(|r| r.2.is_some()) {
+            let k = (addr, len);
+            if let Some(v) = st.vram.get_mut(&k) {
+                v.1 -= 1;
+                if v.1 == 0 {
+                    st.vram.remove(&k);
+                }
             }
         }
-        self.remove_locked(st, &[k]);
-    }
-
-    /// One registration fewer. When it was the last of that range, wait for requests holding a lease on it
-    /// (bounded, see the type's comment).
-    pub fn remove(&self, addr: u64, len: u64) {
-        self.remove_locked(self.st.lock(), &[(addr, len)]);
-    }
-
-    /// `remove` for many ranges: one wait (bounded in all) for the requests being served from any of them.
-    pub fn remove_many(&self, ranges: &[(u64, u64)]) {
-        self.remove_locked(self.st.lock(), ranges);
+        let ranges: Vec<(u64, u64)> = ranges.iter().map(|r| (r.0, r.1)).collect();
+        self.remove_locked(st, &ranges);
     }
 
     fn remove_locked(&self, mut st: parking_lot::MutexGuard<'_, RegionState>, ranges: &[(u64, u64)]) {
@@ -192,8 +183,8 @@ mod tests {
     #[test]
     fn vram_registrations_lease_as_device_and_never_mixed_with_host() {
         let r = Regions::default();
-        r.add(0x1000, 0x1000);
-        r.add_vram(0x10_0000, 0x1000, 3);
+        r.add(0x1000, 0x1000, None);
+        r.add(0x10_0000, 0x1000, Some(3));
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let s = Arc::new(TcpStream::connect(l.local_addr().unwrap()).unwrap());
         let seg = |region, addr| WireSeg { region, region_len: 0x1000, addr, len: 16 };
@@ -204,16 +195,16 @@ mod tests {
         r.release(1);
         assert_eq!(r.lease(1, &s, &[seg(0x1000, 0x1000), seg(0x10_0000, 0x10_0000)]), Leased::Refused);
         // Deregistered: refused; the same range registered again as host memory is host memory.
-        r.remove_vram(0x10_0000, 0x1000);
+        r.remove(&[(0x10_0000, 0x1000, Some(0))]);
         assert_eq!(r.lease(1, &s, &[seg(0x10_0000, 0x10_0000)]), Leased::Refused);
-        r.add(0x10_0000, 0x1000);
+        r.add(0x10_0000, 0x1000, None);
         assert_eq!(r.lease(1, &s, &[seg(0x10_0000, 0x10_0000)]), Leased::Host);
         r.release(1);
         // Two VRAM registrations of one range: the first removal leaves it device memory.
-        r.remove(0x10_0000, 0x1000);
-        r.add_vram(0x10_0000, 0x1000, 2);
-        r.add_vram(0x10_0000, 0x1000, 2);
-        r.remove_vram(0x10_0000, 0x1000);
+        r.remove(&[(0x10_0000, 0x1000, None)]);
+        r.add(0x10_0000, 0x1000, Some(2));
+        r.add(0x10_0000, 0x1000, Some(2));
+        r.remove(&[(0x10_0000, 0x1000, Some(0))]);
         assert_eq!(r.lease(1, &s, &[seg(0x10_0000, 0x10_0000)]), Leased::Device(vec![2]));
     }
 }

@@ -1,0 +1,70 @@
+//! The target's side of every route, in one place: a registration's row (`Registered`, the key the agent keeps)
+//! and what each route serves it from, written here and only here: its slot in the transfer gate (same-host
+//! routes check it for every batch), its range in the TCP region table (what TCP peers may reach and what
+//! deregistration waits for, see `route::tcp::regions`) and, for VRAM, its exported allocations (the CUDA IPC
+//! handles of its public bytes, see `vram_regions`). Deregistration retires all three together: no peer of
+//! any route touches the range after it returns.
+
+use std::sync::Arc;
+
+use super::conn::encode_ticket;
+use super::gate::RegionTicket;
+use super::shared::Shared;
+use crate::backend::{LocalRegion, RegionKey};
+use crate::mem::{MemType, RegDesc};
+use crate::status::{Error, Result};
+
+/// One registration of this engine, as its key.
+pub(super) struct Registered {
+    addr: u64,
+    len: u64,
+    ticket: RegionTicket,
+    /// VRAM: its device and the base of each exported allocation it spans; None for DRAM.
+    vram: Option<(u32, Vec<u64>)>,
+}
+
+impl Registered {
+    /// The device of a local VRAM registration's key.
+    pub(super) fn vram_dev(key: &RegionKey) -> Option<u32> {
+        key.downcast_ref::<Registered>()?.vram.as_ref().map(|v| v.0)
+    }
+}
+
+impl Shared {
+    /// Register `desc` with every route: a gate slot, a TCP range, and for VRAM the exports whose handles its
+    /// public bytes carry (the gate ticket alone for DRAM).
+    pub(super) fn register(&self, mem: MemType, desc: &RegDesc) -> Result<LocalRegion> {
+        let d = &desc.desc;
+        let (public, ticket, vram) = match mem {
+            MemType::Vram => {
+                // `register` checks that the descriptor's device is the allocation's.
+                let v = self.vram.register(&self.ctrl, &self.gate, desc)?;
+                (v.public, v.ticket, Some((d.dev as u32, v.bases)))
+            }
+            MemType::Dram => {
+                let t = self.gate.register(d.addr, d.len)?;
+                (encode_ticket(t), t, None)
+            }
+            _ => return Err(Error::not_supported(format!("{} is not supported by this engine", mem.seg_name()))),
+        };
+        // TCP peers reach VRAM through the serving loops, staged (see `route::tcp::stage`).
+        self.regions.add(d.addr, d.len, vram.as_ref().map(|v| v.0));
+        let key: RegionKey = Arc::new(Registered { addr: d.addr, len: d.len, ticket, vram });
+        Ok(LocalRegion { public, key: Some(key) })
+    }
+
+    /// Deregister the regions of `keys` (this engine's, from `register`) from every route: each refuses new
+    /// work on them at once, then one bounded wait for same-host peers' batches inside the gate and one for
+    /// TCP requests being served, however many go; last, VRAM exports are dropped.
+    pub(super) fn deregister(&self, keys: &[Option<&RegionKey>]) {
+        let rows: Vec<&Registered> = keys.iter().flatten().filter_map(|k| k.downcast_ref::<Registered>()).collect();
+        let tickets: Vec<RegionTicket> = rows.iter().map(|r| r.ticket).collect();
+        self.gate.retire(&tickets, self.tcp_opts.timeout);
+        let ranges: Vec<(u64, u64, Option<u32>)> =
+            rows.iter().map(|r| (r.addr, r.len, r.vram.as_ref().map(|v| v.0))).collect();
+        self.regions.remove(&ranges);
+        for (_, bases) in rows.iter().filter_map(|r| r.vram.as_ref()) {
+            self.vram.unexport_all(&self.ctrl, bases);
+        }
+    }
+}

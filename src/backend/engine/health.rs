@@ -1,0 +1,531 @@
+//! One peer's health, the one answer to "is this peer dead": a state machine fed every signal about it (a
+//! broken or silent connection, a failed or successful dial, the process's exit, its incarnation proven gone)
+//! and the time, returning a verdict: Up, Down until a retry is due, or Gone (`Liveness`, sans-IO: it owns no
+//! socket and reads no clock, so the progress thread drives it with the real time and the tests below with a
+//! fake one); and the shared face of that machine a peer's routes feed and read (`PeerHealth`).
+//!
+//! Rules:
+//! - Heartbeats only while requests are in flight: a ping every `ping_every`, and the peer is down when
+//!   nothing (a pong, or data progress) has arrived for `silence`. An idle peer has no timers at all.
+//! - "Down" is not "dead": a peer that went silent, reset a connection or could not be dialed is retried,
+//!   with back-off between attempts (`backoff_min`, doubling up to `backoff_max`), and is up again after a
+//!   successful handshake, which proves the same incarnation is there. Requests in flight when it went
+//!   down fail; requests posted while a retry is not due fail at once. A machine that may not recover (a
+//!   same-host peer's TCP fall-back, whose process is watched otherwise) is gone at its first failure.
+//! - "Proven" failures are final (Gone): the target answered our HELLO with NAK (another incarnation, or the
+//!   metadata is stale) or refused the connection (its listener, which lives as long as the agent, is
+//!   gone); the process exited (its pidfd); its gate faulted, closed, or its sentinel flipped. Only
+//!   remove / re-add (a new incarnation) helps then.
+//! - A dial retries inside the disconnect timeout (`DialPlan`), so a target busy for a moment, or with its
+//!   handshake slots briefly taken by strangers, costs a little latency, not the peer.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::gate::Attached;
+
+/// Timing of the state machine, in ns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LiveCfg {
+    pub ping_every: u64,
+    pub silence: u64,
+    pub backoff_min: u64,
+    pub backoff_max: u64,
+}
+
+impl LiveCfg {
+    /// The engine's figures for a disconnect timeout of `timeout_ns`: pings every 1/8, down after 3/4 of
+    /// silence (the last quarter is left for the fault to start after the last answer and for the
+    /// progress thread to be scheduled), retries after one timeout, backing off to 16.
+    pub fn for_timeout(timeout_ns: u64) -> LiveCfg {
+        let t = timeout_ns.max(1_000_000);
+        LiveCfg { ping_every: (t / 8).max(1_000_000), silence: t / 4 * 3, backoff_min: t, backoff_max: t * 16 }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    Up,
+    /// Down since `since`; a new connection may be tried from `retry_at`.
+    Down {
+        since: u64,
+        retry_at: u64,
+    },
+    /// For good.
+    Gone,
+}
+
+/// What happened to the peer, as a route saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Signal {
+    /// A connection broke (reset, end of stream, I/O error) or the peer went silent.
+    Broken,
+    /// A dial failed; `proven` when the target said the incarnation is not there.
+    DialFailed { proven: bool },
+    /// A handshake succeeded: the incarnation we were built for answers.
+    Handshake,
+    /// The peer's process exited, or its incarnation is proven gone (gate, sentinel, identity probe).
+    Gone,
+}
+
+/// The machine's answer: usable, down until a retry is due at that time (ns), or gone for good.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Up,
+    DownUntil(u64),
+    Gone,
+}
+
+/// What the caller must do after a `tick`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Tick {
+    /// Send a PING on the control connection.
+    pub ping: bool,
+    /// The peer went down now (silence): fail its requests, shut its sockets.
+    pub down: bool,
+    /// Look again after this many ns (None: only when something happens).
+    pub wake_in: Option<u64>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Liveness {
+    cfg: LiveCfg,
+    /// May it come back after a failure (else the first one is final)?
+    recover: bool,
+    health: Health,
+    next_ping: Option<u64>,
+    backoff: u64,
+}
+
+impl Liveness {
+    pub fn new(cfg: LiveCfg, recover: bool) -> Liveness {
+        Liveness { cfg, recover, health: Health::Up, next_ping: None, backoff: cfg.backoff_min }
+    }
+
+    #[cfg(test)]
+    pub fn health(&self) -> Health {
+        self.health
+    }
+
+    pub fn verdict(&self) -> Verdict {
+        match self.health {
+            Health::Up => Verdict::Up,
+            Health::Down { retry_at, .. } => Verdict::DownUntil(retry_at),
+            Health::Gone => Verdict::Gone,
+        }
+    }
+
+    /// Heartbeats: `inflight` requests are running and the last sign of life came at `last_rx`.
+    pub fn tick(&mut self, now: u64, inflight: usize, last_rx: u64) -> Tick {
+        if self.health != Health::Up || inflight == 0 {
+            self.next_ping = None;
+            return Tick::default();
+        }
+        let deadline = last_rx.saturating_add(self.cfg.silence);
+        if now >= deadline {
+            self.went_down(now, false);
+            return Tick { down: true, ..Tick::default() };
+        }
+        let due = *self.next_ping.get_or_insert(now);
+        let ping = now >= due;
+        if ping {
+            self.next_ping = Some(now + self.cfg.ping_every);
+        }
+        let soonest = deadline.min(self.next_ping.unwrap_or(deadline));
+        Tick { ping, down: false, wake_in: Some(soonest - now) }
+    }
+
+    /// Take in what happened at `now`. Returns true when the peer is up afterwards for a `Handshake` (false:
+    /// too late, it is gone), and for the other signals when this is news (the peer was up).
+    pub fn feed(&mut self, now: u64, s: Signal) -> bool {
+        let was_up = self.health == Health::Up;
+        match (s, self.health) {
+            (_, Health::Gone) => return false,
+            (Signal::Handshake, _) => {
+                self.health = Health::Up;
+                self.backoff = self.cfg.backoff_min;
+                return true;
+            }
+            (Signal::Gone | Signal::DialFailed { proven: true }, _) => self.gone(),
+            (Signal::Broken | Signal::DialFailed { .. }, Health::Up) => self.went_down(now, false),
+            (Signal::Broken, Health::Down { .. }) => {}
+            (Signal::DialFailed { .. }, Health::Down { since, .. }) => {
+                let retry_at = now.saturating_add(self.backoff);
+                self.backoff = (self.backoff.saturating_mul(2)).min(self.cfg.backoff_max);
+                self.health = Health::Down { since, retry_at };
+            }
+        }
+        was_up
+    }
+
+    /// May a request try to (re)connect now? Up, or down and past its back-off.
+    #[cfg(test)]
+    pub fn may_dial(&self, now: u64) -> bool {
+        match self.verdict() {
+            Verdict::Up => true,
+            Verdict::DownUntil(t) => now >= t,
+            Verdict::Gone => false,
+        }
+    }
+
+    fn went_down(&mut self, now: u64, proven: bool) {
+        self.next_ping = None;
+        if proven || !self.recover {
+            return self.gone();
+        }
+        let retry_at = now.saturating_add(self.backoff);
+        self.backoff = (self.backoff.saturating_mul(2)).min(self.cfg.backoff_max);
+        self.health = Health::Down { since: now, retry_at };
+    }
+
+    fn gone(&mut self) {
+        self.next_ping = None;
+        self.health = Health::Gone;
+    }
+}
+
+/// One peer's health as its routes share it: the machine, and what the copy path reads without its lock.
+pub(crate) struct PeerHealth {
+    /// The machine. A route that acts on a change (a TCP link bumping its epoch) does so under this lock.
+    pub(crate) live: Mutex<Liveness>,
+    /// Not up: down (a retry may come) or gone. Set and cleared under `live` by whoever fed the change.
+    pub(crate) down: AtomicBool,
+    /// Gone for good. Set under `live`.
+    gone: AtomicBool,
+    /// Why it last went down.
+    pub(crate) why: Mutex<Option<String>>,
+    /// Signals read when asked, from those who watch the peer's process for every name it goes by: its exit
+    /// (the progress thread's pidfd watch, see `shared::Proof`) and its gate's live flag (its incarnation
+    /// ended, see `gate`).
+    exited: Option<Arc<AtomicBool>>,
+    gate: Option<Arc<Attached>>,
+}
+
+impl PeerHealth {
+    pub(crate) fn new(
+        cfg: LiveCfg,
+        recover: bool,
+        exited: Option<Arc<AtomicBool>>,
+        gate: Option<Arc<Attached>>,
+    ) -> PeerHealth {
+        PeerHealth {
+            live: Mutex::new(Liveness::new(cfg, recover)),
+            down: AtomicBool::new(false),
+            gone: AtomicBool::new(false),
+            why: Mutex::new(None),
+            exited,
+            gate,
+        }
+    }
+
+    /// Feed `s` at `now` under the lock, with `also` run there too; the reason is kept when the peer was up
+    /// or it is gone now. Returns `Liveness::feed`'s answer.
+    pub(crate) fn feed(&self, now: u64, s: Signal, why: impl FnOnce() -> String, also: impl FnOnce()) -> bool {
+        let mut l = self.live.lock();
+        let r = l.feed(now, s);
+        let verdict = l.verdict();
+        if verdict == Verdict::Up {
+            self.down.store(false, Ordering::Release);
+            self.why.lock().take();
+        } else {
+            let news = !self.down.swap(true, Ordering::AcqRel);
+            let gone = verdict == Verdict::Gone && !self.gone.swap(true, Ordering::AcqRel);
+            if news || gone || matches!(s, Signal::DialFailed { .. }) {
+                *self.why.lock() = Some(why());
+            }
+        }
+        also();
+        r
+    }
+
+    /// The peer is gone for good (its incarnation proven gone by a route), saying `why`.
+    pub(crate) fn kill(&self, why: impl FnOnce() -> String) {
+        self.feed(crate::util::monotonic_ns(), Signal::Gone, why, || {});
+    }
+
+    /// The verdict at `now`, every signal counted.
+    pub(crate) fn verdict(&self, now: u64) -> Verdict {
+        if self.gone() || self.gate.as_ref().is_some_and(|g| !g.gate.live()) {
+            return Verdict::Gone;
+        }
+        if !self.down.load(Ordering::Acquire) {
+            return Verdict::Up;
+        }
+        match self.live.lock().verdict() {
+            // A handshake revived the machine before `down` was cleared: a retry is due now.
+            Verdict::Up => Verdict::DownUntil(now),
+            v => v,
+        }
+    }
+
+    /// This name is gone for good, or its process exited (without the lock: the copy path asks per batch).
+    /// The gate's live flag, which the copy path checks itself on entering it, counts only in `verdict`.
+    pub(crate) fn gone(&self) -> bool {
+        self.gone.load(Ordering::Acquire) || self.exited.as_ref().is_some_and(|e| e.load(Ordering::Acquire))
+    }
+
+    /// Not usable at `now`: gone, or down with no retry due.
+    pub(crate) fn down_at(&self, now: u64) -> bool {
+        match self.verdict(now) {
+            Verdict::Up => false,
+            Verdict::DownUntil(t) => now < t,
+            Verdict::Gone => true,
+        }
+    }
+
+    pub(crate) fn why(&self) -> Option<String> {
+        self.why.lock().clone()
+    }
+}
+
+/// When the attempts of one dial happen: at once, then after 10 ms, 20 ms, ... (at most a quarter of the
+/// budget apart), until `budget` ns after the start.
+#[derive(Debug, Clone, Copy)]
+pub struct DialPlan {
+    start: u64,
+    budget: u64,
+    wait: u64,
+}
+
+impl DialPlan {
+    pub fn new(start: u64, budget: u64) -> DialPlan {
+        DialPlan { start, budget, wait: 10_000_000 }
+    }
+
+    /// After a failed attempt at `now`: how long to wait before the next one, or None when the budget is
+    /// spent.
+    pub fn next(&mut self, now: u64) -> Option<u64> {
+        let end = self.start.saturating_add(self.budget);
+        if now >= end {
+            return None;
+        }
+        let w = self.wait.min(end - now).min((self.budget / 4).max(1_000_000));
+        self.wait = self.wait.saturating_mul(2);
+        Some(w)
+    }
+
+    /// Time left for an attempt that starts at `now`.
+    pub fn left(&self, now: u64) -> u64 {
+        self.start.saturating_add(self.budget).saturating_sub(now)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    fn live() -> Liveness {
+        Liveness::new(LiveCfg::for_timeout(1000 * MS), true)
+    }
+
+    #[test]
+    fn idle_peer_has_no_timers() {
+        let mut l = live();
+        for t in [0, 10 * MS, 100_000 * MS] {
+            assert_eq!(l.tick(t, 0, 0), Tick::default());
+        }
+        assert_eq!(l.health(), Health::Up);
+    }
+
+    #[test]
+    fn heartbeats_while_busy_then_silence_is_down_within_the_timeout() {
+        let mut l = live();
+        // A request starts at t=0 (its start counts as a sign of life).
+        let t = l.tick(0, 1, 0);
+        assert!(t.ping && !t.down);
+        assert_eq!(t.wake_in, Some(125 * MS));
+        // Pongs keep coming: never down, a ping every 125 ms.
+        let mut pings = 1;
+        for step in 1..=80u64 {
+            let now = step * 25 * MS;
+            let t = l.tick(now, 1, now - 10 * MS);
+            assert!(!t.down);
+            pings += t.ping as u32;
+        }
+        assert_eq!(pings, 17, "2 s of 125 ms pings");
+        // Then silence from t=2000 ms: down at 2750 ms, not before.
+        let last = 2000 * MS;
+        let mut at = None;
+        for step in 0..100u64 {
+            let now = last + step * 10 * MS;
+            let t = l.tick(now, 1, last);
+            if t.down {
+                at = Some(now);
+                break;
+            }
+            assert!(t.wake_in.unwrap() <= 750 * MS);
+        }
+        assert_eq!(at, Some(2750 * MS));
+        assert!(matches!(l.health(), Health::Down { .. }));
+        // Down: no more timers and no second "down".
+        assert_eq!(l.tick(3000 * MS, 1, last), Tick::default());
+    }
+
+    #[test]
+    fn a_request_posted_right_at_the_deadline_is_not_a_false_death() {
+        // Idle for an hour, then a request: its start refreshes the last sign of life, so the silence
+        // deadline counts from then, not from the last pong an hour ago.
+        let mut l = live();
+        let hour = 3_600_000 * MS;
+        let t = l.tick(hour, 1, hour);
+        assert!(!t.down && t.ping);
+        // The same request with a stale last_rx (the race the caller must avoid) would be down at once:
+        let mut l2 = live();
+        assert!(l2.tick(hour, 1, 0).down);
+    }
+
+    #[test]
+    fn down_is_retried_with_back_off_and_recovers() {
+        let mut l = live();
+        assert!(l.feed(100 * MS, Signal::Broken));
+        assert!(!l.feed(101 * MS, Signal::Broken), "news only once");
+        // Retry after one timeout, not before.
+        assert!(!l.may_dial(1099 * MS));
+        assert!(l.may_dial(1100 * MS));
+        // That dial fails (unreachable): the next one waits twice as long.
+        l.feed(1200 * MS, Signal::DialFailed { proven: false });
+        assert!(!l.may_dial(3199 * MS));
+        assert!(l.may_dial(3200 * MS));
+        l.feed(3300 * MS, Signal::DialFailed { proven: false });
+        assert!(!l.may_dial(7299 * MS) && l.may_dial(7300 * MS));
+        // Reachable again: up, and the back-off starts over.
+        assert!(l.feed(0, Signal::Handshake));
+        assert_eq!(l.health(), Health::Up);
+        assert!(l.feed(8000 * MS, Signal::Broken));
+        assert!(l.may_dial(9000 * MS));
+    }
+
+    #[test]
+    fn back_off_is_capped() {
+        let mut l = live();
+        l.feed(0, Signal::Broken);
+        let mut now = 0;
+        for _ in 0..20 {
+            now += 100_000 * MS;
+            l.feed(now, Signal::DialFailed { proven: false });
+        }
+        let Health::Down { retry_at, .. } = l.health() else { panic!() };
+        assert_eq!(retry_at - now, 16_000 * MS);
+    }
+
+    #[test]
+    fn proven_failures_are_final() {
+        let mut l = live();
+        l.feed(0, Signal::DialFailed { proven: true });
+        assert!(!l.may_dial(u64::MAX));
+        assert!(!l.feed(0, Signal::Handshake), "a late handshake cannot undo a NAK");
+        let mut l = live();
+        l.feed(0, Signal::Broken);
+        l.feed(5000 * MS, Signal::DialFailed { proven: true });
+        assert!(!l.may_dial(u64::MAX));
+        // A transient failure reported after the proof does not reopen it.
+        l.feed(6000 * MS, Signal::DialFailed { proven: false });
+        assert!(!l.may_dial(u64::MAX));
+    }
+
+    #[test]
+    fn a_peer_that_may_not_recover_is_gone_at_its_first_failure_and_gone_is_final() {
+        let cfg = LiveCfg::for_timeout(1000 * MS);
+        let mut l = Liveness::new(cfg, false);
+        assert!(l.feed(5 * MS, Signal::Broken));
+        assert_eq!(l.verdict(), Verdict::Gone);
+        assert!(!l.feed(u64::MAX, Signal::Handshake), "no way back");
+        // Silence while busy: the same.
+        let mut l = Liveness::new(cfg, false);
+        assert!(l.tick(2000 * MS, 1, 0).down);
+        assert_eq!(l.verdict(), Verdict::Gone);
+        // Any machine: a process that exited, or an incarnation proven gone, is gone, whatever came before
+        // or comes after.
+        let mut l = live();
+        l.feed(0, Signal::Broken);
+        assert!(matches!(l.verdict(), Verdict::DownUntil(_)));
+        assert!(!l.feed(10 * MS, Signal::Gone), "not news: it was down already");
+        assert_eq!(l.verdict(), Verdict::Gone);
+        for s in [Signal::Handshake, Signal::Broken, Signal::DialFailed { proven: false }] {
+            l.feed(20 * MS, s);
+            assert_eq!(l.verdict(), Verdict::Gone);
+        }
+        assert_eq!(l.tick(30 * MS, 1, 0), Tick::default(), "no heartbeats to the gone");
+    }
+
+    #[test]
+    fn the_shared_health_counts_every_signal_and_keeps_the_first_reason() {
+        let cfg = LiveCfg::for_timeout(1000 * MS);
+        let exited = Arc::new(AtomicBool::new(false));
+        let h = PeerHealth::new(cfg, true, Some(exited.clone()), None);
+        assert_eq!(h.verdict(0), Verdict::Up);
+        assert!(!h.down_at(0) && h.why().is_none());
+        // A broken connection: down until the back-off passes, the first reason kept.
+        let mut bumped = 0;
+        assert!(h.feed(100 * MS, Signal::Broken, || "reset".into(), || bumped += 1));
+        assert!(!h.feed(150 * MS, Signal::Broken, || "again".into(), || bumped += 1));
+        assert_eq!(bumped, 2, "`also` runs under the lock every time");
+        assert_eq!(h.verdict(200 * MS), Verdict::DownUntil(1100 * MS));
+        assert!(h.down_at(1099 * MS) && !h.down_at(1100 * MS) && !h.gone());
+        assert_eq!(h.why().as_deref(), Some("reset"));
+        // A retry that fails says why; one that succeeds revives it and forgets the reason.
+        h.feed(1100 * MS, Signal::DialFailed { proven: false }, || "refused once".into(), || {});
+        assert_eq!(h.why().as_deref(), Some("refused once"));
+        assert!(h.feed(3200 * MS, Signal::Handshake, String::new, || {}));
+        assert_eq!(h.verdict(3200 * MS), Verdict::Up);
+        assert!(h.why().is_none());
+        // The process exits: gone, though nothing was fed (the pidfd watch sets the flag it reads).
+        exited.store(true, Ordering::Release);
+        assert_eq!(h.verdict(3300 * MS), Verdict::Gone);
+        assert!(h.gone() && h.down_at(u64::MAX));
+        // `kill` is final for a name whose process still runs.
+        let h = PeerHealth::new(cfg, true, None, None);
+        h.kill(|| "gate faulted".into());
+        assert!(h.gone() && !h.feed(0, Signal::Handshake, String::new, || {}));
+        assert_eq!(h.why().as_deref(), Some("gate faulted"));
+    }
+
+    #[test]
+    fn death_during_post_race_orderings() {
+        // Every interleaving of "peer goes silent" and "request starts / ends" around the deadline.
+        let cfg = LiveCfg::for_timeout(1000 * MS);
+        for start in (0..2000).step_by(50) {
+            for end in (start..3000).step_by(50) {
+                let mut l = Liveness::new(cfg, true);
+                let last_pong = 0;
+                let mut down_at = None;
+                for now in (0..3000).step_by(10) {
+                    let inflight = usize::from(now >= start && now < end);
+                    // The start of a request is a sign of life.
+                    let last_rx = if now >= start { last_pong.max(start) } else { last_pong } * MS;
+                    if l.tick(now * MS, inflight, last_rx).down {
+                        down_at = Some(now);
+                    }
+                }
+                match down_at {
+                    // Down only while a request was in flight, and exactly 750 ms after the later of the
+                    // last pong and the request's start.
+                    Some(d) => {
+                        assert!(d >= start && d < end, "start {start} end {end} down {d}");
+                        assert_eq!(d, start.max(last_pong) + 750);
+                    }
+                    None => assert!(end - start <= 750, "start {start} end {end}: missed"),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn dial_plan_retries_inside_the_budget() {
+        let mut p = DialPlan::new(0, 1000 * MS);
+        let mut now = 0;
+        let mut waits = Vec::new();
+        while let Some(w) = p.next(now) {
+            waits.push(w / MS);
+            now += w + MS; // each attempt costs 1 ms
+        }
+        assert_eq!(&waits[..5], &[10, 20, 40, 80, 160]);
+        assert!(waits.iter().all(|&w| w <= 250));
+        assert!((1000 * MS..1300 * MS).contains(&now), "{now}");
+        assert_eq!(p.left(2000 * MS), 0);
+    }
+}
