@@ -4,7 +4,9 @@
 
 1. Between the engine (`backend::engine`, all of it), the metadata exchange (`mdx`) and `auth`: no cycle at all.
 2. Between the files of the engine (`backend::engine::<file>`, `mod.rs` being `engine`): no cycle either.
-3. The README's tree of the engine (Layout) lists every file of the engine once, each importing only files
+3. No route imports another: a file under `engine/route/<name>` imports nothing under another route's name
+   (the router is the one place that knows more than one route).
+4. The README's tree of the engine (Layout) lists every file of the engine once, each importing only files
    listed below it.
 
 Exit 1 when a check fails.
@@ -158,11 +160,27 @@ def main() -> int:
         print(f"module-cycles:   of which two import each other: {' <-> '.join(sorted(p))}")
     if not comps:
         print("module-cycles: engine files: no cycle")
+    failed |= not routes_apart(g)
     failed |= not readme_order(g)
     if verbose:
         for a in sorted(g):
             print(f"  {a} -> {', '.join(sorted(g[a]))}")
     return 1 if failed else 0
+
+
+def routes_apart(g) -> bool:
+    """No file of one route (`route/<name>...`) imports a file of another."""
+
+    def route(u):
+        parts = u.split("/")
+        return parts[1] if len(parts) > 1 and parts[0] == "route" else None
+
+    bad = [(a, b) for a in sorted(g) for b in sorted(g[a]) if route(a) and route(b) and route(a) != route(b)]
+    for a, b in bad:
+        print(f"module-cycles: route file {a} imports {b}, of another route (only the router may know both)")
+    if not bad:
+        print("module-cycles: no route imports another")
+    return not bad
 
 
 def engine_unit(m):

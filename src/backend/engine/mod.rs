@@ -156,12 +156,12 @@ impl Backend for Engine {
         if p.disconnected() {
             return Err(crate::backend::disconnected(&p.name, p));
         }
-        p.via().connect(&self.shared.agent)
+        p.connect(&self.shared.agent)
     }
 
     fn disconnect(&self, peer: &Arc<dyn Peer>) {
         if let Ok(p) = downcast(peer) {
-            p.via().close();
+            p.close();
         }
     }
 
@@ -209,7 +209,7 @@ impl Backend for Engine {
                 self.shared.queue.lock().push((self.shared.agent.clone(), msg.to_vec()));
                 Ok(())
             }
-            Target::Remote(p) => downcast(p)?.send_notif(&self.shared.agent, msg),
+            Target::Remote(p) => downcast(p)?.notify(&self.shared.agent, msg),
         }
     }
 }

@@ -1,7 +1,10 @@
-//! A peer as the engine knows it (`EnginePeer`): its name and incarnation, and the route that reaches it
-//! (`PeerKind`: an agent of this process, another process on this host, or a TCP peer; each a `route::Route`).
+//! A peer as the engine knows it (`EnginePeer`): its name and incarnation, the route that reaches it
+//! (`PeerKind`: an agent of this process, another process on this host, or a TCP peer; each a `route::Route`),
+//! the route the router falls back to, and its health. What the engine asks of it goes through the router
+//! (`router`: copy, notify, connect, close, label), which picks between the two.
 
 use std::any::Any;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use super::health::PeerHealth;
@@ -27,6 +30,10 @@ pub(super) struct EnginePeer {
     pub(super) name: String,
     pub(super) incarnation: u128,
     pub(super) kind: PeerKind,
+    /// The next route (TCP, for a same-host peer), taken when the kernel denies `kind`'s.
+    pub(super) fallback: Option<Tcp>,
+    /// The router moved the peer to `fallback` (at load, or when a copy or probe was denied).
+    pub(super) on_fallback: AtomicBool,
     /// Its health, fed by its route: per name, so a forged copy of a peer's metadata can only break itself
     /// (the process's exit, `Proof::exited`, is one signal of it for every name).
     pub(super) health: Arc<PeerHealth>,
@@ -41,10 +48,6 @@ impl EnginePeer {
             PeerKind::Tcp(r) => r,
         }
     }
-
-    pub(super) fn send_notif(&self, from: &str, msg: &[u8]) -> Result<()> {
-        self.via().notify(from, msg)
-    }
 }
 
 impl Peer for EnginePeer {
@@ -55,10 +58,10 @@ impl Peer for EnginePeer {
         self.health.down_at(crate::util::monotonic_ns()) || self.via().closed()
     }
     fn why_down(&self) -> String {
-        self.via().why_down()
+        self.why()
     }
     fn route(&self) -> &'static str {
-        self.via().label()
+        self.label()
     }
     fn pid(&self) -> Option<i32> {
         self.via().pid()

@@ -1,8 +1,9 @@
-//! The router: which route reaches a peer, decided in one place from its connection info and what this host
-//! proves about it, and logged once per peer (`load`); and, for requests touching VRAM, whether the peer's
-//! route carries them over TCP (`vram_over_tcp`, `ipc_despite_denial`). A route that fails at run time in a
-//! way that leaves another (cross-memory attach denied by the kernel: TCP) switches inside the route
-//! (`route::cma`), and says so in the log once.
+//! The router: which routes reach a peer, decided in one place from its connection info and what this host
+//! proves about it, and logged once per peer (`load`); every fallback between them: a same-host peer whose
+//! cross-memory attach the kernel denies (at load, or at run time: said in the log once) or whose notification
+//! socket refuses our uid goes over TCP (`EnginePeer::copy`, `notify`, ...); and, for requests touching VRAM,
+//! whether the peer's route carries them over TCP (`vram_over_tcp`, `ipc_despite_denial`). Doctor and
+//! telemetry read the route it keeps a peer on (`EnginePeer::label`).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
@@ -18,11 +19,12 @@ use super::route::cma::Cma;
 use super::route::in_process::InProcess;
 use super::route::tcp::link::{LinkTarget, TcpLink};
 use super::route::tcp::Tcp;
+use super::route::{Job, Route};
 use super::sentinel;
 use super::shared::{registry, Shared, Transport};
-use crate::backend::{Target, XferPlan};
+use crate::backend::{Seg, Target, XferPlan};
 use crate::mem::MemType;
-use crate::status::{Error, Result};
+use crate::status::{Error, Result, Status};
 
 /// The peer `agent` of incarnation `incarnation`, as its connection info `ci` and this host say it is reached.
 pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInfo) -> Result<EnginePeer> {
@@ -49,6 +51,7 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
         }
         let health = health(true, None, None);
         let kind = PeerKind::Tcp(Tcp { link: link(&health) });
+        let on_fallback = AtomicBool::new(false);
         let why = match (same_host, ci.has_local) {
             (false, _) => "another host, or another pid or network namespace",
             (true, false) => "its connection info offers no same-host route",
@@ -58,21 +61,21 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
             "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route tcp ({why})",
             s.agent
         ));
-        return Ok(EnginePeer { name: agent.to_owned(), incarnation, kind, health });
+        return Ok(EnginePeer { name: agent.to_owned(), incarnation, kind, fallback: None, on_fallback, health });
     }
     // In process only to an engine that lives here under that incarnation, whatever the connection info
     // says; an incarnation of this process that is not in the registry was destroyed (or never existed).
     let local = registry().lock().get(&incarnation).and_then(Weak::upgrade);
     // Why the kernel refused the peer's gate (so cross-memory attach): its data goes over TCP.
-    let mut fallback = None;
-    let (kind, health) = if let Some(t) = local {
+    let mut denial = None;
+    let (kind, fallback, health) = if let Some(t) = local {
         let gate = Some(gate::attach_shared((s.pid, s.start_time, incarnation), || Ok(t.gate.clone()))?);
         let health = health(false, None, gate.clone());
-        (PeerKind::InProcess(InProcess { name: agent.to_owned(), target: Arc::downgrade(&t), gate }), health)
+        (PeerKind::InProcess(InProcess { name: agent.to_owned(), target: Arc::downgrade(&t), gate }), None, health)
     } else if ci.pid == s.pid && ci.start_time == s.start_time {
         let health = health(false, None, None);
         health.kill(|| "no agent of that incarnation lives in this process".into());
-        (PeerKind::InProcess(InProcess { name: agent.to_owned(), target: Weak::new(), gate: None }), health)
+        (PeerKind::InProcess(InProcess { name: agent.to_owned(), target: Weak::new(), gate: None }), None, health)
     } else {
         let proof = s.prove(ci, incarnation)?;
         let health =
@@ -81,8 +84,8 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
             health.kill(|| "it did not prove it runs on this host".into());
         }
         let denied = proof.as_ref().and_then(|p| p.denied.clone());
-        let tcp = link(&health);
-        fallback.clone_from(&denied);
+        let tcp = Tcp { link: link(&health) };
+        denial.clone_from(&denied);
         let kind = PeerKind::Cma(Cma {
             name: agent.to_owned(),
             incarnation,
@@ -95,18 +98,17 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
             from_inc: s.incarnation,
             local_refused: AtomicBool::new(false),
             sender: Mutex::new(None),
-            tcp,
-            denied: AtomicBool::new(denied.is_some()),
             health: health.clone(),
         });
-        (kind, health)
+        (kind, Some(tcp), health)
     };
-    let peer = EnginePeer { name: agent.to_owned(), incarnation, kind, health };
-    match &fallback {
+    let on_fallback = AtomicBool::new(denial.is_some());
+    let peer = EnginePeer { name: agent.to_owned(), incarnation, kind, fallback, on_fallback, health };
+    match &denial {
         None => crate::telemetry::log::info(&format!(
             "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route {} (same host)",
             s.agent,
-            peer.via().label()
+            peer.label()
         )),
         Some(why) => crate::telemetry::log::warn(&format!(
             "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route tcp (fall-back: the kernel \
@@ -120,14 +122,81 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
 /// The TCP link of a request touching VRAM, when its peer is reached over TCP (None: a same-host route).
 pub(super) fn vram_over_tcp(plan: &XferPlan) -> Result<Option<Arc<TcpLink>>> {
     let Target::Remote(p) = &plan.target else { return Ok(None) };
-    Ok(match &downcast(p)?.kind {
-        PeerKind::Tcp(Tcp { link }) => Some(link.clone()),
+    let p = downcast(p)?;
+    Ok(match (&p.kind, &p.fallback) {
+        (PeerKind::Tcp(Tcp { link }), _) => Some(link.clone()),
         // Cross-memory attach denied: over TCP, unless the peer's VRAM stays reachable by IPC handles.
-        PeerKind::Cma(Cma { tcp, denied, gate, .. }) if denied.load(Ordering::Acquire) => {
-            (!ipc_despite_denial(gate, plan.remote_mem == MemType::Vram)).then(|| tcp.clone())
+        (PeerKind::Cma(Cma { gate, .. }), Some(Tcp { link })) if p.on_fallback.load(Ordering::Acquire) => {
+            (!ipc_despite_denial(gate, plan.remote_mem == MemType::Vram)).then(|| link.clone())
         }
-        PeerKind::Cma(_) | PeerKind::InProcess(_) => None,
+        (PeerKind::Cma(_) | PeerKind::InProcess(_), _) => None,
     })
+}
+
+/// A peer as the engine uses it: through the route the router keeps it on.
+impl EnginePeer {
+    /// The route requests take now: its first, or the fallback once the router moved it there.
+    fn active(&self) -> &dyn Route {
+        match &self.fallback {
+            Some(f) if self.on_fallback.load(Ordering::Acquire) => f,
+            _ => self.via(),
+        }
+    }
+
+    /// Copy `segs`, one piece of `job`. Where the kernel denies the first route (it checks before moving a
+    /// byte, so nothing was copied), the peer moves to its fallback for good, said once in the log.
+    pub(super) fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {
+        let r = self.active().copy(job, segs);
+        let (Err(e), Some(f)) = (&r, &self.fallback) else { return r };
+        if !copy::cma_denied(e) {
+            return r;
+        }
+        if !self.on_fallback.swap(true, Ordering::AcqRel) {
+            crate::telemetry::log::warn(&format!(
+                "agent '{}': peer '{}' route tcp (fall-back: the kernel denied cross-memory attach: {e}; \
+                 `python -m gixl doctor` says why)",
+                job.agent, self.name
+            ));
+        }
+        f.copy(job, segs)
+    }
+
+    /// Deliver a notification from agent `from`: over the first route, or the fallback where the peer's
+    /// socket refuses our uid (the fallback proves the same secret).
+    pub(super) fn notify(&self, from: &str, msg: &[u8]) -> Result<()> {
+        match (self.via().notify(from, msg), &self.fallback) {
+            (Err(e), Some(f)) if e.status() == Status::NotAllowed => f.notify(from, msg),
+            (r, _) => r,
+        }
+    }
+
+    /// Get ready to notify: a socket that refuses our uid leaves notifications to the fallback.
+    pub(super) fn connect(&self, from: &str) -> Result<()> {
+        match self.via().connect(from) {
+            Err(e) if e.status() == Status::NotAllowed && self.fallback.is_some() => Ok(()),
+            r => r,
+        }
+    }
+
+    pub(super) fn close(&self) {
+        self.via().close();
+        if let Some(f) = &self.fallback {
+            f.close();
+        }
+    }
+
+    /// The route its data takes now, as doctor, the log and telemetry name it.
+    pub(super) fn label(&self) -> &'static str {
+        match self.fallback {
+            Some(_) if self.on_fallback.load(Ordering::Acquire) => "tcp-after-cma-denied",
+            _ => self.via().label(),
+        }
+    }
+
+    /// Why it is down, as ` (reason)`, or empty.
+    pub(super) fn why(&self) -> String {
+        self.active().why_down()
+    }
 }
 
 /// Where the kernel denies cross-memory attach to a same-host peer, its VRAM is still reachable through its

@@ -149,7 +149,7 @@ fn refused(e: Error) -> Error {
 /// probed instead (`copy::probe`, one 16-byte `process_vm_readv` of its gate). A check that finds the peer
 /// gone marks it dead.
 fn in_peer_gate<T>(p: &EnginePeer, regions: &[(u32, u64, u64, u64)], f: impl FnOnce() -> Result<T>) -> Result<T> {
-    let PeerKind::Cma(Cma { pid, gate, probe, denied, .. }) = &p.kind else {
+    let PeerKind::Cma(Cma { pid, gate, probe, .. }) = &p.kind else {
         return Err(Error::backend("unreachable route"));
     };
     let gone = || {
@@ -173,7 +173,7 @@ fn in_peer_gate<T>(p: &EnginePeer, regions: &[(u32, u64, u64, u64)], f: impl FnO
                 }
                 if cma_denied(&e) {
                     // No sentinel, and the kernel refuses the probe: nothing can check this peer's identity.
-                    denied.store(true, Ordering::Release);
+                    p.on_fallback.store(true, Ordering::Release);
                     return Err(Error::not_supported(format!("VRAM transfers to agent '{}': {e}", p.name)));
                 }
                 return Err(e);
@@ -211,10 +211,10 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
             target.upgrade().ok_or_else(|| Error::disconnected(format!("agent '{}' has been destroyed", ep.name)))?;
             Far::InProcess
         }
-        Some((ep, PeerKind::Cma(Cma { proof, gate, denied, .. }))) => {
+        Some((ep, PeerKind::Cma(Cma { proof, gate, .. }))) => {
             // The engine sends a denied peer's requests over TCP unless this says they can stay here (see
             // `ipc_despite_denial`); refused if one comes anyway.
-            if denied.load(Ordering::Acquire) && !ipc_despite_denial(gate, remote_is_vram) {
+            if ep.on_fallback.load(Ordering::Acquire) && !ipc_despite_denial(gate, remote_is_vram) {
                 return Err(Error::not_supported(format!(
                     "VRAM transfers to agent '{}' need cross-memory attach here (remote DRAM staged), or its \
                      transfer gate with an exit/exec sentinel, and the kernel denies cross-memory attach to it \

@@ -99,7 +99,7 @@ impl Core {
             return Ok(());
         };
         let job = Job { op: self.plan.op, keys: &self.plan.remote_keys, abort: &run.abort, agent: &self.shared.agent };
-        p.via().copy(&job, segs)
+        p.copy(&job, segs)
     }
 
     /// `copy`, with any failure, a panic included, recorded on the request (never unwinding further).
@@ -125,7 +125,7 @@ impl Core {
                         self.shared.queue.lock().push((self.shared.agent.clone(), msg.clone()));
                         Ok(())
                     }
-                    Some(p) => p.send_notif(&self.shared.agent, msg),
+                    Some(p) => p.notify(&self.shared.agent, msg),
                 };
                 if let Err(e) = r {
                     run.fail(e);

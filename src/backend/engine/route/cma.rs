@@ -1,15 +1,15 @@
 //! Another process on this host, proven to be the one its metadata names (`shared::Proof`): cross-memory
 //! attach (`process_vm_readv/writev`) batch by batch inside its gate, notifications over its abstract Unix
-//! socket. Where the kernel denies cross-memory attach (EPERM/ENOSYS: containers, seccomp, Yama), the data
-//! goes over TCP from then on (`denied`), and where the peer's socket refuses our uid, notifications do.
+//! socket. Where the kernel denies cross-memory attach (EPERM/ENOSYS: containers, seccomp, Yama) or the peer's
+//! socket refuses our uid, this route says so (`copy::cma_denied`, NOT_ALLOWED) and the router moves the peer to
+//! its next route (TCP).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::tcp::link::TcpLink;
-use super::{Job, Route};
+use super::{Job, Route, TcpLink};
 use crate::backend::engine::copy::{self, cma_denied};
 use crate::backend::engine::ctrl::Sender;
 use crate::backend::engine::gate::Attached;
@@ -36,8 +36,6 @@ pub(crate) struct Cma {
     /// secret).
     pub(crate) local_refused: AtomicBool,
     pub(crate) sender: Mutex<Option<Sender>>,
-    pub(crate) tcp: Arc<TcpLink>,
-    pub(crate) denied: AtomicBool,
     /// The peer's `EnginePeer::health` (its process's exit and its gate among its signals).
     pub(crate) health: Arc<PeerHealth>,
 }
@@ -46,11 +44,6 @@ impl Cma {
     /// This name is gone for good (its incarnation proven gone), or its process exited.
     pub(crate) fn gone(&self) -> bool {
         self.health.gone()
-    }
-
-    /// Data goes over TCP: the kernel denied cross-memory attach.
-    pub(crate) fn denied(&self) -> bool {
-        self.denied.load(Ordering::Acquire)
     }
 
     /// Cross-memory attach of `segs`, batch by batch, each inside the peer's gate; a batch that finds the
@@ -83,35 +76,31 @@ impl Cma {
         r
     }
 
-    /// The notification sender to the peer's socket, connected now if it was not; None when the socket
-    /// refused our uid (notifications go over TCP).
-    fn sender(&self, from: &str) -> Result<Option<parking_lot::MutexGuard<'_, Option<Sender>>>> {
+    /// The notification sender to the peer's socket, connected now if it was not; NOT_ALLOWED when the socket
+    /// refused our uid (the router sends them over TCP then).
+    fn sender(&self, from: &str) -> Result<parking_lot::MutexGuard<'_, Option<Sender>>> {
+        let refused = || Error::new(Status::NotAllowed, "the peer's notification socket refused our uid");
         if self.local_refused.load(Ordering::Acquire) {
-            return Ok(None);
+            return Err(refused());
         }
         let mut s = self.sender.lock();
         if s.is_none() {
             match Sender::connect(&self.sock, self.incarnation, self.secret, from, self.from_inc) {
                 Ok(c) => *s = Some(c),
-                // Another uid: notifications go over TCP.
                 Err(e) if e.status() == Status::NotAllowed => {
                     self.local_refused.store(true, Ordering::Release);
-                    return Ok(None);
+                    return Err(refused());
                 }
                 Err(e) => return Err(e),
             }
         }
-        Ok(Some(s))
+        Ok(s)
     }
 }
 
 impl Route for Cma {
     fn label(&self) -> &'static str {
-        if self.denied() {
-            "tcp-after-cma-denied"
-        } else {
-            "cma"
-        }
+        "cma"
     }
     fn pid(&self) -> Option<i32> {
         Some(self.pid)
@@ -120,23 +109,19 @@ impl Route for Cma {
         false
     }
     fn why_down(&self) -> String {
-        if !self.denied() {
-            return String::new();
-        }
-        self.tcp.why().map(|w| format!(" ({w})")).unwrap_or_default()
+        String::new()
     }
     fn connect(&self, from: &str) -> Result<()> {
         self.sender(from).map(drop)
     }
     fn close(&self) {
         self.sender.lock().take();
-        self.tcp.close();
     }
     fn notify(&self, from: &str, msg: &[u8]) -> Result<()> {
         if self.gone() {
             return Err(Error::disconnected(format!("agent '{}' has exited", self.name)));
         }
-        let Some(mut s) = self.sender(from)? else { return self.tcp.notif(msg) };
+        let mut s = self.sender(from)?;
         let r = s.as_mut().map(|s| s.notif(msg)).unwrap_or(Ok(()));
         if r.is_err() {
             *s = None;
@@ -147,23 +132,10 @@ impl Route for Cma {
         None
     }
     fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {
-        if self.denied() {
-            return job.over_tcp(&self.tcp, segs);
-        }
         // SAFETY: local ranges were resolved against this agent's registrations.
         let r = unsafe { self.batches(job, segs) };
-        if let Some(e) = r.as_ref().err().filter(|e| cma_denied(e)) {
-            // The kernel checks permission before moving a byte, so nothing was copied: go by TCP.
-            if !self.denied.swap(true, Ordering::AcqRel) {
-                crate::telemetry::log::warn(&format!(
-                    "agent '{}': peer '{}' route tcp (fall-back: the kernel denied cross-memory attach: {e}; \
-                     `python -m gixl doctor` says why)",
-                    job.agent, self.name
-                ));
-            }
-            return job.over_tcp(&self.tcp, segs);
-        }
-        if r.is_err() && self.gone() {
+        // Denied by the kernel (nothing was copied: it checks permission first): the router's to handle.
+        if r.as_ref().is_err_and(|e| !cma_denied(e)) && self.gone() {
             return Err(Error::disconnected(format!("agent '{}' exited during the transfer", self.name)));
         }
         r

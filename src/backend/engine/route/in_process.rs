@@ -3,8 +3,7 @@
 
 use std::sync::{Arc, Weak};
 
-use super::tcp::link::TcpLink;
-use super::{Job, Route};
+use super::{Job, Route, TcpLink};
 use crate::backend::engine::copy;
 use crate::backend::engine::gate::Attached;
 use crate::backend::engine::shared::Shared;

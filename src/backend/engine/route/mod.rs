@@ -18,7 +18,7 @@ use std::sync::Arc;
 use super::conn::RemoteRegion;
 use crate::backend::{RegionKey, Seg, XferOp};
 use crate::status::{Error, Result, Status};
-use tcp::link::TcpLink;
+pub(crate) use tcp::link::TcpLink;
 
 /// A way to reach one peer. Every method is required: a new route says what each means for it.
 pub(super) trait Route: Send + Sync {
@@ -63,20 +63,6 @@ impl Job<'_> {
     /// The remote regions the request may touch, as the target's gate checks them.
     pub(super) fn gate_regions(&self) -> impl Iterator<Item = (u32, u64, u64, u64)> + Clone + '_ {
         gate_regions(self.keys)
-    }
-
-    /// Copy `segs` over `link` (the TCP target finds each segment's registration by the range its metadata
-    /// names).
-    pub(super) fn over_tcp(&self, link: &TcpLink, segs: &[Seg]) -> Result<()> {
-        let region = |s: &Seg| {
-            self.keys
-                .get(s.rreg as usize)
-                .and_then(|k| k.as_ref())
-                .and_then(|k| k.downcast_ref::<RemoteRegion>())
-                .map_or((s.remote, s.len), |r| (r.addr, r.len))
-        };
-        let stop = || self.abort.load(Ordering::Relaxed);
-        link.run(self.op, segs, &region, &stop)
     }
 }
 

@@ -8,6 +8,7 @@
 //! - `regions`: the target's region table and the leases its serving loops hold (what deregistration waits for);
 //! - `stage` and `vram`: device memory over TCP, staged through page-locked buffers (target and initiator).
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 pub(crate) mod link;
@@ -19,9 +20,10 @@ pub(crate) mod vram;
 pub mod wire;
 
 use super::{Job, Route};
-use crate::backend::engine::route::tcp::link::TcpLink;
+use crate::backend::engine::conn::RemoteRegion;
 use crate::backend::Seg;
 use crate::status::Result;
+use link::TcpLink;
 
 pub(crate) struct Tcp {
     pub(crate) link: Arc<TcpLink>,
@@ -53,6 +55,15 @@ impl Route for Tcp {
         Some(&self.link)
     }
     fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {
-        job.over_tcp(&self.link, segs)
+        // The target finds each segment's registration by the range its metadata names.
+        let region = |s: &Seg| {
+            job.keys
+                .get(s.rreg as usize)
+                .and_then(|k| k.as_ref())
+                .and_then(|k| k.downcast_ref::<RemoteRegion>())
+                .map_or((s.remote, s.len), |r| (r.addr, r.len))
+        };
+        let stop = || job.abort.load(Ordering::Relaxed);
+        self.link.run(job.op, segs, &region, &stop)
     }
 }
