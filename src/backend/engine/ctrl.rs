@@ -8,7 +8,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::io::{self, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -18,9 +18,9 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::net::{epoll_add, epoll_del};
 use super::notif::{NotifQueue, MAX_NOTIF};
 use super::route::tcp::listen::{TcpProgress, TcpSetup, TcpShared};
+use crate::os::sock::{epoll_add, epoll_del};
 use crate::os::{self, Reactor, Tokens};
 use crate::status::{Error, Result, Status};
 
@@ -374,17 +374,7 @@ fn allowed_uids() -> Vec<u32> {
 /// claims to run on this host proves it (only then does the engine open a pidfd for it).
 pub fn listener_pid(sock_name: &[u8]) -> Option<i32> {
     let s = crate::util::connect_abstract(sock_name, CONNECT_WAIT).ok()?;
-    peer_cred(s.as_raw_fd()).map(|c| c.pid)
-}
-
-fn peer_cred(fd: RawFd) -> Option<libc::ucred> {
-    let mut c = libc::ucred { pid: 0, uid: 0, gid: 0 };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: `c` is a ucred of `len` bytes; `fd` is an open socket.
-    let r = unsafe {
-        libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut c as *mut libc::ucred).cast(), &mut len)
-    };
-    (r == 0).then_some(c)
+    crate::os::fdpass::peer_cred(s.as_raw_fd()).map(|c| c.pid)
 }
 
 struct Conn {
@@ -558,7 +548,7 @@ impl Local {
             // Another user's process is refused before it can say anything (root and GIXL_ALLOW_UIDS aside).
             // SAFETY: plain syscall.
             let me = unsafe { libc::geteuid() };
-            let uid = peer_cred(stream.as_raw_fd()).map(|c| c.uid);
+            let uid = crate::os::fdpass::peer_cred(stream.as_raw_fd()).map(|c| c.uid);
             if !uid.is_some_and(|u| u == me || u == 0 || self.allowed.contains(&u)) {
                 let why = format!(
                     "uid {} may not send notifications to an agent of uid {me} (same uid or root only; see GIXL_ALLOW_UIDS)",
@@ -769,7 +759,7 @@ fn large_frame(buf: &[u8]) -> Option<usize> {
 fn send_frame_now(s: &UnixStream, kind: u8, body: &[u8]) -> io::Result<usize> {
     let mut f = frame_head(kind, body.len()).to_vec();
     f.extend_from_slice(body);
-    super::net::send_now(s.as_raw_fd(), &f)
+    crate::os::sock::send_now(s.as_raw_fd(), &f)
 }
 
 impl Inbox {
@@ -879,35 +869,7 @@ fn send_fd_now(s: &UnixStream, fd: RawFd) -> io::Result<usize> {
     let body = crate::device::fd_handle_bytes(fd, id);
     let mut f = frame_head(KIND_FD, body.len()).to_vec();
     f.extend_from_slice(&body);
-    let mut iov = libc::iovec { iov_base: f.as_mut_ptr().cast(), iov_len: f.len() };
-    // SAFETY: CMSG_SPACE is a pure computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut cbuf = vec![0u64; space.div_ceil(8)];
-    // SAFETY: zeroed msghdr is valid; fields set below point at live buffers.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = cbuf.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    // SAFETY: the control buffer holds one cmsg of CMSG_SPACE(sizeof fd) bytes, aligned for cmsghdr.
-    unsafe {
-        let cm = libc::CMSG_FIRSTHDR(&msg);
-        (*cm).cmsg_level = libc::SOL_SOCKET;
-        (*cm).cmsg_type = libc::SCM_RIGHTS;
-        (*cm).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(cm) as *mut RawFd, fd);
-    }
-    loop {
-        // SAFETY: `msg` describes live buffers.
-        let r = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
-        if r >= 0 {
-            return Ok(r as usize);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
+    crate::os::fdpass::send_with_fd(s.as_raw_fd(), &mut f, fd)
 }
 
 /// Ask the engine listening on `sock_name` as process `pid` (incarnation `target`, whose secret is `secret`) for its
@@ -926,7 +888,7 @@ pub fn request_fd(
     fd: i32,
 ) -> Result<(OwnedFd, (u64, u64))> {
     let mut s = Sender::connect(sock_name, target, secret, from, from_incarnation)?;
-    if peer_cred(s.stream.as_raw_fd()).map(|c| c.pid) != Some(pid) {
+    if crate::os::fdpass::peer_cred(s.stream.as_raw_fd()).map(|c| c.pid) != Some(pid) {
         return Err(Error::disconnected(format!("the control socket of process {pid} is served by another process")));
     }
     s.stream.set_read_timeout(Some(SEND_TIMEOUT)).map_err(|e| Error::os(Status::Backend, "socket option", e))?;
@@ -964,49 +926,22 @@ pub fn request_fd(
             }
         }
         let mut chunk = [0u8; 512];
-        let mut iov = libc::iovec { iov_base: chunk.as_mut_ptr().cast(), iov_len: chunk.len() };
-        let mut cbuf = [0u64; 16];
-        // SAFETY: zeroed msghdr is valid; fields set below point at live buffers.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = cbuf.as_mut_ptr().cast();
-        msg.msg_controllen = std::mem::size_of_val(&cbuf) as _;
-        // SAFETY: as above; received descriptors are close-on-exec.
-        let n = unsafe { libc::recvmsg(s.stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
+        // Every descriptor that came is owned (extras closed), whatever else happens.
+        let n = match crate::os::fdpass::recv_with_fds(s.stream.as_raw_fd(), &mut chunk, &mut got) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                let st = match e.kind() {
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Status::Backend,
+                    _ => Status::RemoteDisconnect,
+                };
+                return Err(Error::os(st, "waiting for the peer's descriptor", e));
             }
-            let st = match e.kind() {
-                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Status::Backend,
-                _ => Status::RemoteDisconnect,
-            };
-            return Err(Error::os(st, "waiting for the peer's descriptor", e));
-        }
-        // Take ownership of every descriptor that came (closing extras), whatever else happens.
-        // SAFETY: walking the control messages the kernel wrote into `cbuf`.
-        unsafe {
-            let mut cm = libc::CMSG_FIRSTHDR(&msg);
-            while !cm.is_null() {
-                if (*cm).cmsg_level == libc::SOL_SOCKET && (*cm).cmsg_type == libc::SCM_RIGHTS {
-                    let data = libc::CMSG_DATA(cm);
-                    let count = ((*cm).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
-                    for i in 0..count {
-                        let f = OwnedFd::from_raw_fd(std::ptr::read_unaligned((data as *const RawFd).add(i)));
-                        if got.is_none() {
-                            got = Some(f);
-                        }
-                    }
-                }
-                cm = libc::CMSG_NXTHDR(&msg, cm);
-            }
-        }
+        };
         if n == 0 {
             return Err(Error::disconnected("the peer closed its control connection before sending the descriptor"));
         }
-        buf.extend_from_slice(&chunk[..n as usize]);
+        buf.extend_from_slice(&chunk[..n]);
     }
 }
 
@@ -1057,6 +992,7 @@ const LOCAL_ARM: u32 = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::FromRawFd;
 
     /// A control listener on loopback TCP (one data connection, 1 s timeout) and the queue it delivers into.
     fn start_ctrl(inc: u128, secret: u128) -> (Arc<NotifQueue>, Ctrl) {

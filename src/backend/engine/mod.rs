@@ -48,7 +48,6 @@ mod ctrl;
 mod exports;
 mod gate;
 mod health;
-mod net;
 mod notif;
 mod peer;
 mod pool;

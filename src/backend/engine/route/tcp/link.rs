@@ -14,9 +14,9 @@ use parking_lot::{Condvar, Mutex};
 use super::listen::{CtrlConn, TcpOpts, TcpShared, Watched};
 use super::wire::{self, Hello, WireSeg};
 use crate::backend::engine::health::{DialPlan, PeerHealth, Signal, Tick};
-use crate::backend::engine::net::{self, iovec};
 use crate::backend::engine::notif::MAX_NOTIF;
 use crate::backend::{Seg, XferOp};
+use crate::os::sock::{self as net, iovec};
 use crate::status::{Error, Result, Status};
 use crate::util::monotonic_ns;
 

@@ -40,7 +40,7 @@
 //!
 //! Here: the listener and both ends of the control connections (the progress thread). Not here: the serving
 //! loops (`serve`), the initiator's link to a peer (`link`), the region table and its leases (`regions`), wire
-//! encoding (`wire`), socket syscalls (`net`), splitting a request into pieces (`xfer`).
+//! encoding (`wire`), socket syscalls (`os::sock`), splitting a request into pieces (`xfer`).
 
 use std::collections::HashMap;
 use std::io;
@@ -56,8 +56,8 @@ use super::regions::Regions;
 use super::serve::Serving;
 use super::wire::{self, CtrlMsg};
 use crate::backend::engine::health::{LiveCfg, Tick};
-use crate::backend::engine::net;
 use crate::backend::engine::notif::{NotifQueue, MAX_NOTIF};
+use crate::os::sock as net;
 use crate::os::{Reactor, Tokens};
 use crate::status::{Error, Result, Status};
 use crate::util::monotonic_ns;

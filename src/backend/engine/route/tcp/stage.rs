@@ -149,7 +149,7 @@ impl Staged {
         let s = unsafe {
             std::slice::from_raw_parts((b.buf.ptr() as usize + self.done) as *const u8, self.fill - self.done)
         };
-        crate::backend::engine::net::send_now(fd, s)
+        crate::os::sock::send_now(fd, s)
     }
 
     /// Receive into what is left of the chunk.
@@ -162,7 +162,7 @@ impl Staged {
         let s = unsafe {
             std::slice::from_raw_parts_mut((b.buf.ptr() as usize + self.done) as *mut u8, self.fill - self.done)
         };
-        crate::backend::engine::net::recv_now(fd, s)
+        crate::os::sock::recv_now(fd, s)
     }
 
     /// `n` more bytes went out; true when the chunk is complete.

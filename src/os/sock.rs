@@ -1,8 +1,7 @@
-//! Socket helpers the TCP route needs beyond `std::net`: vectored I/O straight between a socket and raw
-//! memory (so no staging copy), `MSG_NOSIGNAL` everywhere (a library must not die of SIGPIPE inside a
-//! host process that left the default handler), non-blocking single calls, keepalive, and the host's
-//! interface addresses; and adding to / removing from an epoll set (shared with the control thread, `ctrl`).
-//! No policy lives here.
+//! Socket helpers beyond `std::net` (for the engine's TCP route and control socket): vectored I/O straight
+//! between a socket and raw memory (so no staging copy), `MSG_NOSIGNAL` everywhere (a library must not die of
+//! SIGPIPE inside a host process that left the default handler), non-blocking single calls, keepalive, and
+//! the host's interface addresses; and adding to / removing from an epoll set. No policy lives here.
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, TcpStream};

@@ -1,42 +1,11 @@
-//! What gixl asks of the Linux kernel beyond `std`, in one place for the engine, the metadata exchange and the
-//! storage backends: process identity through pidfds (open one for a pid, ask whether its process still runs,
-//! take a descriptor from it), and the event loops' reactor (`Reactor`: an epoll set, its wake-up line, tokens
-//! handed out by tag).
+//! The event loops' reactor (`Reactor`: an epoll set, its wake-up line, tokens handed out by tag) and the
+//! epoll sets and eventfds it is made of, for loops that need only those.
 
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::status::{Error, Result, Status};
-
-/// `pidfd_open(2)`: a descriptor that stays bound to the process `pid` names now.
-pub(crate) fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
-    // SAFETY: plain syscall; the result is checked.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor we own.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
-/// `pidfd_getfd(2)`: a duplicate of descriptor `fd` of the process behind `pidfd`.
-pub(crate) fn pidfd_getfd(pidfd: BorrowedFd<'_>, fd: i32) -> std::io::Result<OwnedFd> {
-    // SAFETY: plain syscall; the result is checked.
-    let r = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor we own.
-    Ok(unsafe { OwnedFd::from_raw_fd(r as i32) })
-}
-
-/// Is the process behind `pidfd` still running? (A pidfd polls readable once it has exited.) Only measured now.
-pub(crate) fn pidfd_alive(pidfd: BorrowedFd<'_>) -> bool {
-    let mut p = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-    // SAFETY: one valid pollfd, no wait.
-    unsafe { libc::poll(&mut p, 1, 0) == 0 }
-}
 
 /// A new epoll set (close-on-exec).
 pub(crate) fn epoll() -> Result<OwnedFd> {
