@@ -5,8 +5,8 @@
 use std::io;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use super::sentinel;
 use crate::backend::{Seg, XferOp};
+use crate::os::sentinel;
 use crate::status::{Error, Result, Status};
 
 /// Most iovecs one `process_vm_*` call takes (the kernel's UIO_MAXIOV); one of them is the gate probe.
@@ -79,7 +79,7 @@ pub struct Probe {
 ///   `pid` still maps that incarnation's gate (an exec'd image or another process faults on it first);
 /// - a read checks the target's sentinel word (`sentinel`, in our mapping of its gate) before and after each
 ///   call: unchanged after the call proves the address space it read was the original image (see
-///   `sentinel.rs`), for one atomic load instead of a second iovec (about 0.5 µs of a 4 KiB read). Where the
+///   `os::sentinel`), for one atomic load instead of a second iovec (about 0.5 µs of a 4 KiB read). Where the
 ///   target publishes no sentinel, a read probes as well: its first iovec reads the incarnation id back.
 ///
 /// Errors: REMOTE_DISCONNECT if the process is gone or no longer this incarnation (`gone` is set);
@@ -397,7 +397,7 @@ mod tests {
     #[test]
     fn the_sentinel_replaces_the_probe_on_reads_and_refuses_when_ended() {
         let g = Gate::create(11).unwrap();
-        assert!(matches!(super::sentinel::read(g.sentinel()), super::sentinel::Word::Alive(_)));
+        assert!(matches!(crate::os::sentinel::read(g.sentinel()), crate::os::sentinel::Word::Alive(_)));
         let src = vec![5u8; 4096];
         let mut dst = vec![0u8; 4096];
         let segs = [seg(&mut dst, &src)];
@@ -409,7 +409,7 @@ mod tests {
         // A write still probes: the probe address is checked.
         let e = unsafe { cma_batch(me(), XferOp::Write, &segs, &nowhere, g.sentinel(), &mut gone) }.unwrap_err();
         assert_eq!(e.status(), Status::RemoteDisconnect);
-        let ended = AtomicU32::new(super::sentinel::OWNER_DIED);
+        let ended = AtomicU32::new(crate::os::sentinel::OWNER_DIED);
         let good = Probe { addr: g.addr(), incarnation: 11 };
         let mut out = vec![0u8; 4096];
         let segs = [seg(&mut out, &src)];

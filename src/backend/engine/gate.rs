@@ -74,7 +74,7 @@ const OFF_DRAIN_SEQ: usize = 40;
 const OFF_DRAINING: usize = 48;
 /// One past the highest initiator slot ever claimed (bounds the drain's scan).
 const OFF_CLAIMED: usize = 56;
-/// The sentinel word (`sentinel.rs`): the owner's thread id until the kernel flips it at exit or exec; 0 if the
+/// The sentinel word (`os::sentinel`): the owner's thread id until the kernel flips it at exit or exec; 0 if the
 /// owner has none (an older gixl). Reads check it after each call instead of probing.
 const OFF_SENTINEL: usize = 64;
 /// Scratch bytes a probing write lands on.
@@ -95,7 +95,7 @@ pub struct Gate {
     /// Owner only: free region slots.
     regions: Mutex<RegionAlloc>,
     /// Owner only: the thread behind the sentinel word (None if it could not start: peers then probe).
-    sentinel: Option<super::sentinel::Sentinel>,
+    sentinel: Option<crate::os::sentinel::Sentinel>,
 }
 
 // SAFETY: the mapping is only accessed through atomics (and immutable-while-live region fields).
@@ -155,7 +155,7 @@ impl Gate {
         g.word(OFF_VERSION).store(VERSION, Ordering::Relaxed);
         g.word(OFF_LIVE).store(1, Ordering::Relaxed);
         // SAFETY: the word is inside the mapping, which `Drop` keeps until the sentinel has ended.
-        match unsafe { super::sentinel::Sentinel::start(g.word32(OFF_SENTINEL)) } {
+        match unsafe { crate::os::sentinel::Sentinel::start(g.word32(OFF_SENTINEL)) } {
             Ok(s) => g.sentinel = Some(s),
             Err(e) => crate::telemetry::log::warn(&format!(
                 "no exit/exec sentinel for this agent ({e}); same-host peers probe the gate on reads as well"
@@ -243,7 +243,7 @@ impl Gate {
         lo | hi << 64
     }
 
-    /// The owner's sentinel word (see `sentinel.rs`).
+    /// The owner's sentinel word (see `os::sentinel`).
     pub fn sentinel(&self) -> &AtomicU32 {
         self.word32(OFF_SENTINEL)
     }

@@ -53,7 +53,6 @@ mod peer;
 mod pool;
 mod route;
 mod router;
-mod sentinel;
 mod shared;
 mod vram;
 mod vram_regions;

@@ -20,10 +20,10 @@ use super::route::in_process::InProcess;
 use super::route::tcp::link::{LinkTarget, TcpLink};
 use super::route::tcp::Tcp;
 use super::route::{Job, Route};
-use super::sentinel;
 use super::shared::{registry, Shared, Transport};
 use crate::backend::{Seg, Target, XferPlan};
 use crate::mem::MemType;
+use crate::os::sentinel;
 use crate::status::{Error, Result, Status};
 
 /// The peer `agent` of incarnation `incarnation`, as its connection info `ci` and this host say it is reached.

@@ -61,13 +61,13 @@ use super::route::cma::Cma;
 use super::route::in_process::InProcess;
 use super::route::Job;
 use super::router::ipc_despite_denial;
-use super::sentinel;
 use super::shared::{take_peer_fd, Shared};
 use super::vram_regions::{open_alloc, Opened, RemoteVram};
 use super::xfer::{Core, Mover, Run};
 use crate::backend::{Seg, Target, XferOp, XferPlan};
 use crate::device::{self, Copy, Device};
 use crate::mem::MemType;
+use crate::os::sentinel;
 use crate::status::{Error, Result, Status};
 
 /// Staging buffer for DRAM (remote, over CMA) ↔ VRAM (local) copies.
