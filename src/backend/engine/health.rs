@@ -240,6 +240,23 @@ impl PeerHealth {
         r
     }
 
+    /// A handshake succeeded at `now`. Up: `current` says whether the connection may be used (made since the
+    /// last failure). Down: the machine decides (a peer that is gone stays gone), and `also` runs on revival. Under
+    /// the lock, so a failure fed at the same time is seen wholly before or after.
+    pub(crate) fn handshake(&self, now: u64, current: impl FnOnce() -> bool, also: impl FnOnce()) -> bool {
+        let mut l = self.live.lock();
+        if !self.down.load(Ordering::Acquire) {
+            return current();
+        }
+        if !l.feed(now, Signal::Handshake) {
+            return false;
+        }
+        self.down.store(false, Ordering::Release);
+        self.why.lock().take();
+        also();
+        true
+    }
+
     /// The peer is gone for good (its incarnation proven gone by a route), saying `why`.
     pub(crate) fn kill(&self, why: impl FnOnce() -> String) {
         self.feed(crate::util::monotonic_ns(), Signal::Gone, why, || {});
@@ -473,9 +490,17 @@ mod tests {
         assert!(h.feed(3200 * MS, Signal::Handshake, String::new, || {}));
         assert_eq!(h.verdict(3200 * MS), Verdict::Up);
         assert!(h.why().is_none());
+        // Up: a handshake's connection is usable only if it is of the current epoch (the caller says).
+        assert!(h.handshake(3300 * MS, || true, || panic!("not a revival")));
+        assert!(!h.handshake(3300 * MS, || false, || {}));
+        // Down, then a handshake: revived, `also` run.
+        h.feed(3400 * MS, Signal::Broken, || "reset".into(), || {});
+        let mut revived = false;
+        assert!(h.handshake(4400 * MS, || false, || revived = true) && revived);
+        assert_eq!(h.verdict(4400 * MS), Verdict::Up);
         // The process exits: gone, though nothing was fed (the pidfd watch sets the flag it reads).
         exited.store(true, Ordering::Release);
-        assert_eq!(h.verdict(3300 * MS), Verdict::Gone);
+        assert_eq!(h.verdict(4500 * MS), Verdict::Gone);
         assert!(h.gone() && h.down_at(u64::MAX));
         // `kill` is final for a name whose process still runs.
         let h = PeerHealth::new(cfg, true, None, None);

@@ -146,8 +146,11 @@ impl EnginePeer {
     /// Copy `segs`, one piece of `job`. Where the kernel denies the first route (it checks before moving a
     /// byte, so nothing was copied), the peer moves to its fallback for good, said once in the log.
     pub(super) fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {
-        let r = self.active().copy(job, segs);
-        let (Err(e), Some(f)) = (&r, &self.fallback) else { return r };
+        let (Some(f), false) = (&self.fallback, self.on_fallback.load(Ordering::Acquire)) else {
+            return self.active().copy(job, segs);
+        };
+        let r = self.via().copy(job, segs);
+        let Err(e) = &r else { return r };
         if !copy::cma_denied(e) {
             return r;
         }

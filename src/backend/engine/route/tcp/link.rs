@@ -162,10 +162,7 @@ impl TcpLink {
         if self.closed.load(Ordering::Acquire) {
             return false;
         }
-        if !self.health.down.load(Ordering::Acquire) {
-            return self.epoch.load(Ordering::Acquire) == epoch;
-        }
-        self.health.feed(monotonic_ns(), Signal::Handshake, String::new, || self.touch())
+        self.health.handshake(monotonic_ns(), || self.epoch.load(Ordering::Acquire) == epoch, || self.touch())
     }
 
     /// The peer was invalidated or dropped: close everything, stop heartbeats. Not a death.
