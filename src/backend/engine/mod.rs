@@ -445,6 +445,28 @@ mod tests {
     /// bound, 5 s) to serve a request, as one serving many peers on few cores does: the request is waited for
     /// and succeeds, and the link stays up. Before, the socket timeout took the link down and the READ failed
     /// with REMOTE_DISCONNECT although the peer was alive.
+    /// A request whose first data connection cannot be had in time (the target's handshakes queued behind 63
+    /// other peers', as in `tests/netns.rs`'s fan-in) while the peer answers heartbeats: dialled again, not
+    /// declared dead (before: REMOTE_DISCONNECT and the link down for a back-off).
+    #[test]
+    fn a_first_data_connection_that_cannot_be_had_in_time_is_dialled_again_while_the_peer_answers() {
+        let a = tcp_agent("dial-A", &[("disconnect_timeout_ms", "1000")]);
+        let b = tcp_agent("dial-B", &[]);
+        let len = 65536;
+        let src = vec![5u8; len];
+        let dst = vec![0u8; len];
+        reg(&a, &dst);
+        reg(&b, &src);
+        a.load_remote_md(&b.local_md().unwrap()).unwrap();
+        tcp_link_of(&a, "dial-B").fail_data_dials.store(3, std::sync::atomic::Ordering::Release);
+        let r = a.create_xfer_req(XferOp::Read, &xl(&dst, 0, len), &xl(&src, 0, len), "dial-B", &XferOpts::default());
+        let r = r.unwrap();
+        let s = a.post_xfer_req(&r, NotifUpdate::Keep).and_then(|_| wait(&a, &r, Duration::from_secs(30)));
+        assert_eq!(s.map_err(|e| e.to_string()), Ok(Status::Success), "a slow peer is not a dead one");
+        assert_eq!(tcp_link_of(&a, "dial-B").fail_data_dials.load(std::sync::atomic::Ordering::Acquire), 0);
+        assert!(dst == src);
+    }
+
     #[test]
     fn a_slow_target_that_answers_heartbeats_is_waited_for() {
         let a = tcp_agent("slow-A", &[("disconnect_timeout_ms", "1000")]);

@@ -46,6 +46,9 @@ pub struct TcpLink {
     inflight: AtomicUsize,
     last_rx: AtomicU64,
     closed: AtomicBool,
+    /// Test-only: the next this many data dials fail as a dial to a busy target does (no proof of anything).
+    #[cfg(test)]
+    pub(crate) fail_data_dials: AtomicUsize,
 }
 
 #[derive(Default)]
@@ -89,6 +92,8 @@ impl TcpLink {
             inflight: AtomicUsize::new(0),
             last_rx: AtomicU64::new(monotonic_ns()),
             closed: AtomicBool::new(false),
+            #[cfg(test)]
+            fail_data_dials: AtomicUsize::new(0),
         })
     }
 
@@ -405,6 +410,7 @@ impl TcpLink {
 
     /// A data connection, the epoch it belongs to, and whether it was idle in the pool (not freshly dialled).
     fn checkout(&self) -> Result<(Arc<TcpStream>, u64, bool)> {
+        let start = monotonic_ns();
         let mut g = self.data.lock();
         loop {
             self.usable()?;
@@ -423,7 +429,7 @@ impl TcpLink {
             if g.open < self.opts.conns && (g.open == 0 || now >= g.no_dial_until) {
                 g.open += 1;
                 drop(g);
-                let r = self.dial(wire::KIND_DATA);
+                let r = self.dial_data();
                 let r = r.and_then(|s| {
                     if self.handshook(epoch) {
                         Ok(s)
@@ -447,12 +453,19 @@ impl TcpLink {
                     Err(e) => {
                         g = self.data.lock();
                         g.open -= 1;
-                        // One more connection could not be had (a target accepting slowly under load: its
-                        // backlog full, a SYN waiting for its retransmission), but the link has others and
-                        // its heartbeats say whether the peer lives: wait for one of those.
-                        if g.open > 0 && !e.1 && !self.down() {
-                            g.no_dial_until = monotonic_ns() + self.opts.timeout.as_nanos() as u64;
-                            continue;
+                        // A connection could not be had (a target accepting slowly under load: its backlog
+                        // full, a SYN waiting for its retransmission, its handshakes queued behind other
+                        // peers'), but nothing proves the peer gone: with other connections open, wait for one
+                        // of those; with none, dial again while its heartbeats say it lives (slow is not dead),
+                        // for at most `TcpOpts::patience`.
+                        if !e.1 && !self.down() {
+                            if g.open > 0 {
+                                g.no_dial_until = monotonic_ns() + self.opts.timeout.as_nanos() as u64;
+                                continue;
+                            }
+                            if self.answering(start) {
+                                continue;
+                            }
                         }
                         drop(g);
                         self.data_cv.notify_one();
@@ -468,6 +481,23 @@ impl TcpLink {
             }
             self.data_cv.wait(&mut g);
         }
+    }
+
+    fn dial_data(&self) -> std::result::Result<TcpStream, DialError> {
+        #[cfg(test)]
+        if self.fail_data_dials.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1)).is_ok() {
+            return Err(("the target did not answer in time (injected)".into(), false));
+        }
+        self.dial(wire::KIND_DATA)
+    }
+
+    /// The peer answers on the control connection (within the silence bound), and a request that began at
+    /// `start` has not waited longer than `TcpOpts::patience`.
+    fn answering(&self, start: u64) -> bool {
+        let now = monotonic_ns();
+        self.ctrl.lock().is_some()
+            && now.saturating_sub(self.last_rx.load(Ordering::Acquire)) < self.opts.live().silence
+            && now.saturating_sub(start) < self.opts.patience().as_nanos() as u64
     }
 
     fn checkin(&self, s: Arc<TcpStream>, epoch: u64, reusable: bool) {
