@@ -284,7 +284,21 @@ impl PeerHealth {
     }
 
     /// Not usable at `now`: gone, or down with no retry due.
+    #[cfg(test)]
     pub(crate) fn down_at(&self, now: u64) -> bool {
+        self.down_when(|| now)
+    }
+
+    /// `down_at` now, the clock read only when the peer is not plainly up (the post path asks).
+    pub(crate) fn down_now(&self) -> bool {
+        self.down_when(crate::util::monotonic_ns)
+    }
+
+    fn down_when(&self, now: impl Fn() -> u64) -> bool {
+        if !self.down.load(Ordering::Acquire) && !self.gone() && self.gate.as_ref().is_none_or(|g| g.gate.live()) {
+            return false;
+        }
+        let now = now();
         match self.verdict(now) {
             Verdict::Up => false,
             Verdict::DownUntil(t) => now < t,

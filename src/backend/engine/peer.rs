@@ -55,7 +55,7 @@ impl Peer for EnginePeer {
         self
     }
     fn disconnected(&self) -> bool {
-        self.health.down_at(crate::util::monotonic_ns()) || self.via().closed()
+        self.health.down_now() || self.via().closed()
     }
     fn why_down(&self) -> String {
         self.why()

@@ -184,7 +184,7 @@ impl TcpLink {
 
     /// Is the peer unusable now? Down and not due for a retry, proven gone, or closed.
     pub fn down(&self) -> bool {
-        self.closed.load(Ordering::Acquire) || self.health.down_at(monotonic_ns())
+        self.closed.load(Ordering::Acquire) || self.health.down_now()
     }
 
     fn usable(&self) -> Result<()> {
