@@ -4,7 +4,7 @@
 //!
 //! The thread sleeps in `epoll_wait` with no timeout unless a TCP peer has requests in flight (heartbeats)
 //! or a TCP connection has not authenticated yet, so an idle agent uses no CPU. It never touches registered
-//! memory; it only queues notifications, answers heartbeats and flips peers' `dead` flags.
+//! memory; it only queues notifications, answers heartbeats and sets peer processes' exit flags.
 
 use std::collections::{HashMap, HashSet};
 use std::io::{self, Read, Write};

@@ -1,6 +1,7 @@
-//! The initiator's side of the TCP route: one `TcpLink` per peer (its control connection, read by the
-//! progress thread (`listen`), and its data connections, used by the requests' pieces directly), its liveness
-//! (the peer's `health::PeerHealth`, its heartbeats fed by the progress thread through `listen::Watched`), and redialing after a failure.
+//! The initiator's side of the TCP route: one `TcpLink` per peer (its control connection, read by the progress
+//! thread (`listen`), and its data connections, used by the requests' pieces directly), its liveness (the peer's
+//! `health::PeerHealth`, its heartbeats fed by the progress thread through `listen::Watched`), and redialing after
+//! a failure.
 
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpStream};
@@ -21,7 +22,7 @@ use crate::status::{Error, Result, Status};
 use crate::util::monotonic_ns;
 
 /// The initiator's side of one peer: its addresses and credentials, the control connection and a few data
-/// connections, all opened on first use. Its health is a `Liveness` state machine: a peer that went down
+/// connections, all opened on first use. Its health is the peer's (`health::PeerHealth`): a peer that went down
 /// (silence, a broken connection, a failed dial) is redialed by a later request once its back-off has
 /// passed, and is up again if the same incarnation answers; only a proven failure is final.
 pub struct TcpLink {
