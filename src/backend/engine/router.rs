@@ -123,10 +123,10 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
 pub(super) fn vram_over_tcp(plan: &XferPlan) -> Result<Option<Arc<TcpLink>>> {
     let Target::Remote(p) = &plan.target else { return Ok(None) };
     let p = downcast(p)?;
-    Ok(match (&p.kind, &p.fallback) {
+    Ok(match (&p.kind, p.fallen_back()) {
         (PeerKind::Tcp(Tcp { link }), _) => Some(link.clone()),
         // Cross-memory attach denied: over TCP, unless the peer's VRAM stays reachable by IPC handles.
-        (PeerKind::Cma(Cma { gate, .. }), Some(Tcp { link })) if p.on_fallback.load(Ordering::Acquire) => {
+        (PeerKind::Cma(Cma { gate, .. }), Some(Tcp { link })) => {
             (!ipc_despite_denial(gate, plan.remote_mem == MemType::Vram)).then(|| link.clone())
         }
         (PeerKind::Cma(_) | PeerKind::InProcess(_), _) => None,
@@ -135,18 +135,28 @@ pub(super) fn vram_over_tcp(plan: &XferPlan) -> Result<Option<Arc<TcpLink>>> {
 
 /// A peer as the engine uses it: through the route the router keeps it on.
 impl EnginePeer {
+    /// The fallback, once the router moved the peer there.
+    pub(super) fn fallen_back(&self) -> Option<&Tcp> {
+        self.fallback.as_ref().filter(|_| self.on_fallback.load(Ordering::Acquire))
+    }
+
+    /// Move the peer to its fallback for good (its first route was denied). True when this is news.
+    pub(super) fn fall_back(&self) -> bool {
+        self.fallback.is_some() && !self.on_fallback.swap(true, Ordering::AcqRel)
+    }
+
     /// The route requests take now: its first, or the fallback once the router moved it there.
     fn active(&self) -> &dyn Route {
-        match &self.fallback {
-            Some(f) if self.on_fallback.load(Ordering::Acquire) => f,
-            _ => self.via(),
+        match self.fallen_back() {
+            Some(f) => f,
+            None => self.via(),
         }
     }
 
     /// Copy `segs`, one piece of `job`. Where the kernel denies the first route (it checks before moving a
     /// byte, so nothing was copied), the peer moves to its fallback for good, said once in the log.
     pub(super) fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {
-        let (Some(f), false) = (&self.fallback, self.on_fallback.load(Ordering::Acquire)) else {
+        let (Some(f), None) = (&self.fallback, self.fallen_back()) else {
             return self.active().copy(job, segs);
         };
         let r = self.via().copy(job, segs);
@@ -154,7 +164,7 @@ impl EnginePeer {
         if !copy::cma_denied(e) {
             return r;
         }
-        if !self.on_fallback.swap(true, Ordering::AcqRel) {
+        if self.fall_back() {
             crate::telemetry::log::warn(&format!(
                 "agent '{}': peer '{}' route tcp (fall-back: the kernel denied cross-memory attach: {e}; \
                  `python -m gixl doctor` says why)",
@@ -190,9 +200,9 @@ impl EnginePeer {
 
     /// The route its data takes now, as doctor, the log and telemetry name it.
     pub(super) fn label(&self) -> &'static str {
-        match self.fallback {
-            Some(_) if self.on_fallback.load(Ordering::Acquire) => "tcp-after-cma-denied",
-            _ => self.via().label(),
+        match self.fallen_back() {
+            Some(_) => "tcp-after-cma-denied",
+            None => self.via().label(),
         }
     }
 

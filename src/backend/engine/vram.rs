@@ -173,7 +173,7 @@ fn in_peer_gate<T>(p: &EnginePeer, regions: &[(u32, u64, u64, u64)], f: impl FnO
                 }
                 if cma_denied(&e) {
                     // No sentinel, and the kernel refuses the probe: nothing can check this peer's identity.
-                    p.on_fallback.store(true, Ordering::Release);
+                    p.fall_back();
                     return Err(Error::not_supported(format!("VRAM transfers to agent '{}': {e}", p.name)));
                 }
                 return Err(e);
@@ -214,7 +214,7 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
         Some((ep, PeerKind::Cma(Cma { proof, gate, .. }))) => {
             // The engine sends a denied peer's requests over TCP unless this says they can stay here (see
             // `ipc_despite_denial`); refused if one comes anyway.
-            if ep.on_fallback.load(Ordering::Acquire) && !ipc_despite_denial(gate, remote_is_vram) {
+            if ep.fallen_back().is_some() && !ipc_despite_denial(gate, remote_is_vram) {
                 return Err(Error::not_supported(format!(
                     "VRAM transfers to agent '{}' need cross-memory attach here (remote DRAM staged), or its \
                      transfer gate with an exit/exec sentinel, and the kernel denies cross-memory attach to it \
