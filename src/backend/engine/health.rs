@@ -148,7 +148,7 @@ impl Liveness {
                 self.backoff = self.cfg.backoff_min;
                 return true;
             }
-            (Signal::Gone | Signal::DialFailed { proven: true }, _) => self.gone(),
+            (Signal::Gone | Signal::DialFailed { proven: true }, _) => self.give_up(),
             (Signal::Broken | Signal::DialFailed { .. }, Health::Up) => self.went_down(now, false),
             (Signal::Broken, Health::Down { .. }) => {}
             (Signal::DialFailed { .. }, Health::Down { since, .. }) => {
@@ -173,14 +173,14 @@ impl Liveness {
     fn went_down(&mut self, now: u64, proven: bool) {
         self.next_ping = None;
         if proven || !self.recover {
-            return self.gone();
+            return self.give_up();
         }
         let retry_at = now.saturating_add(self.backoff);
         self.backoff = (self.backoff.saturating_mul(2)).min(self.cfg.backoff_max);
         self.health = Health::Down { since: now, retry_at };
     }
 
-    fn gone(&mut self) {
+    fn give_up(&mut self) {
         self.next_ping = None;
         self.health = Health::Gone;
     }
@@ -225,19 +225,24 @@ impl PeerHealth {
     pub(crate) fn feed(&self, now: u64, s: Signal, why: impl FnOnce() -> String, also: impl FnOnce()) -> bool {
         let mut l = self.live.lock();
         let r = l.feed(now, s);
+        self.publish(&l, s, why);
+        also();
+        r
+    }
+
+    /// Make the machine's verdict after `s` what the lock-free readers see (called under `live`).
+    fn publish(&self, l: &Liveness, s: Signal, why: impl FnOnce() -> String) {
         let verdict = l.verdict();
         if verdict == Verdict::Up {
             self.down.store(false, Ordering::Release);
             self.why.lock().take();
-        } else {
-            let news = !self.down.swap(true, Ordering::AcqRel);
-            let gone = verdict == Verdict::Gone && !self.gone.swap(true, Ordering::AcqRel);
-            if news || gone || matches!(s, Signal::DialFailed { .. }) {
-                *self.why.lock() = Some(why());
-            }
+            return;
         }
-        also();
-        r
+        let news = !self.down.swap(true, Ordering::AcqRel);
+        let gone = verdict == Verdict::Gone && !self.gone.swap(true, Ordering::AcqRel);
+        if news || gone || matches!(s, Signal::DialFailed { .. }) {
+            *self.why.lock() = Some(why());
+        }
     }
 
     /// A handshake succeeded at `now`. Up: `current` says whether the connection may be used (made since the
@@ -251,8 +256,7 @@ impl PeerHealth {
         if !l.feed(now, Signal::Handshake) {
             return false;
         }
-        self.down.store(false, Ordering::Release);
-        self.why.lock().take();
+        self.publish(&l, Signal::Handshake, String::new);
         also();
         true
     }
@@ -264,7 +268,7 @@ impl PeerHealth {
 
     /// The verdict at `now`, every signal counted.
     pub(crate) fn verdict(&self, now: u64) -> Verdict {
-        if self.gone() || self.gate.as_ref().is_some_and(|g| !g.gate.live()) {
+        if self.ended() {
             return Verdict::Gone;
         }
         if !self.down.load(Ordering::Acquire) {
@@ -283,6 +287,11 @@ impl PeerHealth {
         self.gone.load(Ordering::Acquire) || self.exited.as_ref().is_some_and(|e| e.load(Ordering::Acquire))
     }
 
+    /// Gone, or its incarnation's gate closed.
+    fn ended(&self) -> bool {
+        self.gone() || self.gate.as_ref().is_some_and(|g| !g.gate.live())
+    }
+
     /// Not usable at `now`: gone, or down with no retry due.
     #[cfg(test)]
     pub(crate) fn down_at(&self, now: u64) -> bool {
@@ -295,7 +304,7 @@ impl PeerHealth {
     }
 
     fn down_when(&self, now: impl Fn() -> u64) -> bool {
-        if !self.down.load(Ordering::Acquire) && !self.gone() && self.gate.as_ref().is_none_or(|g| g.gate.live()) {
+        if !self.down.load(Ordering::Acquire) && !self.ended() {
             return false;
         }
         let now = now();
