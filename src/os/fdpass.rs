@@ -37,17 +37,8 @@ pub(crate) fn send_with_fd(sock: RawFd, bytes: &mut [u8], fd: RawFd) -> io::Resu
         (*cm).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
         std::ptr::write_unaligned(libc::CMSG_DATA(cm) as *mut RawFd, fd);
     }
-    loop {
-        // SAFETY: `msg` describes live buffers.
-        let r = unsafe { libc::sendmsg(sock, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
-        if r >= 0 {
-            return Ok(r as usize);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
+    // SAFETY: `msg` describes `bytes` and `cbuf`, both live for the call.
+    unsafe { super::sock::sendmsg_dontwait(sock, &msg) }
 }
 
 /// Receive into `buf` from the Unix socket `sock` (blocking as the socket is set), taking ownership of every

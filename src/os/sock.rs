@@ -159,9 +159,18 @@ pub unsafe fn sendmsg_now(fd: RawFd, iov: &[libc::iovec]) -> io::Result<usize> {
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
     msg.msg_iovlen = n as _;
+    // SAFETY: `n` valid iovecs; the caller guarantees the memory is readable.
+    unsafe { sendmsg_dontwait(fd, &msg) }
+}
+
+/// One `sendmsg` of `msg`, without blocking or SIGPIPE, again if a signal interrupted it: bytes sent.
+///
+/// # Safety
+/// `msg` must describe live buffers (iovecs readable, control data valid) for the duration of the call.
+pub(crate) unsafe fn sendmsg_dontwait(fd: RawFd, msg: &libc::msghdr) -> io::Result<usize> {
     loop {
-        // SAFETY: `n` valid iovecs; the caller guarantees the memory is readable.
-        let r = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        // SAFETY: the caller guarantees `msg`.
+        let r = unsafe { libc::sendmsg(fd, msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
         if r >= 0 {
             return Ok(r as usize);
         }
