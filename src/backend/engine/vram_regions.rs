@@ -61,16 +61,7 @@ impl Vram {
         let mut exports = self.exports.lock();
         // Export every chunk (or count one more region on an existing export); undone on failure.
         let mut done: Vec<u64> = Vec::with_capacity(chunks.len());
-        let undo = |exports: &mut HashMap<u64, Exported>, done: &[u64]| {
-            for b in done {
-                if let Some(e) = exports.get_mut(b) {
-                    e.regions -= 1;
-                    if e.regions == 0 {
-                        Self::unexport(ctrl, exports, *b);
-                    }
-                }
-            }
-        };
+        let undo = |exports: &mut HashMap<u64, Exported>, done: &[u64]| Self::release(ctrl, exports, done);
         for c in &chunks {
             if !exports.contains_key(&c.base) {
                 let export = match dev.export(c) {
@@ -116,22 +107,23 @@ impl Vram {
     /// One region fewer on the exports of `bases` (from `register`; its gate slot retired first): the last
     /// one drops an export.
     pub(super) fn unexport_all(&self, ctrl: &Ctrl, bases: &[u64]) {
-        let mut ex = self.exports.lock();
-        for b in bases {
-            if let Some(e) = ex.get_mut(b) {
-                e.regions -= 1;
-                if e.regions == 0 {
-                    Self::unexport(ctrl, &mut ex, *b);
-                }
-            }
-        }
+        Self::release(ctrl, &mut self.exports.lock(), bases);
     }
 
-    /// Drop the export of the allocation at `base`, withdrawn from the control socket first.
-    fn unexport(ctrl: &Ctrl, exports: &mut HashMap<u64, Exported>, base: u64) {
-        if let Some(e) = exports.remove(&base) {
-            if let Some(k) = &e.export.keep {
-                ctrl.withdraw_fd(k.as_raw_fd());
+    /// One region fewer on each export of `bases`; an export none uses any more is dropped, withdrawn from the
+    /// control socket first.
+    fn release(ctrl: &Ctrl, exports: &mut HashMap<u64, Exported>, bases: &[u64]) {
+        for b in bases {
+            let Some(e) = exports.get_mut(b) else { continue };
+            e.regions -= 1;
+            if e.regions > 0 {
+                continue;
+            }
+            // The export (and the descriptor it offers) lives until it is withdrawn.
+            if let Some(e) = exports.remove(b) {
+                if let Some(k) = &e.export.keep {
+                    ctrl.withdraw_fd(k.as_raw_fd());
+                }
             }
         }
     }
