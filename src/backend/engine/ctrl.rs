@@ -985,7 +985,6 @@ pub(crate) fn fuzz_hello(incarnation: u128, from: &str) -> Vec<u8> {
 /// How long after the application's last `notifs` poll the progress thread leaves the local sockets to it.
 const POLL_GRACE_NS: u64 = 2_000_000;
 
-/// Arm (add or re-arm) the local epoll set in the progress thread's set, one-shot.
 /// The local epoll set in the progress thread's reactor: one-shot, re-armed by whoever drained it.
 const LOCAL_ARM: u32 = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
 

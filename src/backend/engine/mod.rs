@@ -441,10 +441,6 @@ mod tests {
         assert_eq!(read().unwrap(), Status::Success, "the link stayed up");
     }
 
-    /// A target that answers heartbeats but takes longer than the data connections' socket timeout (the stall
-    /// bound, 5 s) to serve a request, as one serving many peers on few cores does: the request is waited for
-    /// and succeeds, and the link stays up. Before, the socket timeout took the link down and the READ failed
-    /// with REMOTE_DISCONNECT although the peer was alive.
     /// A request whose first data connection cannot be had in time (the target's handshakes queued behind 63
     /// other peers', as in `tests/netns.rs`'s fan-in) while the peer answers heartbeats: dialled again, not
     /// declared dead (before: REMOTE_DISCONNECT and the link down for a back-off).
@@ -467,6 +463,10 @@ mod tests {
         assert!(dst == src);
     }
 
+    /// A target that answers heartbeats but takes longer than the data connections' socket timeout (the stall
+    /// bound, 5 s) to serve a request, as one serving many peers on few cores does: the request is waited for
+    /// and succeeds, and the link stays up. Before, the socket timeout took the link down and the READ failed
+    /// with REMOTE_DISCONNECT although the peer was alive.
     #[test]
     fn a_slow_target_that_answers_heartbeats_is_waited_for() {
         let a = tcp_agent("slow-A", &[("disconnect_timeout_ms", "1000")]);

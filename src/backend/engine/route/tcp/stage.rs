@@ -2,8 +2,9 @@
 //! initiator's is `vram`).
 //!
 //! The serving loops (`serve`) recognise a request on registrations made in VRAM (`Regions::lease` says
-//! `Device`) and serve it chunk by chunk through a staging buffer of their loop (`SERVE_CHUNK` bytes, at most `LOOP_BUFS` per loop, kept for reuse until the engine closes; a request
-//! finding none free waits in its loop's queue, holding no thread). The device copy of one chunk runs on the
+//! `Device`) and serve it chunk by chunk through a staging buffer of their loop (`SERVE_CHUNK` bytes, at most
+//! `LOOP_BUFS` per loop, kept for reuse until the engine closes; a request finding none free waits in its
+//! loop's queue, holding no thread). The device copy of one chunk runs on the
 //! loop thread: a bounded stall (2 MiB: about 0.1 ms at PCIe rates, a memcpy with the fake device) that
 //! keeps the loop a single-threaded state machine. The request holds its lease on the registrations from
 //! its check to its last device copy, so deregistration waits for it exactly as for DRAM (and cuts a slow
