@@ -112,6 +112,20 @@ rust_cuda() {
         cargo test --release --features cuda --lib --test vram --test vram_tcp -- vram &&
         GIXL_FAKE_DEVICE=1 GIXL_ITERS=2 timeout 120 cargo run -q --release --features cuda --example gpu_check
 }
+rust_rdma() {
+    # The `rdma` feature: the verbs layer over the fake fabric (multi-process), rdma-core's layout against
+    # the bindings, the real library's no-device path, and no load-time dependency on libibverbs.
+    cargo clippy --release --features rdma --lib --test verbs_abi --test verbs_fake -- -D warnings &&
+        cargo test --release --features rdma --lib verbs &&
+        cargo test --release --features rdma --test verbs_fake --test verbs_abi &&
+        cargo build --release --features rdma --lib || return 1
+    if ldd target/release/libgixl.so | grep -q ibverbs; then
+        echo "libgixl.so built with the rdma feature links libibverbs at load time:"
+        ldd target/release/libgixl.so
+        return 1
+    fi
+    echo "libgixl.so (rdma feature) needs no libibverbs to load: $(ldd target/release/libgixl.so | wc -l) libraries"
+}
 rust_lint() {
     # A machine without the tools must not pass this step by accident.
     if ! cargo fmt --version >/dev/null 2>&1; then
@@ -229,6 +243,7 @@ export -f $(declare -F | awk '{print $3}')
 step "rustfmt + clippy -D warnings + module cycles" rust_lint
 step "cargo test" rust_tests
 step "cargo test --features cuda (fake device layer)" rust_cuda
+step "cargo test --features rdma (fake verbs, rdma-core ABI, no load-time libibverbs)" rust_rdma
 step "header compiles alone (C11, C++17)" header
 step "C library exports" capi_exports
 step "C tests + nixl-sys consumer vs gixl" ffi_gixl

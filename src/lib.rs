@@ -33,6 +33,9 @@ pub(crate) mod os;
 pub mod status;
 pub mod telemetry;
 pub(crate) mod util;
+/// The RDMA NIC behind a trait: rdma-core loaded at run time (`rdma` feature) and a fake fabric for tests.
+#[doc(hidden)]
+pub mod verbs;
 
 pub use agent::{
     Agent, AgentConfig, BackendId, NotifUpdate, PlanIndex, PreppedDList, SyncMode, XferOpts, XferReq, XferTelemetry,

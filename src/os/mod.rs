@@ -12,4 +12,4 @@ pub(crate) mod sentinel;
 pub(crate) mod sock;
 
 pub(crate) use proc::{pidfd_alive, pidfd_getfd, pidfd_open};
-pub(crate) use reactor::{epoll, wake, Reactor, Tokens};
+pub(crate) use reactor::{epoll, eventfd, wake, Reactor, Tokens};

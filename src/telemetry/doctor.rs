@@ -261,7 +261,7 @@ pub fn report(peer: Option<PeerTarget>) -> String {
             J::Obj(vec![
                 ("works", J::Bool(false)),
                 ("devices", J::Arr(rdma.iter().map(|d| J::s(d.clone())).collect())),
-                ("why", J::s("gixl has no RDMA route yet (the `rdma` feature is planned): RDMA NICs are not used")),
+                ("why", J::s("gixl has no RDMA route yet (its verbs layer is being built behind the `rdma` feature): RDMA NICs are not used")),
             ]),
         ),
         (

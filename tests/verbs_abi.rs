@@ -1,0 +1,73 @@
+//! The rdma-core bindings (`gixl::verbs::sys`, feature `rdma`) against rdma-core's own header: a C program
+//! compiled against `<infiniband/verbs.h>` prints the offsets the bindings read, and they must agree; and the
+//! real library's answer on a host without a NIC (this one, and CI's): NOT_SUPPORTED saying why, nothing
+//! else. Needs `libibverbs-dev` (scripts/setup.sh installs it); without the header the first test says so
+//! and fails on CI.
+#![cfg(feature = "rdma")]
+
+use std::process::Command;
+
+use gixl::verbs::sys;
+
+#[test]
+fn the_offsets_the_bindings_read_are_rdma_cores() {
+    if !std::path::Path::new("/usr/include/infiniband/verbs.h").exists() {
+        assert!(std::env::var("CI").is_err(), "libibverbs-dev is not installed (scripts/setup.sh installs it)");
+        gixl::test_skip("verbs_abi", "no <infiniband/verbs.h> (apt install libibverbs-dev)");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("gixl-verbs-abi-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("abi.c");
+    std::fs::write(
+        &src,
+        r#"#include <stddef.h>
+#include <stdio.h>
+#include <infiniband/verbs.h>
+int main(void) {
+    printf("%zu %zu %zu %zu %zu %zu %d %d\n", offsetof(struct ibv_port_attr, state),
+           offsetof(struct ibv_port_attr, lid), offsetof(struct ibv_port_attr, link_layer),
+           sizeof(struct ibv_port_attr), offsetof(struct ibv_mr, lkey), offsetof(struct ibv_mr, rkey),
+           (int)IBV_PORT_ACTIVE, (int)IBV_LINK_LAYER_ETHERNET);
+    return 0;
+}
+"#,
+    )
+    .unwrap();
+    let bin = dir.join("abi");
+    let cc = Command::new("cc").arg("-o").arg(&bin).arg(&src).output().unwrap();
+    assert!(cc.status.success(), "{}", String::from_utf8_lossy(&cc.stderr));
+    let out = Command::new(&bin).output().unwrap();
+    let got = String::from_utf8(out.stdout).unwrap();
+    let want = format!(
+        "{} {} {} {} {} {} 4 2\n",
+        sys::PORT_STATE,
+        sys::PORT_LID,
+        sys::PORT_LINK_LAYER,
+        sys::PORT_ATTR_SIZE,
+        sys::MR_LKEY,
+        sys::MR_RKEY
+    );
+    assert_eq!(got, want, "rdma-core's layout (left) against the bindings' (right)");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Where the library is installed and no device exists, or where it is not installed, `load` says
+/// NOT_SUPPORTED with the reason; where a device exists, its ports list.
+#[test]
+fn the_real_library_without_a_device_is_not_supported_and_says_why() {
+    let has_dev = std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some());
+    match sys::load() {
+        Ok(f) => {
+            assert!(has_dev, "a fabric without a device");
+            let ports = f.ports().unwrap();
+            assert!(!ports.is_empty());
+            eprintln!("RDMA ports: {ports:?}");
+        }
+        Err(e) => {
+            assert!(!has_dev || e.message().contains("not installed"), "{e}");
+            assert_eq!(e.status(), gixl::status::Status::NotSupported, "{e}");
+            assert!(e.message().contains("no RDMA device") || e.message().contains("not installed"), "{e}");
+        }
+    }
+}
