@@ -464,6 +464,8 @@ struct QpState {
     sq: VecDeque<Queued>,
     /// Sent, answer not yet read (in order).
     sent: VecDeque<Queued>,
+    /// The reading thread holds an answered request whose completion it has not yet queued.
+    answering: bool,
     recvs: VecDeque<(u64, Sge)>,
     /// This pair's outgoing stream (its requests).
     out: Option<UnixStream>,
@@ -511,6 +513,18 @@ impl QpInner {
         }
     }
 
+    /// `q` failed here before leaving: the requests sent before it complete first (as on hardware, in order),
+    /// then it fails with `status` and the pair goes to the error state.
+    fn fail_after_sent(&self, q: Queued, status: WcStatus) {
+        let mut st = self.st.lock();
+        while (!st.sent.is_empty() || st.answering) && matches!(st.phase, Phase::Connected(_)) {
+            self.cv.wait(&mut st);
+        }
+        st.sent.push_front(q);
+        drop(st);
+        self.fail(status);
+    }
+
     fn send_loop(self: Arc<Self>, mut out: UnixStream) {
         loop {
             let q = {
@@ -530,18 +544,14 @@ impl QpInner {
                 Op::Read { .. } => None,
                 _ => match self.pd.gather(&q.sges) {
                     Some(d) => Some(d),
-                    None => {
-                        self.st.lock().sent.push_back(q);
-                        return self.fail(WcStatus::LocalProtection);
-                    }
+                    None => return self.fail_after_sent(q, WcStatus::LocalProtection),
                 },
             };
             // Reads scatter into the local list later: check now that it is writable memory of this domain.
             if matches!(q.op, Op::Read { .. })
                 && !q.sges.iter().all(|s| self.pd.with(s.lkey, s.addr, u64::from(s.len), LOCAL_WRITE, || ()).is_some())
             {
-                self.st.lock().sent.push_back(q);
-                return self.fail(WcStatus::LocalProtection);
+                return self.fail_after_sent(q, WcStatus::LocalProtection);
             }
             match q.op {
                 Op::Read { raddr, rkey } => encode(&mut frame, 1, raddr, rkey, q.len(), None),
@@ -571,11 +581,19 @@ impl QpInner {
             }
             let status = h[0];
             let n = u32::from_le_bytes([h[1], h[2], h[3], h[4]]) as usize;
+            if n as u64 > MAX_MSG {
+                return self.fail(WcStatus::RemoteOp);
+            }
             let mut data = vec![0u8; n];
             if inp.read_exact(&mut data).is_err() {
                 return self.fail(WcStatus::RetryExceeded);
             }
-            let Some(q) = self.st.lock().sent.pop_front() else {
+            let popped = {
+                let mut st = self.st.lock();
+                st.answering = true;
+                st.sent.pop_front()
+            };
+            let Some(q) = popped else {
                 return self.fail(WcStatus::RemoteOp);
             };
             let mut wc = Completion { id: q.id, status: WcStatus::Success, kind: q.kind(), len: 0, imm: None };
@@ -587,12 +605,18 @@ impl QpInner {
                 s => WcStatus::from_ibv(u32::from(s)),
             };
             if wc.status != WcStatus::Success {
-                self.st.lock().sent.push_front(q);
+                let mut st = self.st.lock();
+                st.answering = false;
+                st.sent.push_front(q);
+                drop(st);
                 return self.fail(wc.status);
             }
             if q.signaled {
                 self.scq.push(wc);
             }
+            // `fail_after_sent` may be waiting for the answers to drain.
+            self.st.lock().answering = false;
+            self.cv.notify_all();
         }
     }
 }
@@ -1049,11 +1073,21 @@ mod tests {
         assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::RemoteAccess, "one byte past the region");
         let (a, b) = pair(&f);
         let ro = b.nic.reg_mr(remote.as_ptr() as u64, 4096, REMOTE_READ).unwrap();
-        let s = [Sge { addr: local.as_ptr() as u64, len: 64, lkey: 0xdead00 }];
-        a.qp.post_send(&[Wr { id: 3, op: Op::Read { raddr: ro.addr, rkey: ro.rkey }, sges: &s, signaled: true }])
-            .unwrap();
-        assert_eq!(wait(&a.cq, 1)[0].status, WcStatus::LocalProtection, "unknown local key");
-        assert!(local.iter().all(|&x| x == 0));
+        let lmr = a.nic.reg_mr(local.as_ptr() as u64, 8192, ALL).unwrap();
+        let good = [Sge { addr: local.as_ptr() as u64 + 4096, len: 64, lkey: lmr.lkey }];
+        let bad = [Sge { addr: local.as_ptr() as u64, len: 64, lkey: 0xdead00 }];
+        let rd = Op::Read { raddr: ro.addr, rkey: ro.rkey };
+        a.qp.post_send(&[
+            Wr { id: 3, op: rd, sges: &good, signaled: true },
+            Wr { id: 4, op: rd, sges: &bad, signaled: true },
+            Wr { id: 5, op: rd, sges: &good, signaled: false },
+        ])
+        .unwrap();
+        // In order: the one before it completes, it fails, the one after is flushed.
+        let c: Vec<(u64, WcStatus)> = wait(&a.cq, 3).iter().map(|c| (c.id, c.status)).collect();
+        assert_eq!(c, [(3, WcStatus::Success), (4, WcStatus::LocalProtection), (5, WcStatus::Flushed)]);
+        assert!(local[..4096].iter().all(|&x| x == 0));
+        assert!(local[4096..4160].iter().all(|&x| x == 3));
     }
 
     #[test]
