@@ -8,6 +8,10 @@
 #                ~/.cache/gixl/garage-2.5.0-lmdb: only the LMDB metadata engine, against Debian's libsodium and
 #                libzstd, at opt-level 1 (about 8 minutes on 2 cores, half of a default build; the benchmark
 #                figures in benches/README.md came from a default build). $GIXL_GARAGE names another binary.
+#   rdma-core    Debian's libibverbs (header and library, with libnl) unpacked into ~/.cache/gixl/rdma-core and
+#                NOT installed: the `rdma` feature's tests check gixl's bindings against the header and open the
+#                library by path. Installed system-wide, it would change the oracle: NIXL 1.5.1's bundled UCX loads
+#                the system libibverbs, which brings a second libnl, and NIXL then segfaults at exit.
 #
 # Each phase prints how long it took, so a slow CI machine shows where its time went.
 set -euo pipefail
@@ -31,9 +35,6 @@ for lib in libsodium libzstd; do
     pkg-config --exists "$lib" 2>/dev/null || apt_missing+=("$lib-dev")
 done
 command -v pkg-config >/dev/null || apt_missing+=(pkg-config)
-# The `rdma` feature's tests check gixl's rdma-core bindings against its header and run the real library's
-# no-device path (libibverbs is opened at run time; nothing links it).
-[ -e /usr/include/infiniband/verbs.h ] || apt_missing+=(libibverbs-dev)
 if ((${#apt_missing[@]})); then
     echo "setup: apt-get install ${apt_missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
@@ -70,6 +71,17 @@ if [ -z "${GIXL_GARAGE:-}" ] && [ ! -x "$garage_root/bin/garage" ]; then
         --no-default-features --features lmdb,system-libs --root "$garage_root"
     rm -rf "$HOME/.cache/gixl/garage-build"
     took "garage built"
+fi
+rdma_core="$HOME/.cache/gixl/rdma-core"
+if [ ! -e "$rdma_core/usr/include/infiniband/verbs.h" ]; then
+    echo "setup: rdma-core unpacked into $rdma_core (not installed)"
+    debs=$(mktemp -d)
+    pkgs=(libibverbs-dev libibverbs1 libnl-3-200 libnl-route-3-200)
+    (cd "$debs" && { apt-get download "${pkgs[@]}" >/dev/null 2>&1 ||
+        { apt-get update -qq && apt-get download "${pkgs[@]}" >/dev/null; }; })
+    for d in "$debs"/*.deb; do dpkg -x "$d" "$rdma_core"; done
+    rm -rf "$debs"
+    took "rdma-core unpacked"
 fi
 # Always reinstall gixl itself so the venv matches the checkout.
 echo "setup: pip install . (builds the gixl wheel)"

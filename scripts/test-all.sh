@@ -114,10 +114,13 @@ rust_cuda() {
 }
 rust_rdma() {
     # The `rdma` feature: the verbs layer over the fake fabric (multi-process), rdma-core's layout against
-    # the bindings, the real library's no-device path, and no load-time dependency on libibverbs.
+    # the bindings, the real library's no-device path (rdma-core unpacked by setup.sh, opened by path), and no
+    # load-time dependency on libibverbs.
+    local rdma_lib="$HOME/.cache/gixl/rdma-core/usr/lib/x86_64-linux-gnu"
     cargo clippy --release --features rdma --lib --test verbs_abi --test verbs_fake -- -D warnings &&
         cargo test --release --features rdma --lib verbs &&
-        cargo test --release --features rdma --test verbs_fake --test verbs_abi &&
+        GIXL_RDMA_CORE="$HOME/.cache/gixl/rdma-core" GIXL_LIBIBVERBS="$rdma_lib/libibverbs.so.1" \
+            LD_LIBRARY_PATH="$rdma_lib:$HOME/.cache/gixl/rdma-core/lib/x86_64-linux-gnu" cargo test --release --features rdma --test verbs_fake --test verbs_abi &&
         cargo build --release --features rdma --lib || return 1
     if ldd target/release/libgixl.so | grep -q ibverbs; then
         echo "libgixl.so built with the rdma feature links libibverbs at load time:"

@@ -1,4 +1,4 @@
-//! rdma-core's `libibverbs.so.1`, opened at run time (`dlopen`), so that the library and the wheel have no
+//! rdma-core's `libibverbs.so.1` (or the path in `GIXL_LIBIBVERBS`), opened at run time (`dlopen`), so that the library and the wheel have no
 //! load-time dependency on it and load on machines without it: [`load`] fails with NOT_SUPPORTED saying why
 //! (no library, or no device), and nothing else changes.
 //!
@@ -64,11 +64,18 @@ pub fn load() -> Result<Arc<dyn Fabric>> {
     Ok(Arc::new(f))
 }
 
+/// `GIXL_LIBIBVERBS` (a path), else `libibverbs.so.1` from the system's library path.
 fn open_lib() -> std::result::Result<Lib, String> {
+    let name = std::env::var("GIXL_LIBIBVERBS").ok().filter(|p| !p.is_empty()).unwrap_or("libibverbs.so.1".into());
+    let c = std::ffi::CString::new(name.clone()).map_err(|_| format!("GIXL_LIBIBVERBS={name:?} holds a NUL byte"))?;
     // SAFETY: a NUL-terminated name; RTLD_LOCAL keeps its symbols out of the global namespace.
-    let h = unsafe { libc::dlopen(c"libibverbs.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
     if h.is_null() {
-        return Err("libibverbs.so.1 is not installed (rdma-core): no RDMA route".into());
+        // SAFETY: dlerror returns a NUL-terminated string or NULL.
+        let why = unsafe { libc::dlerror() };
+        let why =
+            if why.is_null() { String::new() } else { unsafe { CStr::from_ptr(why) }.to_string_lossy().into_owned() };
+        return Err(format!("{name} is not installed (rdma-core), or does not load: {why}"));
     }
     let sym = |name: &CStr| {
         // SAFETY: a live handle and a NUL-terminated name.
