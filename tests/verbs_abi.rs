@@ -23,36 +23,32 @@ fn the_offsets_the_bindings_read_are_rdma_cores() {
     let dir = std::env::temp_dir().join(format!("gixl-verbs-abi-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let src = dir.join("abi.c");
-    std::fs::write(
-        &src,
-        r#"#include <stddef.h>
-#include <stdio.h>
-#include <infiniband/verbs.h>
-int main(void) {
-    printf("%zu %zu %zu %zu %zu %zu %d %d\n", offsetof(struct ibv_port_attr, state),
-           offsetof(struct ibv_port_attr, lid), offsetof(struct ibv_port_attr, link_layer),
-           sizeof(struct ibv_port_attr), offsetof(struct ibv_mr, lkey), offsetof(struct ibv_mr, rkey),
-           (int)IBV_PORT_ACTIVE, (int)IBV_LINK_LAYER_ETHERNET);
-    return 0;
-}
-"#,
-    )
-    .unwrap();
+    let off = |ty: &str, f: &str| format!("offsetof(struct ibv_{ty}, {f})");
+    let mut lines = Vec::new();
+    for (name, _) in sys::ABI {
+        let expr = match name.split_once('.') {
+            Some(("sizeof", ty)) => format!("sizeof(struct ibv_{ty})"),
+            Some((ty, field)) => off(ty, field),
+            None => format!("(size_t){name}"),
+        };
+        lines.push(format!("    printf(\"{name} %zu\\n\", (size_t)({expr}));"));
+    }
+    let c = format!(
+        "#include <stddef.h>\n#include <stdio.h>\n#include <infiniband/verbs.h>\nint main(void) {{\n{}\n    return 0;\n}}\n",
+        lines.join("\n")
+    );
+    std::fs::write(&src, c).unwrap();
     let bin = dir.join("abi");
     let cc = Command::new("cc").arg("-I").arg(&include).arg("-o").arg(&bin).arg(&src).output().unwrap();
     assert!(cc.status.success(), "{}", String::from_utf8_lossy(&cc.stderr));
     let out = Command::new(&bin).output().unwrap();
     let got = String::from_utf8(out.stdout).unwrap();
-    let want = format!(
-        "{} {} {} {} {} {} 4 2\n",
-        sys::PORT_STATE,
-        sys::PORT_LID,
-        sys::PORT_LINK_LAYER,
-        sys::PORT_ATTR_SIZE,
-        sys::MR_LKEY,
-        sys::MR_RKEY
+    let want: String = sys::ABI.iter().map(|(n, v)| format!("{n} {v}\n")).collect();
+    let differ: Vec<(&str, &str)> = got.lines().zip(want.lines()).filter(|(g, w)| g != w).collect();
+    assert!(
+        differ.is_empty() && got.lines().count() == sys::ABI.len(),
+        "rdma-core (left) against the bindings (right): {differ:?}"
     );
-    assert_eq!(got, want, "rdma-core's layout (left) against the bindings' (right)");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
