@@ -246,6 +246,29 @@ pub fn report(peer: Option<PeerTarget>) -> String {
         })
         .collect();
     let transport = std::env::var("GIXL_TRANSPORT").unwrap_or_else(|_| "auto".into());
+    // The RDMA route runs where the fabric has an active port and a data path (today the fake fabric only).
+    let fabric = crate::verbs::fabric().and_then(|f| Ok((f.name(), f.ports()?)));
+    let rdma_ports: Vec<J> = fabric.as_ref().map_or(Vec::new(), |(_, ports)| {
+        ports
+            .iter()
+            .map(|p| J::s(format!("{}:{} {:?} {}", p.device, p.port, p.link, if p.active { "active" } else { "down" })))
+            .collect()
+    });
+    let (rdma_works, rdma_why) = match &fabric {
+        Ok(("fake", ports)) if ports.iter().any(|p| p.active) => (
+            true,
+            "the fake RDMA fabric (GIXL_FAKE_VERBS, for tests): peers with a port on it are reached over RDMA"
+                .to_owned(),
+        ),
+        Ok((_, ports)) if ports.iter().any(|p| p.active) => (
+            false,
+            "rdma-core sees these ports; gixl's rdma-core data path has not run on a NIC yet, so peers go over TCP \
+             unless GIXL_TRANSPORT=rdma asks for it"
+                .to_owned(),
+        ),
+        Ok(_) => (false, "no active RDMA port: peers go over TCP".to_owned()),
+        Err(e) => (false, format!("{}: peers go over TCP", e.message())),
+    };
     let routes = J::Obj(vec![
         ("in_process", J::Obj(vec![("works", J::Bool(true)), ("why", J::s("agents of one process copy with memcpy"))])),
         ("cma", J::Obj(vec![("works", J::Bool(cma_ok)), ("why", J::s(cma_why.join("; "))), ("checks", cma_detail)])),
@@ -259,9 +282,10 @@ pub fn report(peer: Option<PeerTarget>) -> String {
         (
             "rdma",
             J::Obj(vec![
-                ("works", J::Bool(false)),
+                ("works", J::Bool(rdma_works)),
                 ("devices", J::Arr(rdma.iter().map(|d| J::s(d.clone())).collect())),
-                ("why", J::s("gixl has no RDMA route yet (its verbs layer is being built behind the `rdma` feature): RDMA NICs are not used")),
+                ("ports", J::Arr(rdma_ports)),
+                ("why", J::s(rdma_why)),
             ]),
         ),
         (
@@ -296,6 +320,8 @@ pub fn report(peer: Option<PeerTarget>) -> String {
     ]);
     let pick = if transport == "tcp" {
         "tcp for every peer (GIXL_TRANSPORT=tcp)".to_owned()
+    } else if transport == "rdma" && rdma_works {
+        "rdma for every peer with a port on this fabric (GIXL_TRANSPORT=rdma), tcp for the others".to_owned()
     } else if cma_ok {
         "in-process for agents of this process; cma for peers on this host in this pid namespace; tcp otherwise"
             .to_owned()
@@ -303,6 +329,11 @@ pub fn report(peer: Option<PeerTarget>) -> String {
         "in-process for agents of this process; tcp for all others (cma is denied here: the first transfer to a \
          peer on this host tries cma and falls back, with a warning)"
             .to_owned()
+    };
+    let pick = if rdma_works && transport != "tcp" && transport != "rdma" {
+        format!("{pick} (rdma instead of tcp for peers on another host with a port on this fabric)")
+    } else {
+        pick
     };
     let peer_j = peer.map(|p| peer_report(p, cma_ok, uid));
     let mut top = vec![

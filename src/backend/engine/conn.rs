@@ -21,6 +21,8 @@ pub(super) const SEC_PROCESS: u64 = 1;
 pub(super) const SEC_LOCAL: u64 = 2;
 pub(super) const SEC_SECRET: u64 = 3;
 pub(super) const SEC_TCP: u64 = 4;
+/// The RDMA route's section (its ports), read and written by the route (`route::rdma::wire`), kept here as bytes.
+pub(super) const SEC_RDMA: u64 = 5;
 const MAX_CONN_SECTIONS: usize = 64;
 const MAX_SECTION: usize = 64 * 1024;
 const MAX_ADDRS: usize = 64;
@@ -68,6 +70,8 @@ pub(super) struct ConnInfo {
     pub(super) addrs: Vec<SocketAddr>,
     /// The TCP listener's port (0 when the TCP part was left out).
     pub(super) port: u16,
+    /// The RDMA route's section, unread (layout 4 only; the route parses it).
+    pub(super) rdma: Option<Vec<u8>>,
 }
 
 impl ConnInfo {
@@ -148,6 +152,11 @@ fn read_part(id: u64, r: &mut Reader, c: &mut ConnInfo) -> Result<()> {
             Ok(())
         }
         SEC_TCP => read_tcp(r, c),
+        SEC_RDMA => {
+            c.rdma = Some(r.buf[r.pos..].to_vec());
+            r.pos = r.buf.len();
+            Ok(())
+        }
         _ => Ok(()),
     }
 }
@@ -192,10 +201,17 @@ fn read_tcp(r: &mut Reader, c: &mut ConnInfo) -> Result<()> {
 /// For `crate::fuzzing` only: the connection-info parser and the notification-frame parser.
 /// Whatever parses as layout 3 parses to the same as its layout 4 rewriting.
 pub(crate) fn fuzz_parse_conn(b: &[u8]) -> bool {
+    // The RDMA route's codecs read bytes from peers too: on the raw input, and on a section that parsed.
+    super::route::rdma::wire::fuzz(b);
     let Ok(c) = parse_conn(b) else { return false };
+    if let Some(r) = &c.rdma {
+        super::route::rdma::wire::fuzz(r);
+    }
     if c.has_local && c.port != 0 {
+        // Layout 3 has no RDMA section: compare the rest.
         let again = parse_conn(&c.encode()).expect("connection info written again does not parse");
-        assert_eq!(format!("{again:?}"), format!("{c:?}"), "connection info changed when written again");
+        let without = ConnInfo { rdma: None, ..parse_conn(b).expect("parsed once") };
+        assert_eq!(format!("{again:?}"), format!("{without:?}"), "connection info changed when written again");
     }
     if let Ok(v4) = conn_v3_to_v4(b, &[], &[(99, b"later")]) {
         let again = parse_conn(&v4).expect("layout 4 rewriting of connection info does not parse");
@@ -222,26 +238,42 @@ pub(super) struct RemoteRegion {
     pub(super) addr: u64,
     pub(super) len: u64,
     pub(super) ticket: RegionTicket,
+    /// Its RDMA remote key, where the target registered it with a NIC.
+    pub(super) rkey: Option<u32>,
 }
 
-pub(super) fn encode_ticket(t: RegionTicket) -> Vec<u8> {
-    let mut out = Vec::with_capacity(8);
+/// A region ticket's section: the region's RDMA remote key (u32).
+const TICKET_RKEY: u64 = 1;
+
+/// `slot | state`, then the RDMA key's section where the region has one.
+pub(super) fn encode_ticket(t: RegionTicket, rkey: Option<u32>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(16);
     put_uvar(&mut out, t.slot as u64);
     put_uvar(&mut out, t.state);
+    if let Some(k) = rkey {
+        put_uvar(&mut out, TICKET_RKEY);
+        put_bytes(&mut out, &k.to_le_bytes());
+    }
     out
 }
 
-/// `slot | state`, then sections (`id | length | bytes`) a later release may add, each skipped here (this release
-/// writes none), as in connection info (see `CONN_V4`).
-pub(super) fn decode_ticket(b: &[u8]) -> Result<RegionTicket> {
+/// `slot | state`, then sections (`id | length | bytes`), as in connection info (see `CONN_V4`): the RDMA key's
+/// (4 bytes, more skipped), and any a later release may add, skipped.
+pub(super) fn decode_ticket(b: &[u8]) -> Result<(RegionTicket, Option<u32>)> {
     let mut r = Reader { buf: b, pos: 0 };
     let slot = u32::try_from(r.uvar()?).map_err(|_| Error::mismatch("bad region slot in metadata"))?;
     let state = r.uvar()?;
+    let mut rkey = None;
     while r.left() != 0 {
-        r.uvar()?;
-        r.bytes(MAX_SECTION)?;
+        let id = r.uvar()?;
+        let sec = r.bytes(MAX_SECTION)?;
+        if id == TICKET_RKEY {
+            let k: [u8; 4] =
+                sec.get(..4).and_then(|k| k.try_into().ok()).ok_or_else(|| Error::mismatch("short RDMA key"))?;
+            rkey = Some(u32::from_le_bytes(k));
+        }
     }
-    Ok(RegionTicket { slot, state })
+    Ok((RegionTicket { slot, state }, rkey))
 }
 
 #[cfg(test)]
@@ -291,9 +323,12 @@ mod tests {
     fn conn_info_v4_skips_what_it_does_not_know() {
         let v3 = conn_bytes(&[(4, &[192, 0, 2, 1])]);
         let want = parse_conn(&v3).unwrap();
-        let v4 = conn_v3_to_v4(&v3, &[], &[(77, b"a route of a later release"), (5, b"")]).unwrap();
+        let v4 = conn_v3_to_v4(&v3, &[], &[(77, b"a route of a later release"), (6, b"")]).unwrap();
         let c = parse_conn(&v4).unwrap();
         assert_eq!(format!("{c:?}"), format!("{want:?}"));
+        // The RDMA route's section is kept as bytes, for that route to read.
+        let with = parse_conn(&conn_v3_to_v4(&v3, &[], &[(SEC_RDMA, b"ports")]).unwrap()).unwrap();
+        assert_eq!(with.rdma.as_deref(), Some(&b"ports"[..]));
         for n in 0..v4.len() {
             assert!(parse_conn(&v4[..n]).is_err(), "prefix {n}");
         }
@@ -313,12 +348,23 @@ mod tests {
         assert!(parse_conn(&conn_v3_to_v4(&v3, &[SEC_SECRET], &[]).unwrap()).is_err(), "no secret");
         assert!(parse_conn(&conn_v3_to_v4(&v3, &[], &[(SEC_TCP, &[1, 1, 0])]).unwrap()).is_err(), "a section twice");
         // Region tickets: sections after slot and state are skipped.
-        let mut ticket = encode_ticket(RegionTicket { slot: 5, state: 9 });
-        assert_eq!(decode_ticket(&ticket).unwrap(), RegionTicket { slot: 5, state: 9 });
+        let t = RegionTicket { slot: 5, state: 9 };
+        let mut ticket = encode_ticket(t, None);
+        assert_eq!(decode_ticket(&ticket).unwrap(), (t, None));
         put_uvar(&mut ticket, 31);
         put_bytes(&mut ticket, b"later");
-        assert_eq!(decode_ticket(&ticket).unwrap(), RegionTicket { slot: 5, state: 9 });
+        assert_eq!(decode_ticket(&ticket).unwrap(), (t, None));
         ticket.push(3);
         assert!(decode_ticket(&ticket).is_err());
+        // The RDMA key's section, and a later one after it.
+        let mut ticket = encode_ticket(t, Some(0xABCD01));
+        assert_eq!(decode_ticket(&ticket).unwrap(), (t, Some(0xABCD01)));
+        put_uvar(&mut ticket, 32);
+        put_bytes(&mut ticket, b"");
+        assert_eq!(decode_ticket(&ticket).unwrap(), (t, Some(0xABCD01)));
+        let mut short = encode_ticket(t, None);
+        put_uvar(&mut short, 1);
+        put_bytes(&mut short, &[1, 2, 3]);
+        assert!(decode_ticket(&short).is_err());
     }
 }

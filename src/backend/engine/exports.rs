@@ -2,8 +2,9 @@
 //! and what each route serves it from, written here and only here: its slot in the transfer gate (same-host
 //! routes check it for every batch), its range in the TCP region table (what TCP peers may reach and what
 //! deregistration waits for, see `route::tcp::regions`) and, for VRAM, its exported allocations (the CUDA IPC
-//! handles of its public bytes, see `vram_regions`). Deregistration retires all three together: no peer of
-//! any route touches the range after it returns.
+//! handles of its public bytes, see `vram_regions`) and, with an RDMA port, its memory region (the key its
+//! public bytes carry, see `route::rdma::target`). Deregistration retires them all together: no peer of any
+//! route touches the range after it returns.
 
 use std::sync::Arc;
 
@@ -13,6 +14,7 @@ use super::shared::Shared;
 use crate::backend::{LocalRegion, RegionKey};
 use crate::mem::{MemType, RegDesc};
 use crate::status::{Error, Result};
+use crate::verbs::Mr;
 
 /// One registration of this engine, as its key.
 pub(super) struct Registered {
@@ -21,12 +23,19 @@ pub(super) struct Registered {
     ticket: RegionTicket,
     /// VRAM: its device and the base of each exported allocation it spans; None for DRAM.
     vram: Option<(u32, Vec<u64>)>,
+    /// DRAM with an RDMA port: its memory region.
+    mr: Option<Mr>,
 }
 
 impl Registered {
     /// The device of a local VRAM registration's key.
     pub(super) fn vram_dev(key: &RegionKey) -> Option<u32> {
         key.downcast_ref::<Registered>()?.vram.as_ref().map(|v| v.0)
+    }
+
+    /// The RDMA local key of a local registration's key.
+    pub(super) fn rdma_lkey(key: &RegionKey) -> Option<u32> {
+        key.downcast_ref::<Registered>()?.mr.map(|m| m.lkey)
     }
 }
 
@@ -35,21 +44,30 @@ impl Shared {
     /// public bytes carry (the gate ticket alone for DRAM).
     pub(super) fn register(&self, mem: MemType, desc: &RegDesc) -> Result<LocalRegion> {
         let d = &desc.desc;
-        let (public, ticket, vram) = match mem {
+        let (public, ticket, vram, mr) = match mem {
             MemType::Vram => {
                 // `register` checks that the descriptor's device is the allocation's.
                 let v = self.vram.register(&self.ctrl, &self.gate, desc)?;
-                (v.public, v.ticket, Some((d.dev as u32, v.bases)))
+                (v.public, v.ticket, Some((d.dev as u32, v.bases)), None)
             }
             MemType::Dram => {
-                let t = self.gate.register(d.addr, d.len)?;
-                (encode_ticket(t), t, None)
+                let mr = self.rdma.as_ref().map(|r| r.register(d.addr, d.len)).transpose()?;
+                let t = match self.gate.register(d.addr, d.len) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        if let (Some(r), Some(m)) = (&self.rdma, &mr) {
+                            r.deregister(m);
+                        }
+                        return Err(e);
+                    }
+                };
+                (encode_ticket(t, mr.map(|m| m.rkey)), t, None, mr)
             }
             _ => return Err(Error::not_supported(format!("{} is not supported by this engine", mem.seg_name()))),
         };
         // TCP peers reach VRAM through the serving loops, staged (see `route::tcp::stage`).
         self.regions.add(d.addr, d.len, vram.as_ref().map(|v| v.0));
-        let key: RegionKey = Arc::new(Registered { addr: d.addr, len: d.len, ticket, vram });
+        let key: RegionKey = Arc::new(Registered { addr: d.addr, len: d.len, ticket, vram, mr });
         Ok(LocalRegion { public, key: Some(key) })
     }
 
@@ -65,6 +83,10 @@ impl Shared {
         self.regions.remove(&ranges);
         for (_, bases) in rows.iter().filter_map(|r| r.vram.as_ref()) {
             self.vram.unexport_all(&self.ctrl, bases);
+        }
+        // The NIC refuses the keys once this returns (accesses under way finish first).
+        if let Some(rdma) = &self.rdma {
+            rows.iter().filter_map(|r| r.mr.as_ref()).for_each(|m| rdma.deregister(m));
         }
     }
 }

@@ -10,7 +10,8 @@
 //!   if the kernel denies cross-memory attach (EPERM/ENOSYS: containers, seccomp, Yama), that peer's data
 //!   moves over TCP from then on;
 //! - peers on another host (another boot, pid or network namespace): TCP (see `route::tcp`), with notifications
-//!   and heartbeats on a control connection.
+//!   and heartbeats on a control connection; or RDMA where both have a port on one fabric (see `route::rdma`:
+//!   queue pairs exchanged over the TCP link, which keeps heartbeats and notifications).
 //!
 //! Same-host routes copy batch by batch, each batch inside the target incarnation's gate (see `gate`): the
 //! target's live flag and registrations decide, and deregistration and destruction wait for batches inside.
@@ -27,8 +28,8 @@
 //! across the peer's data connections).
 //!
 //! Configuration (backend parameter, else environment variable, else default):
-//! - `transport` / `GIXL_TRANSPORT`: `auto` (above) or `tcp` (every peer, even in this process, over TCP;
-//!   loopback requests still use `memcpy`).
+//! - `transport` / `GIXL_TRANSPORT`: `auto` (above), `tcp` (every peer, even in this process, over TCP;
+//!   loopback requests still use `memcpy`) or `rdma` (every peer with a port on our fabric over RDMA).
 //! - `tcp_addr` / `GIXL_TCP_ADDR`: the listener's address, `IP` or `IP:PORT` (default all IPv4 interfaces,
 //!   an ephemeral port). A specific IP is the only address advertised; otherwise every interface's is.
 //! - `tcp_conns` / `GIXL_TCP_CONNS`: data connections per TCP peer (default 4).
@@ -137,8 +138,8 @@ impl Backend for Engine {
         if mem == MemType::Vram {
             return vram_regions::load_remote(downcast(peer)?.incarnation, desc, public).map(Some);
         }
-        let ticket = decode_ticket(public)?;
-        Ok(Some(Arc::new(RemoteRegion { addr: desc.addr, len: desc.len, ticket })))
+        let (ticket, rkey) = decode_ticket(public)?;
+        Ok(Some(Arc::new(RemoteRegion { addr: desc.addr, len: desc.len, ticket, rkey })))
     }
 
     fn conn_info(&self) -> Vec<u8> {
@@ -175,10 +176,13 @@ impl Backend for Engine {
         if !wants && (plan.local_mem != MemType::Dram || plan.remote_mem != MemType::Dram) {
             return Err(Error::not_supported("this engine moves DRAM and VRAM only"));
         }
+        let mut lkeys = Vec::new();
         if let Target::Remote(p) = &plan.target {
-            downcast(p)?;
+            if matches!(downcast(p)?.kind, peer::PeerKind::Rdma(_)) {
+                lkeys = plan.local_keys.iter().map(|k| k.as_ref().and_then(exports::Registered::rdma_lkey)).collect();
+            }
         }
-        Ok(EngineXfer::boxed(Core { shared: self.shared.clone(), plan, mover }))
+        Ok(EngineXfer::boxed(Core { shared: self.shared.clone(), plan, mover, lkeys }))
     }
 
     fn notifs(&self, out: &mut Vec<(String, Vec<u8>)>) -> Result<()> {
@@ -343,7 +347,7 @@ mod tests {
         let (_, p) = remotes.get(name).unwrap().peers[0].clone();
         match &downcast(&p).unwrap().kind {
             PeerKind::Tcp(t) => t.link.clone(),
-            PeerKind::InProcess(_) | PeerKind::Cma(_) => panic!("not a TCP peer"),
+            PeerKind::InProcess(_) | PeerKind::Cma(_) | PeerKind::Rdma(_) => panic!("not a TCP peer"),
         }
     }
 

@@ -1,5 +1,6 @@
 //! A peer as the engine knows it (`EnginePeer`): its name and incarnation, the route that reaches it
-//! (`PeerKind`: an agent of this process, another process on this host, or a TCP peer; each a `route::Route`),
+//! (`PeerKind`: an agent of this process, another process on this host, a TCP or an RDMA peer; each a
+//! `route::Route`),
 //! the route the router falls back to, and its health. What the engine asks of it goes through the router
 //! (`router`: copy, notify, connect, close, label), which picks between the two.
 
@@ -10,6 +11,7 @@ use std::sync::Arc;
 use super::health::PeerHealth;
 use super::route::cma::Cma;
 use super::route::in_process::InProcess;
+use super::route::rdma::Rdma;
 use super::route::tcp::Tcp;
 use super::route::Route;
 use crate::backend::Peer;
@@ -24,6 +26,8 @@ pub(super) enum PeerKind {
     Cma(Cma),
     /// Another host, or `GIXL_TRANSPORT=tcp`.
     Tcp(Tcp),
+    /// A peer with a port on a fabric ours reaches (another host, or `GIXL_TRANSPORT=rdma`).
+    Rdma(Rdma),
 }
 
 pub(super) struct EnginePeer {
@@ -46,6 +50,7 @@ impl EnginePeer {
             PeerKind::InProcess(r) => r,
             PeerKind::Cma(r) => r,
             PeerKind::Tcp(r) => r,
+            PeerKind::Rdma(r) => r,
         }
     }
 }

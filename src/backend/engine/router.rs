@@ -17,6 +17,7 @@ use super::health::PeerHealth;
 use super::peer::{downcast, EnginePeer, PeerKind};
 use super::route::cma::Cma;
 use super::route::in_process::InProcess;
+use super::route::rdma::{wire, Rdma};
 use super::route::tcp::link::{LinkTarget, TcpLink};
 use super::route::tcp::Tcp;
 use super::route::{Job, Route};
@@ -43,7 +44,35 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
     // The peer's health: a TCP-only peer recovers from transient failures; a same-host peer's is its
     // process's (pidfd) and its gate's, and its TCP fall-back's first failure is final.
     let health = |recover, exited, gate| Arc::new(PeerHealth::new(s.tcp_opts.live(), recover, exited, gate));
-    if !same_host || s.transport == Transport::Tcp || !ci.has_local {
+    // RDMA where both sides have a port on one fabric: across hosts, or on this one when asked for.
+    let rdma = match (&s.rdma, ci.rdma.as_deref().map(wire::decode_ports)) {
+        (Some(side), Some(Some(ports))) if !same_host || s.transport == Transport::Rdma => {
+            ports.iter().any(|p| side.port.reaches(p)).then(|| side.clone()).ok_or("no port of the peer on our fabric")
+        }
+        (Some(_), Some(Some(_))) => Err("same host"),
+        (Some(_), Some(None)) => Err("its RDMA section is malformed"),
+        (Some(_), None) => Err("it advertises no RDMA port"),
+        (None, _) => Err("no RDMA port here"),
+    };
+    if let (Ok(side), false) = (&rdma, addrs.is_empty()) {
+        let health = health(true, None, None);
+        let r = Rdma::new(link(&health), side.clone(), agent);
+        crate::telemetry::log::info(&format!(
+            "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route rdma (port {})",
+            s.agent,
+            side.label()
+        ));
+        let on_fallback = AtomicBool::new(false);
+        return Ok(EnginePeer {
+            name: agent.to_owned(),
+            incarnation,
+            kind: PeerKind::Rdma(r),
+            fallback: None,
+            on_fallback,
+            health,
+        });
+    }
+    if !same_host || s.transport != Transport::Auto || !ci.has_local {
         if addrs.is_empty() {
             return Err(Error::backend(format!(
                 "agent '{agent}' runs on another host but advertises no address reachable from here"
@@ -52,10 +81,16 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
         let health = health(true, None, None);
         let kind = PeerKind::Tcp(Tcp { link: link(&health) });
         let on_fallback = AtomicBool::new(false);
-        let why = match (same_host, ci.has_local) {
-            (false, _) => "another host, or another pid or network namespace",
-            (true, false) => "its connection info offers no same-host route",
-            (true, true) => "GIXL_TRANSPORT=tcp",
+        let why = match (same_host, ci.has_local, s.transport) {
+            (false, _, _) => "another host, or another pid or network namespace",
+            (true, false, _) => "its connection info offers no same-host route",
+            (true, true, Transport::Rdma) => "GIXL_TRANSPORT=rdma",
+            (true, true, _) => "GIXL_TRANSPORT=tcp",
+        };
+        // Say why not RDMA where this side has a port (never a silent fallback).
+        let why = match (&rdma, &s.rdma) {
+            (Err(no), Some(_)) => format!("{why}; not RDMA: {no}"),
+            _ => why.to_owned(),
         };
         crate::telemetry::log::info(&format!(
             "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route tcp ({why})",
@@ -125,6 +160,8 @@ pub(super) fn vram_over_tcp(plan: &XferPlan) -> Result<Option<Arc<TcpLink>>> {
     let p = downcast(p)?;
     Ok(match (&p.kind, p.fallen_back()) {
         (PeerKind::Tcp(Tcp { link }), _) => Some(link.clone()),
+        // No GPU memory over RDMA yet: staged over the peer's TCP link.
+        (PeerKind::Rdma(r), _) => Some(r.link.clone()),
         // Cross-memory attach denied: over TCP, unless the peer's VRAM stays reachable by IPC handles.
         (PeerKind::Cma(Cma { gate, .. }), Some(Tcp { link })) => {
             (!ipc_despite_denial(gate, plan.remote_mem == MemType::Vram)).then(|| link.clone())

@@ -12,12 +12,13 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::conn::ConnInfo;
+use super::conn::{conn_v3_to_v4, ConnInfo, SEC_RDMA};
 use super::copy::{self, cma_denied};
 use super::ctrl::{self, Ctrl};
 use super::gate::{self, Attached, Gate};
 use super::notif::{NotifQueue, QUEUE_BYTES, QUEUE_MSGS};
 use super::pool::Pool;
+use super::route::rdma::target::RdmaSide;
 use super::route::tcp::listen::{self, TcpOpts, TcpSetup};
 use super::route::tcp::regions::Regions;
 use super::vram_regions::Vram;
@@ -63,12 +64,16 @@ pub(super) struct Shared {
     pub(super) vram: Vram,
     /// Same-host peer processes proven so far, by process incarnation (see [`Proof`]).
     pub(super) proofs: Mutex<HashMap<gate::Owner, Weak<Proof>>>,
+    /// This engine's RDMA port and protection domain, where the host has an active one (see `route::rdma`).
+    pub(super) rdma: Option<Arc<RdmaSide>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Transport {
     Auto,
     Tcp,
+    /// Every peer over RDMA where both sides have a port on one fabric, even on this host; else TCP.
+    Rdma,
 }
 
 /// A backend parameter, else an environment variable.
@@ -100,9 +105,10 @@ impl Shared {
         let transport = match setting(&init, "transport", "GIXL_TRANSPORT").as_deref().map(str::trim) {
             None | Some("auto") => Transport::Auto,
             Some("tcp") => Transport::Tcp,
+            Some("rdma") => Transport::Rdma,
             Some(other) => {
                 return Err(Error::invalid_param(format!(
-                    "transport '{other}' is not one of auto, tcp (GIXL_TRANSPORT)"
+                    "transport '{other}' is not one of auto, tcp, rdma (GIXL_TRANSPORT)"
                 )))
             }
         };
@@ -132,6 +138,23 @@ impl Shared {
             .is_some_and(|v| v.split(',').any(|f| f.trim() == "no_pidfd_getfd"));
         // Peers that may not take it with `pidfd_getfd` ask for it over the control socket.
         ctrl.offer_fd(gate.raw_fd());
+        let rdma = match (transport, RdmaSide::start(transport == Transport::Rdma)) {
+            (Transport::Tcp, _) => None,
+            (_, Ok(side)) => {
+                crate::telemetry::log::info(&format!("agent '{}': RDMA port {}", init.agent_name, side.label()));
+                let (s, patience) = (side.clone(), tcp_opts.patience());
+                ctrl.tcp.set_side(Box::new(move |c| s.serve(c, patience)));
+                Some(side)
+            }
+            (Transport::Rdma, Err(why)) => {
+                crate::telemetry::log::warn(&format!(
+                    "agent '{}': GIXL_TRANSPORT=rdma but no RDMA port here ({why}): peers over TCP",
+                    init.agent_name
+                ));
+                None
+            }
+            (Transport::Auto, Err(_)) => None,
+        };
         let shared = Arc::new(Shared {
             agent: init.agent_name,
             incarnation: init.incarnation,
@@ -153,14 +176,16 @@ impl Shared {
             tcp_pool: Pool::new((2 * conns).clamp(4, 64)),
             vram: Default::default(),
             proofs: Mutex::default(),
+            rdma,
         });
         registry().lock().insert(init.incarnation, Arc::downgrade(&shared));
         Ok(shared)
     }
 
-    /// This engine's connection info, as it advertises it (layout 3, see `conn`).
+    /// This engine's connection info, as it advertises it (see `conn`): layout 3, or, with an RDMA port,
+    /// layout 4 with the RDMA route's section (releases that read only layout 3 cannot load it).
     pub(super) fn conn_info(&self) -> Vec<u8> {
-        ConnInfo {
+        let v3 = ConnInfo {
             host: self.host.clone(),
             pid: self.pid,
             start_time: self.start_time,
@@ -171,8 +196,14 @@ impl Shared {
             secret: self.secret,
             addrs: self.ctrl.tcp.addrs.clone(),
             port: self.ctrl.tcp.port,
+            rdma: None,
         }
-        .encode()
+        .encode();
+        match &self.rdma {
+            None => v3,
+            // Our own layout 3 always converts.
+            Some(r) => conn_v3_to_v4(&v3, &[], &[(SEC_RDMA, &r.section())]).unwrap_or(v3),
+        }
     }
 
     /// The proof that `ci`'s process runs here as `incarnation` (see [`Proof`]): the one this engine holds
@@ -245,6 +276,9 @@ impl Shared {
         // From here no peer's batch passes the gate; those inside finish before this returns.
         self.gate.close(self.tcp_opts.timeout);
         self.ctrl.shutdown();
+        if let Some(r) = &self.rdma {
+            r.close();
+        }
         self.pool.shutdown();
         self.tcp_pool.shutdown();
     }

@@ -229,7 +229,7 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
             Far::Process
         }
         // The engine hands these to `route::tcp::vram` before this.
-        Some((ep, PeerKind::Tcp(_))) => {
+        Some((ep, PeerKind::Tcp(_) | PeerKind::Rdma(_))) => {
             return Err(Error::backend(format!("VRAM to agent '{}' over TCP goes through route::tcp::vram", ep.name)))
         }
     };
@@ -338,7 +338,7 @@ impl Mover for VramPlan {
                 }
                 (Far::Process, _) => in_peer_gate(p, &self.gated, || self.device.copy(self.dev, &copies(b))),
                 // `prep` makes `Far::InProcess` for in-process peers only, and loopback has no peer.
-                (Far::InProcess, PeerKind::Cma(_) | PeerKind::Tcp(_)) | (Far::Loopback, _) => {
+                (Far::InProcess, PeerKind::Cma(_) | PeerKind::Tcp(_) | PeerKind::Rdma(_)) | (Far::Loopback, _) => {
                     Err(Error::backend("unreachable route"))
                 }
             }
@@ -359,7 +359,7 @@ impl VramPlan {
             )));
         };
         // The remote DRAM side goes through the peer's CMA gate (see `gate`), batch by batch, as DRAM does.
-        let job = Job { op, keys: &core.plan.remote_keys, abort: &run.abort, agent: &core.shared.agent };
+        let job = Job { op, keys: &core.plan.remote_keys, lkeys: &[], abort: &run.abort, agent: &core.shared.agent };
         // SAFETY: the staged local ranges lie inside the staging buffer, alive for the call.
         let cma = |staged: &[Seg]| unsafe { cma.batches(&job, staged) };
         let buf = Staging::take(self.device, self.dev)?;

@@ -32,6 +32,8 @@ pub(super) struct Core {
     /// Set when the request touches VRAM: its pieces go through it (`vram`, inside the same gate; `route::tcp::vram`
     /// when its peer is reached over TCP) instead of the DRAM copies of `copy`.
     pub(super) mover: Option<Box<dyn Mover>>,
+    /// The RDMA local key of each local region, where the peer is reached over RDMA (else empty).
+    pub(super) lkeys: Vec<Option<u32>>,
 }
 
 /// How a request that moves more than DRAM runs its pieces, prepared once for it (`prep_xfer`).
@@ -98,7 +100,13 @@ impl Core {
             unsafe { copy::local_copy(self.plan.op, segs) };
             return Ok(());
         };
-        let job = Job { op: self.plan.op, keys: &self.plan.remote_keys, abort: &run.abort, agent: &self.shared.agent };
+        let job = Job {
+            op: self.plan.op,
+            keys: &self.plan.remote_keys,
+            lkeys: &self.lkeys,
+            abort: &run.abort,
+            agent: &self.shared.agent,
+        };
         p.copy(&job, segs)
     }
 
@@ -300,8 +308,10 @@ mod tests {
             target: Target::Remote(peer.clone()),
             total_bytes: SIZE as u64,
         };
-        let x =
-            EngineXfer { core: Arc::new(Core { shared: a.shared.clone(), plan, mover: None }), run: Mutex::new(None) };
+        let x = EngineXfer {
+            core: Arc::new(Core { shared: a.shared.clone(), plan, mover: None, lkeys: Vec::new() }),
+            run: Mutex::new(None),
+        };
         assert_eq!(x.post(None).unwrap(), Status::InProg);
         let probe = (dst.as_ptr() as usize + SIZE / 2 + (8 << 20)) as *const u8;
         // SAFETY: `dst` lives to the end of the test; volatile because a copy thread writes it.

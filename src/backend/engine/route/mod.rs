@@ -1,6 +1,6 @@
 //! The engine's routes to a peer, a file or a folder each, behind one trait (`Route`): an agent in this process
-//! (`in_process`), another process on this host by cross-memory attach (`cma`), and TCP (`tcp/`, split by
-//! responsibility). A peer holds one (`peer::PeerKind`); everything the engine asks of a peer's route (why it is
+//! (`in_process`), another process on this host by cross-memory attach (`cma`), TCP (`tcp/`, split by
+//! responsibility) and RDMA (`rdma/`, which rides a TCP link for what is not data). A peer holds one (`peer::PeerKind`); everything the engine asks of a peer's route (why it is
 //! down, connect, close, notify, copy a piece of a request) goes through the trait, so a new route is a file or
 //! folder here, a variant of `PeerKind` and its choice in `router`. Whether the peer is down is not a route's
 //! answer but its health's (`health::PeerHealth`), which every route of the peer feeds.
@@ -10,6 +10,7 @@
 
 pub(super) mod cma;
 pub(super) mod in_process;
+pub(super) mod rdma;
 pub(super) mod tcp;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,6 +20,8 @@ use super::conn::RemoteRegion;
 use crate::backend::{RegionKey, Seg, XferOp};
 use crate::status::{Error, Result, Status};
 pub(crate) use tcp::link::TcpLink;
+/// The connection kind on which the RDMA route's pairs are exchanged (after the TCP handshake).
+pub(crate) use tcp::wire::KIND_RDMA;
 
 /// A way to reach one peer. Every method is required: a new route says what each means for it.
 pub(super) trait Route: Send + Sync {
@@ -49,6 +52,8 @@ pub(super) struct Job<'a> {
     pub(super) op: XferOp,
     /// The request's remote regions (this engine's `RemoteRegion`s).
     pub(super) keys: &'a [Option<RegionKey>],
+    /// The RDMA local key of each local region (by `Seg::lreg`); empty unless the peer is reached over RDMA.
+    pub(super) lkeys: &'a [Option<u32>],
     /// Set when the request is aborted: stop between batches.
     pub(super) abort: &'a AtomicBool,
     /// This agent's name, for the log.

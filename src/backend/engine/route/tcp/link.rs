@@ -252,6 +252,19 @@ impl TcpLink {
         Ok(conn)
     }
 
+    /// A connection of another route's kind (`KIND_RDMA`'s queue-pair exchange), dialled and proven as the
+    /// control connection is: a failure counts against the peer's health.
+    pub(crate) fn dial_side(&self, kind: u8) -> Result<TcpStream> {
+        self.usable()?;
+        let epoch = self.epoch.load(Ordering::Acquire);
+        let s = self.dial(kind).map_err(|e| self.dial_failed(e))?;
+        if !self.handshook(epoch) {
+            let _ = s.shutdown(Shutdown::Both);
+            return Err(self.gone());
+        }
+        Ok(s)
+    }
+
     fn dial_failed(&self, (why, proven): DialError) -> Error {
         if self.health.down.load(Ordering::Acquire) {
             // Already down: this was a retry. Back off further (or for good).

@@ -183,7 +183,12 @@ pub struct TcpShared {
     pub(crate) paused: AtomicBool,
     /// The application took notifications: the progress thread should resume paused connections.
     resume: AtomicBool,
+    /// Who takes authenticated connections of another route's kind (`KIND_RDMA`): set once by the engine.
+    side: std::sync::OnceLock<SideHandler>,
 }
+
+/// Takes an authenticated connection of another route's kind, its ACK sent, blocking.
+pub(crate) type SideHandler = Box<dyn Fn(TcpStream) + Send + Sync>;
 
 /// An outbound control connection as the progress thread sees it.
 struct Out {
@@ -205,6 +210,11 @@ pub struct CtrlConn {
 }
 
 impl TcpShared {
+    /// Hand authenticated `KIND_RDMA` connections to `h` from now on (once; later calls are ignored).
+    pub(crate) fn set_side(&self, h: SideHandler) {
+        let _ = self.side.set(h);
+    }
+
     /// The application took notifications: if a control connection waits for room, look again.
     pub fn notifs_taken(&self) {
         if self.paused.load(Ordering::SeqCst) {
@@ -455,6 +465,7 @@ impl TcpProgress {
             next_out: AtomicU64::new(0),
             paused: AtomicBool::new(false),
             resume: AtomicBool::new(false),
+            side: std::sync::OnceLock::new(),
         });
         Ok(TcpProgress {
             shared,
@@ -681,6 +692,18 @@ impl TcpProgress {
             net::tune(&c.stream, self.shared.opts.stall());
             c.buf.clear();
             c.name = Some(h.name);
+            return true;
+        }
+        if h.kind == wire::KIND_RDMA {
+            // Another route's exchange: refused without a taker (that route is off here).
+            let shared = self.shared.clone();
+            let Some(side) = shared.side.get() else { return false };
+            let Some(c) = self.drop_in(token) else { return false };
+            if net::send_now(c.stream.as_raw_fd(), &[wire::ACK]).ok() != Some(1) {
+                return false;
+            }
+            let _ = c.stream.set_nonblocking(false);
+            side(c.stream);
             return true;
         }
         // A data connection leaves the epoll set for its own thread.

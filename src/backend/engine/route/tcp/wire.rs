@@ -8,7 +8,7 @@
 //! nothing about the target's incarnation:
 //! ```text
 //! CHALLENGE = "GIXLTCP2" | nonce (16 random bytes, new per connection)
-//! HELLO     = "GIXLTCP2" | kind u8 (1 control, 2 data) | target incarnation u128 | tag u64
+//! HELLO     = "GIXLTCP2" | kind u8 (1 control, 2 data, 3 RDMA exchange) | target incarnation u128 | tag u64
 //!             | name length u16 | initiator agent name (UTF-8, 1..=4096 bytes)
 //! tag       = SipHash-2-4, keyed by the 128-bit secret, of
 //!             "gixl-hello" | kind | target incarnation | nonce | name
@@ -44,6 +44,8 @@ pub const HELLO_MAGIC: &[u8; 8] = b"GIXLTCP2";
 pub const CHALLENGE_BYTES: usize = 24;
 pub const KIND_CTRL: u8 = 1;
 pub const KIND_DATA: u8 = 2;
+/// The RDMA route's queue-pair exchange (see `route::rdma::wire`), handed by the listener to that route.
+pub const KIND_RDMA: u8 = 3;
 /// The target's answer to a good HELLO.
 pub const ACK: u8 = 0xA5;
 /// The target's answer to a HELLO for another incarnation or with a wrong tag, before it closes: the
@@ -122,7 +124,7 @@ pub fn parse_hello(buf: &[u8]) -> Result<Option<(Hello, usize)>, WireError> {
         return Ok(None);
     }
     let kind = buf[8];
-    if kind != KIND_CTRL && kind != KIND_DATA {
+    if kind != KIND_CTRL && kind != KIND_DATA && kind != KIND_RDMA {
         return Err(WireError("unknown connection kind"));
     }
     let incarnation = u128::from_le_bytes(arr(&buf[9..25]));

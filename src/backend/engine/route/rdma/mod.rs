@@ -1,0 +1,242 @@
+//! The RDMA route: peers whose connection info advertises a port on a fabric this engine's port reaches
+//! (`wire::Port::reaches`), on another host, or on this one with `GIXL_TRANSPORT=rdma`. Over the verbs layer
+//! (`crate::verbs`: rdma-core, or the fake fabric in tests):
+//! - `target`: this engine's port and protection domain, its registrations' memory regions (key values never
+//!   handed out twice), its connection-info section, and the target's half of the queue-pair exchange;
+//! - here, the initiator: a request's pieces as chains of RDMA READ/WRITE work requests on a lane (one RC
+//!   queue pair, its completion queue and its exchange connection), only the last of a chain signalled; the
+//!   copying thread sleeps on the queue's event descriptor, no polling;
+//! - `wire`: the section and the exchange as pure functions.
+//!
+//! The peer's TCP link carries what is not data: the authenticated exchange that connects the pairs (a
+//! `KIND_RDMA` connection, kept open while they live), heartbeats while requests are in flight, and
+//! notifications, which leave after the request's last completion, so after its data.
+//!
+//! Not yet: GPU memory (VRAM to an RDMA peer goes staged over its TCP link), several ports, notifications
+//! as SEND. Over rdma-core (`verbs::sys`) this has never run on a NIC: a real fabric is taken only with
+//! `GIXL_TRANSPORT=rdma` (see `target::RdmaSide::start`); the tests run it over the fake fabric.
+
+pub(crate) mod target;
+pub(crate) mod wire;
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use super::{Job, Route, TcpLink, KIND_RDMA};
+use crate::backend::engine::conn::RemoteRegion;
+use crate::backend::{Seg, XferOp};
+use crate::status::{Error, Result};
+use crate::verbs::{Completion, Cq, Op, Qp, QpCaps, Sge, WcStatus, Wr};
+use target::RdmaSide;
+
+/// Work requests per chain (one post, one signalled completion).
+const CHAIN: usize = 256;
+/// Bytes per work request.
+const MAX_WR_BYTES: u64 = 1 << 30;
+const LANE_CAPS: QpCaps = QpCaps { send_wr: CHAIN as u32, recv_wr: 1, sge: 1 };
+/// How often a thread waiting for a completion looks at the peer's health and the request's abort flag.
+const WAKE: Duration = Duration::from_millis(100);
+
+pub(crate) struct Rdma {
+    pub(crate) link: Arc<TcpLink>,
+    pub(crate) side: Arc<RdmaSide>,
+    pub(crate) name: String,
+    /// Lanes not in use.
+    lanes: Mutex<Vec<Lane>>,
+    next: AtomicU64,
+}
+
+/// One queue pair to the peer, its completion queue, and the exchange connection that keeps the peer's pair.
+struct Lane {
+    qp: Arc<dyn Qp>,
+    cq: Arc<dyn Cq>,
+    conn: TcpStream,
+}
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        self.qp.set_error();
+        let _ = self.conn.shutdown(Shutdown::Both);
+    }
+}
+
+impl Rdma {
+    pub(crate) fn new(link: Arc<TcpLink>, side: Arc<RdmaSide>, name: &str) -> Rdma {
+        Rdma { link, side, name: name.to_owned(), lanes: Mutex::default(), next: AtomicU64::new(1) }
+    }
+
+    fn gone(&self, why: &str) -> Error {
+        Error::disconnected(format!("agent '{}' is unreachable over RDMA: {why}", self.name))
+    }
+
+    /// An idle lane, else a new one: a pair made here, offered over a new exchange connection, and connected
+    /// to the pair the peer answers with.
+    fn lane(&self) -> Result<Lane> {
+        if let Some(l) = self.lanes.lock().pop() {
+            return Ok(l);
+        }
+        let mut conn = self.link.dial_side(KIND_RDMA)?;
+        let cq = self.side.nic.create_cq(2 * CHAIN as u32)?;
+        let qp = self.side.nic.create_qp(&cq, &cq, LANE_CAPS)?;
+        let io = |e: std::io::Error| self.gone(&format!("queue-pair exchange: {e}"));
+        conn.write_all(&wire::encode_offer(&[qp.addr()])).map_err(io)?;
+        let mut answer = [0u8; 1 + wire::QPADDR_BYTES];
+        conn.read_exact(&mut answer[..1]).map_err(io)?;
+        if answer[0] == wire::ANSWER_OK {
+            conn.read_exact(&mut answer[1..]).map_err(io)?;
+        }
+        let theirs =
+            match wire::decode_answer(&answer[..if answer[0] == wire::ANSWER_OK { answer.len() } else { 1 }], 1) {
+                Some(Ok(a)) => a[0],
+                Some(Err(())) => {
+                    return Err(Error::backend(format!("agent '{}' refused an RDMA queue pair", self.name)))
+                }
+                None => return Err(self.gone("malformed queue-pair answer")),
+            };
+        qp.connect(&theirs)?;
+        Ok(Lane { qp, cq, conn })
+    }
+
+    /// Post `segs` on `lane` in chains and wait for each chain's completion.
+    fn run(&self, lane: &Lane, job: &Job, segs: &[Seg]) -> Result<()> {
+        let mut sges: Vec<[Sge; 1]> = Vec::with_capacity(CHAIN);
+        let mut ops: Vec<Op> = Vec::with_capacity(CHAIN);
+        let flush = |sges: &mut Vec<[Sge; 1]>, ops: &mut Vec<Op>| -> Result<()> {
+            if sges.is_empty() {
+                return Ok(());
+            }
+            let last = self.next.fetch_add(1, Ordering::Relaxed);
+            let n = sges.len();
+            let wrs: Vec<Wr> =
+                (0..n).map(|i| Wr { id: last, op: ops[i], sges: &sges[i], signaled: i + 1 == n }).collect();
+            lane.qp.post_send(&wrs)?;
+            sges.clear();
+            ops.clear();
+            self.wait(lane, job, last)
+        };
+        for s in segs {
+            let lkey = job.lkeys.get(s.lreg as usize).copied().flatten().ok_or_else(|| {
+                Error::invalid_param("a local region of this request is not registered with the RDMA NIC")
+            })?;
+            let rkey = job
+                .keys
+                .get(s.rreg as usize)
+                .and_then(|k| k.as_ref())
+                .and_then(|k| k.downcast_ref::<RemoteRegion>())
+                .and_then(|r| r.rkey)
+                .ok_or_else(|| {
+                    Error::not_supported(format!(
+                        "agent '{}' registered a region of this request without an RDMA key",
+                        self.name
+                    ))
+                })?;
+            let mut off = 0;
+            while off < s.len {
+                let n = (s.len - off).min(MAX_WR_BYTES);
+                sges.push([Sge { addr: s.local + off, len: n as u32, lkey }]);
+                let raddr = s.remote + off;
+                ops.push(match job.op {
+                    XferOp::Read => Op::Read { raddr, rkey },
+                    XferOp::Write => Op::Write { raddr, rkey },
+                });
+                off += n;
+                if sges.len() == CHAIN {
+                    flush(&mut sges, &mut ops)?;
+                }
+            }
+        }
+        flush(&mut sges, &mut ops)
+    }
+
+    /// Wait on the lane's completion queue for the signalled request `id`, sleeping on its event descriptor.
+    fn wait(&self, lane: &Lane, job: &Job, id: u64) -> Result<()> {
+        let mut got: Vec<Completion> = Vec::with_capacity(4);
+        loop {
+            lane.cq.arm()?;
+            got.clear();
+            lane.cq.poll(&mut got, 16)?;
+            for c in &got {
+                if c.status != WcStatus::Success {
+                    return Err(self.failed(c));
+                }
+                if c.id == id {
+                    return Ok(());
+                }
+            }
+            if let Some(e) = job.stopped() {
+                return Err(e);
+            }
+            if self.link.down() {
+                return Err(self.gone(&self.link.why().unwrap_or_else(|| "down".into())));
+            }
+            let mut p = libc::pollfd { fd: lane.cq.event_fd(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd for the duration of the call.
+            unsafe { libc::poll(&mut p, 1, WAKE.as_millis() as i32) };
+            lane.cq.take_event()?;
+        }
+    }
+
+    /// The error a failed completion means for the request (and, for a peer that stopped answering, for the
+    /// peer: its link goes down).
+    fn failed(&self, c: &Completion) -> Error {
+        match c.status {
+            WcStatus::RemoteAccess => Error::not_found(format!(
+                "agent '{}' refused the RDMA access: the remote region is no longer registered",
+                self.name
+            )),
+            WcStatus::RetryExceeded => {
+                self.link.kill("the RDMA peer stopped answering (retry exceeded)".into());
+                self.gone("it stopped answering (retry exceeded)")
+            }
+            WcStatus::LocalProtection => {
+                Error::invalid_param("a local region of this request was deregistered while it ran")
+            }
+            s => Error::backend(format!("RDMA request to agent '{}' failed: {s:?}", self.name)),
+        }
+    }
+}
+
+impl Route for Rdma {
+    fn label(&self) -> &'static str {
+        "rdma"
+    }
+    fn pid(&self) -> Option<i32> {
+        None
+    }
+    fn closed(&self) -> bool {
+        self.link.closed()
+    }
+    fn why_down(&self) -> String {
+        self.link.why().map(|w| format!(" ({w})")).unwrap_or_default()
+    }
+    fn connect(&self, _from: &str) -> Result<()> {
+        self.link.connect().map(|_| ())
+    }
+    fn close(&self) {
+        self.lanes.lock().clear();
+        self.link.close()
+    }
+    fn notify(&self, _from: &str, msg: &[u8]) -> Result<()> {
+        self.link.notif(msg)
+    }
+    fn link(&self) -> Option<&Arc<TcpLink>> {
+        Some(&self.link)
+    }
+    fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {
+        if self.link.down() {
+            return Err(self.gone(&self.link.why().unwrap_or_else(|| "down".into())));
+        }
+        let lane = self.lane()?;
+        let r = self.run(&lane, job, segs);
+        // A lane whose request failed has its pair in the error state: it goes (a new one is made next time).
+        if r.is_ok() {
+            self.lanes.lock().push(lane);
+        }
+        r
+    }
+}

@@ -1,0 +1,184 @@
+//! The RDMA route's bytes, as pure functions: its connection-info section (the engine's ports) and the
+//! queue-pair exchange on a `KIND_RDMA` connection (after the TCP route's authenticated handshake).
+//!
+//! ```text
+//! SECTION  = nports u8 | nports × PORT
+//! PORT     = gid (16 bytes) | lid u16 | link u8 (1 InfiniBand, 2 Ethernet)
+//! OFFER    = "GXQP" | n u8 (1..=MAX_QPS) | n × QPADDR          initiator → target
+//! ANSWER   = status u8 (0 ok, else refused) | n × QPADDR         target → initiator (same n)
+//! QPADDR   = gid (16 bytes) | lid u16 | qpn u32 | psn u32
+//! ```
+//! All integers little-endian. The connection stays open while the pairs live: when either side closes it,
+//! the other destroys its pairs.
+
+use crate::verbs::{LinkLayer, PortInfo, QpAddr};
+
+pub(crate) const OFFER_MAGIC: &[u8; 4] = b"GXQP";
+pub(crate) const MAX_QPS: usize = 16;
+pub(crate) const MAX_PORTS: usize = 16;
+pub(crate) const QPADDR_BYTES: usize = 26;
+pub(crate) const ANSWER_OK: u8 = 0;
+pub(crate) const ANSWER_REFUSED: u8 = 1;
+
+/// A port as a peer advertises it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Port {
+    pub(crate) gid: [u8; 16],
+    pub(crate) lid: u16,
+    pub(crate) link: LinkLayer,
+}
+
+impl Port {
+    /// Whether `self` and `other` sit on one fabric: the same link layer and, on InfiniBand, the same subnet
+    /// (GID prefix); a fake port reaches only fake ports.
+    pub(crate) fn reaches(&self, other: &Port) -> bool {
+        let fake = |p: &Port| &p.gid[..4] == b"gxfv";
+        self.link == other.link
+            && fake(self) == fake(other)
+            && (self.link == LinkLayer::Ethernet || self.gid[..8] == other.gid[..8])
+    }
+}
+
+impl From<&PortInfo> for Port {
+    fn from(p: &PortInfo) -> Port {
+        Port { gid: p.gid, lid: p.lid, link: p.link }
+    }
+}
+
+pub(crate) fn encode_ports(ports: &[Port]) -> Vec<u8> {
+    let ports = &ports[..ports.len().min(MAX_PORTS)];
+    let mut out = vec![ports.len() as u8];
+    for p in ports {
+        out.extend_from_slice(&p.gid);
+        out.extend_from_slice(&p.lid.to_le_bytes());
+        out.push(if p.link == LinkLayer::InfiniBand { 1 } else { 2 });
+    }
+    out
+}
+
+/// The ports of a section; bytes after them (a later release's fields) are skipped.
+pub(crate) fn decode_ports(b: &[u8]) -> Option<Vec<Port>> {
+    let n = *b.first()? as usize;
+    if n > MAX_PORTS || b.len() < 1 + n * 19 {
+        return None;
+    }
+    (0..n)
+        .map(|i| {
+            let p = &b[1 + i * 19..1 + (i + 1) * 19];
+            let link = match p[18] {
+                1 => LinkLayer::InfiniBand,
+                2 => LinkLayer::Ethernet,
+                _ => return None,
+            };
+            Some(Port { gid: p[..16].try_into().ok()?, lid: u16::from_le_bytes([p[16], p[17]]), link })
+        })
+        .collect()
+}
+
+fn put_addr(out: &mut Vec<u8>, a: &QpAddr) {
+    out.extend_from_slice(&a.gid);
+    out.extend_from_slice(&a.lid.to_le_bytes());
+    out.extend_from_slice(&a.qpn.to_le_bytes());
+    out.extend_from_slice(&a.psn.to_le_bytes());
+}
+
+fn get_addr(b: &[u8]) -> Option<QpAddr> {
+    let b = b.get(..QPADDR_BYTES)?;
+    Some(QpAddr {
+        gid: b[..16].try_into().ok()?,
+        lid: u16::from_le_bytes([b[16], b[17]]),
+        qpn: u32::from_le_bytes(b[18..22].try_into().ok()?),
+        psn: u32::from_le_bytes(b[22..26].try_into().ok()?),
+    })
+}
+
+pub(crate) fn encode_offer(qps: &[QpAddr]) -> Vec<u8> {
+    let mut out = OFFER_MAGIC.to_vec();
+    out.push(qps.len() as u8);
+    qps.iter().for_each(|a| put_addr(&mut out, a));
+    out
+}
+
+/// How many bytes an offer whose first 5 bytes are `head` has in all; None if they are not an offer.
+pub(crate) fn offer_len(head: &[u8; 5]) -> Option<usize> {
+    let n = head[4] as usize;
+    (&head[..4] == OFFER_MAGIC && (1..=MAX_QPS).contains(&n)).then_some(5 + n * QPADDR_BYTES)
+}
+
+pub(crate) fn decode_offer(b: &[u8]) -> Option<Vec<QpAddr>> {
+    let head: &[u8; 5] = b.get(..5)?.try_into().ok()?;
+    if offer_len(head)? != b.len() {
+        return None;
+    }
+    b[5..].chunks(QPADDR_BYTES).map(get_addr).collect()
+}
+
+pub(crate) fn encode_answer(status: u8, qps: &[QpAddr]) -> Vec<u8> {
+    let mut out = vec![status];
+    qps.iter().for_each(|a| put_addr(&mut out, a));
+    out
+}
+
+/// An answer of `n` pairs: `Ok(pairs)`, or `Err(())` when the target refused.
+pub(crate) fn decode_answer(b: &[u8], n: usize) -> Option<Result<Vec<QpAddr>, ()>> {
+    match *b.first()? {
+        ANSWER_OK if b.len() == 1 + n * QPADDR_BYTES => {
+            Some(Ok(b[1..].chunks(QPADDR_BYTES).map(get_addr).collect::<Option<_>>()?))
+        }
+        ANSWER_OK => None,
+        _ => Some(Err(())),
+    }
+}
+
+/// For the fuzz targets: every decoder on `b`; what decodes encodes back to bytes that decode the same.
+pub(crate) fn fuzz(b: &[u8]) {
+    if let Some(p) = decode_ports(b) {
+        assert_eq!(decode_ports(&encode_ports(&p)), Some(p), "RDMA ports changed across encode/decode");
+    }
+    if let Some(o) = decode_offer(b) {
+        assert_eq!(decode_offer(&encode_offer(&o)), Some(o), "RDMA offer changed across encode/decode");
+    }
+    let n = b.len().saturating_sub(1) / QPADDR_BYTES;
+    if let Some(Ok(a)) = decode_answer(b, n) {
+        assert_eq!(decode_answer(&encode_answer(ANSWER_OK, &a), n), Some(Ok(a)), "RDMA answer changed");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sections_and_exchanges_round_trip_and_garbage_is_refused() {
+        let ports = [
+            Port { gid: *b"gxfv0000abcdefgh", lid: 0, link: LinkLayer::Ethernet },
+            Port { gid: [0xfe; 16], lid: 7, link: LinkLayer::InfiniBand },
+        ];
+        let mut b = encode_ports(&ports);
+        assert_eq!(decode_ports(&b).unwrap(), ports);
+        b.extend_from_slice(b"a later field");
+        assert_eq!(decode_ports(&b).unwrap(), ports, "trailing bytes skipped");
+        for n in 0..1 + 2 * 19 {
+            assert!(decode_ports(&b[..n]).is_none(), "prefix {n}");
+        }
+        assert!(decode_ports(&[1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 9]).is_none(), "bad link");
+        assert!(ports[0].reaches(&ports[0]) && !ports[0].reaches(&ports[1]));
+        let other_subnet = Port { gid: [0xfd; 16], ..ports[1] };
+        assert!(!ports[1].reaches(&other_subnet));
+        let roce = Port { gid: [1; 16], lid: 0, link: LinkLayer::Ethernet };
+        assert!(!roce.reaches(&ports[0]), "a fake port reaches only fake ports");
+
+        let qps =
+            [QpAddr { gid: [3; 16], lid: 1, qpn: 0x123, psn: 0x456 }, QpAddr { gid: [4; 16], lid: 2, qpn: 9, psn: 8 }];
+        let o = encode_offer(&qps);
+        assert_eq!(offer_len(o[..5].try_into().unwrap()), Some(o.len()));
+        assert_eq!(decode_offer(&o).unwrap(), qps);
+        assert!(decode_offer(&o[..o.len() - 1]).is_none());
+        assert!(offer_len(b"GXQP\0").is_none() && offer_len(b"GXQP\x11").is_none() && offer_len(b"XXQP\x01").is_none());
+        let a = encode_answer(ANSWER_OK, &qps);
+        assert_eq!(decode_answer(&a, 2).unwrap().unwrap(), qps);
+        assert!(decode_answer(&a, 1).is_none());
+        assert_eq!(decode_answer(&[ANSWER_REFUSED], 2), Some(Err(())));
+        assert!(decode_answer(&[], 2).is_none());
+    }
+}

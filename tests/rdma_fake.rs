@@ -1,0 +1,263 @@
+//! The engine's RDMA route between two processes over the fake fabric (`GIXL_FAKE_VERBS=1`,
+//! `GIXL_TRANSPORT=rdma` so that two processes of one host take it): READ and WRITE of 16 MiB and of 1024 ×
+//! 16 KiB blocks, a notification after the data, the route doctor and telemetry name, a region deregistered and
+//! registered again at the same address while the NIC hands the same key value out again (the old handle is
+//! refused, the new region untouched), a killed target (REMOTE_DISCONNECT within the bound) and its restart
+//! under the same name (the old handle refused, the new incarnation reached over RDMA again).
+//!
+//! Every test of this file runs with the fake fabric in its environment (set by `fake_env`, before any agent
+//! exists); the child is this binary re-run with `GIXL_CHILD=rdma-prefill`.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command};
+use std::time::{Duration, Instant};
+
+use gixl::*;
+
+mod common;
+use common::{hex, unhex};
+
+const SIZE: usize = 16 << 20;
+const BLOCK: usize = 16 << 10;
+
+fn dir() -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("gixl-rdma-fake-{}", std::process::id()))
+}
+
+/// The fake fabric for this process and its children.
+fn fake_env() {
+    std::env::set_var("GIXL_FAKE_VERBS", "1");
+    std::env::set_var("GIXL_FAKE_VERBS_DIR", dir());
+    std::env::set_var("GIXL_FAKE_VERBS_REUSE_KEYS", "1");
+}
+
+fn agent(name: &str) -> Agent {
+    let a = Agent::new(name, AgentConfig::default()).unwrap();
+    let p: Params = [("transport".to_owned(), "rdma".to_owned())].into_iter().collect();
+    a.create_backend("UCX", &p).unwrap();
+    a
+}
+
+fn reg_list(buf: &[u8]) -> RegDList {
+    let d = Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0);
+    RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: d, meta: vec![] }])
+}
+
+/// The target: `SIZE` bytes, byte i = (i + seed) % 251; `@md <md> <addr>`; then commands.
+fn prefill_child() {
+    let seed: usize = std::env::var("GIXL_SEED").unwrap().parse().unwrap();
+    let a = agent("prefill");
+    let mut buf: Vec<u8> = (0..SIZE).map(|i| ((i + seed) % 251) as u8).collect();
+    a.register_mem(&reg_list(&buf), &[]).unwrap();
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "\n@md {} {}", hex(&a.local_md().unwrap()), buf.as_ptr() as u64).unwrap();
+    out.flush().unwrap();
+    for line in std::io::stdin().lock().lines() {
+        match line.unwrap().as_str() {
+            "notifs" => {
+                for (from, msg) in a.notifs(&[]).unwrap() {
+                    writeln!(out, "notif {from} {}", String::from_utf8_lossy(&msg)).unwrap();
+                }
+                writeln!(out, "end").unwrap();
+            }
+            "sum" => writeln!(out, "sum {}", buf.iter().map(|&b| b as u64).sum::<u64>()).unwrap(),
+            "rereg" => {
+                // Deregister, refill, register the same buffer again: its new metadata follows.
+                a.deregister_mem(&reg_list(&buf), &[]).unwrap();
+                buf.iter_mut().for_each(|b| *b = 0xEE);
+                a.register_mem(&reg_list(&buf), &[]).unwrap();
+                writeln!(out, "@md {} {}", hex(&a.local_md().unwrap()), buf.as_ptr() as u64).unwrap();
+            }
+            _ => break,
+        }
+        out.flush().unwrap();
+    }
+}
+
+#[test]
+fn child_entry() {
+    if std::env::var("GIXL_CHILD").as_deref() == Ok("rdma-prefill") {
+        prefill_child();
+    }
+}
+
+struct Prefill {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    md: Vec<u8>,
+    addr: u64,
+}
+
+impl Prefill {
+    fn start(seed: usize) -> Prefill {
+        let mut c = Command::new(std::env::current_exe().unwrap());
+        c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+            .env("GIXL_CHILD", "rdma-prefill")
+            .env("GIXL_SEED", seed.to_string());
+        let (child, stdin, stdout, rest) = common::spawn_until_md(c);
+        let mut it = rest.split(' ');
+        let md = unhex(it.next().unwrap());
+        let addr = it.next().unwrap().parse().unwrap();
+        Prefill { child, stdin, stdout, md, addr }
+    }
+
+    fn ask(&mut self, cmd: &str, until: &str) -> Vec<String> {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        let mut lines = Vec::new();
+        loop {
+            let mut l = String::new();
+            assert!(self.stdout.read_line(&mut l).unwrap() > 0, "the child exited");
+            let l = l.trim().to_owned();
+            let done = l.starts_with(until);
+            lines.push(l);
+            if done {
+                return lines;
+            }
+        }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Prefill {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn remote(addr: u64, off: usize, len: usize) -> XferDList {
+    XferDList::with_descs(MemType::Dram, vec![Desc::new(addr + off as u64, len as u64, 0)])
+}
+
+fn local(buf: &[u8], off: usize, len: usize) -> XferDList {
+    XferDList::with_descs(MemType::Dram, vec![Desc::new(buf.as_ptr() as u64 + off as u64, len as u64, 0)])
+}
+
+/// Post and wait (sleeping between looks, as an application would).
+fn run(a: &Agent, op: XferOp, l: &XferDList, r: &XferDList, notif: Option<&[u8]>) -> Result<Status> {
+    let opts = XferOpts { notif: notif.map(<[u8]>::to_vec), ..Default::default() };
+    let req = a.create_xfer_req(op, l, r, "prefill", &opts)?;
+    let mut s = a.post_xfer_req(&req, NotifUpdate::Keep)?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while s == Status::InProg {
+        assert!(Instant::now() < deadline, "a request did not finish in 30 s");
+        std::thread::sleep(Duration::from_micros(200));
+        s = a.xfer_status(&req)?;
+    }
+    Ok(s)
+}
+
+fn route_of(me: &str, peer: &str) -> String {
+    gixl::telemetry::live_agents()
+        .into_iter()
+        .filter(|(n, _, _)| n == me)
+        .flat_map(|(_, _, rows)| rows)
+        .find(|r| r.name == peer)
+        .map(|r| r.route)
+        .unwrap_or_default()
+}
+
+#[test]
+fn two_processes_over_the_fake_fabric_read_write_notify_and_survive_deregistration_death_and_restart() {
+    fake_env();
+    std::fs::create_dir_all(dir()).unwrap();
+    let mut p = Prefill::start(0);
+    let a = agent("decode");
+    let dst = vec![0u8; SIZE];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    assert_eq!(a.load_remote_md(&p.md).unwrap(), "prefill");
+    assert_eq!(route_of("decode", "prefill"), "rdma");
+
+    // 16 MiB READ: one piece per worker, each on its own queue pair.
+    assert_eq!(run(&a, XferOp::Read, &local(&dst, 0, SIZE), &remote(p.addr, 0, SIZE), None).unwrap(), Status::Success);
+    assert!(dst.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8), "16 MiB READ");
+
+    // 1024 × 16 KiB, the remote blocks reversed, with a notification after the data.
+    let mut dst = dst;
+    dst.iter_mut().for_each(|b| *b = 0);
+    let n = SIZE / BLOCK;
+    let l = XferDList::with_descs(
+        MemType::Dram,
+        (0..n).map(|i| Desc::new(dst.as_ptr() as u64 + (i * BLOCK) as u64, BLOCK as u64, 0)).collect(),
+    );
+    let r = XferDList::with_descs(
+        MemType::Dram,
+        (0..n).map(|i| Desc::new(p.addr + ((n - 1 - i) * BLOCK) as u64, BLOCK as u64, 0)).collect(),
+    );
+    assert_eq!(run(&a, XferOp::Read, &l, &r, Some(b"kv read")).unwrap(), Status::Success);
+    for i in 0..n {
+        let base = (n - 1 - i) * BLOCK;
+        assert!(
+            dst[i * BLOCK..(i + 1) * BLOCK].iter().enumerate().all(|(j, &b)| b == ((base + j) % 251) as u8),
+            "block {i}"
+        );
+    }
+    // WRITE ones over the whole target buffer, notification after: the target's sum is all ones.
+    let ones = vec![1u8; SIZE];
+    a.register_mem(&reg_list(&ones), &[]).unwrap();
+    assert_eq!(
+        run(&a, XferOp::Write, &local(&ones, 0, SIZE), &remote(p.addr, 0, SIZE), Some(b"kv written")).unwrap(),
+        Status::Success
+    );
+    let notifs = p.ask("notifs", "end");
+    assert_eq!(notifs[..2], ["notif decode kv read", "notif decode kv written"], "{notifs:?}");
+    assert_eq!(p.ask("sum", "sum")[0], format!("sum {SIZE}"));
+
+    // The target deregisters and registers the same buffer again; the fake NIC would hand out the same key
+    // value (GIXL_FAKE_VERBS_REUSE_KEYS=1). The handle made before is refused and the new region untouched.
+    let before = a
+        .create_xfer_req(
+            XferOp::Write,
+            &local(&dst, 0, 4096),
+            &remote(p.addr, 0, 4096),
+            "prefill",
+            &XferOpts::default(),
+        )
+        .unwrap();
+    let md = p.ask("rereg", "@md").pop().unwrap();
+    let e = match a.post_xfer_req(&before, NotifUpdate::Keep) {
+        Ok(Status::InProg) => loop {
+            match a.xfer_status(&before) {
+                Ok(Status::InProg) => std::thread::sleep(Duration::from_millis(1)),
+                other => break other.unwrap_err(),
+            }
+        },
+        other => other.unwrap_err(),
+    };
+    assert_eq!(e.status(), Status::NotFound, "{e}");
+    assert_eq!(p.ask("sum", "sum")[0], format!("sum {}", 0xEE * SIZE as u64), "the new region was written");
+    // Its new metadata (the same incarnation with a changed region: loaded after invalidating, as NIXL
+    // requires): reached again.
+    let md = unhex(md.strip_prefix("@md ").unwrap().split(' ').next().unwrap());
+    a.invalidate_remote_md("prefill").unwrap();
+    a.load_remote_md(&md).unwrap();
+    assert_eq!(route_of("decode", "prefill"), "rdma");
+    assert_eq!(run(&a, XferOp::Read, &local(&dst, 0, 4096), &remote(p.addr, 0, 4096), None).unwrap(), Status::Success);
+    assert!(dst[..4096].iter().all(|&b| b == 0xEE));
+
+    // Killed: REMOTE_DISCONNECT, within the bound.
+    let stale = a
+        .create_xfer_req(XferOp::Read, &local(&dst, 0, 4096), &remote(p.addr, 0, 4096), "prefill", &XferOpts::default())
+        .unwrap();
+    p.kill();
+    let t = Instant::now();
+    let e = run(&a, XferOp::Read, &local(&dst, 0, 4096), &remote(p.addr, 0, 4096), None).unwrap_err();
+    assert_eq!(e.status(), Status::RemoteDisconnect, "{e}");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+
+    // Restarted under the same name: the old handle is refused; the new incarnation is reached over RDMA.
+    let mut q = Prefill::start(7);
+    a.invalidate_remote_md("prefill").unwrap();
+    a.load_remote_md(&q.md).unwrap();
+    let e = a.post_xfer_req(&stale, NotifUpdate::Keep).unwrap_err();
+    assert_eq!(e.status(), Status::NotFound, "{e}");
+    assert_eq!(route_of("decode", "prefill"), "rdma");
+    assert_eq!(run(&a, XferOp::Read, &local(&dst, 0, SIZE), &remote(q.addr, 0, SIZE), None).unwrap(), Status::Success);
+    assert!(dst.iter().enumerate().all(|(i, &b)| b == ((i + 7) % 251) as u8), "the new incarnation's bytes");
+    q.kill();
+    let _ = std::fs::remove_dir_all(dir());
+}
