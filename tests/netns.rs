@@ -105,6 +105,13 @@ fn child_cmd(s: &mut ChildState, w: &[&str]) -> std::result::Result<String, Stri
             Ok(format!("{} {addr}", s.bufs.len() - 1))
         }
         "md" => a.local_md().map(|m| hex(&m)).map_err(st),
+        // route PEER: the route telemetry and doctor name for a loaded peer.
+        "route" => Ok(gixl::telemetry::live_agents()
+            .into_iter()
+            .flat_map(|(_, _, rows)| rows)
+            .find(|r| r.name == w[1])
+            .map(|r| r.route)
+            .unwrap_or_default()),
         "load" => a.load_remote_md(&unhex(w[1])).map_err(st),
         "port" => Ok(a.listen_port().map(|p| p.to_string()).unwrap_or_default()),
         "fetch" => a.fetch_remote_md(w[1], arg(2), port(3), arg(4)).map(|_| String::new()).map_err(st),
@@ -696,6 +703,85 @@ fn killed_or_partitioned_peer_is_a_remote_disconnect_within_the_bound() {
             }
         }
     }
+}
+
+/// The RDMA route across hosts over the fake fabric (its endpoints in a directory both namespaces see, as an
+/// InfiniBand fabric beside the Ethernet link): chosen by default (`auto`) where both advertise a port; READ
+/// and WRITE (1024 blocks, reversed) with notifications after the data; the target frozen (SIGSTOP: its "NIC"
+/// stops answering, and so do its heartbeats) under a READ loop: REMOTE_DISCONNECT within the bound, and the same
+/// handles work again once it runs again; the target killed: REMOTE_DISCONNECT within the bound. (Cutting only
+/// the Ethernet link is not a fault here: the data path is the fabric, which still works; the requests succeed.)
+#[test]
+fn rdma_across_hosts_over_the_fake_fabric_fails_within_the_bound_and_recovers() {
+    let _g = SERIAL.lock();
+    let Some(net) = Net::new("r", 2) else { return };
+    let dir = std::env::temp_dir().join(format!("gixl-netns-rdma-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let env = [("GIXL_FAKE_VERBS", "1".to_owned()), ("GIXL_FAKE_VERBS_DIR", dir.display().to_string())];
+    for fault in ["freeze", "kill"] {
+        let mut target = Proc::start(&net, 0, "prefill", false, &env);
+        let mut ini = Proc::start(&net, 1, "decode", false, &env);
+        let size = 32 << 20;
+        let (tb, taddr) = target.reg(size, 3);
+        let (ib, _) = ini.reg(size, 0);
+        let md = target.cmd("md");
+        ini.cmd(&format!("load {md}"));
+        assert_eq!(ini.cmd("route prefill"), "rdma");
+        let us: u64 = ini.cmd(&format!("xfer read {ib} prefill {taddr} {size} 1 kv-ready")).parse().unwrap();
+        eprintln!("32 MiB READ over the fake RDMA fabric (this test build): {us} µs");
+        assert_eq!(ini.cmd(&format!("sum {ib}")), (3 * size as u64).to_string());
+        let (wb, _) = ini.reg(size, 9);
+        ini.cmd(&format!("xfer write {wb} prefill {taddr} {size} 1024 kv-written"));
+        assert_eq!(target.cmd(&format!("sum {tb}")), (9 * size as u64).to_string());
+        let t = Instant::now();
+        let mut n = String::new();
+        while n.matches(':').count() < 2 && t.elapsed() < Duration::from_secs(10) {
+            n += &target.cmd("notifs");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(n.contains(&hex(b"kv-ready")) && n.contains(&hex(b"kv-written")), "{n}");
+
+        writeln!(ini.stdin, "hammer {ib} prefill {taddr} {size}").unwrap();
+        ini.stdin.flush().unwrap();
+        assert_eq!(ini.next(Duration::from_secs(60)), "@started");
+        std::thread::sleep(Duration::from_millis(300));
+        let t0 = match fault {
+            "kill" => target.kill(),
+            _ => {
+                let t = now_ns();
+                // SAFETY: signalling our own child.
+                assert_eq!(unsafe { libc::kill(target.pid, libc::SIGSTOP) }, 0);
+                t
+            }
+        };
+        let r = ini.next(Duration::from_secs(30));
+        let f: Vec<&str> = r.trim_start_matches("@ok ").split(' ').collect();
+        let took = Duration::from_nanos(f[1].parse::<u64>().unwrap().saturating_sub(t0));
+        eprintln!("rdma, {fault}: {} after {took:?} ({} READs of 32 MiB completed before)", f[0], f[2]);
+        assert_eq!(f[0], "NIXL_ERR_REMOTE_DISCONNECT", "{r}");
+        // A kill is seen at once; a frozen peer after 3/4 of the 1 s timeout without an answer, plus scheduling.
+        let bound = if fault == "kill" { Duration::from_secs(1) } else { Duration::from_millis(1250) };
+        assert!(took <= bound, "{fault}: REMOTE_DISCONNECT after {took:?}, bound {bound:?}");
+        if fault == "freeze" {
+            // SAFETY: as above.
+            unsafe { libc::kill(target.pid, libc::SIGCONT) };
+            let t = Instant::now();
+            let ok = loop {
+                match ini.try_cmd(&format!("xfer read {ib} prefill {taddr} 4096 1 -")) {
+                    Ok(_) => break true,
+                    Err(e) if t.elapsed() < Duration::from_secs(20) => {
+                        assert!(e.starts_with("NIXL_ERR_REMOTE_DISCONNECT"), "{e}");
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    Err(_) => break false,
+                }
+            };
+            eprintln!("rdma, thawed: READ works again after {:?}", t.elapsed());
+            assert!(ok, "the peer did not recover once it ran again");
+            assert_eq!(ini.cmd("route prefill"), "rdma");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Fan-in: one target, 64 initiator processes on another host, each READing 4 MiB in a loop for three

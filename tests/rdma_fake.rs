@@ -196,9 +196,15 @@ fn two_processes_over_the_fake_fabric_read_write_notify_and_survive_deregistrati
             "block {i}"
         );
     }
-    // WRITE ones over the whole target buffer, notification after: the target's sum is all ones.
+    // WRITE ones over the whole target buffer as 1024 blocks, then as one: the target's sum is all ones.
     let ones = vec![1u8; SIZE];
     a.register_mem(&reg_list(&ones), &[]).unwrap();
+    let l1 = XferDList::with_descs(
+        MemType::Dram,
+        (0..n).map(|i| Desc::new(ones.as_ptr() as u64 + (i * BLOCK) as u64, BLOCK as u64, 0)).collect(),
+    );
+    assert_eq!(run(&a, XferOp::Write, &l1, &r, None).unwrap(), Status::Success);
+    assert_eq!(p.ask("sum", "sum")[0], format!("sum {SIZE}"));
     assert_eq!(
         run(&a, XferOp::Write, &local(&ones, 0, SIZE), &remote(p.addr, 0, SIZE), Some(b"kv written")).unwrap(),
         Status::Success
