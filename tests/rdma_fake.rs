@@ -26,7 +26,8 @@ fn dir() -> std::path::PathBuf {
 
 /// The fake fabric for this process and its children.
 fn fake_env() {
-    std::env::set_var("GIXL_FAKE_VERBS", "1");
+    // Two ports on each side: two paths, the pieces of a request spread over both.
+    std::env::set_var("GIXL_FAKE_VERBS", "2");
     std::env::set_var("GIXL_FAKE_VERBS_DIR", dir());
     std::env::set_var("GIXL_FAKE_VERBS_REUSE_KEYS", "1");
 }
@@ -61,6 +62,13 @@ fn prefill_child() {
                 writeln!(out, "end").unwrap();
             }
             "sum" => writeln!(out, "sum {}", buf.iter().map(|&b| b as u64).sum::<u64>()).unwrap(),
+            cmd if cmd.starts_with("failport ") => {
+                // Pull the cable of one of this process's ports.
+                let dev = &cmd["failport ".len()..];
+                let ports = gixl::verbs::fabric().unwrap().ports().unwrap();
+                gixl::verbs::fake::fail_port(ports.iter().find(|p| p.device == dev).unwrap());
+                writeln!(out, "failed {dev}").unwrap();
+            }
             "rereg" => {
                 // Deregister, refill, register the same buffer again: its new metadata follows.
                 a.deregister_mem(&reg_list(&buf), &[]).unwrap();
@@ -209,8 +217,14 @@ fn two_processes_over_the_fake_fabric_read_write_notify_and_survive_deregistrati
         run(&a, XferOp::Write, &local(&ones, 0, SIZE), &remote(p.addr, 0, SIZE), Some(b"kv written")).unwrap(),
         Status::Success
     );
-    let notifs = p.ask("notifs", "end");
-    assert_eq!(notifs[..2], ["notif decode kv read", "notif decode kv written"], "{notifs:?}");
+    // Notifications arrive on their own (after the data, but not necessarily before the request completes here).
+    let mut notifs = Vec::new();
+    let t = Instant::now();
+    while notifs.len() < 2 && t.elapsed() < Duration::from_secs(10) {
+        notifs.extend(p.ask("notifs", "end").into_iter().filter(|l| l.starts_with("notif ")));
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(notifs, ["notif decode kv read", "notif decode kv written"]);
     assert_eq!(p.ask("sum", "sum")[0], format!("sum {SIZE}"));
 
     // The target deregisters and registers the same buffer again; the fake NIC would hand out the same key
@@ -266,4 +280,32 @@ fn two_processes_over_the_fake_fabric_read_write_notify_and_survive_deregistrati
     assert!(dst.iter().enumerate().all(|(i, &b)| b == ((i + 7) % 251) as u8), "the new incarnation's bytes");
     q.kill();
     let _ = std::fs::remove_dir_all(dir());
+}
+
+/// Two ports each side: requests spread over both paths; one port of the target fails (its cable pulled) and
+/// its share goes over the other, every request still succeeding; the second fails too: REMOTE_DISCONNECT.
+#[test]
+fn a_failed_port_takes_its_share_elsewhere_and_the_last_one_takes_the_peer_down() {
+    fake_env();
+    std::fs::create_dir_all(dir()).unwrap();
+    let mut p = Prefill::start(3);
+    let a = agent("decode2");
+    let dst = vec![0u8; SIZE];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    a.load_remote_md(&p.md).unwrap();
+    let raddr = p.addr;
+    let read_all = |a: &Agent| run(a, XferOp::Read, &local(&dst, 0, SIZE), &remote(raddr, 0, SIZE), None);
+    for _ in 0..3 {
+        assert_eq!(read_all(&a).unwrap(), Status::Success);
+    }
+    assert!(dst.iter().enumerate().all(|(i, &b)| b == ((i + 3) % 251) as u8));
+    assert_eq!(p.ask("failport fake1", "failed")[0], "failed fake1");
+    for round in 0..3 {
+        assert_eq!(read_all(&a).unwrap(), Status::Success, "round {round} after one port failed");
+    }
+    assert_eq!(route_of("decode2", "prefill"), "rdma");
+    assert_eq!(p.ask("failport fake0", "failed")[0], "failed fake0");
+    let e = read_all(&a).unwrap_err();
+    assert_eq!(e.status(), Status::RemoteDisconnect, "{e}");
+    p.kill();
 }

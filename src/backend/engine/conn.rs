@@ -238,42 +238,43 @@ pub(super) struct RemoteRegion {
     pub(super) addr: u64,
     pub(super) len: u64,
     pub(super) ticket: RegionTicket,
-    /// Its RDMA remote key, where the target registered it with a NIC.
-    pub(super) rkey: Option<u32>,
+    /// Its RDMA remote keys, one per port of the target (in its connection info's order); empty without.
+    pub(super) rkeys: Vec<u32>,
 }
 
-/// A region ticket's section: the region's RDMA remote key (u32).
+/// A region ticket's section: the region's RDMA remote keys (u32 each, one per port).
 const TICKET_RKEY: u64 = 1;
 
-/// `slot | state`, then the RDMA key's section where the region has one.
-pub(super) fn encode_ticket(t: RegionTicket, rkey: Option<u32>) -> Vec<u8> {
-    let mut out = Vec::with_capacity(16);
+/// `slot | state`, then the RDMA keys' section where the region has them.
+pub(super) fn encode_ticket(t: RegionTicket, rkeys: &[u32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(16 + 4 * rkeys.len());
     put_uvar(&mut out, t.slot as u64);
     put_uvar(&mut out, t.state);
-    if let Some(k) = rkey {
+    if !rkeys.is_empty() {
         put_uvar(&mut out, TICKET_RKEY);
-        put_bytes(&mut out, &k.to_le_bytes());
+        put_bytes(&mut out, &rkeys.iter().flat_map(|k| k.to_le_bytes()).collect::<Vec<u8>>());
     }
     out
 }
 
-/// `slot | state`, then sections (`id | length | bytes`), as in connection info (see `CONN_V4`): the RDMA key's
-/// (4 bytes, more skipped), and any a later release may add, skipped.
-pub(super) fn decode_ticket(b: &[u8]) -> Result<(RegionTicket, Option<u32>)> {
+/// `slot | state`, then sections (`id | length | bytes`), as in connection info (see `CONN_V4`): the RDMA keys'
+/// (a whole number of u32, at least one), and any a later release may add, skipped.
+pub(super) fn decode_ticket(b: &[u8]) -> Result<(RegionTicket, Vec<u32>)> {
     let mut r = Reader { buf: b, pos: 0 };
     let slot = u32::try_from(r.uvar()?).map_err(|_| Error::mismatch("bad region slot in metadata"))?;
     let state = r.uvar()?;
-    let mut rkey = None;
+    let mut rkeys = Vec::new();
     while r.left() != 0 {
         let id = r.uvar()?;
         let sec = r.bytes(MAX_SECTION)?;
         if id == TICKET_RKEY {
-            let k: [u8; 4] =
-                sec.get(..4).and_then(|k| k.try_into().ok()).ok_or_else(|| Error::mismatch("short RDMA key"))?;
-            rkey = Some(u32::from_le_bytes(k));
+            if sec.is_empty() || sec.len() % 4 != 0 {
+                return Err(Error::mismatch("malformed RDMA keys in a region ticket"));
+            }
+            rkeys = sec.chunks(4).map(|k| u32::from_le_bytes([k[0], k[1], k[2], k[3]])).collect();
         }
     }
-    Ok((RegionTicket { slot, state }, rkey))
+    Ok((RegionTicket { slot, state }, rkeys))
 }
 
 #[cfg(test)]
@@ -349,20 +350,20 @@ mod tests {
         assert!(parse_conn(&conn_v3_to_v4(&v3, &[], &[(SEC_TCP, &[1, 1, 0])]).unwrap()).is_err(), "a section twice");
         // Region tickets: sections after slot and state are skipped.
         let t = RegionTicket { slot: 5, state: 9 };
-        let mut ticket = encode_ticket(t, None);
-        assert_eq!(decode_ticket(&ticket).unwrap(), (t, None));
+        let mut ticket = encode_ticket(t, &[]);
+        assert_eq!(decode_ticket(&ticket).unwrap(), (t, vec![]));
         put_uvar(&mut ticket, 31);
         put_bytes(&mut ticket, b"later");
-        assert_eq!(decode_ticket(&ticket).unwrap(), (t, None));
+        assert_eq!(decode_ticket(&ticket).unwrap(), (t, vec![]));
         ticket.push(3);
         assert!(decode_ticket(&ticket).is_err());
-        // The RDMA key's section, and a later one after it.
-        let mut ticket = encode_ticket(t, Some(0xABCD01));
-        assert_eq!(decode_ticket(&ticket).unwrap(), (t, Some(0xABCD01)));
+        // The RDMA keys' section, and a later one after it.
+        let mut ticket = encode_ticket(t, &[0xABCD01, 7]);
+        assert_eq!(decode_ticket(&ticket).unwrap(), (t, vec![0xABCD01, 7]));
         put_uvar(&mut ticket, 32);
         put_bytes(&mut ticket, b"");
-        assert_eq!(decode_ticket(&ticket).unwrap(), (t, Some(0xABCD01)));
-        let mut short = encode_ticket(t, None);
+        assert_eq!(decode_ticket(&ticket).unwrap(), (t, vec![0xABCD01, 7]));
+        let mut short = encode_ticket(t, &[]);
         put_uvar(&mut short, 1);
         put_bytes(&mut short, &[1, 2, 3]);
         assert!(decode_ticket(&short).is_err());

@@ -23,8 +23,8 @@ pub(super) struct Registered {
     ticket: RegionTicket,
     /// VRAM: its device and the base of each exported allocation it spans; None for DRAM.
     vram: Option<(u32, Vec<u64>)>,
-    /// DRAM with an RDMA port: its memory region.
-    mr: Option<Mr>,
+    /// DRAM with RDMA ports: its memory region on each (by port index).
+    mrs: Vec<Mr>,
 }
 
 impl Registered {
@@ -33,9 +33,10 @@ impl Registered {
         key.downcast_ref::<Registered>()?.vram.as_ref().map(|v| v.0)
     }
 
-    /// The RDMA local key of a local registration's key.
-    pub(super) fn rdma_lkey(key: &RegionKey) -> Option<u32> {
-        key.downcast_ref::<Registered>()?.mr.map(|m| m.lkey)
+    /// The RDMA local keys (by port index) of a local registration's key.
+    pub(super) fn rdma_lkeys(key: &RegionKey) -> Option<Box<[u32]>> {
+        let r = key.downcast_ref::<Registered>()?;
+        (!r.mrs.is_empty()).then(|| r.mrs.iter().map(|m| m.lkey).collect())
     }
 }
 
@@ -44,30 +45,31 @@ impl Shared {
     /// public bytes carry (the gate ticket alone for DRAM).
     pub(super) fn register(&self, mem: MemType, desc: &RegDesc) -> Result<LocalRegion> {
         let d = &desc.desc;
-        let (public, ticket, vram, mr) = match mem {
+        let (public, ticket, vram, mrs) = match mem {
             MemType::Vram => {
                 // `register` checks that the descriptor's device is the allocation's.
                 let v = self.vram.register(&self.ctrl, &self.gate, desc)?;
-                (v.public, v.ticket, Some((d.dev as u32, v.bases)), None)
+                (v.public, v.ticket, Some((d.dev as u32, v.bases)), Vec::new())
             }
             MemType::Dram => {
-                let mr = self.rdma.as_ref().map(|r| r.register(d.addr, d.len)).transpose()?;
+                let mrs = self.rdma.as_ref().map(|r| r.register(d.addr, d.len)).transpose()?.unwrap_or_default();
                 let t = match self.gate.register(d.addr, d.len) {
                     Ok(t) => t,
                     Err(e) => {
-                        if let (Some(r), Some(m)) = (&self.rdma, &mr) {
-                            r.deregister(m);
+                        if let Some(r) = &self.rdma {
+                            r.deregister(&mrs);
                         }
                         return Err(e);
                     }
                 };
-                (encode_ticket(t, mr.map(|m| m.rkey)), t, None, mr)
+                let rkeys: Vec<u32> = mrs.iter().map(|m| m.rkey).collect();
+                (encode_ticket(t, &rkeys), t, None, mrs)
             }
             _ => return Err(Error::not_supported(format!("{} is not supported by this engine", mem.seg_name()))),
         };
         // TCP peers reach VRAM through the serving loops, staged (see `route::tcp::stage`).
         self.regions.add(d.addr, d.len, vram.as_ref().map(|v| v.0));
-        let key: RegionKey = Arc::new(Registered { addr: d.addr, len: d.len, ticket, vram, mr });
+        let key: RegionKey = Arc::new(Registered { addr: d.addr, len: d.len, ticket, vram, mrs });
         Ok(LocalRegion { public, key: Some(key) })
     }
 
@@ -86,7 +88,7 @@ impl Shared {
         }
         // The NIC refuses the keys once this returns (accesses under way finish first).
         if let Some(rdma) = &self.rdma {
-            rows.iter().filter_map(|r| r.mr.as_ref()).for_each(|m| rdma.deregister(m));
+            rows.iter().for_each(|r| rdma.deregister(&r.mrs));
         }
     }
 }

@@ -138,8 +138,8 @@ impl Backend for Engine {
         if mem == MemType::Vram {
             return vram_regions::load_remote(downcast(peer)?.incarnation, desc, public).map(Some);
         }
-        let (ticket, rkey) = decode_ticket(public)?;
-        Ok(Some(Arc::new(RemoteRegion { addr: desc.addr, len: desc.len, ticket, rkey })))
+        let (ticket, rkeys) = decode_ticket(public)?;
+        Ok(Some(Arc::new(RemoteRegion { addr: desc.addr, len: desc.len, ticket, rkeys })))
     }
 
     fn conn_info(&self) -> Vec<u8> {
@@ -179,7 +179,7 @@ impl Backend for Engine {
         let mut lkeys = Vec::new();
         if let Target::Remote(p) = &plan.target {
             if matches!(downcast(p)?.kind, peer::PeerKind::Rdma(_)) {
-                lkeys = plan.local_keys.iter().map(|k| k.as_ref().and_then(exports::Registered::rdma_lkey)).collect();
+                lkeys = plan.local_keys.iter().map(|k| k.as_ref().and_then(exports::Registered::rdma_lkeys)).collect();
             }
         }
         Ok(EngineXfer::boxed(Core { shared: self.shared.clone(), plan, mover, lkeys }))

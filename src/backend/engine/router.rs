@@ -47,19 +47,21 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
     // RDMA where both sides have a port on one fabric: across hosts, or on this one when asked for.
     let rdma = match (&s.rdma, ci.rdma.as_deref().map(wire::decode_ports)) {
         (Some(side), Some(Some(ports))) if !same_host || s.transport == Transport::Rdma => {
-            ports.iter().any(|p| side.port.reaches(p)).then(|| side.clone()).ok_or("no port of the peer on our fabric")
+            let paths = side.paths_to(&ports);
+            (!paths.is_empty()).then(|| (side.clone(), paths)).ok_or("no port of the peer on our fabric")
         }
         (Some(_), Some(Some(_))) => Err("same host"),
         (Some(_), Some(None)) => Err("its RDMA section is malformed"),
         (Some(_), None) => Err("it advertises no RDMA port"),
         (None, _) => Err("no RDMA port here"),
     };
-    if let (Ok(side), false) = (&rdma, addrs.is_empty()) {
+    if let (Ok((side, paths)), false) = (&rdma, addrs.is_empty()) {
         let health = health(true, None, None);
-        let r = Rdma::new(link(&health), side.clone(), agent);
+        let r = Rdma::new(link(&health), side.clone(), agent, paths);
         crate::telemetry::log::info(&format!(
-            "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route rdma (port {})",
+            "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route rdma ({} path(s) from {})",
             s.agent,
+            paths.len(),
             side.label()
         ));
         let on_fallback = AtomicBool::new(false);

@@ -32,8 +32,8 @@ pub(super) struct Core {
     /// Set when the request touches VRAM: its pieces go through it (`vram`, inside the same gate; `route::tcp::vram`
     /// when its peer is reached over TCP) instead of the DRAM copies of `copy`.
     pub(super) mover: Option<Box<dyn Mover>>,
-    /// The RDMA local key of each local region, where the peer is reached over RDMA (else empty).
-    pub(super) lkeys: Vec<Option<u32>>,
+    /// The RDMA local keys (by port) of each local region, where the peer is reached over RDMA (else empty).
+    pub(super) lkeys: Vec<Option<Box<[u32]>>>,
 }
 
 /// How a request that moves more than DRAM runs its pieces, prepared once for it (`prep_xfer`).

@@ -52,8 +52,9 @@ pub(super) struct Job<'a> {
     pub(super) op: XferOp,
     /// The request's remote regions (this engine's `RemoteRegion`s).
     pub(super) keys: &'a [Option<RegionKey>],
-    /// The RDMA local key of each local region (by `Seg::lreg`); empty unless the peer is reached over RDMA.
-    pub(super) lkeys: &'a [Option<u32>],
+    /// The RDMA local keys (by port) of each local region (by `Seg::lreg`); empty unless the peer is reached
+    /// over RDMA.
+    pub(super) lkeys: &'a [Option<Box<[u32]>>],
     /// Set when the request is aborted: stop between batches.
     pub(super) abort: &'a AtomicBool,
     /// This agent's name, for the log.

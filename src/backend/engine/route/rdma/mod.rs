@@ -3,17 +3,19 @@
 //! (`crate::verbs`: rdma-core, or the fake fabric in tests):
 //! - `target`: this engine's port and protection domain, its registrations' memory regions (key values never
 //!   handed out twice), its connection-info section, and the target's half of the queue-pair exchange;
-//! - here, the initiator: a request's pieces as chains of RDMA READ/WRITE work requests on a lane (one RC
-//!   queue pair, its completion queue and its exchange connection), only the last of a chain signalled; the
-//!   copying thread sleeps on the queue's event descriptor, no polling;
+//! - here, the initiator: paths (one of our ports paired with one of the peer's on a common fabric), a
+//!   request's pieces spread over the live ones, each piece as chains of RDMA READ/WRITE work requests on a lane
+//!   of its path (one RC queue pair, its completion queue and its exchange connection), only the last of a chain
+//!   signalled; the copying thread sleeps on the queue's event descriptor, no polling; a path whose port fails is
+//!   dropped and the piece goes again over another;
 //! - `wire`: the section and the exchange as pure functions.
 //!
 //! The peer's TCP link carries what is not data: the authenticated exchange that connects the pairs (a
 //! `KIND_RDMA` connection, kept open while they live), heartbeats while requests are in flight, and
 //! notifications, which leave after the request's last completion, so after its data.
 //!
-//! Not yet: GPU memory (VRAM to an RDMA peer goes staged over its TCP link), several ports, notifications
-//! as SEND. Over rdma-core (`verbs::sys`) this has never run on a NIC: a real fabric is taken only with
+//! Not yet: GPU memory (VRAM to an RDMA peer goes staged over its TCP link), the NIC nearest a region's GPU or
+//! NUMA node, notifications as SEND. Over rdma-core (`verbs::sys`) this has never run on a NIC: a real fabric is taken only with
 //! `GIXL_TRANSPORT=rdma` (see `target::RdmaSide::start`); the tests run it over the fake fabric.
 
 pub(crate) mod target;
@@ -21,7 +23,7 @@ pub(crate) mod wire;
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,7 +32,7 @@ use parking_lot::Mutex;
 use super::{Job, Route, TcpLink, KIND_RDMA};
 use crate::backend::engine::conn::RemoteRegion;
 use crate::backend::{Seg, XferOp};
-use crate::status::{Error, Result};
+use crate::status::{Error, Result, Status};
 use crate::verbs::{Completion, Cq, Op, Qp, QpCaps, Sge, WcStatus, Wr};
 use target::RdmaSide;
 
@@ -46,9 +48,21 @@ pub(crate) struct Rdma {
     pub(crate) link: Arc<TcpLink>,
     pub(crate) side: Arc<RdmaSide>,
     pub(crate) name: String,
+    /// One per pair of ports (ours, the peer's) on a common fabric; pieces are spread over the live ones.
+    paths: Vec<Path>,
+    /// The next path a piece takes (round robin).
+    turn: AtomicUsize,
+    next: AtomicU64,
+}
+
+/// Our port `local` to the peer's port `remote` (indices in the two sections).
+struct Path {
+    local: usize,
+    remote: usize,
     /// Lanes not in use.
     lanes: Mutex<Vec<Lane>>,
-    next: AtomicU64,
+    /// The path failed (a port or its link): pieces go over the others.
+    dead: AtomicBool,
 }
 
 /// One queue pair to the peer, its completion queue, and the exchange connection that keeps the peer's pair.
@@ -66,8 +80,13 @@ impl Drop for Lane {
 }
 
 impl Rdma {
-    pub(crate) fn new(link: Arc<TcpLink>, side: Arc<RdmaSide>, name: &str) -> Rdma {
-        Rdma { link, side, name: name.to_owned(), lanes: Mutex::default(), next: AtomicU64::new(1) }
+    /// `paths`: (our port, the peer's port) pairs, from `RdmaSide::paths_to` (not empty).
+    pub(crate) fn new(link: Arc<TcpLink>, side: Arc<RdmaSide>, name: &str, paths: &[(usize, usize)]) -> Rdma {
+        let paths = paths
+            .iter()
+            .map(|&(local, remote)| Path { local, remote, lanes: Mutex::default(), dead: AtomicBool::new(false) })
+            .collect();
+        Rdma { link, side, name: name.to_owned(), paths, turn: AtomicUsize::new(0), next: AtomicU64::new(1) }
     }
 
     fn gone(&self, why: &str) -> Error {
@@ -76,15 +95,16 @@ impl Rdma {
 
     /// An idle lane, else a new one: a pair made here, offered over a new exchange connection, and connected
     /// to the pair the peer answers with.
-    fn lane(&self) -> Result<Lane> {
-        if let Some(l) = self.lanes.lock().pop() {
+    fn lane(&self, path: &Path) -> Result<Lane> {
+        if let Some(l) = path.lanes.lock().pop() {
             return Ok(l);
         }
+        let nic = &self.side.ports[path.local].nic;
         let mut conn = self.link.dial_side(KIND_RDMA)?;
-        let cq = self.side.nic.create_cq(2 * CHAIN as u32)?;
-        let qp = self.side.nic.create_qp(&cq, &cq, LANE_CAPS)?;
+        let cq = nic.create_cq(2 * CHAIN as u32)?;
+        let qp = nic.create_qp(&cq, &cq, LANE_CAPS)?;
         let io = |e: std::io::Error| self.gone(&format!("queue-pair exchange: {e}"));
-        conn.write_all(&wire::encode_offer(&[qp.addr()])).map_err(io)?;
+        conn.write_all(&wire::encode_offer(path.remote as u8, &[qp.addr()])).map_err(io)?;
         let mut answer = [0u8; 1 + wire::QPADDR_BYTES];
         conn.read_exact(&mut answer[..1]).map_err(io)?;
         if answer[0] == wire::ANSWER_OK {
@@ -93,17 +113,16 @@ impl Rdma {
         let theirs =
             match wire::decode_answer(&answer[..if answer[0] == wire::ANSWER_OK { answer.len() } else { 1 }], 1) {
                 Some(Ok(a)) => a[0],
-                Some(Err(())) => {
-                    return Err(Error::backend(format!("agent '{}' refused an RDMA queue pair", self.name)))
-                }
+                // Its port could not make or connect a pair: that path is unusable.
+                Some(Err(())) => return Err(self.gone("it refused a queue pair on that port")),
                 None => return Err(self.gone("malformed queue-pair answer")),
             };
         qp.connect(&theirs)?;
         Ok(Lane { qp, cq, conn })
     }
 
-    /// Post `segs` on `lane` in chains and wait for each chain's completion.
-    fn run(&self, lane: &Lane, job: &Job, segs: &[Seg]) -> Result<()> {
+    /// Post `segs` on `lane` (of `path`) in chains and wait for each chain's completion.
+    fn run(&self, path: &Path, lane: &Lane, job: &Job, segs: &[Seg]) -> Result<()> {
         let mut sges: Vec<[Sge; 1]> = Vec::with_capacity(CHAIN);
         let mut ops: Vec<Op> = Vec::with_capacity(CHAIN);
         let flush = |sges: &mut Vec<[Sge; 1]>, ops: &mut Vec<Op>| -> Result<()> {
@@ -120,15 +139,16 @@ impl Rdma {
             self.wait(lane, job, last)
         };
         for s in segs {
-            let lkey = job.lkeys.get(s.lreg as usize).copied().flatten().ok_or_else(|| {
-                Error::invalid_param("a local region of this request is not registered with the RDMA NIC")
-            })?;
+            let lkey =
+                job.lkeys.get(s.lreg as usize).and_then(|k| k.as_ref()?.get(path.local).copied()).ok_or_else(|| {
+                    Error::invalid_param("a local region of this request is not registered with the RDMA NIC")
+                })?;
             let rkey = job
                 .keys
                 .get(s.rreg as usize)
                 .and_then(|k| k.as_ref())
                 .and_then(|k| k.downcast_ref::<RemoteRegion>())
-                .and_then(|r| r.rkey)
+                .and_then(|r| r.rkeys.get(path.remote).copied())
                 .ok_or_else(|| {
                     Error::not_supported(format!(
                         "agent '{}' registered a region of this request without an RDMA key",
@@ -189,10 +209,9 @@ impl Rdma {
                 "agent '{}' refused the RDMA access: the remote region is no longer registered",
                 self.name
             )),
-            WcStatus::RetryExceeded => {
-                self.link.kill("the RDMA peer stopped answering (retry exceeded)".into());
-                self.gone("it stopped answering (retry exceeded)")
-            }
+            WcStatus::RetryExceeded => self.gone("it stopped answering (retry exceeded)"),
+            // First of all: the pair was already in the error state (its peer pair went away while idle).
+            WcStatus::Flushed => self.gone("the queue pair had failed"),
             WcStatus::LocalProtection => {
                 Error::invalid_param("a local region of this request was deregistered while it ran")
             }
@@ -218,7 +237,7 @@ impl Route for Rdma {
         self.link.connect().map(|_| ())
     }
     fn close(&self) {
-        self.lanes.lock().clear();
+        self.paths.iter().for_each(|p| p.lanes.lock().clear());
         self.link.close()
     }
     fn notify(&self, _from: &str, msg: &[u8]) -> Result<()> {
@@ -227,16 +246,44 @@ impl Route for Rdma {
     fn link(&self) -> Option<&Arc<TcpLink>> {
         Some(&self.link)
     }
+    /// Over the next live path; where the path fails (its pair set up or answered by nobody: a port or its
+    /// cable), it is marked dead, said in the log, and the piece goes again over another (READ and WRITE
+    /// land the same bytes in the same place twice); with none left, the peer is down.
     fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {
-        if self.link.down() {
-            return Err(self.gone(&self.link.why().unwrap_or_else(|| "down".into())));
+        loop {
+            if self.link.down() {
+                return Err(self.gone(&self.link.why().unwrap_or_else(|| "down".into())));
+            }
+            let live: Vec<&Path> = self.paths.iter().filter(|p| !p.dead.load(Ordering::Acquire)).collect();
+            let Some(path) = live.get(self.turn.fetch_add(1, Ordering::Relaxed) % live.len().max(1)).copied() else {
+                let why = "every RDMA path to it failed";
+                self.link.kill(why.into());
+                return Err(self.gone(why));
+            };
+            let r = self.lane(path).and_then(|lane| {
+                let r = self.run(path, &lane, job, segs);
+                // A lane whose request failed has its pair in the error state: it goes.
+                if r.is_ok() {
+                    path.lanes.lock().push(lane);
+                }
+                r
+            });
+            match r {
+                Err(e) if e.status() == Status::RemoteDisconnect && !self.link.down() => {
+                    if !path.dead.swap(true, Ordering::AcqRel) {
+                        crate::telemetry::log::warn(&format!(
+                            "agent '{}': peer '{}': RDMA path {} -> its port {} failed ({e}); {} left",
+                            job.agent,
+                            self.name,
+                            self.side.ports[path.local].nic.port().device,
+                            path.remote,
+                            live.len() - 1
+                        ));
+                    }
+                    path.lanes.lock().clear();
+                }
+                r => return r,
+            }
         }
-        let lane = self.lane()?;
-        let r = self.run(&lane, job, segs);
-        // A lane whose request failed has its pair in the error state: it goes (a new one is made next time).
-        if r.is_ok() {
-            self.lanes.lock().push(lane);
-        }
-        r
     }
 }

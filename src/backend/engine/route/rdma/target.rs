@@ -1,5 +1,5 @@
-//! The RDMA route's side of this engine (`RdmaSide`): one opened port and one protection domain per engine
-//! incarnation (so a handle built against an earlier incarnation names keys of a domain that no longer
+//! The RDMA route's side of this engine (`RdmaSide`): its opened ports, each with one protection domain per
+//! engine incarnation (so a handle built against an earlier incarnation names keys of a domain that no longer
 //! exists), the memory regions of its registrations, its connection-info section, and the target's half of
 //! the queue-pair exchange.
 //!
@@ -29,6 +29,14 @@ const TARGET_CAPS: QpCaps = QpCaps { send_wr: 1, recv_wr: 1, sge: 1 };
 const MAX_KEY_TRIES: usize = 64;
 
 pub(crate) struct RdmaSide {
+    /// Every active port, opened, each with its own protection domain (in the order the section lists them).
+    pub(crate) ports: Vec<PortSide>,
+    /// Exchange connections being served (each holds its pairs): shut down when the engine goes.
+    conns: Mutex<Vec<TcpStream>>,
+}
+
+/// One opened port of this engine.
+pub(crate) struct PortSide {
     pub(crate) nic: Arc<dyn Nic>,
     /// Completion queue of the target's pairs (they post nothing: it stays empty).
     cq: Arc<dyn Cq>,
@@ -36,52 +44,12 @@ pub(crate) struct RdmaSide {
     /// Every key value this domain handed out.
     used: Mutex<HashSet<u32>>,
     tombstones: Mutex<Vec<(Mr, Box<[u8]>)>>,
-    /// Exchange connections being served (each holds its pairs): shut down when the engine goes.
-    conns: Mutex<Vec<TcpStream>>,
 }
 
-impl RdmaSide {
-    /// This engine's port: the first active one of the fabric (`verbs::fabric`). None, with the reason, where
-    /// there is none (no library, no device, no active port): peers are then reached over TCP. rdma-core's
-    /// data path has not run on a NIC yet, so a real fabric is taken only when asked for (`asked`:
-    /// `GIXL_TRANSPORT=rdma`); the fake one whenever it is configured.
-    pub(crate) fn start(asked: bool) -> std::result::Result<Arc<RdmaSide>, String> {
-        let fabric = verbs::fabric().map_err(|e| e.message().to_owned())?;
-        if fabric.name() != "fake" && !asked {
-            return Err(
-                "gixl's rdma-core data path has not run on a NIC yet: used only with GIXL_TRANSPORT=rdma".into()
-            );
-        }
-        let ports = fabric.ports().map_err(|e| e.message().to_owned())?;
-        let p = ports
-            .iter()
-            .find(|p| p.active)
-            .ok_or_else(|| format!("no active port among {} RDMA ports", ports.len()))?;
-        let nic = fabric.open(&p.device, p.port).map_err(|e| e.message().to_owned())?;
-        let cq = nic.create_cq(64).map_err(|e| e.message().to_owned())?;
-        Ok(Arc::new(RdmaSide {
-            port: Port::from(p),
-            nic,
-            cq,
-            used: Mutex::default(),
-            tombstones: Mutex::default(),
-            conns: Mutex::default(),
-        }))
-    }
-
-    /// The connection-info section: this engine's port.
-    pub(crate) fn section(&self) -> Vec<u8> {
-        wire::encode_ports(&[self.port])
-    }
-
-    /// What doctor and the log call the port.
-    pub(crate) fn label(&self) -> String {
-        format!("{} ({:?})", self.nic.port().device, self.port.link)
-    }
-
+impl PortSide {
     /// A memory region for `[addr, addr + len)`, readable and writable by peers, under a key value this domain
     /// never handed out before.
-    pub(crate) fn register(&self, addr: u64, len: u64) -> Result<Mr> {
+    fn register(&self, addr: u64, len: u64) -> Result<Mr> {
         for _ in 0..MAX_KEY_TRIES {
             let mr = self.nic.reg_mr(addr, len, LOCAL_WRITE | REMOTE_READ | REMOTE_WRITE)?;
             if self.used.lock().insert(mr.rkey) {
@@ -96,11 +64,88 @@ impl RdmaSide {
         }
         Err(Error::backend(format!("the NIC kept handing out used memory keys ({MAX_KEY_TRIES} tries)")))
     }
+}
 
-    /// After it returns, no peer's access through `mr` succeeds.
-    pub(crate) fn deregister(&self, mr: &Mr) {
-        if let Err(e) = self.nic.dereg_mr(mr) {
-            crate::telemetry::log::warn(&format!("RDMA: deregistering {:#x}+{}: {e}", mr.addr, mr.len));
+impl RdmaSide {
+    /// This engine's ports: every active one of the fabric (`verbs::fabric`). None, with the reason, where
+    /// there is none (no library, no device, no active port): peers are then reached over TCP. rdma-core's
+    /// data path has not run on a NIC yet, so a real fabric is taken only when asked for (`asked`:
+    /// `GIXL_TRANSPORT=rdma`); the fake one whenever it is configured.
+    pub(crate) fn start(asked: bool) -> std::result::Result<Arc<RdmaSide>, String> {
+        let fabric = verbs::fabric().map_err(|e| e.message().to_owned())?;
+        if fabric.name() != "fake" && !asked {
+            return Err(
+                "gixl's rdma-core data path has not run on a NIC yet: used only with GIXL_TRANSPORT=rdma".into()
+            );
+        }
+        let all = fabric.ports().map_err(|e| e.message().to_owned())?;
+        let mut ports = Vec::new();
+        for p in all.iter().filter(|p| p.active).take(wire::MAX_PORTS) {
+            let open = || -> Result<PortSide> {
+                let nic = fabric.open(&p.device, p.port)?;
+                let cq = nic.create_cq(64)?;
+                Ok(PortSide { port: Port::from(p), nic, cq, used: Mutex::default(), tombstones: Mutex::default() })
+            };
+            match open() {
+                Ok(side) => ports.push(side),
+                Err(e) => crate::telemetry::log::warn(&format!("RDMA port {}:{} not used: {e}", p.device, p.port)),
+            }
+        }
+        if ports.is_empty() {
+            return Err(format!("no usable active port among {} RDMA ports", all.len()));
+        }
+        Ok(Arc::new(RdmaSide { ports, conns: Mutex::default() }))
+    }
+
+    /// The connection-info section: this engine's ports.
+    pub(crate) fn section(&self) -> Vec<u8> {
+        wire::encode_ports(&self.ports.iter().map(|p| p.port).collect::<Vec<_>>())
+    }
+
+    /// What doctor and the log call the ports.
+    pub(crate) fn label(&self) -> String {
+        let names: Vec<String> = self
+            .ports
+            .iter()
+            .map(|p| format!("{}:{} ({:?})", p.nic.port().device, p.nic.port().port, p.port.link))
+            .collect();
+        names.join(", ")
+    }
+
+    /// The paths to a peer with `remote` ports: each of our ports paired with a port of the peer it reaches
+    /// (spread over the peer's ports), as (our index, its index). Empty: no common fabric.
+    pub(crate) fn paths_to(&self, remote: &[Port]) -> Vec<(usize, usize)> {
+        self.ports
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| {
+                let reach: Vec<usize> = (0..remote.len()).filter(|&j| p.port.reaches(&remote[j])).collect();
+                (!reach.is_empty()).then(|| (i, reach[i % reach.len()]))
+            })
+            .collect()
+    }
+
+    /// A memory region for `[addr, addr + len)` on every port (by port index).
+    pub(crate) fn register(&self, addr: u64, len: u64) -> Result<Vec<Mr>> {
+        let mut mrs = Vec::with_capacity(self.ports.len());
+        for p in &self.ports {
+            match p.register(addr, len) {
+                Ok(m) => mrs.push(m),
+                Err(e) => {
+                    self.deregister(&mrs);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(mrs)
+    }
+
+    /// After it returns, no peer's access through `mrs` (as `register` gave them) succeeds.
+    pub(crate) fn deregister(&self, mrs: &[Mr]) {
+        for (p, mr) in self.ports.iter().zip(mrs) {
+            if let Err(e) = p.nic.dereg_mr(mr) {
+                crate::telemetry::log::warn(&format!("RDMA: deregistering {:#x}+{}: {e}", mr.addr, mr.len));
+            }
         }
     }
 
@@ -115,23 +160,29 @@ impl RdmaSide {
     }
 
     fn exchange(&self, mut s: TcpStream, patience: Duration) {
+        // Keepalive: an initiator partitioned away for good is reaped by the kernel, and its pair with it.
+        crate::os::sock::tune(&s, patience);
         let _ = s.set_read_timeout(Some(patience));
         let _ = s.set_write_timeout(Some(patience));
-        let mut head = [0u8; 5];
+        let mut head = [0u8; wire::OFFER_HEAD];
         if s.read_exact(&mut head).is_err() {
             return;
         }
         let Some(n) = wire::offer_len(&head) else { return };
         let mut offer = head.to_vec();
         offer.resize(n, 0);
-        if s.read_exact(&mut offer[5..]).is_err() {
+        if s.read_exact(&mut offer[wire::OFFER_HEAD..]).is_err() {
             return;
         }
-        let Some(theirs) = wire::decode_offer(&offer) else { return };
+        let Some((port, theirs)) = wire::decode_offer(&offer) else { return };
+        let Some(side) = self.ports.get(port as usize) else {
+            let _ = s.write_all(&[wire::ANSWER_REFUSED]);
+            return;
+        };
         let ours: Result<Vec<_>> = theirs
             .iter()
             .map(|t: &QpAddr| {
-                let qp = self.nic.create_qp(&self.cq, &self.cq, TARGET_CAPS)?;
+                let qp = side.nic.create_qp(&side.cq, &side.cq, TARGET_CAPS)?;
                 qp.connect(t)?;
                 Ok(qp)
             })

@@ -4,7 +4,8 @@
 //! ```text
 //! SECTION  = nports u8 | nports × PORT
 //! PORT     = gid (16 bytes) | lid u16 | link u8 (1 InfiniBand, 2 Ethernet)
-//! OFFER    = "GXQP" | n u8 (1..=MAX_QPS) | n × QPADDR          initiator → target
+//! OFFER    = "GXQP" | port u8 (the target's, by its index in SECTION) | n u8 (1..=MAX_QPS) | n × QPADDR
+//!                                                               initiator → target
 //! ANSWER   = status u8 (0 ok, else refused) | n × QPADDR         target → initiator (same n)
 //! QPADDR   = gid (16 bytes) | lid u16 | qpn u32 | psn u32
 //! ```
@@ -92,25 +93,29 @@ fn get_addr(b: &[u8]) -> Option<QpAddr> {
     })
 }
 
-pub(crate) fn encode_offer(qps: &[QpAddr]) -> Vec<u8> {
+pub(crate) fn encode_offer(port: u8, qps: &[QpAddr]) -> Vec<u8> {
     let mut out = OFFER_MAGIC.to_vec();
+    out.push(port);
     out.push(qps.len() as u8);
     qps.iter().for_each(|a| put_addr(&mut out, a));
     out
 }
 
-/// How many bytes an offer whose first 5 bytes are `head` has in all; None if they are not an offer.
-pub(crate) fn offer_len(head: &[u8; 5]) -> Option<usize> {
-    let n = head[4] as usize;
-    (&head[..4] == OFFER_MAGIC && (1..=MAX_QPS).contains(&n)).then_some(5 + n * QPADDR_BYTES)
+pub(crate) const OFFER_HEAD: usize = 6;
+
+/// How many bytes an offer whose first bytes are `head` has in all; None if they are not an offer.
+pub(crate) fn offer_len(head: &[u8; OFFER_HEAD]) -> Option<usize> {
+    let n = head[5] as usize;
+    (&head[..4] == OFFER_MAGIC && (1..=MAX_QPS).contains(&n)).then_some(OFFER_HEAD + n * QPADDR_BYTES)
 }
 
-pub(crate) fn decode_offer(b: &[u8]) -> Option<Vec<QpAddr>> {
-    let head: &[u8; 5] = b.get(..5)?.try_into().ok()?;
+/// The target port's index and the initiator's pairs.
+pub(crate) fn decode_offer(b: &[u8]) -> Option<(u8, Vec<QpAddr>)> {
+    let head: &[u8; OFFER_HEAD] = b.get(..OFFER_HEAD)?.try_into().ok()?;
     if offer_len(head)? != b.len() {
         return None;
     }
-    b[5..].chunks(QPADDR_BYTES).map(get_addr).collect()
+    Some((head[4], b[OFFER_HEAD..].chunks(QPADDR_BYTES).map(get_addr).collect::<Option<_>>()?))
 }
 
 pub(crate) fn encode_answer(status: u8, qps: &[QpAddr]) -> Vec<u8> {
@@ -135,8 +140,8 @@ pub(crate) fn fuzz(b: &[u8]) {
     if let Some(p) = decode_ports(b) {
         assert_eq!(decode_ports(&encode_ports(&p)), Some(p), "RDMA ports changed across encode/decode");
     }
-    if let Some(o) = decode_offer(b) {
-        assert_eq!(decode_offer(&encode_offer(&o)), Some(o), "RDMA offer changed across encode/decode");
+    if let Some((port, o)) = decode_offer(b) {
+        assert_eq!(decode_offer(&encode_offer(port, &o)), Some((port, o)), "RDMA offer changed across encode/decode");
     }
     let n = b.len().saturating_sub(1) / QPADDR_BYTES;
     if let Some(Ok(a)) = decode_answer(b, n) {
@@ -170,11 +175,12 @@ mod tests {
 
         let qps =
             [QpAddr { gid: [3; 16], lid: 1, qpn: 0x123, psn: 0x456 }, QpAddr { gid: [4; 16], lid: 2, qpn: 9, psn: 8 }];
-        let o = encode_offer(&qps);
-        assert_eq!(offer_len(o[..5].try_into().unwrap()), Some(o.len()));
-        assert_eq!(decode_offer(&o).unwrap(), qps);
+        let o = encode_offer(1, &qps);
+        assert_eq!(offer_len(o[..OFFER_HEAD].try_into().unwrap()), Some(o.len()));
+        assert_eq!(decode_offer(&o).unwrap(), (1, qps.to_vec()));
         assert!(decode_offer(&o[..o.len() - 1]).is_none());
-        assert!(offer_len(b"GXQP\0").is_none() && offer_len(b"GXQP\x11").is_none() && offer_len(b"XXQP\x01").is_none());
+        assert!(offer_len(b"GXQP\0\0").is_none() && offer_len(b"GXQP\0\x11").is_none());
+        assert!(offer_len(b"XXQP\0\x01").is_none());
         let a = encode_answer(ANSWER_OK, &qps);
         assert_eq!(decode_answer(&a, 2).unwrap().unwrap(), qps);
         assert!(decode_answer(&a, 1).is_none());
