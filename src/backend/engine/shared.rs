@@ -64,7 +64,7 @@ pub(super) struct Shared {
     pub(super) vram: Vram,
     /// Same-host peer processes proven so far, by process incarnation (see [`Proof`]).
     pub(super) proofs: Mutex<HashMap<gate::Owner, Weak<Proof>>>,
-    /// This engine's RDMA port and protection domain, where the host has an active one (see `route::rdma`).
+    /// This engine's RDMA ports and their protection domains, where the host has active ones (see `route::rdma`).
     pub(super) rdma: Option<Arc<RdmaSide>>,
 }
 
