@@ -72,6 +72,8 @@ use xfer::{Core, EngineXfer, Mover};
 pub use conn::tcp_endpoint;
 pub(crate) use conn::{fuzz_conn_as_v4, fuzz_parse_conn};
 pub(crate) use ctrl::{fuzz_hello, fuzz_parse_frames};
+#[doc(hidden)]
+pub use route::rdma::posting_stats as rdma_posting_stats;
 pub use route::tcp::wire;
 
 pub fn default_params() -> Params {
