@@ -112,6 +112,11 @@ impl Rdma {
         Error::disconnected(format!("agent '{}' is unreachable over RDMA: {why}", self.name))
     }
 
+    /// The error for a peer whose link (heartbeats, the pair exchange) is down.
+    fn link_down(&self) -> Error {
+        self.gone(&self.link.why().unwrap_or_else(|| "down".into()))
+    }
+
     /// An idle lane, else a new one: a pair made here, offered over a new exchange connection, and connected
     /// to the pair the peer answers with.
     fn lane(&self, path: &Path) -> Result<Lane> {
@@ -126,16 +131,15 @@ impl Rdma {
         conn.write_all(&wire::encode_offer(path.remote as u8, &[qp.addr()])).map_err(io)?;
         let mut answer = [0u8; 1 + wire::QPADDR_BYTES];
         conn.read_exact(&mut answer[..1]).map_err(io)?;
-        if answer[0] == wire::ANSWER_OK {
-            conn.read_exact(&mut answer[1..]).map_err(io)?;
+        if answer[0] != wire::ANSWER_OK {
+            // Its port could not make or connect a pair: that path is unusable.
+            return Err(self.gone("it refused a queue pair on that port"));
         }
-        let theirs =
-            match wire::decode_answer(&answer[..if answer[0] == wire::ANSWER_OK { answer.len() } else { 1 }], 1) {
-                Some(Ok(a)) => a[0],
-                // Its port could not make or connect a pair: that path is unusable.
-                Some(Err(())) => return Err(self.gone("it refused a queue pair on that port")),
-                None => return Err(self.gone("malformed queue-pair answer")),
-            };
+        conn.read_exact(&mut answer[1..]).map_err(io)?;
+        let Some(Ok(a)) = wire::decode_answer(&answer, 1) else {
+            return Err(self.gone("malformed queue-pair answer"));
+        };
+        let theirs = a[0];
         qp.connect(&theirs)?;
         Ok(Lane { qp, cq, conn })
     }
@@ -213,7 +217,7 @@ impl Rdma {
                 return Err(e);
             }
             if self.link.down() {
-                return Err(self.gone(&self.link.why().unwrap_or_else(|| "down".into())));
+                return Err(self.link_down());
             }
             let mut p = libc::pollfd { fd: lane.cq.event_fd(), events: libc::POLLIN, revents: 0 };
             // SAFETY: one valid pollfd for the duration of the call.
@@ -273,10 +277,12 @@ impl Route for Rdma {
     fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {
         loop {
             if self.link.down() {
-                return Err(self.gone(&self.link.why().unwrap_or_else(|| "down".into())));
+                return Err(self.link_down());
             }
-            let live: Vec<&Path> = self.paths.iter().filter(|p| !p.dead.load(Ordering::Acquire)).collect();
-            let Some(path) = live.get(self.turn.fetch_add(1, Ordering::Relaxed) % live.len().max(1)).copied() else {
+            let alive = |p: &&Path| !p.dead.load(Ordering::Acquire);
+            let live = self.paths.iter().filter(alive).count();
+            let turn = self.turn.fetch_add(1, Ordering::Relaxed) % live.max(1);
+            let Some(path) = self.paths.iter().filter(alive).nth(turn) else {
                 let why = "every RDMA path to it failed";
                 self.link.kill(why.into());
                 return Err(self.gone(why));
@@ -300,7 +306,7 @@ impl Route for Rdma {
                             self.name,
                             self.side.ports[path.local].nic.port().device,
                             path.remote,
-                            live.len() - 1
+                            live - 1
                         ));
                     }
                     path.lanes.lock().clear();
