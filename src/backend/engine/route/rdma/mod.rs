@@ -124,7 +124,7 @@ impl Rdma {
             return Ok(l);
         }
         let nic = &self.side.ports[path.local].nic;
-        let mut conn = self.link.dial_side(KIND_RDMA)?;
+        let mut conn = self.link.dial_proven(KIND_RDMA)?;
         let cq = nic.create_cq(2 * CHAIN as u32)?;
         let qp = nic.create_qp(&cq, &cq, LANE_CAPS)?;
         let io = |e: std::io::Error| self.gone(&format!("queue-pair exchange: {e}"));

@@ -222,12 +222,7 @@ impl TcpLink {
             return Ok(c);
         }
         let shared = self.shared.upgrade().ok_or_else(|| Error::backend("engine is shutting down"))?;
-        let epoch = self.epoch.load(Ordering::Acquire);
-        let stream = self.dial(wire::KIND_CTRL).map_err(|e| self.dial_failed(e))?;
-        if !self.handshook(epoch) {
-            let _ = stream.shutdown(Shutdown::Both);
-            return Err(self.gone());
-        }
+        let stream = self.dial_proven(wire::KIND_CTRL)?;
         let token = shared.out_token();
         // No TCP_USER_TIMEOUT here: a target whose queue is full keeps its window shut for as long as its
         // application does not take notifications, and notifications already handed to this socket must
@@ -252,9 +247,10 @@ impl TcpLink {
         Ok(conn)
     }
 
-    /// A connection of another route's kind (`KIND_RDMA`'s queue-pair exchange), dialled and proven as the
-    /// control connection is: a failure counts against the peer's health.
-    pub(crate) fn dial_side(&self, kind: u8) -> Result<TcpStream> {
+    /// A connection of `kind`, dialled and proven (the target answered for the incarnation we were built
+    /// for): the control connection, or another route's (`KIND_RDMA`'s queue-pair exchange). A failure counts
+    /// against the peer's health.
+    pub(crate) fn dial_proven(&self, kind: u8) -> Result<TcpStream> {
         self.usable()?;
         let epoch = self.epoch.load(Ordering::Acquire);
         let s = self.dial(kind).map_err(|e| self.dial_failed(e))?;
