@@ -40,16 +40,37 @@ fn agent(name: &str) -> Agent {
 }
 
 fn reg_list(buf: &[u8]) -> RegDList {
-    let d = Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0);
-    RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: d, meta: vec![] }])
+    reg_of(MemType::Dram, buf)
 }
 
-/// The target: `SIZE` bytes, byte i = (i + seed) % 251; `@md <md> <addr>`; then commands.
+fn reg_of(mem: MemType, buf: &[u8]) -> RegDList {
+    let d = Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0);
+    RegDList::with_descs(mem, vec![RegDesc { desc: d, meta: vec![] }])
+}
+
+/// `SIZE` bytes of fake device memory on GPU 0 (host memory the fake device layer calls device memory).
+fn fake_vram() -> &'static mut [u8] {
+    let p = gixl::device::fake::alloc(0, SIZE, false, None).unwrap();
+    // SAFETY: a fresh fake allocation of `SIZE` bytes in this process, never freed.
+    unsafe { std::slice::from_raw_parts_mut(p as usize as *mut u8, SIZE) }
+}
+
+/// The target: `SIZE` bytes (VRAM of the fake device with `GIXL_VRAM=1`), byte i = (i + seed) % 251;
+/// `@md <md> <addr>`; then commands.
 fn prefill_child() {
     let seed: usize = std::env::var("GIXL_SEED").unwrap().parse().unwrap();
+    let mem = if std::env::var("GIXL_VRAM").is_ok() { MemType::Vram } else { MemType::Dram };
     let a = agent("prefill");
-    let mut buf: Vec<u8> = (0..SIZE).map(|i| ((i + seed) % 251) as u8).collect();
-    a.register_mem(&reg_list(&buf), &[]).unwrap();
+    let mut own = Vec::new();
+    let buf: &mut [u8] = match mem {
+        MemType::Vram => fake_vram(),
+        _ => {
+            own.resize(SIZE, 0);
+            &mut own
+        }
+    };
+    buf.iter_mut().enumerate().for_each(|(i, b)| *b = ((i + seed) % 251) as u8);
+    a.register_mem(&reg_of(mem, buf), &[]).unwrap();
     let mut out = std::io::stdout().lock();
     writeln!(out, "\n@md {} {}", hex(&a.local_md().unwrap()), buf.as_ptr() as u64).unwrap();
     out.flush().unwrap();
@@ -62,6 +83,8 @@ fn prefill_child() {
                 writeln!(out, "end").unwrap();
             }
             "sum" => writeln!(out, "sum {}", buf.iter().map(|&b| b as u64).sum::<u64>()).unwrap(),
+            // Bytes this process's (fake) device layer copied: staging, where VRAM is served over TCP.
+            "copied" => writeln!(out, "copied {}", gixl::device::fake::copied_bytes()).unwrap(),
             cmd if cmd.starts_with("failport ") => {
                 // Pull the cable of one of this process's ports.
                 let dev = &cmd["failport ".len()..];
@@ -71,9 +94,9 @@ fn prefill_child() {
             }
             "rereg" => {
                 // Deregister, refill, register the same buffer again: its new metadata follows.
-                a.deregister_mem(&reg_list(&buf), &[]).unwrap();
+                a.deregister_mem(&reg_of(mem, buf), &[]).unwrap();
                 buf.iter_mut().for_each(|b| *b = 0xEE);
-                a.register_mem(&reg_list(&buf), &[]).unwrap();
+                a.register_mem(&reg_of(mem, buf), &[]).unwrap();
                 writeln!(out, "@md {} {}", hex(&a.local_md().unwrap()), buf.as_ptr() as u64).unwrap();
             }
             _ => break,
@@ -99,10 +122,16 @@ struct Prefill {
 
 impl Prefill {
     fn start(seed: usize) -> Prefill {
+        Prefill::start_with(seed, &[])
+    }
+
+    /// With `env` set in the child.
+    fn start_with(seed: usize, env: &[(&str, &str)]) -> Prefill {
         let mut c = Command::new(std::env::current_exe().unwrap());
         c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
             .env("GIXL_CHILD", "rdma-prefill")
-            .env("GIXL_SEED", seed.to_string());
+            .env("GIXL_SEED", seed.to_string())
+            .envs(env.iter().copied());
         let (child, stdin, stdout, rest) = common::spawn_until_md(c);
         let mut it = rest.split(' ');
         let md = unhex(it.next().unwrap());
@@ -308,4 +337,97 @@ fn a_failed_port_takes_its_share_elsewhere_and_the_last_one_takes_the_peer_down(
     let e = read_all(&a).unwrap_err();
     assert_eq!(e.status(), Status::RemoteDisconnect, "{e}");
     p.kill();
+}
+
+/// GPU memory on both sides (the fake device layer), over the fake fabric: where the target's NIC reaches its
+/// region (through a dma-buf of it, or as peer memory) requests go with no device copy on either side (the
+/// NICs move the bytes); where it reaches it neither way, the same requests are staged over the TCP link
+/// (device copies on both sides), and still right.
+/// A VRAM region deregistered and registered again under a reissued key refuses the old handle.
+#[test]
+fn gpu_memory_goes_over_the_fabric_directly_where_the_nic_reaches_it_else_staged() {
+    fake_env();
+    assert!(gixl::device::select_fake(), "this test process must use the fake device");
+    std::fs::create_dir_all(dir()).unwrap();
+    let a = agent("decode-vram");
+    let dst = fake_vram();
+    a.register_mem(&reg_of(MemType::Vram, dst), &[]).unwrap();
+    let vram = |addr: u64, off: usize, len: usize| {
+        XferDList::with_descs(MemType::Vram, vec![Desc::new(addr + off as u64, len as u64, 0)])
+    };
+    let here = dst.as_ptr() as u64;
+    type Case<'a> = (&'a str, &'a [(&'a str, &'a str)], bool);
+    let cases: [Case; 3] = [
+        ("dma-buf", &[("GIXL_VRAM", "1"), ("GIXL_FAKE_DEVICE", "1")], true),
+        (
+            "peer memory",
+            &[
+                ("GIXL_VRAM", "1"),
+                ("GIXL_FAKE_DEVICE", "1"),
+                ("GIXL_FAKE_DMABUF", "0"),
+                ("GIXL_FAKE_VERBS_PEERMEM", "1"),
+            ],
+            true,
+        ),
+        ("staged", &[("GIXL_VRAM", "1"), ("GIXL_FAKE_DEVICE", "1"), ("GIXL_FAKE_DMABUF", "0")], false),
+    ];
+    for (seed, (how, env, direct)) in cases.into_iter().enumerate() {
+        let mut p = Prefill::start_with(seed, env);
+        a.invalidate_remote_md("prefill").ok();
+        a.load_remote_md(&p.md).unwrap();
+        assert_eq!(route_of("decode-vram", "prefill"), "rdma", "{how}");
+        dst.iter_mut().for_each(|b| *b = 0);
+        let copied_here = gixl::device::fake::copied_bytes();
+        let r = run(&a, XferOp::Read, &vram(here, 0, SIZE), &vram(p.addr, 0, SIZE), None).unwrap();
+        assert_eq!(r, Status::Success, "{how}");
+        assert!(dst.iter().enumerate().all(|(i, &b)| b == ((i + seed) % 251) as u8), "{how}: 16 MiB VRAM READ");
+        let copied_here = gixl::device::fake::copied_bytes() - copied_here;
+        let copied_there: u64 = p.ask("copied", "copied")[0]["copied ".len()..].parse().unwrap();
+        if direct {
+            assert_eq!((copied_here, copied_there), (0, 0), "{how}: nothing staged on either side");
+        } else {
+            assert!(copied_here >= SIZE as u64 && copied_there >= SIZE as u64, "{how}: {copied_here} {copied_there}");
+        }
+        // WRITE ones as 1024 blocks, the target's sum is all ones.
+        dst.iter_mut().for_each(|b| *b = 1);
+        let n = SIZE / BLOCK;
+        let blocks = |addr: u64| {
+            XferDList::with_descs(
+                MemType::Vram,
+                (0..n).map(|i| Desc::new(addr + (i * BLOCK) as u64, BLOCK as u64, 0)).collect(),
+            )
+        };
+        assert_eq!(run(&a, XferOp::Write, &blocks(here), &blocks(p.addr), None).unwrap(), Status::Success, "{how}");
+        assert_eq!(p.ask("sum", "sum")[0], format!("sum {SIZE}"), "{how}");
+        if direct {
+            // Registered again under the same key value: the old handle is refused, the new region untouched.
+            let old = a
+                .create_xfer_req(
+                    XferOp::Write,
+                    &vram(here, 0, 4096),
+                    &vram(p.addr, 0, 4096),
+                    "prefill",
+                    &XferOpts::default(),
+                )
+                .unwrap();
+            p.ask("rereg", "@md");
+            let e = match a.post_xfer_req(&old, NotifUpdate::Keep) {
+                Ok(Status::InProg) => loop {
+                    match a.xfer_status(&old) {
+                        Ok(Status::InProg) => std::thread::sleep(Duration::from_millis(1)),
+                        other => break other.unwrap_err(),
+                    }
+                },
+                other => other.unwrap_err(),
+            };
+            assert_eq!(e.status(), Status::NotFound, "{how}: {e}");
+            assert_eq!(
+                p.ask("sum", "sum")[0],
+                format!("sum {}", 0xEE * SIZE as u64),
+                "{how}: the new region was written"
+            );
+        }
+        p.kill();
+    }
+    let _ = std::fs::remove_dir_all(dir());
 }

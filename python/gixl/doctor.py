@@ -57,6 +57,8 @@ def render(r: dict) -> str:
     out.append(f"  tcp         {_yes(routes['tcp']['works'])}  {routes['tcp']['why']}")
     rd = routes["rdma"]
     out.append(f"  rdma        {_yes(rd['works'])}  devices: {', '.join(rd['devices']) or 'none'}; {rd['why']}")
+    gd = rd["gpu_direct"]
+    out.append(f"              GPU memory: peer-memory module {_yes(gd['peer_memory_module'])}; {gd['how']}")
     cu = routes["cuda"]
     out.append(f"  cuda        {_yes(cu['works'])}  libcuda {cu['libcuda']}; {cu['why']}")
     out.append(f"transport {r['transport']}: {r['route_choice']}")

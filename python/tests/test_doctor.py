@@ -58,6 +58,7 @@ def test_doctor_json_names_every_route(installed):
     assert rep["versions"]["nixl_api"] == "1.5.1"
     assert set(rep["routes"]) == {"in_process", "cma", "tcp", "rdma", "cuda"}
     assert rep["routes"]["in_process"]["works"] is True
+    assert isinstance(rep["routes"]["rdma"]["gpu_direct"]["peer_memory_module"], bool)
     assert "capi" not in rep["versions"]["features"], "the extension is built without the C ABI"
     human = _run(["-m", "gixl", "doctor"])
     assert human.returncode == 0 and "routes on this host:" in human.stdout and "cma " in human.stdout

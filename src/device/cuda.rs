@@ -283,6 +283,20 @@ fn import_fd(fd: OwnedFd) -> Result<sys::CUmemGenericAllocationHandle> {
 }
 
 impl Cuda {
+    /// Whether device `dev` reports dma-buf export (`CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`; false where the
+    /// driver does not know the attribute).
+    fn dmabuf_supported(&self, dev: u32) -> bool {
+        let mut d = 0;
+        let mut v = 0;
+        let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED;
+        // SAFETY: valid out-pointers; both symbols were checked at load.
+        let ok = unsafe {
+            sys::cuDeviceGet(&mut d, dev as i32) == sys::CUresult::CUDA_SUCCESS
+                && sys::cuDeviceGetAttribute(&mut v, attr, d) == sys::CUresult::CUDA_SUCCESS
+        };
+        ok && v != 0
+    }
+
     /// Whether device `dev` reports fabric handle support (false where the driver does not know the
     /// attribute: older than CUDA 12.3).
     fn fabric_supported(&self, dev: u32) -> bool {
@@ -395,6 +409,50 @@ impl Device for Cuda {
         // SAFETY: valid out-pointers.
         check(unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) }, "cuMemGetAddressRange")?;
         Ok(PtrInfo { dev, base, size: size as u64 })
+    }
+
+    /// UNTESTED ON HARDWARE. The page-aligned range around `[addr, addr + len)` exported by
+    /// `cuMemGetHandleForAddressRange` (CUDA 11.7+, a symbol looked up here rather than required at load, so
+    /// older drivers keep VRAM); the offset of `addr` in it is what `ibv_reg_dmabuf_mr` takes.
+    fn dmabuf(&self, addr: u64, len: u64) -> Result<(OwnedFd, u64)> {
+        let info = self.pointer_info(addr)?;
+        let end = addr.checked_add(len).filter(|&e| e <= info.base.saturating_add(info.size)).ok_or_else(|| {
+            Error::not_supported(format!("{addr:#x}+{len} spans more than one allocation: no single dma-buf"))
+        })?;
+        let _c = Current::enter(self.ctx(info.dev)?)?;
+        if !self.dmabuf_supported(info.dev) {
+            return Err(Error::not_supported(format!(
+                "device {} does not export dma-buf (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0: driver, kernel or GPU)",
+                info.dev
+            )));
+        }
+        // SAFETY: a symbol lookup; the driver is loaded (this is `Cuda`).
+        let lib = unsafe { sys::culib() };
+        // SAFETY: a symbol lookup only.
+        if unsafe { lib.get::<unsafe extern "C" fn()>(b"cuMemGetHandleForAddressRange") }.is_err() {
+            return Err(Error::not_supported("the CUDA driver lacks cuMemGetHandleForAddressRange (older than 11.7)"));
+        }
+        // SAFETY: sysconf has no preconditions.
+        let page = (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).max(4096) as u64;
+        let lo = addr & !(page - 1);
+        let hi = end.div_ceil(page) * page;
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: `fd` is a valid out-pointer for an int descriptor; the range lies in one allocation.
+        let r = unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                &mut fd as *mut std::ffi::c_int as *mut c_void,
+                lo,
+                (hi - lo) as usize,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        };
+        check(r, "cuMemGetHandleForAddressRange").map_err(|e| Error::not_supported(e.message().to_owned()))?;
+        if fd < 0 {
+            return Err(Error::backend("cuMemGetHandleForAddressRange returned no descriptor"));
+        }
+        // SAFETY: a descriptor the driver just created for us.
+        Ok((unsafe { OwnedFd::from_raw_fd(fd) }, addr - lo))
     }
 
     fn export(&self, info: &PtrInfo) -> Result<Export> {

@@ -136,6 +136,14 @@ fn map(fd: BorrowedFd<'_>, size: u64, at: Option<u64>) -> Result<u64> {
     Ok(p as u64)
 }
 
+/// Whether any byte of `[addr, addr + len)` is this process's fake device memory (the fake NIC refuses to
+/// register it as host memory, as a real one does without a peer-memory module).
+pub(crate) fn is_device_memory(addr: u64, len: u64) -> bool {
+    let Some(end) = addr.checked_add(len) else { return false };
+    let s = state().lock();
+    s.allocs.range(..end).next_back().is_some_and(|(&base, a)| base + a.size > addr)
+}
+
 /// Allocate `size` bytes of fake device memory on device `dev` (at `at` if given). `vmm` chooses how it
 /// is exported: a VMM allocation (POSIX fd handle) or a legacy one.
 pub fn alloc(dev: u32, size: usize, vmm: bool, at: Option<u64>) -> Result<u64> {
@@ -482,6 +490,26 @@ impl Device for Fake {
     fn host_buf(&self, _dev: u32, len: usize) -> Result<Box<dyn HostBuf>> {
         PINNED.fetch_add(len as u64, Ordering::Relaxed);
         Ok(Box::new(Pinned(vec![0u8; len])))
+    }
+
+    /// The allocation's memfd, duplicated (a dma-buf of the whole allocation), unless `GIXL_FAKE_DMABUF=0`
+    /// (a driver or GPU without dma-buf export).
+    fn dmabuf(&self, addr: u64, len: u64) -> Result<(OwnedFd, u64)> {
+        if std::env::var("GIXL_FAKE_DMABUF").is_ok_and(|v| v.trim() == "0") {
+            return Err(Error::not_supported("fake device: no dma-buf export (GIXL_FAKE_DMABUF=0)"));
+        }
+        let s = state().lock();
+        let (base, a) = match s.allocs.range(..=addr).next_back() {
+            Some((&base, a)) if addr - base < a.size => (base, a),
+            _ => return Err(Error::invalid_param(format!("address {addr:#x} is not device memory"))),
+        };
+        if addr.checked_add(len).is_none_or(|end| end > base + a.size) {
+            return Err(Error::not_supported(format!(
+                "fake device: {addr:#x}+{len} spans more than one allocation: no single dma-buf"
+            )));
+        }
+        let fd = a.fd.try_clone().map_err(|e| Error::os(Status::Backend, "fake device: dup", e))?;
+        Ok((fd, addr - base))
     }
 }
 

@@ -19,7 +19,8 @@
 //!   (see `fake`);
 //! - copies (device↔device, host↔device) on streams the engine owns, completion by an event that the
 //!   calling thread waits on (a blocking-sync event: the thread sleeps, no busy polling);
-//! - page-locked host buffers for staged copies.
+//! - page-locked host buffers for staged copies;
+//! - a dma-buf descriptor of a range, for an RDMA NIC to reach device memory directly (GPU-direct RDMA).
 //!
 //! The real implementation makes the device's primary context current on the calling thread before every
 //! driver call, so any internal thread may call it.
@@ -123,6 +124,10 @@ pub trait Device: Send + Sync + 'static {
     fn copy(&self, dev: u32, copies: &[Copy]) -> Result<()>;
     /// A page-locked host buffer of `len` bytes, for staging.
     fn host_buf(&self, dev: u32, len: usize) -> Result<Box<dyn HostBuf>>;
+    /// A dma-buf descriptor of the device memory under `[addr, addr + len)` (inside one allocation) and the
+    /// offset of `addr` in it, for a NIC to register that memory without staging (`ibv_reg_dmabuf_mr`).
+    /// NOT_SUPPORTED where the driver or the device cannot export one.
+    fn dmabuf(&self, addr: u64, len: u64) -> Result<(OwnedFd, u64)>;
 }
 
 enum Choice {

@@ -3,6 +3,7 @@
 //! `gixl_doctor`, Python: `gixl.doctor()`; `python -m gixl doctor` prints it for people).
 
 use std::fmt::Write as _;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crate::agent::{Agent, AgentConfig, XferOpts};
@@ -269,6 +270,9 @@ pub fn report(peer: Option<PeerTarget>) -> String {
         Ok(_) => (false, "no active RDMA port: peers go over TCP".to_owned()),
         Err(e) => (false, format!("{}: peers go over TCP", e.message())),
     };
+    // NVIDIA's peer-memory module (or its older out-of-tree name): what a plain registration of device memory
+    // needs where dma-buf is not available.
+    let peer_memory = ["/sys/module/nvidia_peermem", "/sys/module/nv_peer_mem"].iter().any(|p| Path::new(p).exists());
     let routes = J::Obj(vec![
         ("in_process", J::Obj(vec![("works", J::Bool(true)), ("why", J::s("agents of one process copy with memcpy"))])),
         ("cma", J::Obj(vec![("works", J::Bool(cma_ok)), ("why", J::s(cma_why.join("; "))), ("checks", cma_detail)])),
@@ -286,6 +290,21 @@ pub fn report(peer: Option<PeerTarget>) -> String {
                 ("devices", J::Arr(rdma.iter().map(|d| J::s(d.clone())).collect())),
                 ("ports", J::Arr(rdma_ports)),
                 ("why", J::s(rdma_why)),
+                (
+                    "gpu_direct",
+                    J::Obj(vec![
+                        ("peer_memory_module", J::Bool(peer_memory)),
+                        (
+                            "how",
+                            J::s(
+                                "each VRAM region is registered with the NIC at registration through a dma-buf of \
+                                 it (CUDA 11.7+ driver, dma-buf capable GPU and NIC driver), else as peer memory \
+                                 (needs the peer-memory module), else RDMA peers' requests on it are staged through \
+                                 host memory over TCP; the log says which, per region",
+                            ),
+                        ),
+                    ]),
+                ),
             ]),
         ),
         (
@@ -548,7 +567,9 @@ mod tests {
     #[test]
     fn host_report_names_every_route() {
         let r = report(None);
-        for k in ["\"in_process\"", "\"cma\"", "\"tcp\"", "\"rdma\"", "\"cuda\"", "\"nixl_api\":\"1.5.1\""] {
+        for k in
+            ["\"in_process\"", "\"cma\"", "\"tcp\"", "\"rdma\"", "\"gpu_direct\"", "\"cuda\"", "\"nixl_api\":\"1.5.1\""]
+        {
             assert!(r.contains(k), "{k} missing from {r}");
         }
     }

@@ -26,7 +26,7 @@
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -38,7 +38,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use super::{Completion, Cq, Fabric, LinkLayer, Mr, Nic, Op, PortInfo, Qp, QpAddr, QpCaps, Sge, WcKind, WcStatus, Wr};
 use super::{LOCAL_WRITE, REMOTE_READ, REMOTE_WRITE};
 use crate::os::{eventfd, wake};
-use crate::status::{Error, Result};
+use crate::status::{Error, Result, Status};
 
 /// At most this many fake devices.
 pub const MAX_DEVICES: u32 = 8;
@@ -260,11 +260,26 @@ impl Keys {
     }
 }
 
-#[derive(Clone, Copy)]
 struct Region {
     addr: u64,
     len: u64,
     access: u32,
+    /// Where `addr` is in this process: `addr` itself, or inside a dma-buf's mapping (`map`).
+    host: u64,
+    _map: Option<Mapped>,
+}
+
+/// A dma-buf mapped by the fake NIC (as a NIC maps the device pages it was given); unmapped with its region.
+struct Mapped {
+    ptr: u64,
+    len: usize,
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping, unmapped once, after its region left the domain (under its write lock).
+        unsafe { libc::munmap(self.ptr as usize as *mut libc::c_void, self.len) };
+    }
 }
 
 /// A protection domain: its regions by key (local and remote keys are the same value here).
@@ -274,22 +289,23 @@ struct Pd {
 }
 
 impl Pd {
-    /// Run `f` on `[addr, addr + len)` if `key` covers it with `rights`, holding the domain's lock.
-    fn with<T>(&self, key: u32, addr: u64, len: u64, rights: u32, f: impl FnOnce() -> T) -> Option<T> {
+    /// Run `f` on `[addr, addr + len)` if `key` covers it with `rights`, holding the domain's lock; `f` gets
+    /// where `addr` is in this process.
+    fn with<T>(&self, key: u32, addr: u64, len: u64, rights: u32, f: impl FnOnce(u64) -> T) -> Option<T> {
         let regions = self.regions.read();
         let r = regions.get(&key)?;
         let end = addr.checked_add(len)?;
-        (addr >= r.addr && end <= r.addr + r.len && r.access & rights == rights).then(f)
+        (addr >= r.addr && end <= r.addr + r.len && r.access & rights == rights).then(|| f(r.host + (addr - r.addr)))
     }
 
     /// Gather a local list into one buffer.
     fn gather(&self, sges: &[Sge]) -> Option<Vec<u8>> {
         let mut out = Vec::with_capacity(sges.iter().map(|s| s.len as usize).sum());
         for s in sges {
-            self.with(s.lkey, s.addr, u64::from(s.len), 0, || {
+            self.with(s.lkey, s.addr, u64::from(s.len), 0, |h| {
                 // SAFETY: the range lies inside a region registered in this domain, which its owner keeps mapped
                 // while it is registered, and deregistration waits for this lock.
-                out.extend_from_slice(unsafe { std::slice::from_raw_parts(s.addr as *const u8, s.len as usize) })
+                out.extend_from_slice(unsafe { std::slice::from_raw_parts(h as *const u8, s.len as usize) })
             })?;
         }
         Some(out)
@@ -299,9 +315,9 @@ impl Pd {
     fn scatter(&self, sges: &[Sge], mut data: &[u8]) -> Option<()> {
         for s in sges {
             let n = data.len().min(s.len as usize);
-            self.with(s.lkey, s.addr, n as u64, LOCAL_WRITE, || {
+            self.with(s.lkey, s.addr, n as u64, LOCAL_WRITE, |h| {
                 // SAFETY: as in `gather`; the region was registered writable.
-                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), s.addr as *mut u8, n) }
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), h as *mut u8, n) }
             })?;
             data = &data[n..];
         }
@@ -315,6 +331,16 @@ struct FakeNic {
     pd: Arc<Pd>,
 }
 
+impl FakeNic {
+    /// Enter `r` in the domain under a fresh key.
+    fn insert(&self, r: Region) -> Mr {
+        let key = self.ep.keys.lock().take(self.ep.reuse_keys);
+        let (addr, len) = (r.addr, r.len);
+        self.pd.regions.write().insert(key, r);
+        Mr { addr, len, lkey: key, rkey: key, id: u64::from(key) }
+    }
+}
+
 impl Nic for FakeNic {
     fn port(&self) -> &PortInfo {
         &self.port
@@ -324,9 +350,43 @@ impl Nic for FakeNic {
         if addr == 0 || len == 0 || addr.checked_add(len).is_none() {
             return Err(Error::invalid_param(format!("cannot register {len} bytes at {addr:#x}")));
         }
-        let key = self.ep.keys.lock().take(self.ep.reuse_keys);
-        self.pd.regions.write().insert(key, Region { addr, len, access });
-        Ok(Mr { addr, len, lkey: key, rkey: key, id: u64::from(key) })
+        // Device memory needs the GPU vendor's peer-memory module, which `GIXL_FAKE_VERBS_PEERMEM=1` says is
+        // loaded (as `ibv_reg_mr` on a device pointer fails with EFAULT without it).
+        if crate::device::fake::is_device_memory(addr, len)
+            && !std::env::var("GIXL_FAKE_VERBS_PEERMEM").is_ok_and(|v| v.trim() == "1")
+        {
+            return Err(Error::os(
+                Status::Backend,
+                format!("fake NIC: ibv_reg_mr of {len} bytes of device memory at {addr:#x} (no peer-memory module)"),
+                std::io::Error::from_raw_os_error(libc::EFAULT),
+            ));
+        }
+        Ok(self.insert(Region { addr, len, access, host: addr, _map: None }))
+    }
+
+    fn reg_dmabuf_mr(&self, fd: BorrowedFd<'_>, offset: u64, len: u64, iova: u64, access: u32) -> Result<Mr> {
+        if iova == 0 || len == 0 || iova.checked_add(len).is_none() || offset.checked_add(len).is_none() {
+            return Err(Error::invalid_param(format!("cannot register {len} bytes at iova {iova:#x}")));
+        }
+        // Map the buffer's pages as the NIC's driver would pin them: from the page holding `offset`.
+        let lo = offset & !4095;
+        let span = (offset - lo + len) as usize;
+        // SAFETY: mapping a descriptor the caller holds for the call; the mapping keeps the memory alive.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                span,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                lo as libc::off_t,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::os(Status::Backend, "fake NIC: mapping a dma-buf", std::io::Error::last_os_error()));
+        }
+        let map = Mapped { ptr: p as u64, len: span };
+        Ok(self.insert(Region { addr: iova, len, access, host: p as u64 + (offset - lo), _map: Some(map) }))
     }
 
     fn dereg_mr(&self, mr: &Mr) -> Result<()> {
@@ -549,7 +609,7 @@ impl QpInner {
             };
             // Reads scatter into the local list later: check now that it is writable memory of this domain.
             if matches!(q.op, Op::Read { .. })
-                && !q.sges.iter().all(|s| self.pd.with(s.lkey, s.addr, u64::from(s.len), LOCAL_WRITE, || ()).is_some())
+                && !q.sges.iter().all(|s| self.pd.with(s.lkey, s.addr, u64::from(s.len), LOCAL_WRITE, |_| ()).is_some())
             {
                 return self.fail_after_sent(q, WcStatus::LocalProtection);
             }
@@ -696,9 +756,9 @@ fn respond(mut s: UnixStream, ep: Weak<Endpoint>) {
         let status = match kind {
             1 => {
                 let mut out = vec![0u8; len as usize];
-                let ok = qp.pd.with(key, addr, len, REMOTE_READ, || {
+                let ok = qp.pd.with(key, addr, len, REMOTE_READ, |h| {
                     // SAFETY: inside a region of this domain registered for remote reads, held by the lock.
-                    unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr(), len as usize) }
+                    unsafe { std::ptr::copy_nonoverlapping(h as *const u8, out.as_mut_ptr(), len as usize) }
                 });
                 if ok.is_some() {
                     if !answer(&mut s, 0, &out) {
@@ -709,9 +769,9 @@ fn respond(mut s: UnixStream, ep: Weak<Endpoint>) {
                 ST_REM_ACCESS
             }
             2 => {
-                let ok = qp.pd.with(key, addr, len, REMOTE_WRITE, || {
+                let ok = qp.pd.with(key, addr, len, REMOTE_WRITE, |h| {
                     // SAFETY: inside a region of this domain registered for remote writes, held by the lock.
-                    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, len as usize) }
+                    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), h as *mut u8, len as usize) }
                 });
                 match (ok, imm) {
                     (None, _) => ST_REM_ACCESS,

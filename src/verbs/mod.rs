@@ -21,7 +21,7 @@ pub mod fake;
 #[cfg(feature = "rdma")]
 pub mod sys;
 
-use std::os::fd::RawFd;
+use std::os::fd::{BorrowedFd, RawFd};
 use std::sync::Arc;
 
 #[cfg(not(feature = "rdma"))]
@@ -183,6 +183,10 @@ pub trait Fabric: Send + Sync {
 pub trait Nic: Send + Sync {
     fn port(&self) -> &PortInfo;
     fn reg_mr(&self, addr: u64, len: u64, access: u32) -> Result<Mr>;
+    /// A memory region over `len` bytes of the dma-buf `fd` from `offset` (device memory a GPU driver
+    /// exported), addressed by peers as `[iova, iova + len)`: GPU-direct RDMA without a kernel module of the
+    /// GPU vendor. NOT_SUPPORTED where the library or the NIC's kernel driver cannot.
+    fn reg_dmabuf_mr(&self, fd: BorrowedFd<'_>, offset: u64, len: u64, iova: u64, access: u32) -> Result<Mr>;
     /// After it returns, no access through `mr`'s keys succeeds (accesses already under way finish first).
     fn dereg_mr(&self, mr: &Mr) -> Result<()>;
     fn create_cq(&self, depth: u32) -> Result<Arc<dyn Cq>>;

@@ -16,14 +16,14 @@
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::mem::offset_of;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
 use super::{Completion, Cq, Fabric, LinkLayer, Mr, Nic, Op, PortInfo, Qp, QpAddr, QpCaps, Sge, WcKind, WcStatus, Wr};
 use super::{LOCAL_WRITE, REMOTE_READ, REMOTE_WRITE};
-use crate::status::{Error, Result};
+use crate::status::{Error, Result, Status};
 
 /// `struct ibv_port_attr` fields read (offsets), and its size.
 pub const PORT_STATE: usize = 0;
@@ -298,6 +298,8 @@ struct Lib {
     alloc_pd: unsafe extern "C" fn(*mut c_void) -> *mut c_void,
     dealloc_pd: unsafe extern "C" fn(*mut c_void) -> c_int,
     reg_mr: unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int) -> *mut u8,
+    /// rdma-core 34 and later (`pd, offset, length, iova, fd, access`).
+    reg_dmabuf_mr: Option<unsafe extern "C" fn(*mut c_void, u64, usize, u64, c_int, c_int) -> *mut u8>,
     dereg_mr: unsafe extern "C" fn(*mut u8) -> c_int,
     create_comp_channel: unsafe extern "C" fn(*mut c_void) -> *mut u8,
     destroy_comp_channel: unsafe extern "C" fn(*mut u8) -> c_int,
@@ -367,6 +369,7 @@ fn open_lib() -> std::result::Result<Lib, String> {
             alloc_pd: fn_ptr(sym(c"ibv_alloc_pd")?),
             dealloc_pd: fn_ptr(sym(c"ibv_dealloc_pd")?),
             reg_mr: fn_ptr(sym(c"ibv_reg_mr")?),
+            reg_dmabuf_mr: sym(c"ibv_reg_dmabuf_mr").ok().map(|p| fn_ptr(p)),
             dereg_mr: fn_ptr(sym(c"ibv_dereg_mr")?),
             create_comp_channel: fn_ptr(sym(c"ibv_create_comp_channel")?),
             destroy_comp_channel: fn_ptr(sym(c"ibv_destroy_comp_channel")?),
@@ -562,6 +565,30 @@ impl Nic for SysNic {
         let (lkey, rkey) = unsafe { (mr.add(MR_LKEY).cast::<u32>().read(), mr.add(MR_RKEY).cast::<u32>().read()) };
         self.mrs.lock().insert(mr as u64, mr as usize);
         Ok(Mr { addr, len, lkey, rkey, id: mr as u64 })
+    }
+
+    fn reg_dmabuf_mr(&self, fd: BorrowedFd<'_>, offset: u64, len: u64, iova: u64, access: u32) -> Result<Mr> {
+        let lib = &self.pd.ctx.lib;
+        let Some(reg) = lib.reg_dmabuf_mr else {
+            return Err(Error::not_supported("libibverbs has no ibv_reg_dmabuf_mr (rdma-core older than 34)"));
+        };
+        // SAFETY: `fd` is a live dma-buf the caller holds for the call; the NIC's driver takes its own reference.
+        let mr = unsafe { reg(self.pd.pd, offset, len as usize, iova, fd.as_raw_fd(), access as c_int) };
+        if mr.is_null() {
+            let e = std::io::Error::last_os_error();
+            let what = format!("ibv_reg_dmabuf_mr of {len} bytes at iova {iova:#x}");
+            return Err(match e.raw_os_error() {
+                // The NIC's kernel driver (or the kernel) does not take dma-bufs.
+                Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) | Some(libc::EPROTONOSUPPORT) => {
+                    Error::os(Status::NotSupported, what, e)
+                }
+                _ => Error::backend(format!("{what} failed: {e}")),
+            });
+        }
+        // SAFETY: as in `reg_mr`.
+        let (lkey, rkey) = unsafe { (mr.add(MR_LKEY).cast::<u32>().read(), mr.add(MR_RKEY).cast::<u32>().read()) };
+        self.mrs.lock().insert(mr as u64, mr as usize);
+        Ok(Mr { addr: iova, len, lkey, rkey, id: mr as u64 })
     }
 
     fn dereg_mr(&self, mr: &Mr) -> Result<()> {

@@ -250,19 +250,31 @@ pub(super) fn encode_ticket(t: RegionTicket, rkeys: &[u32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(16 + 4 * rkeys.len());
     put_uvar(&mut out, t.slot as u64);
     put_uvar(&mut out, t.state);
-    if !rkeys.is_empty() {
-        put_uvar(&mut out, TICKET_RKEY);
-        put_bytes(&mut out, &rkeys.iter().flat_map(|k| k.to_le_bytes()).collect::<Vec<u8>>());
-    }
+    put_ticket_sections(&mut out, rkeys);
     out
 }
 
-/// `slot | state`, then sections (`id | length | bytes`), as in connection info (see `CONN_V4`): the RDMA keys'
-/// (a whole number of u32, at least one), and any a later release may add, skipped.
+/// A region's sections (`id | length | bytes`, as in connection info, see `CONN_V4`): its RDMA keys' where
+/// it has them. DRAM tickets and VRAM regions' public bytes end with them.
+pub(super) fn put_ticket_sections(out: &mut Vec<u8>, rkeys: &[u32]) {
+    if !rkeys.is_empty() {
+        put_uvar(out, TICKET_RKEY);
+        put_bytes(out, &rkeys.iter().flat_map(|k| k.to_le_bytes()).collect::<Vec<u8>>());
+    }
+}
+
+/// `slot | state`, then sections (see `read_ticket_sections`).
 pub(super) fn decode_ticket(b: &[u8]) -> Result<(RegionTicket, Vec<u32>)> {
     let mut r = Reader { buf: b, pos: 0 };
     let slot = u32::try_from(r.uvar()?).map_err(|_| Error::mismatch("bad region slot in metadata"))?;
     let state = r.uvar()?;
+    let rkeys = read_ticket_sections(&mut r)?;
+    Ok((RegionTicket { slot, state }, rkeys))
+}
+
+/// The rest of `r` as a region's sections: the RDMA keys' (a whole number of u32, at least one; empty without
+/// the section), and any a later release may add, skipped.
+pub(super) fn read_ticket_sections(r: &mut Reader<'_>) -> Result<Vec<u32>> {
     let mut rkeys = Vec::new();
     while r.left() != 0 {
         let id = r.uvar()?;
@@ -274,7 +286,7 @@ pub(super) fn decode_ticket(b: &[u8]) -> Result<(RegionTicket, Vec<u32>)> {
             rkeys = sec.chunks(4).map(|k| u32::from_le_bytes([k[0], k[1], k[2], k[3]])).collect();
         }
     }
-    Ok((RegionTicket { slot, state }, rkeys))
+    Ok(rkeys)
 }
 
 #[cfg(test)]

@@ -10,7 +10,9 @@ use std::sync::Arc;
 
 use super::conn::encode_ticket;
 use super::gate::RegionTicket;
+use super::route::rdma::target::RdmaSide;
 use super::shared::Shared;
+use super::vram_regions::with_rkeys;
 use crate::backend::{LocalRegion, RegionKey};
 use crate::mem::{MemType, RegDesc};
 use crate::status::{Error, Result};
@@ -23,7 +25,7 @@ pub(super) struct Registered {
     ticket: RegionTicket,
     /// VRAM: its device and the base of each exported allocation it spans; None for DRAM.
     vram: Option<(u32, Vec<u64>)>,
-    /// DRAM with RDMA ports: its memory region on each (by port index).
+    /// With RDMA ports: its memory region on each (by port index); none for VRAM the NIC cannot reach.
     mrs: Vec<Mr>,
 }
 
@@ -49,7 +51,9 @@ impl Shared {
             MemType::Vram => {
                 // `register` checks that the descriptor's device is the allocation's.
                 let v = self.vram.register(&self.ctrl, &self.gate, desc)?;
-                (v.public, v.ticket, Some((d.dev as u32, v.bases)), Vec::new())
+                let mrs = self.rdma.as_ref().map_or_else(Vec::new, |r| self.device_mrs(r, d.addr, d.len, d.dev));
+                let rkeys: Vec<u32> = mrs.iter().map(|m| m.rkey).collect();
+                (with_rkeys(v.public, &rkeys), v.ticket, Some((d.dev as u32, v.bases)), mrs)
             }
             MemType::Dram => {
                 let mrs = self.rdma.as_ref().map(|r| r.register(d.addr, d.len)).transpose()?.unwrap_or_default();
@@ -71,6 +75,23 @@ impl Shared {
         self.regions.add(d.addr, d.len, vram.as_ref().map(|v| v.0));
         let key: RegionKey = Arc::new(Registered { addr: d.addr, len: d.len, ticket, vram, mrs });
         Ok(LocalRegion { public, key: Some(key) })
+    }
+
+    /// A VRAM region's memory regions for RDMA peers, chosen per region and said in the log: reached by the NIC
+    /// directly (dma-buf, else peer memory), else none (RDMA peers' requests on it are staged through host
+    /// memory over their TCP link).
+    fn device_mrs(&self, rdma: &RdmaSide, addr: u64, len: u64, dev: u64) -> Vec<Mr> {
+        let (mrs, how) = match rdma.register_device(addr, len) {
+            Ok((mrs, how)) => (mrs, format!("reached by the RDMA NIC directly ({how})")),
+            Err(why) => (Vec::new(), format!("staged through host memory for RDMA peers ({why})")),
+        };
+        let line = format!("agent '{}': VRAM region {addr:#x}+{len} on GPU {dev}: {how}", self.agent);
+        if mrs.is_empty() {
+            crate::telemetry::log::warn(&line)
+        } else {
+            crate::telemetry::log::info(&line)
+        }
+        mrs
     }
 
     /// Deregister the regions of `keys` (this engine's, from `register`) from every route: each refuses new

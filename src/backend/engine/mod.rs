@@ -22,7 +22,9 @@
 //! per-call identity probe of the target's gate page.
 //!
 //! VRAM to a peer reached over TCP goes through `route::tcp::vram` instead: page-locked staging on both sides, the
-//! target serving its VRAM registrations under the same leases as DRAM ones.
+//! target serving its VRAM registrations under the same leases as DRAM ones. To a peer reached over RDMA it goes
+//! as DRAM does (GPU-direct) where the NICs reach every region of the request (dma-buf or peer memory, chosen
+//! per region at registration, see `exports`), else staged over the peer's TCP link.
 //!
 //! Small requests complete inline in `post`; large ones are split across a few copy threads (or, over TCP,
 //! across the peer's data connections).
@@ -168,12 +170,13 @@ impl Backend for Engine {
 
     fn prep_xfer(&self, plan: XferPlan) -> Result<Box<dyn BackendXfer>> {
         let wants = vram::wants(&plan);
-        // VRAM to a peer reached over TCP is staged (see `route::tcp::vram`); other VRAM routes are `vram`'s.
-        let link = if wants { router::vram_over_tcp(&plan)? } else { None };
-        let mover: Option<Box<dyn Mover>> = match link {
-            Some(link) => Some(Box::new(route::tcp::vram::prep(&plan, link)?)),
-            None if wants => Some(Box::new(vram::prep(&self.shared, &plan)?)),
-            None => None,
+        // VRAM to a peer reached over TCP is staged (see `route::tcp::vram`), over RDMA it goes as DRAM does
+        // where the NIC reaches every region; same-host VRAM routes are `vram`'s.
+        let way = if wants { router::vram_way(&plan)? } else { router::VramWay::Direct };
+        let mover: Option<Box<dyn Mover>> = match way {
+            router::VramWay::Staged(link) => Some(Box::new(route::tcp::vram::prep(&plan, link)?)),
+            router::VramWay::Local => Some(Box::new(vram::prep(&self.shared, &plan)?)),
+            router::VramWay::Direct => None,
         };
         if !wants && (plan.local_mem != MemType::Dram || plan.remote_mem != MemType::Dram) {
             return Err(Error::not_supported("this engine moves DRAM and VRAM only"));

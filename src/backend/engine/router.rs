@@ -2,7 +2,8 @@
 //! proves about it, and logged once per peer (`load`); every fallback between them: a same-host peer whose
 //! cross-memory attach the kernel denies (at load, or at run time: said in the log once) or whose notification
 //! socket refuses our uid goes over TCP (`EnginePeer::copy`, `notify`, ...); and, for requests touching VRAM,
-//! whether the peer's route carries them over TCP (`vram_over_tcp`, `ipc_despite_denial`). Doctor and
+//! whether they go by the device layer, staged over TCP or directly over RDMA (`vram_way`,
+//! `ipc_despite_denial`). Doctor and
 //! telemetry read the route it keeps a peer on (`EnginePeer::label`).
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,12 +13,13 @@ use parking_lot::Mutex;
 
 use super::conn::ConnInfo;
 use super::copy;
+use super::exports::Registered;
 use super::gate::{self, Attached};
 use super::health::PeerHealth;
 use super::peer::{downcast, EnginePeer, PeerKind};
 use super::route::cma::Cma;
 use super::route::in_process::InProcess;
-use super::route::rdma::{wire, Rdma};
+use super::route::rdma::{self, wire, Rdma};
 use super::route::tcp::link::{LinkTarget, TcpLink};
 use super::route::tcp::Tcp;
 use super::route::{Job, Route};
@@ -156,19 +158,42 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
     Ok(peer)
 }
 
-/// The TCP link of a request touching VRAM, when its peer is reached over TCP (None: a same-host route).
-pub(super) fn vram_over_tcp(plan: &XferPlan) -> Result<Option<Arc<TcpLink>>> {
-    let Target::Remote(p) = &plan.target else { return Ok(None) };
+/// How a request touching VRAM reaches its peer (`vram_way`).
+pub(super) enum VramWay {
+    /// Through the device layer inside the target's gate (`vram`): a same-host route, or loopback.
+    Local,
+    /// Staged through page-locked host memory over the peer's TCP link (`route::tcp::vram`).
+    Staged(Arc<TcpLink>),
+    /// By the peer's RDMA route as DRAM is (GPU-direct): every region of the request, here and there, has its
+    /// memory regions.
+    Direct,
+}
+
+/// How `plan` (touching VRAM) reaches its peer.
+pub(super) fn vram_way(plan: &XferPlan) -> Result<VramWay> {
+    let Target::Remote(p) = &plan.target else { return Ok(VramWay::Local) };
     let p = downcast(p)?;
     Ok(match (&p.kind, p.fallen_back()) {
-        (PeerKind::Tcp(Tcp { link }), _) => Some(link.clone()),
-        // No GPU memory over RDMA yet: staged over the peer's TCP link.
-        (PeerKind::Rdma(r), _) => Some(r.link.clone()),
+        (PeerKind::Tcp(Tcp { link }), _) => VramWay::Staged(link.clone()),
+        // A region the NIC cannot reach directly (no dma-buf, no peer memory) stages the whole request.
+        (PeerKind::Rdma(r), _) => {
+            let here = plan.local_keys.iter().all(|k| k.as_ref().and_then(Registered::rdma_lkeys).is_some());
+            let there = plan.remote_keys.iter().all(|k| k.as_ref().is_some_and(|k| !rdma::rkeys(k).is_empty()));
+            if here && there {
+                VramWay::Direct
+            } else {
+                VramWay::Staged(r.link.clone())
+            }
+        }
         // Cross-memory attach denied: over TCP, unless the peer's VRAM stays reachable by IPC handles.
         (PeerKind::Cma(Cma { gate, .. }), Some(Tcp { link })) => {
-            (!ipc_despite_denial(gate, plan.remote_mem == MemType::Vram)).then(|| link.clone())
+            if ipc_despite_denial(gate, plan.remote_mem == MemType::Vram) {
+                VramWay::Local
+            } else {
+                VramWay::Staged(link.clone())
+            }
         }
-        (PeerKind::Cma(_) | PeerKind::InProcess(_), _) => None,
+        (PeerKind::Cma(_) | PeerKind::InProcess(_), _) => VramWay::Local,
     })
 }
 
@@ -254,7 +279,7 @@ impl EnginePeer {
 /// Where the kernel denies cross-memory attach to a same-host peer, its VRAM is still reachable through its
 /// IPC handles if its gate came over the control socket and it has a live sentinel (the identity check then
 /// needs no ptrace permission); its DRAM (the staged route) is not. Otherwise the request goes over TCP
-/// (`vram_over_tcp`).
+/// (`vram_way`).
 pub(super) fn ipc_despite_denial(gate: &Option<Arc<Attached>>, remote_is_vram: bool) -> bool {
     remote_is_vram
         && gate.as_ref().is_some_and(|g| matches!(sentinel::read(g.gate.sentinel()), sentinel::Word::Alive(_)))

@@ -11,6 +11,7 @@ use std::sync::{Arc, OnceLock, Weak};
 
 use parking_lot::Mutex;
 
+use super::conn::{put_ticket_sections, read_ticket_sections};
 use super::ctrl::Ctrl;
 use super::gate::{Gate, RegionTicket};
 use crate::backend::RegionKey;
@@ -21,6 +22,19 @@ use crate::status::{Error, Result};
 
 /// Version 2: the region's place in the engine's transfer gate (slot and state) replaced a VRAM-only gate.
 pub(super) const PUBLIC_VERSION: u8 = 2;
+/// Version 3: version 2, then the region's sections (its RDMA keys, see `conn::put_ticket_sections`); written
+/// only for a region an RDMA NIC reaches directly, so nothing changes for the others.
+const PUBLIC_WITH_SECTIONS: u8 = 3;
+
+/// A region's public bytes (from `Vram::register`) with its RDMA keys (one per port), so peers reach it over
+/// RDMA without staging.
+pub(super) fn with_rkeys(mut public: Vec<u8>, rkeys: &[u32]) -> Vec<u8> {
+    if !rkeys.is_empty() {
+        public[0] = PUBLIC_WITH_SECTIONS;
+        put_ticket_sections(&mut public, rkeys);
+    }
+    public
+}
 
 /// An exported allocation and how many registered regions use it.
 struct Exported {
@@ -164,6 +178,8 @@ pub(super) struct RemoteVram {
     pub(super) chunks: Vec<RemoteChunk>,
     ticket: RegionTicket,
     incarnation: u128,
+    /// Its RDMA remote keys, one per port of the peer, where its NIC reaches it directly; empty without.
+    pub(super) rkeys: Vec<u32>,
 }
 
 /// One of the peer's allocations under a region.
@@ -198,7 +214,8 @@ fn opened() -> &'static Mutex<OpenedMap> {
 pub(super) fn load_remote(incarnation: u128, desc: &Desc, public: &[u8]) -> Result<RegionKey> {
     let bad = || Error::mismatch("malformed VRAM region in metadata");
     let mut r = Reader { buf: public, pos: 0 };
-    if r.byte()? != PUBLIC_VERSION {
+    let version = r.byte()?;
+    if version != PUBLIC_VERSION && version != PUBLIC_WITH_SECTIONS {
         return Err(Error::mismatch("unknown VRAM region format in metadata"));
     }
     let dev = u32::try_from(r.uvar()?).map_err(|_| bad())?;
@@ -222,6 +239,7 @@ pub(super) fn load_remote(incarnation: u128, desc: &Desc, public: &[u8]) -> Resu
         }
         chunks.push(RemoteChunk { base, handle: IpcHandle { kind, size, bytes }, opened: Mutex::new(None) });
     }
+    let rkeys = if version == PUBLIC_WITH_SECTIONS { read_ticket_sections(&mut r)? } else { Vec::new() };
     // The region lies inside the chunks.
     let (lo, hi) = (chunks[0].base, chunks[n - 1].base.checked_add(chunks[n - 1].handle.size));
     let end = desc.addr.checked_add(desc.len);
@@ -235,6 +253,7 @@ pub(super) fn load_remote(incarnation: u128, desc: &Desc, public: &[u8]) -> Resu
         chunks,
         ticket: RegionTicket { slot, state },
         incarnation,
+        rkeys,
     }))
 }
 

@@ -14,8 +14,10 @@
 //! `KIND_RDMA` connection, kept open while they live), heartbeats while requests are in flight, and
 //! notifications, which leave after the request's last completion, so after its data.
 //!
-//! Not yet: GPU memory (VRAM to an RDMA peer goes staged over its TCP link), the NIC nearest a region's GPU or
-//! NUMA node, notifications as SEND. Over rdma-core (`verbs::sys`) this has never run on a NIC: a real fabric is taken only with
+//! GPU memory goes as host memory does where both sides' NICs reach the regions (registered through a dma-buf of
+//! the range, else as peer memory; chosen per region at registration, see `target::RdmaSide::register_device`);
+//! a request touching a region that neither reaches is staged over the TCP link (`router::vram_way`).
+//! Not yet: the NIC nearest a region's GPU or NUMA node, notifications as SEND. Over rdma-core (`verbs::sys`) this has never run on a NIC: a real fabric is taken only with
 //! `GIXL_TRANSPORT=rdma` (see `target::RdmaSide::start`); the tests run it over the fake fabric.
 
 pub(crate) mod target;
@@ -31,7 +33,8 @@ use parking_lot::Mutex;
 
 use super::{Job, Route, TcpLink, KIND_RDMA};
 use crate::backend::engine::conn::RemoteRegion;
-use crate::backend::{Seg, XferOp};
+use crate::backend::engine::vram_regions::RemoteVram;
+use crate::backend::{RegionKey, Seg, XferOp};
 use crate::status::{Error, Result, Status};
 use crate::verbs::{Completion, Cq, Op, Qp, QpCaps, Sge, WcStatus, Wr};
 use target::RdmaSide;
@@ -61,6 +64,15 @@ fn thread_cpu_ns() -> u64 {
     // SAFETY: a valid out-pointer.
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// A peer's region's RDMA keys (one per port of the peer), DRAM or VRAM; empty where it has none (its VRAM the
+/// peer's NIC cannot reach directly).
+pub(crate) fn rkeys(k: &RegionKey) -> &[u32] {
+    if let Some(r) = k.downcast_ref::<RemoteRegion>() {
+        return &r.rkeys;
+    }
+    k.downcast_ref::<RemoteVram>().map_or(&[], |v| &v.rkeys)
 }
 
 pub(crate) struct Rdma {
@@ -172,8 +184,7 @@ impl Rdma {
                 .keys
                 .get(s.rreg as usize)
                 .and_then(|k| k.as_ref())
-                .and_then(|k| k.downcast_ref::<RemoteRegion>())
-                .and_then(|r| r.rkeys.get(path.remote).copied())
+                .and_then(|k| rkeys(k).get(path.remote).copied())
                 .ok_or_else(|| {
                     Error::not_supported(format!(
                         "agent '{}' registered a region of this request without an RDMA key",

@@ -14,6 +14,7 @@
 use std::collections::HashSet;
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -47,11 +48,11 @@ pub(crate) struct PortSide {
 }
 
 impl PortSide {
-    /// A memory region for `[addr, addr + len)`, readable and writable by peers, under a key value this domain
-    /// never handed out before.
-    fn register(&self, addr: u64, len: u64) -> Result<Mr> {
+    /// A memory region made by `reg` (given the NIC and the access peers get: read and write), under a key
+    /// value this domain never handed out before.
+    fn register(&self, reg: &dyn Fn(&dyn Nic, u32) -> Result<Mr>) -> Result<Mr> {
         for _ in 0..MAX_KEY_TRIES {
-            let mr = self.nic.reg_mr(addr, len, LOCAL_WRITE | REMOTE_READ | REMOTE_WRITE)?;
+            let mr = reg(&*self.nic, LOCAL_WRITE | REMOTE_READ | REMOTE_WRITE)?;
             if self.used.lock().insert(mr.rkey) {
                 return Ok(mr);
             }
@@ -125,11 +126,34 @@ impl RdmaSide {
             .collect()
     }
 
-    /// A memory region for `[addr, addr + len)` on every port (by port index).
+    /// A memory region for host memory `[addr, addr + len)` on every port (by port index).
     pub(crate) fn register(&self, addr: u64, len: u64) -> Result<Vec<Mr>> {
+        self.register_with(&|nic, access| nic.reg_mr(addr, len, access))
+    }
+
+    /// Device memory `[addr, addr + len)` registered on every port without staging, and how: through a dma-buf
+    /// of the range (`ibv_reg_dmabuf_mr`; needs the GPU driver's export and a NIC driver that takes it), else
+    /// as a plain region (which only the GPU vendor's peer-memory kernel module makes work). Err: neither
+    /// works, with both reasons; the caller stages that region through host memory.
+    pub(crate) fn register_device(&self, addr: u64, len: u64) -> std::result::Result<(Vec<Mr>, &'static str), String> {
+        let by_dmabuf = crate::device::get().and_then(|dev| dev.dmabuf(addr, len)).and_then(|(fd, offset)| {
+            self.register_with(&|nic, access| nic.reg_dmabuf_mr(fd.as_fd(), offset, len, addr, access))
+        });
+        let dmabuf_err = match by_dmabuf {
+            Ok(mrs) => return Ok((mrs, "dma-buf")),
+            Err(e) => e,
+        };
+        match self.register(addr, len) {
+            Ok(mrs) => Ok((mrs, "peer memory")),
+            Err(e) => Err(format!("dma-buf: {}; peer memory: {}", dmabuf_err.message(), e.message())),
+        }
+    }
+
+    /// A memory region made by `reg` on every port (by port index); none if one fails.
+    fn register_with(&self, reg: &dyn Fn(&dyn Nic, u32) -> Result<Mr>) -> Result<Vec<Mr>> {
         let mut mrs = Vec::with_capacity(self.ports.len());
         for p in &self.ports {
-            match p.register(addr, len) {
+            match p.register(reg) {
                 Ok(m) => mrs.push(m),
                 Err(e) => {
                     self.deregister(&mrs);
