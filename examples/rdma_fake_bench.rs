@@ -2,9 +2,10 @@
 //!
 //!     cargo run --release --example rdma_fake_bench [REQUESTS]        # default 200
 //!
-//! A target process registers 16 MiB; this process READs it as KV blocks, 1024 × 16 KiB per request (the remote
-//! blocks reversed, so nothing merges), REQUESTS times after a warm-up, first with `GIXL_TRANSPORT=rdma` over the
-//! fake fabric (`GIXL_FAKE_VERBS=1`), then with `GIXL_TRANSPORT=tcp`. Printed per request: the route's work
+//! A target process registers 16 MiB; this process READs it as KV blocks, 1024 × 16 KiB per request, REQUESTS
+//! times after a warm-up: with `GIXL_TRANSPORT=rdma` over the fake fabric (`GIXL_FAKE_VERBS=1`) with the remote
+//! blocks reversed (nothing adjacent: one work request per block) and in order (adjacent blocks share a work
+//! request), then with `GIXL_TRANSPORT=tcp` (reversed). Printed per request: the route's work
 //! requests and chains posted (RDMA only, from its counters), the CPU time of the threads that built, posted and
 //! completed them (RDMA only: the route's own cost, not the NIC's), the wall time, and this process's whole CPU
 //! time, which over the fake includes its "NIC" threads copying every byte through Unix sockets. The fake says
@@ -56,8 +57,9 @@ fn target() {
     let _ = std::io::stdin().lock().lines().count();
 }
 
-/// One run over `transport`: (wall µs, process CPU µs, route WRs, chains, route CPU µs) per request.
-fn run(transport: &str, requests: usize, dir: &std::path::Path) -> (f64, f64, f64, f64, f64) {
+/// One run over `transport`, the remote blocks `reversed` or in order: (wall µs, process CPU µs, route WRs,
+/// chains, route CPU µs) per request.
+fn run(transport: &str, reversed: bool, requests: usize, dir: &std::path::Path) -> (f64, f64, f64, f64, f64) {
     let exe = std::env::current_exe().expect("exe");
     let mut child = Command::new(exe)
         .env("GIXL_BENCH_ROLE", "target")
@@ -74,7 +76,7 @@ fn run(transport: &str, requests: usize, dir: &std::path::Path) -> (f64, f64, f6
     let (md, raddr) = (unhex(f[0]), f[1].parse::<u64>().expect("address"));
 
     std::env::set_var("GIXL_TRANSPORT", transport);
-    let a = agent(&format!("bench-{transport}"));
+    let a = agent(&format!("bench-{transport}-{reversed}"));
     let dst = vec![0u8; SIZE];
     reg(&a, &dst);
     a.load_remote_md(&md).expect("load");
@@ -85,7 +87,9 @@ fn run(transport: &str, requests: usize, dir: &std::path::Path) -> (f64, f64, f6
     );
     let r = XferDList::with_descs(
         MemType::Dram,
-        (0..n).map(|i| Desc::new(raddr + ((n - 1 - i) * BLOCK) as u64, BLOCK as u64, 0)).collect(),
+        (0..n)
+            .map(|i| Desc::new(raddr + ((if reversed { n - 1 - i } else { i }) * BLOCK) as u64, BLOCK as u64, 0))
+            .collect(),
     );
     let req = a.create_xfer_req(XferOp::Read, &l, &r, "bench-target", &XferOpts::default()).expect("request");
     let go = |count: usize| {
@@ -130,14 +134,18 @@ fn main() {
         "{:<22} {:>10} {:>12} {:>8} {:>8} {:>14}",
         "route", "wall us", "process CPU", "WRs", "chains", "route CPU us"
     );
-    for transport in ["rdma", "tcp"] {
-        let (wall, cpu, wrs, chains, route_cpu) = run(transport, requests, &dir);
+    for (transport, reversed) in [("rdma", true), ("rdma", false), ("tcp", true)] {
+        let (wall, cpu, wrs, chains, route_cpu) = run(transport, reversed, requests, &dir);
         let (wrs, chains, route) = if transport == "rdma" {
             (format!("{wrs:.0}"), format!("{chains:.1}"), format!("{route_cpu:.1}"))
         } else {
             ("-".into(), "-".into(), "-".into())
         };
-        let name = if transport == "rdma" { "rdma (fake fabric)" } else { "tcp (loopback)" };
+        let name = match (transport, reversed) {
+            ("rdma", true) => "rdma, blocks scattered",
+            ("rdma", false) => "rdma, blocks in order",
+            _ => "tcp, blocks scattered",
+        };
         println!("{name:<22} {wall:>10.0} {cpu:>12.0} {wrs:>8} {chains:>8} {route:>14}");
     }
     let _ = std::fs::remove_dir_all(&dir);

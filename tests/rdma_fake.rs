@@ -24,8 +24,21 @@ fn dir() -> std::path::PathBuf {
     std::env::temp_dir().join(format!("gixl-rdma-fake-{}", std::process::id()))
 }
 
-/// The fake fabric for this process and its children.
+/// The fake fabric for this process and its children. Its endpoints' directory lives as long as this process
+/// (tests of this binary run side by side on it), so it is not removed when a test ends; those of earlier runs
+/// whose process is gone are.
 fn fake_env() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        for e in std::fs::read_dir(std::env::temp_dir()).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let pid = name.strip_prefix("gixl-rdma-fake-").and_then(|p| p.parse::<u32>().ok());
+            if pid.is_some_and(|p| !std::path::Path::new(&format!("/proc/{p}")).exists()) {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+        std::fs::create_dir_all(dir()).unwrap();
+    });
     // Two ports on each side: two paths, the pieces of a request spread over both.
     std::env::set_var("GIXL_FAKE_VERBS", "2");
     std::env::set_var("GIXL_FAKE_VERBS_DIR", dir());
@@ -201,7 +214,6 @@ fn route_of(me: &str, peer: &str) -> String {
 #[test]
 fn two_processes_over_the_fake_fabric_read_write_notify_and_survive_deregistration_death_and_restart() {
     fake_env();
-    std::fs::create_dir_all(dir()).unwrap();
     let mut p = Prefill::start(0);
     let a = agent("decode");
     let dst = vec![0u8; SIZE];
@@ -308,7 +320,6 @@ fn two_processes_over_the_fake_fabric_read_write_notify_and_survive_deregistrati
     assert_eq!(run(&a, XferOp::Read, &local(&dst, 0, SIZE), &remote(q.addr, 0, SIZE), None).unwrap(), Status::Success);
     assert!(dst.iter().enumerate().all(|(i, &b)| b == ((i + 7) % 251) as u8), "the new incarnation's bytes");
     q.kill();
-    let _ = std::fs::remove_dir_all(dir());
 }
 
 /// Two ports each side: requests spread over both paths; one port of the target fails (its cable pulled) and
@@ -316,7 +327,6 @@ fn two_processes_over_the_fake_fabric_read_write_notify_and_survive_deregistrati
 #[test]
 fn a_failed_port_takes_its_share_elsewhere_and_the_last_one_takes_the_peer_down() {
     fake_env();
-    std::fs::create_dir_all(dir()).unwrap();
     let mut p = Prefill::start(3);
     let a = agent("decode2");
     let dst = vec![0u8; SIZE];
@@ -348,7 +358,6 @@ fn a_failed_port_takes_its_share_elsewhere_and_the_last_one_takes_the_peer_down(
 fn gpu_memory_goes_over_the_fabric_directly_where_the_nic_reaches_it_else_staged() {
     fake_env();
     assert!(gixl::device::select_fake(), "this test process must use the fake device");
-    std::fs::create_dir_all(dir()).unwrap();
     let a = agent("decode-vram");
     let dst = fake_vram();
     a.register_mem(&reg_of(MemType::Vram, dst), &[]).unwrap();
@@ -429,5 +438,4 @@ fn gpu_memory_goes_over_the_fabric_directly_where_the_nic_reaches_it_else_staged
         }
         p.kill();
     }
-    let _ = std::fs::remove_dir_all(dir());
 }

@@ -43,7 +43,75 @@ use target::RdmaSide;
 const CHAIN: usize = 256;
 /// Bytes per work request.
 const MAX_WR_BYTES: u64 = 1 << 30;
-const LANE_CAPS: QpCaps = QpCaps { send_wr: CHAIN as u32, recv_wr: 1, sge: 1 };
+/// List entries per work request (local pieces of one remote range); every RDMA NIC takes this many.
+const MAX_SGE: usize = 4;
+const LANE_CAPS: QpCaps = QpCaps { send_wr: CHAIN as u32, recv_wr: 1, sge: MAX_SGE as u32 };
+
+/// The work requests of one chain, as they are built (no NIC involved): a range that continues the last request's
+/// remote range joins it, as a longer last list entry where the local side continues too, else as one more entry
+/// (up to `MAX_SGE`), so adjacent KV blocks cost one work request, not one each.
+#[derive(Default)]
+struct Chain {
+    /// The requests' lists, back to back.
+    sges: Vec<Sge>,
+    wrs: Vec<Pending>,
+}
+
+/// A work request of a chain: its list (`count` entries of `Chain::sges` from `first`) and its remote range.
+struct Pending {
+    first: usize,
+    count: usize,
+    raddr: u64,
+    rkey: u32,
+    bytes: u64,
+}
+
+impl Chain {
+    /// Add up to `len` bytes from `laddr` (local, under `lkey`) to or from `raddr` (remote, under `rkey`); how
+    /// many it took: fewer than `len` only when the chain is full (post it, then push the rest).
+    fn push(&mut self, laddr: u64, raddr: u64, len: u64, lkey: u32, rkey: u32) -> u64 {
+        if let Some(w) = self.wrs.last_mut().filter(|w| w.rkey == rkey && w.raddr.checked_add(w.bytes) == Some(raddr)) {
+            let n = len.min(MAX_WR_BYTES - w.bytes);
+            let tail = &mut self.sges[w.first + w.count - 1];
+            if n > 0 && tail.lkey == lkey && tail.addr.checked_add(u64::from(tail.len)) == Some(laddr) {
+                tail.len += n as u32;
+                w.bytes += n;
+                return n + self.push(laddr + n, raddr + n, len - n, lkey, rkey);
+            }
+            if n > 0 && w.count < MAX_SGE {
+                self.sges.push(Sge { addr: laddr, len: n as u32, lkey });
+                w.count += 1;
+                w.bytes += n;
+                return n + self.push(laddr + n, raddr + n, len - n, lkey, rkey);
+            }
+        }
+        if len == 0 || self.wrs.len() == CHAIN {
+            return 0;
+        }
+        let n = len.min(MAX_WR_BYTES);
+        self.wrs.push(Pending { first: self.sges.len(), count: 1, raddr, rkey, bytes: n });
+        self.sges.push(Sge { addr: laddr, len: n as u32, lkey });
+        n + self.push(laddr + n, raddr + n, len - n, lkey, rkey)
+    }
+
+    /// Its work requests for `op`, all with `id`, only the last signalled.
+    fn wrs(&self, op: XferOp, id: u64) -> Vec<Wr<'_>> {
+        let n = self.wrs.len();
+        self.wrs
+            .iter()
+            .enumerate()
+            .map(|(i, w)| Wr {
+                id,
+                op: match op {
+                    XferOp::Read => Op::Read { raddr: w.raddr, rkey: w.rkey },
+                    XferOp::Write => Op::Write { raddr: w.raddr, rkey: w.rkey },
+                },
+                sges: &self.sges[w.first..w.first + w.count],
+                signaled: i + 1 == n,
+            })
+            .collect()
+    }
+}
 /// How often a thread waiting for a completion looks at the peer's health and the request's abort flag.
 const WAKE: Duration = Duration::from_millis(100);
 
@@ -156,25 +224,9 @@ impl Rdma {
         Ok(Lane { qp, cq, conn })
     }
 
-    /// Post `segs` on `lane` (of `path`) in chains and wait for each chain's completion.
+    /// Post `segs` on `lane` (of `path`) in chains (see `Chain`) and wait for each chain's completion.
     fn run(&self, path: &Path, lane: &Lane, job: &Job, segs: &[Seg]) -> Result<()> {
-        let mut sges: Vec<[Sge; 1]> = Vec::with_capacity(CHAIN);
-        let mut ops: Vec<Op> = Vec::with_capacity(CHAIN);
-        let flush = |sges: &mut Vec<[Sge; 1]>, ops: &mut Vec<Op>| -> Result<()> {
-            if sges.is_empty() {
-                return Ok(());
-            }
-            let last = self.next.fetch_add(1, Ordering::Relaxed);
-            let n = sges.len();
-            let wrs: Vec<Wr> =
-                (0..n).map(|i| Wr { id: last, op: ops[i], sges: &sges[i], signaled: i + 1 == n }).collect();
-            lane.qp.post_send(&wrs)?;
-            POSTED_WRS.fetch_add(n as u64, Ordering::Relaxed);
-            POSTED_CHAINS.fetch_add(1, Ordering::Relaxed);
-            sges.clear();
-            ops.clear();
-            self.wait(lane, job, last)
-        };
+        let mut chain = Chain::default();
         for s in segs {
             let lkey =
                 job.lkeys.get(s.lreg as usize).and_then(|k| k.as_ref()?.get(path.local).copied()).ok_or_else(|| {
@@ -193,20 +245,27 @@ impl Rdma {
                 })?;
             let mut off = 0;
             while off < s.len {
-                let n = (s.len - off).min(MAX_WR_BYTES);
-                sges.push([Sge { addr: s.local + off, len: n as u32, lkey }]);
-                let raddr = s.remote + off;
-                ops.push(match job.op {
-                    XferOp::Read => Op::Read { raddr, rkey },
-                    XferOp::Write => Op::Write { raddr, rkey },
-                });
-                off += n;
-                if sges.len() == CHAIN {
-                    flush(&mut sges, &mut ops)?;
+                off += chain.push(s.local + off, s.remote + off, s.len - off, lkey, rkey);
+                if off < s.len {
+                    self.post(lane, job, &mut chain)?;
                 }
             }
         }
-        flush(&mut sges, &mut ops)
+        self.post(lane, job, &mut chain)
+    }
+
+    /// Post `chain` (only its last work request signalled), wait for it, and empty it.
+    fn post(&self, lane: &Lane, job: &Job, chain: &mut Chain) -> Result<()> {
+        if chain.wrs.is_empty() {
+            return Ok(());
+        }
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        lane.qp.post_send(&chain.wrs(job.op, id))?;
+        POSTED_WRS.fetch_add(chain.wrs.len() as u64, Ordering::Relaxed);
+        POSTED_CHAINS.fetch_add(1, Ordering::Relaxed);
+        chain.sges.clear();
+        chain.wrs.clear();
+        self.wait(lane, job, id)
     }
 
     /// Wait on the lane's completion queue for the signalled request `id`, sleeping on its event descriptor.
@@ -325,5 +384,80 @@ impl Route for Rdma {
                 r => return r,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Push `(local, remote, len)` ranges as `run` does (posting a full chain): the chains' work requests as
+    /// (remote address, bytes, list entries).
+    fn build(ranges: &[(u64, u64, u64)]) -> Vec<Vec<(u64, u64, usize)>> {
+        let mut chain = Chain::default();
+        let mut out = Vec::new();
+        let mut take = |c: &mut Chain| {
+            out.push(c.wrs.iter().map(|w| (w.raddr, w.bytes, w.count)).collect::<Vec<_>>());
+            let posted = c.wrs(XferOp::Read, 1);
+            assert!(
+                posted.iter().take(posted.len() - 1).all(|w| !w.signaled) && posted.last().is_some_and(|w| w.signaled)
+            );
+            c.sges.clear();
+            c.wrs.clear();
+        };
+        for &(l, r, len) in ranges {
+            let mut off = 0;
+            while off < len {
+                off += chain.push(l + off, r + off, len - off, 7, 9);
+                if off < len {
+                    take(&mut chain);
+                }
+            }
+        }
+        if !chain.wrs.is_empty() {
+            take(&mut chain);
+        }
+        out
+    }
+
+    const B: u64 = 16 << 10;
+
+    #[test]
+    fn adjacent_blocks_share_a_work_request_and_scattered_ones_do_not() {
+        // 1024 blocks adjacent on both sides: one request, one list entry.
+        let adjacent: Vec<_> = (0..1024).map(|i| (0x1000_0000 + i * B, 0x9000_0000 + i * B, B)).collect();
+        assert_eq!(build(&adjacent), vec![vec![(0x9000_0000, 1024 * B, 1)]]);
+        // Remote blocks reversed: one request each, in chains of CHAIN.
+        let reversed: Vec<_> = (0..1024).map(|i| (0x1000_0000 + i * B, 0x9000_0000 + (1023 - i) * B, B)).collect();
+        let chains = build(&reversed);
+        assert_eq!(chains.iter().map(Vec::len).collect::<Vec<_>>(), vec![CHAIN; 4]);
+        assert!(chains.iter().flatten().all(|&(_, bytes, n)| bytes == B && n == 1));
+        // Remote adjacent, local scattered: MAX_SGE entries per request.
+        let gathered: Vec<_> = (0..1024).map(|i| (0x1000_0000 + (1023 - i) * B, 0x9000_0000 + i * B, B)).collect();
+        let chains = build(&gathered);
+        assert_eq!(chains.len(), 1);
+        assert_eq!(chains[0].len(), 1024 / MAX_SGE);
+        assert!(chains[0].iter().all(|&(_, bytes, n)| bytes == MAX_SGE as u64 * B && n == MAX_SGE));
+    }
+
+    #[test]
+    fn a_request_never_exceeds_its_byte_limit_and_the_chain_its_length() {
+        // 3 GiB adjacent: three requests of MAX_WR_BYTES.
+        let big = build(&[(0x1000, 0x10_0000_0000, 3 * MAX_WR_BYTES)]);
+        assert_eq!(
+            big,
+            vec![vec![
+                (0x10_0000_0000, MAX_WR_BYTES, 1),
+                (0x10_4000_0000, MAX_WR_BYTES, 1),
+                (0x10_8000_0000, MAX_WR_BYTES, 1)
+            ]]
+        );
+        // A remote range that wraps around never joins (no overflow).
+        assert_eq!(build(&[(0x1000, u64::MAX - 15, 16), (0x1010, 0, 16)]).concat().len(), 2);
+        // Another key never joins.
+        let mut c = Chain::default();
+        assert_eq!(c.push(0x1000, 0x2000, 64, 1, 1), 64);
+        assert_eq!(c.push(0x1040, 0x2040, 64, 1, 2), 64);
+        assert_eq!(c.wrs.len(), 2);
     }
 }
