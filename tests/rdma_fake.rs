@@ -98,6 +98,11 @@ fn prefill_child() {
             "sum" => writeln!(out, "sum {}", buf.iter().map(|&b| b as u64).sum::<u64>()).unwrap(),
             // Bytes this process's (fake) device layer copied: staging, where VRAM is served over TCP.
             "copied" => writeln!(out, "copied {}", gixl::device::fake::copied_bytes()).unwrap(),
+            // Requests each of this process's ports served as a target.
+            "served" => {
+                let (a, b) = (gixl::verbs::fake::served("fake0"), gixl::verbs::fake::served("fake1"));
+                writeln!(out, "served {a} {b}").unwrap()
+            }
             cmd if cmd.starts_with("failport ") => {
                 // Pull the cable of one of this process's ports.
                 let dev = &cmd["failport ".len()..];
@@ -438,4 +443,58 @@ fn gpu_memory_goes_over_the_fabric_directly_where_the_nic_reaches_it_else_staged
         }
         p.kill();
     }
+}
+
+/// A request goes through the ports nearest its regions where the topology sets one apart: the target's host
+/// memory (this host's NUMA node 0) through its port on node 0, its GPU memory through the NIC sharing the most
+/// of the GPU's PCI path; when that port fails, its share goes over the other.
+#[test]
+fn requests_take_the_port_nearest_the_region_and_another_when_it_fails() {
+    fake_env();
+    assert!(gixl::device::select_fake(), "this test process must use the fake device");
+    let a = agent("decode-near");
+    let dst = vec![0u8; SIZE];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    let served = |p: &mut Prefill| -> (u64, u64) {
+        let l = p.ask("served", "served").pop().unwrap();
+        let v: Vec<u64> = l.split(' ').skip(1).map(|x| x.parse().unwrap()).collect();
+        (v[0], v[1])
+    };
+    // Host memory: the target's fake1 is on node 0, fake0 on node 1.
+    let mut p = Prefill::start_with(11, &[("GIXL_FAKE_VERBS_NUMA", "1,0")]);
+    a.load_remote_md(&p.md).unwrap();
+    for _ in 0..3 {
+        assert_eq!(
+            run(&a, XferOp::Read, &local(&dst, 0, SIZE), &remote(p.addr, 0, SIZE), None).unwrap(),
+            Status::Success
+        );
+    }
+    assert!(dst.iter().enumerate().all(|(i, &b)| b == ((i + 11) % 251) as u8));
+    let (f0, f1) = served(&mut p);
+    assert!(f0 == 0 && f1 > 0, "host memory on node 0 goes through the port on node 0: {f0} {f1}");
+    assert_eq!(p.ask("failport fake1", "failed")[0], "failed fake1");
+    assert_eq!(run(&a, XferOp::Read, &local(&dst, 0, SIZE), &remote(p.addr, 0, SIZE), None).unwrap(), Status::Success);
+    let (f0, _) = served(&mut p);
+    assert!(f0 > 0, "the nearest port failed: the other one takes its share");
+    p.kill();
+
+    // GPU memory: GPU 0 sits under the PCI switch of the target's fake0; fake1 hangs off another root.
+    let gpu = "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0";
+    let nics = "/sys/devices/pci0000:00/0000:00:01.0/0000:02:00.0,/sys/devices/pci0000:80/0000:80:01.0/0000:81:00.0";
+    let env =
+        [("GIXL_VRAM", "1"), ("GIXL_FAKE_DEVICE", "1"), ("GIXL_FAKE_DEVICE_PCI", gpu), ("GIXL_FAKE_VERBS_PCI", nics)];
+    let mut q = Prefill::start_with(12, &env);
+    a.invalidate_remote_md("prefill").unwrap();
+    a.load_remote_md(&q.md).unwrap();
+    let local_vram = fake_vram();
+    a.register_mem(&reg_of(MemType::Vram, local_vram), &[]).unwrap();
+    let vram = |addr: u64| XferDList::with_descs(MemType::Vram, vec![Desc::new(addr, SIZE as u64, 0)]);
+    for _ in 0..3 {
+        let r = run(&a, XferOp::Read, &vram(local_vram.as_ptr() as u64), &vram(q.addr), None).unwrap();
+        assert_eq!(r, Status::Success);
+    }
+    assert!(local_vram.iter().enumerate().all(|(i, &b)| b == ((i + 12) % 251) as u8));
+    let (f0, f1) = served(&mut q);
+    assert!(f0 > 0 && f1 == 0, "GPU memory goes through the NIC under its switch: {f0} {f1}");
+    q.kill();
 }

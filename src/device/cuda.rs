@@ -411,6 +411,24 @@ impl Device for Cuda {
         Ok(PtrInfo { dev, base, size: size as u64 })
     }
 
+    /// UNTESTED ON HARDWARE. `cuDeviceGetPCIBusId` (looked up here, not required at load), then the bus id's
+    /// sysfs path.
+    fn pci_path(&self, dev: u32) -> Option<String> {
+        // SAFETY: symbol lookups only; the driver is loaded (this is `Cuda`).
+        let lib = unsafe { sys::culib() };
+        // SAFETY: a symbol lookup only.
+        unsafe { lib.get::<unsafe extern "C" fn()>(b"cuDeviceGetPCIBusId") }.ok()?;
+        let mut d = 0;
+        // SAFETY: a valid out-pointer.
+        check(unsafe { sys::cuDeviceGet(&mut d, dev as i32) }, "cuDeviceGet").ok()?;
+        let mut id = [0 as std::ffi::c_char; 32];
+        // SAFETY: a 32-byte buffer, its length passed; the driver writes a NUL-terminated bus id.
+        check(unsafe { sys::cuDeviceGetPCIBusId(id.as_mut_ptr(), id.len() as i32, d) }, "cuDeviceGetPCIBusId").ok()?;
+        // SAFETY: NUL-terminated within the buffer (the driver's contract; the last byte is never written past).
+        let id = unsafe { CStr::from_ptr(id.as_ptr()) }.to_string_lossy().to_lowercase();
+        std::fs::canonicalize(format!("/sys/bus/pci/devices/{id}")).ok().map(|p| p.to_string_lossy().into_owned())
+    }
+
     /// UNTESTED ON HARDWARE. The page-aligned range around `[addr, addr + len)` exported by
     /// `cuMemGetHandleForAddressRange` (CUDA 11.7+, a symbol looked up here rather than required at load, so
     /// older drivers keep VRAM); the offset of `addr` in it is what `ibv_reg_dmabuf_mr` takes.

@@ -492,6 +492,12 @@ impl Device for Fake {
         Ok(Box::new(Pinned(vec![0u8; len])))
     }
 
+    /// Entry `dev` of `GIXL_FAKE_DEVICE_PCI` (comma-separated sysfs paths: the tests' topology).
+    fn pci_path(&self, dev: u32) -> Option<String> {
+        let v = std::env::var("GIXL_FAKE_DEVICE_PCI").ok()?;
+        v.split(',').nth(dev as usize).map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned)
+    }
+
     /// The allocation's memfd, duplicated (a dma-buf of the whole allocation), unless `GIXL_FAKE_DMABUF=0`
     /// (a driver or GPU without dma-buf export).
     fn dmabuf(&self, addr: u64, len: u64) -> Result<(OwnedFd, u64)> {

@@ -128,6 +128,9 @@ pub trait Device: Send + Sync + 'static {
     /// offset of `addr` in it, for a NIC to register that memory without staging (`ibv_reg_dmabuf_mr`).
     /// NOT_SUPPORTED where the driver or the device cannot export one.
     fn dmabuf(&self, addr: u64, len: u64) -> Result<(OwnedFd, u64)>;
+    /// Device `dev`'s place in the PCI tree (its sysfs path, as `verbs::PortInfo::pci`), where known: the RDMA
+    /// route prefers the NIC that shares most of it.
+    fn pci_path(&self, dev: u32) -> Option<String>;
 }
 
 enum Choice {

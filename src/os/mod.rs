@@ -2,8 +2,8 @@
 //! storage backends: process identity through pidfds (`proc`) and the exit/exec sentinel (`sentinel`), the
 //! event loops' reactor (`reactor`: an epoll set, its wake-up line, tokens handed out by tag), sockets beyond
 //! `std::net` (`sock`: vectored I/O on raw memory, non-blocking single calls, timeouts, interface addresses)
-//! and descriptors passed over Unix sockets with the peer's credentials (`fdpass`: SCM_RIGHTS, SO_PEERCRED).
-//! No policy lives here.
+//! and descriptors passed over Unix sockets with the peer's credentials (`fdpass`: SCM_RIGHTS, SO_PEERCRED),
+//! and the NUMA node of a page (`numa_node_of`). No policy lives here.
 
 pub(crate) mod fdpass;
 mod proc;
@@ -13,3 +13,24 @@ pub(crate) mod sock;
 
 pub(crate) use proc::{pidfd_alive, pidfd_getfd, pidfd_open};
 pub(crate) use reactor::{epoll, eventfd, wake, Reactor, Tokens};
+
+/// The NUMA node of the page holding `addr` (`get_mempolicy` with `MPOL_F_NODE | MPOL_F_ADDR`; a page not yet
+/// allocated is, as a read would). None where the kernel does not say (no NUMA support, an address not mapped).
+pub(crate) fn numa_node_of(addr: u64) -> Option<i32> {
+    const MPOL_F_NODE: libc::c_ulong = 1;
+    const MPOL_F_ADDR: libc::c_ulong = 2;
+    let mut node: libc::c_int = -1;
+    // SAFETY: `node` is a valid out-pointer; no node mask is asked for (NULL, 0); the kernel only reads the
+    // caller's page tables for `addr`.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_get_mempolicy,
+            &mut node as *mut libc::c_int,
+            std::ptr::null_mut::<libc::c_ulong>(),
+            0 as libc::c_ulong,
+            addr as usize as *mut libc::c_void,
+            MPOL_F_NODE | MPOL_F_ADDR,
+        )
+    };
+    (r == 0 && node >= 0).then_some(node)
+}

@@ -252,7 +252,17 @@ pub fn report(peer: Option<PeerTarget>) -> String {
     let rdma_ports: Vec<J> = fabric.as_ref().map_or(Vec::new(), |(_, ports)| {
         ports
             .iter()
-            .map(|p| J::s(format!("{}:{} {:?} {}", p.device, p.port, p.link, if p.active { "active" } else { "down" })))
+            .map(|p| {
+                let numa = p.numa.map_or(String::new(), |n| format!(" numa {n}"));
+                let pci = p.pci.as_deref().map_or(String::new(), |c| format!(" pci {c}"));
+                J::s(format!(
+                    "{}:{} {:?} {}{numa}{pci}",
+                    p.device,
+                    p.port,
+                    p.link,
+                    if p.active { "active" } else { "down" }
+                ))
+            })
             .collect()
     });
     let (rdma_works, rdma_why) = match &fabric {

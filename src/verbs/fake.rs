@@ -29,7 +29,7 @@ use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -153,9 +153,25 @@ impl Fabric for FakeFabric {
     }
 }
 
+/// Entry `dev` of the comma-separated list in `var` (the tests' topology: each device's NUMA node or PCI path),
+/// where it is set and not empty.
+fn setting(var: &str, dev: u32) -> Option<String> {
+    let v = std::env::var(var).ok()?;
+    v.split(',').nth(dev as usize).map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned)
+}
+
+/// READ and WRITE requests this process's endpoint for `device` served (its NIC's work as a target), for tests.
+pub fn served(device: &str) -> u64 {
+    let eps: Vec<Arc<Endpoint>> = endpoints().lock().values().filter_map(Weak::upgrade).collect();
+    eps.iter().filter(|e| e.name == device).map(|e| e.served.load(Ordering::Relaxed)).sum()
+}
+
 /// One process's fake NIC for one device: its socket, its key table and its queue pairs.
 struct Endpoint {
     name: String,
+    dev: u32,
+    /// READ and WRITE requests served (see [`served`]).
+    served: AtomicU64,
     gid: [u8; 16],
     path: PathBuf,
     reuse_keys: bool,
@@ -179,6 +195,8 @@ impl Endpoint {
             .map_err(|e| Error::backend(format!("fake verbs: cannot listen on {}: {e}", path.display())))?;
         let ep = Arc::new(Endpoint {
             name: format!("fake{dev}"),
+            dev,
+            served: AtomicU64::new(0),
             gid,
             path,
             reuse_keys,
@@ -203,7 +221,8 @@ impl Endpoint {
             active: !port_failed(&self.gid),
             lid: 0,
             gid: self.gid,
-            numa: None,
+            numa: setting("GIXL_FAKE_VERBS_NUMA", self.dev).and_then(|n| n.parse().ok()),
+            pci: setting("GIXL_FAKE_VERBS_PCI", self.dev),
         }
     }
 }
@@ -706,6 +725,13 @@ const ST_REM_INV_REQ: u8 = 9;
 const ST_REM_ACCESS: u8 = 10;
 const ST_REM_OP: u8 = 11;
 
+/// One more request served by `ep`.
+fn count(ep: &Weak<Endpoint>) {
+    if let Some(e) = ep.upgrade() {
+        e.served.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 /// Serve one peer pair's stream to one of our pairs, as the NIC would.
 fn respond(mut s: UnixStream, ep: Weak<Endpoint>) {
     let _ = s.set_read_timeout(Some(BIND_WAIT));
@@ -761,6 +787,7 @@ fn respond(mut s: UnixStream, ep: Weak<Endpoint>) {
                     unsafe { std::ptr::copy_nonoverlapping(h as *const u8, out.as_mut_ptr(), len as usize) }
                 });
                 if ok.is_some() {
+                    count(&ep);
                     if !answer(&mut s, 0, &out) {
                         return;
                     }
@@ -773,6 +800,9 @@ fn respond(mut s: UnixStream, ep: Weak<Endpoint>) {
                     // SAFETY: inside a region of this domain registered for remote writes, held by the lock.
                     unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), h as *mut u8, len as usize) }
                 });
+                if ok.is_some() {
+                    count(&ep);
+                }
                 match (ok, imm) {
                     (None, _) => ST_REM_ACCESS,
                     (Some(()), None) => 0,

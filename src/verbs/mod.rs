@@ -53,6 +53,9 @@ pub struct PortInfo {
     pub gid: [u8; 16],
     /// The device's NUMA node (sysfs), where known.
     pub numa: Option<i32>,
+    /// The device's place in the PCI tree: its sysfs path (`/sys/devices/pci0000:00/0000:00:02.0/...`), where
+    /// known; a GPU under the same switch shares more of it.
+    pub pci: Option<String>,
 }
 
 /// What the other side of a reliable connection needs to reach one queue pair.

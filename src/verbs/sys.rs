@@ -466,6 +466,9 @@ impl SysFabric {
             .ok()
             .and_then(|s| s.trim().parse::<i32>().ok())
             .filter(|&n| n >= 0);
+        let pci = std::fs::canonicalize(format!("/sys/class/infiniband/{name}/device"))
+            .ok()
+            .map(|p| p.to_string_lossy().into_owned());
         let info = PortInfo {
             device: name.to_owned(),
             port,
@@ -474,6 +477,7 @@ impl SysFabric {
             lid: u16::from_ne_bytes([attr[PORT_LID], attr[PORT_LID + 1]]),
             gid,
             numa,
+            pci,
         };
         Some((info, u32_at(PORT_ACTIVE_MTU)?))
     }

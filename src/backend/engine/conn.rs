@@ -238,55 +238,77 @@ pub(super) struct RemoteRegion {
     pub(super) addr: u64,
     pub(super) len: u64,
     pub(super) ticket: RegionTicket,
-    /// Its RDMA remote keys, one per port of the target (in its connection info's order); empty without.
-    pub(super) rkeys: Vec<u32>,
+    /// Its RDMA keys, one per port of the target (in its connection info's order; empty without), and the
+    /// target's ports nearest it.
+    pub(super) rdma: RdmaKeys,
 }
 
 /// A region ticket's section: the region's RDMA remote keys (u32 each, one per port).
 const TICKET_RKEY: u64 = 1;
 
-/// `slot | state`, then the RDMA keys' section where the region has them.
-pub(super) fn encode_ticket(t: RegionTicket, rkeys: &[u32]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(16 + 4 * rkeys.len());
+/// A region ticket's section: the ports nearest the region's memory, as a mask by port index (u32).
+const TICKET_NEAR: u64 = 2;
+
+/// What RDMA peers need of a region: its key on each port of its engine (empty: no RDMA), and the ports nearest
+/// its memory (a mask by port index; 0: not said, any).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(super) struct RdmaKeys {
+    pub(super) rkeys: Vec<u32>,
+    pub(super) near: u32,
+}
+
+/// `slot | state`, then the RDMA sections where the region has keys.
+pub(super) fn encode_ticket(t: RegionTicket, k: &RdmaKeys) -> Vec<u8> {
+    let mut out = Vec::with_capacity(24 + 4 * k.rkeys.len());
     put_uvar(&mut out, t.slot as u64);
     put_uvar(&mut out, t.state);
-    put_ticket_sections(&mut out, rkeys);
+    put_ticket_sections(&mut out, k);
     out
 }
 
-/// A region's sections (`id | length | bytes`, as in connection info, see `CONN_V4`): its RDMA keys' where
-/// it has them. DRAM tickets and VRAM regions' public bytes end with them.
-pub(super) fn put_ticket_sections(out: &mut Vec<u8>, rkeys: &[u32]) {
-    if !rkeys.is_empty() {
+/// A region's sections (`id | length | bytes`, as in connection info, see `CONN_V4`): its RDMA keys and nearest
+/// ports where it has keys. DRAM tickets and VRAM regions' public bytes end with them.
+pub(super) fn put_ticket_sections(out: &mut Vec<u8>, k: &RdmaKeys) {
+    if !k.rkeys.is_empty() {
         put_uvar(out, TICKET_RKEY);
-        put_bytes(out, &rkeys.iter().flat_map(|k| k.to_le_bytes()).collect::<Vec<u8>>());
+        put_bytes(out, &k.rkeys.iter().flat_map(|k| k.to_le_bytes()).collect::<Vec<u8>>());
+        put_uvar(out, TICKET_NEAR);
+        put_bytes(out, &k.near.to_le_bytes());
     }
 }
 
 /// `slot | state`, then sections (see `read_ticket_sections`).
-pub(super) fn decode_ticket(b: &[u8]) -> Result<(RegionTicket, Vec<u32>)> {
+pub(super) fn decode_ticket(b: &[u8]) -> Result<(RegionTicket, RdmaKeys)> {
     let mut r = Reader { buf: b, pos: 0 };
     let slot = u32::try_from(r.uvar()?).map_err(|_| Error::mismatch("bad region slot in metadata"))?;
     let state = r.uvar()?;
-    let rkeys = read_ticket_sections(&mut r)?;
-    Ok((RegionTicket { slot, state }, rkeys))
+    let keys = read_ticket_sections(&mut r)?;
+    Ok((RegionTicket { slot, state }, keys))
 }
 
-/// The rest of `r` as a region's sections: the RDMA keys' (a whole number of u32, at least one; empty without
-/// the section), and any a later release may add, skipped.
-pub(super) fn read_ticket_sections(r: &mut Reader<'_>) -> Result<Vec<u32>> {
-    let mut rkeys = Vec::new();
+/// The rest of `r` as a region's sections: the RDMA keys' (a whole number of u32, at least one), the nearest
+/// ports' (one u32), and any a later release may add, skipped.
+pub(super) fn read_ticket_sections(r: &mut Reader<'_>) -> Result<RdmaKeys> {
+    let mut k = RdmaKeys::default();
     while r.left() != 0 {
         let id = r.uvar()?;
         let sec = r.bytes(MAX_SECTION)?;
-        if id == TICKET_RKEY {
-            if sec.is_empty() || sec.len() % 4 != 0 {
-                return Err(Error::mismatch("malformed RDMA keys in a region ticket"));
+        match id {
+            TICKET_RKEY => {
+                if sec.is_empty() || sec.len() % 4 != 0 {
+                    return Err(Error::mismatch("malformed RDMA keys in a region ticket"));
+                }
+                k.rkeys = sec.chunks(4).map(|k| u32::from_le_bytes([k[0], k[1], k[2], k[3]])).collect();
             }
-            rkeys = sec.chunks(4).map(|k| u32::from_le_bytes([k[0], k[1], k[2], k[3]])).collect();
+            TICKET_NEAR => {
+                let b: [u8; 4] =
+                    sec.try_into().map_err(|_| Error::mismatch("malformed nearest ports in a region ticket"))?;
+                k.near = u32::from_le_bytes(b);
+            }
+            _ => {}
         }
     }
-    Ok(rkeys)
+    Ok(k)
 }
 
 #[cfg(test)]
@@ -362,21 +384,27 @@ mod tests {
         assert!(parse_conn(&conn_v3_to_v4(&v3, &[], &[(SEC_TCP, &[1, 1, 0])]).unwrap()).is_err(), "a section twice");
         // Region tickets: sections after slot and state are skipped.
         let t = RegionTicket { slot: 5, state: 9 };
-        let mut ticket = encode_ticket(t, &[]);
-        assert_eq!(decode_ticket(&ticket).unwrap(), (t, vec![]));
+        let none = RdmaKeys::default();
+        let mut ticket = encode_ticket(t, &none);
+        assert_eq!(decode_ticket(&ticket).unwrap(), (t, none.clone()));
         put_uvar(&mut ticket, 31);
         put_bytes(&mut ticket, b"later");
-        assert_eq!(decode_ticket(&ticket).unwrap(), (t, vec![]));
+        assert_eq!(decode_ticket(&ticket).unwrap(), (t, none.clone()));
         ticket.push(3);
         assert!(decode_ticket(&ticket).is_err());
-        // The RDMA keys' section, and a later one after it.
-        let mut ticket = encode_ticket(t, &[0xABCD01, 7]);
-        assert_eq!(decode_ticket(&ticket).unwrap(), (t, vec![0xABCD01, 7]));
+        // The RDMA keys' and nearest ports' sections, and a later one after them.
+        let keys = RdmaKeys { rkeys: vec![0xABCD01, 7], near: 0b10 };
+        let mut ticket = encode_ticket(t, &keys);
+        assert_eq!(decode_ticket(&ticket).unwrap(), (t, keys.clone()));
         put_uvar(&mut ticket, 32);
         put_bytes(&mut ticket, b"");
-        assert_eq!(decode_ticket(&ticket).unwrap(), (t, vec![0xABCD01, 7]));
-        let mut short = encode_ticket(t, &[]);
+        assert_eq!(decode_ticket(&ticket).unwrap(), (t, keys.clone()));
+        let mut short = encode_ticket(t, &none);
         put_uvar(&mut short, 1);
+        put_bytes(&mut short, &[1, 2, 3]);
+        assert!(decode_ticket(&short).is_err());
+        let mut short = encode_ticket(t, &none);
+        put_uvar(&mut short, 2);
         put_bytes(&mut short, &[1, 2, 3]);
         assert!(decode_ticket(&short).is_err());
     }

@@ -8,15 +8,22 @@
 
 use std::sync::Arc;
 
-use super::conn::encode_ticket;
+use super::conn::{encode_ticket, RdmaKeys};
 use super::gate::RegionTicket;
-use super::route::rdma::target::RdmaSide;
+use super::route::rdma::target::{Place, RdmaSide};
 use super::shared::Shared;
-use super::vram_regions::with_rkeys;
+use super::vram_regions::with_rdma;
 use crate::backend::{LocalRegion, RegionKey};
 use crate::mem::{MemType, RegDesc};
 use crate::status::{Error, Result};
 use crate::verbs::Mr;
+
+/// A local region's RDMA memory regions as a request uses them: its key on each port (by port index), and the
+/// ports nearest its memory (a mask by port index).
+pub(super) struct LocalMrs {
+    pub(super) keys: Box<[u32]>,
+    pub(super) near: u32,
+}
 
 /// One registration of this engine, as its key.
 pub(super) struct Registered {
@@ -27,6 +34,8 @@ pub(super) struct Registered {
     vram: Option<(u32, Vec<u64>)>,
     /// With RDMA ports: its memory region on each (by port index); none for VRAM the NIC cannot reach.
     mrs: Vec<Mr>,
+    /// The ports nearest its memory (a mask by port index, see `RdmaSide::near`).
+    near: u32,
 }
 
 impl Registered {
@@ -35,10 +44,10 @@ impl Registered {
         key.downcast_ref::<Registered>()?.vram.as_ref().map(|v| v.0)
     }
 
-    /// The RDMA local keys (by port index) of a local registration's key.
-    pub(super) fn rdma_lkeys(key: &RegionKey) -> Option<Box<[u32]>> {
+    /// The RDMA local keys (by port index) and nearest ports of a local registration's key.
+    pub(super) fn rdma_lkeys(key: &RegionKey) -> Option<LocalMrs> {
         let r = key.downcast_ref::<Registered>()?;
-        (!r.mrs.is_empty()).then(|| r.mrs.iter().map(|m| m.lkey).collect())
+        (!r.mrs.is_empty()).then(|| LocalMrs { keys: r.mrs.iter().map(|m| m.lkey).collect(), near: r.near })
     }
 }
 
@@ -47,13 +56,22 @@ impl Shared {
     /// public bytes carry (the gate ticket alone for DRAM).
     pub(super) fn register(&self, mem: MemType, desc: &RegDesc) -> Result<LocalRegion> {
         let d = &desc.desc;
+        // The ports nearest its memory: its GPU's PCI place, or its first page's NUMA node.
+        let near = match (&self.rdma, mem) {
+            (None, _) => 0,
+            (Some(r), MemType::Vram) => {
+                let pci = crate::device::get().ok().and_then(|dev| dev.pci_path(d.dev as u32));
+                r.near(&pci.map_or(Place::Unknown, Place::Pci))
+            }
+            (Some(r), _) => r.near(&crate::os::numa_node_of(d.addr).map_or(Place::Unknown, Place::Numa)),
+        };
+        let rdma_keys = |mrs: &[Mr]| RdmaKeys { rkeys: mrs.iter().map(|m| m.rkey).collect(), near };
         let (public, ticket, vram, mrs) = match mem {
             MemType::Vram => {
                 // `register` checks that the descriptor's device is the allocation's.
                 let v = self.vram.register(&self.ctrl, &self.gate, desc)?;
                 let mrs = self.rdma.as_ref().map_or_else(Vec::new, |r| self.device_mrs(r, d.addr, d.len, d.dev));
-                let rkeys: Vec<u32> = mrs.iter().map(|m| m.rkey).collect();
-                (with_rkeys(v.public, &rkeys), v.ticket, Some((d.dev as u32, v.bases)), mrs)
+                (with_rdma(v.public, &rdma_keys(&mrs)), v.ticket, Some((d.dev as u32, v.bases)), mrs)
             }
             MemType::Dram => {
                 let mrs = self.rdma.as_ref().map(|r| r.register(d.addr, d.len)).transpose()?.unwrap_or_default();
@@ -66,14 +84,13 @@ impl Shared {
                         return Err(e);
                     }
                 };
-                let rkeys: Vec<u32> = mrs.iter().map(|m| m.rkey).collect();
-                (encode_ticket(t, &rkeys), t, None, mrs)
+                (encode_ticket(t, &rdma_keys(&mrs)), t, None, mrs)
             }
             _ => return Err(Error::not_supported(format!("{} is not supported by this engine", mem.seg_name()))),
         };
         // TCP peers reach VRAM through the serving loops, staged (see `route::tcp::stage`).
         self.regions.add(d.addr, d.len, vram.as_ref().map(|v| v.0));
-        let key: RegionKey = Arc::new(Registered { addr: d.addr, len: d.len, ticket, vram, mrs });
+        let key: RegionKey = Arc::new(Registered { addr: d.addr, len: d.len, ticket, vram, mrs, near });
         Ok(LocalRegion { public, key: Some(key) })
     }
 

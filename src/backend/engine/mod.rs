@@ -142,8 +142,8 @@ impl Backend for Engine {
         if mem == MemType::Vram {
             return vram_regions::load_remote(downcast(peer)?.incarnation, desc, public).map(Some);
         }
-        let (ticket, rkeys) = decode_ticket(public)?;
-        Ok(Some(Arc::new(RemoteRegion { addr: desc.addr, len: desc.len, ticket, rkeys })))
+        let (ticket, rdma) = decode_ticket(public)?;
+        Ok(Some(Arc::new(RemoteRegion { addr: desc.addr, len: desc.len, ticket, rdma })))
     }
 
     fn conn_info(&self) -> Vec<u8> {

@@ -178,7 +178,10 @@ pub(super) fn vram_way(plan: &XferPlan) -> Result<VramWay> {
         // A region the NIC cannot reach directly (no dma-buf, no peer memory) stages the whole request.
         (PeerKind::Rdma(r), _) => {
             let here = plan.local_keys.iter().all(|k| k.as_ref().and_then(Registered::rdma_lkeys).is_some());
-            let there = plan.remote_keys.iter().all(|k| k.as_ref().is_some_and(|k| !rdma::rkeys(k).is_empty()));
+            let there = plan
+                .remote_keys
+                .iter()
+                .all(|k| k.as_ref().and_then(rdma::remote_keys).is_some_and(|r| !r.rkeys.is_empty()));
             if here && there {
                 VramWay::Direct
             } else {

@@ -11,7 +11,7 @@ use std::sync::{Arc, OnceLock, Weak};
 
 use parking_lot::Mutex;
 
-use super::conn::{put_ticket_sections, read_ticket_sections};
+use super::conn::{put_ticket_sections, read_ticket_sections, RdmaKeys};
 use super::ctrl::Ctrl;
 use super::gate::{Gate, RegionTicket};
 use crate::backend::RegionKey;
@@ -26,12 +26,12 @@ pub(super) const PUBLIC_VERSION: u8 = 2;
 /// only for a region an RDMA NIC reaches directly, so nothing changes for the others.
 const PUBLIC_WITH_SECTIONS: u8 = 3;
 
-/// A region's public bytes (from `Vram::register`) with its RDMA keys (one per port), so peers reach it over
-/// RDMA without staging.
-pub(super) fn with_rkeys(mut public: Vec<u8>, rkeys: &[u32]) -> Vec<u8> {
-    if !rkeys.is_empty() {
+/// A region's public bytes (from `Vram::register`) with its RDMA keys (one per port) and nearest ports, so
+/// peers reach it over RDMA without staging.
+pub(super) fn with_rdma(mut public: Vec<u8>, keys: &RdmaKeys) -> Vec<u8> {
+    if !keys.rkeys.is_empty() {
         public[0] = PUBLIC_WITH_SECTIONS;
-        put_ticket_sections(&mut public, rkeys);
+        put_ticket_sections(&mut public, keys);
     }
     public
 }
@@ -178,8 +178,9 @@ pub(super) struct RemoteVram {
     pub(super) chunks: Vec<RemoteChunk>,
     ticket: RegionTicket,
     incarnation: u128,
-    /// Its RDMA remote keys, one per port of the peer, where its NIC reaches it directly; empty without.
-    pub(super) rkeys: Vec<u32>,
+    /// Its RDMA keys, one per port of the peer, where its NIC reaches it directly (empty without), and the
+    /// peer's ports nearest it.
+    pub(super) rdma: RdmaKeys,
 }
 
 /// One of the peer's allocations under a region.
@@ -239,7 +240,7 @@ pub(super) fn load_remote(incarnation: u128, desc: &Desc, public: &[u8]) -> Resu
         }
         chunks.push(RemoteChunk { base, handle: IpcHandle { kind, size, bytes }, opened: Mutex::new(None) });
     }
-    let rkeys = if version == PUBLIC_WITH_SECTIONS { read_ticket_sections(&mut r)? } else { Vec::new() };
+    let rdma = if version == PUBLIC_WITH_SECTIONS { read_ticket_sections(&mut r)? } else { RdmaKeys::default() };
     // The region lies inside the chunks.
     let (lo, hi) = (chunks[0].base, chunks[n - 1].base.checked_add(chunks[n - 1].handle.size));
     let end = desc.addr.checked_add(desc.len);
@@ -253,7 +254,7 @@ pub(super) fn load_remote(incarnation: u128, desc: &Desc, public: &[u8]) -> Resu
         chunks,
         ticket: RegionTicket { slot, state },
         incarnation,
-        rkeys,
+        rdma,
     }))
 }
 

@@ -10,6 +10,7 @@ use std::time::Instant;
 use parking_lot::{Condvar, Mutex};
 
 use super::copy;
+use super::exports::LocalMrs;
 use super::peer::EnginePeer;
 use super::route::tcp::link::TcpLink;
 use super::route::{self, Job};
@@ -33,7 +34,7 @@ pub(super) struct Core {
     /// when its peer is reached over TCP) instead of the DRAM copies of `copy`.
     pub(super) mover: Option<Box<dyn Mover>>,
     /// The RDMA local keys (by port) of each local region, where the peer is reached over RDMA (else empty).
-    pub(super) lkeys: Vec<Option<Box<[u32]>>>,
+    pub(super) lkeys: Vec<Option<LocalMrs>>,
 }
 
 /// How a request that moves more than DRAM runs its pieces, prepared once for it (`prep_xfer`).

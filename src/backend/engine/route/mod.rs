@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::conn::RemoteRegion;
+use super::exports::LocalMrs;
 use crate::backend::{RegionKey, Seg, XferOp};
 use crate::status::{Error, Result, Status};
 pub(crate) use tcp::link::TcpLink;
@@ -52,9 +53,9 @@ pub(super) struct Job<'a> {
     pub(super) op: XferOp,
     /// The request's remote regions (this engine's `RemoteRegion`s).
     pub(super) keys: &'a [Option<RegionKey>],
-    /// The RDMA local keys (by port) of each local region (by `Seg::lreg`); empty unless the peer is reached
-    /// over RDMA.
-    pub(super) lkeys: &'a [Option<Box<[u32]>>],
+    /// The RDMA memory regions of each local region (by `Seg::lreg`); empty unless the peer is reached over
+    /// RDMA.
+    pub(super) lkeys: &'a [Option<LocalMrs>],
     /// Set when the request is aborted: stop between batches.
     pub(super) abort: &'a AtomicBool,
     /// This agent's name, for the log.

@@ -4,7 +4,7 @@
 //! - `target`: this engine's port and protection domain, its registrations' memory regions (key values never
 //!   handed out twice), its connection-info section, and the target's half of the queue-pair exchange;
 //! - here, the initiator: paths (one of our ports paired with one of the peer's on a common fabric), a
-//!   request's pieces spread over the live ones, each piece as chains of RDMA READ/WRITE work requests on a lane
+//!   request's pieces spread over the live ones nearest its memory, each piece as chains of RDMA READ/WRITE work requests on a lane
 //!   of its path (one RC queue pair, its completion queue and its exchange connection), only the last of a chain
 //!   signalled; the copying thread sleeps on the queue's event descriptor, no polling; a path whose port fails is
 //!   dropped and the piece goes again over another;
@@ -17,7 +17,9 @@
 //! GPU memory goes as host memory does where both sides' NICs reach the regions (registered through a dma-buf of
 //! the range, else as peer memory; chosen per region at registration, see `target::RdmaSide::register_device`);
 //! a request touching a region that neither reaches is staged over the TCP link (`router::vram_way`).
-//! Not yet: the NIC nearest a region's GPU or NUMA node, notifications as SEND. Over rdma-core (`verbs::sys`) this has never run on a NIC: a real fabric is taken only with
+//! A piece goes over a path from a port nearest its local regions' memory (their NUMA node, or their GPU's PCI
+//! place: `target::RdmaSide::near`, carried in region tickets for the peer's side too), then to a port nearest
+//! the remote regions; others only when those fail. Not yet: notifications as SEND. Over rdma-core (`verbs::sys`) this has never run on a NIC: a real fabric is taken only with
 //! `GIXL_TRANSPORT=rdma` (see `target::RdmaSide::start`); the tests run it over the fake fabric.
 
 pub(crate) mod target;
@@ -32,7 +34,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use super::{Job, Route, TcpLink, KIND_RDMA};
-use crate::backend::engine::conn::RemoteRegion;
+use crate::backend::engine::conn::{RdmaKeys, RemoteRegion};
 use crate::backend::engine::vram_regions::RemoteVram;
 use crate::backend::{RegionKey, Seg, XferOp};
 use crate::status::{Error, Result, Status};
@@ -55,6 +57,23 @@ struct Chain {
     /// The requests' lists, back to back.
     sges: Vec<Sge>,
     wrs: Vec<Pending>,
+}
+
+/// The ports nearest the memory of every region of `segs`, here and at the peer (masks by port index; every port
+/// where the regions say nothing or disagree).
+fn nearest(job: &Job, segs: &[Seg]) -> (u32, u32) {
+    let (mut here, mut there) = (u32::MAX, u32::MAX);
+    for s in segs {
+        if let Some(l) = job.lkeys.get(s.lreg as usize).and_then(Option::as_ref).filter(|l| l.near != 0) {
+            here &= l.near;
+        }
+        let remote = job.keys.get(s.rreg as usize).and_then(Option::as_ref).and_then(remote_keys);
+        if let Some(r) = remote.filter(|r| r.near != 0) {
+            there &= r.near;
+        }
+    }
+    let any = |m: u32| if m == 0 { u32::MAX } else { m };
+    (any(here), any(there))
 }
 
 /// A work request of a chain: its list (`count` entries of `Chain::sges` from `first`) and its remote range.
@@ -134,13 +153,13 @@ fn thread_cpu_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// A peer's region's RDMA keys (one per port of the peer), DRAM or VRAM; empty where it has none (its VRAM the
-/// peer's NIC cannot reach directly).
-pub(crate) fn rkeys(k: &RegionKey) -> &[u32] {
+/// A peer's region's RDMA keys (one per port of the peer; empty where it has none: its VRAM the peer's NIC cannot
+/// reach directly) and the peer's ports nearest it, DRAM or VRAM.
+pub(crate) fn remote_keys(k: &RegionKey) -> Option<&RdmaKeys> {
     if let Some(r) = k.downcast_ref::<RemoteRegion>() {
-        return &r.rkeys;
+        return Some(&r.rdma);
     }
-    k.downcast_ref::<RemoteVram>().map_or(&[], |v| &v.rkeys)
+    k.downcast_ref::<RemoteVram>().map(|v| &v.rdma)
 }
 
 pub(crate) struct Rdma {
@@ -229,14 +248,14 @@ impl Rdma {
         let mut chain = Chain::default();
         for s in segs {
             let lkey =
-                job.lkeys.get(s.lreg as usize).and_then(|k| k.as_ref()?.get(path.local).copied()).ok_or_else(|| {
-                    Error::invalid_param("a local region of this request is not registered with the RDMA NIC")
-                })?;
+                job.lkeys.get(s.lreg as usize).and_then(|k| k.as_ref()?.keys.get(path.local).copied()).ok_or_else(
+                    || Error::invalid_param("a local region of this request is not registered with the RDMA NIC"),
+                )?;
             let rkey = job
                 .keys
                 .get(s.rreg as usize)
                 .and_then(|k| k.as_ref())
-                .and_then(|k| rkeys(k).get(path.remote).copied())
+                .and_then(|k| remote_keys(k)?.rkeys.get(path.remote).copied())
                 .ok_or_else(|| {
                     Error::not_supported(format!(
                         "agent '{}' registered a region of this request without an RDMA key",
@@ -345,14 +364,20 @@ impl Route for Rdma {
     /// cable), it is marked dead, said in the log, and the piece goes again over another (READ and WRITE
     /// land the same bytes in the same place twice); with none left, the peer is down.
     fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {
+        let (here, there) = nearest(job, segs);
+        // Paths from a port near the local memory first, then those also to a port near the remote memory.
+        let rank = |p: &Path| 2 * (here >> p.local & 1) + (there >> p.remote & 1);
         loop {
             if self.link.down() {
                 return Err(self.link_down());
             }
             let alive = |p: &&Path| !p.dead.load(Ordering::Acquire);
             let live = self.paths.iter().filter(alive).count();
-            let turn = self.turn.fetch_add(1, Ordering::Relaxed) % live.max(1);
-            let Some(path) = self.paths.iter().filter(alive).nth(turn) else {
+            let best = self.paths.iter().filter(alive).map(rank).max().unwrap_or(0);
+            let near = |p: &&Path| rank(p) == best;
+            let turn =
+                self.turn.fetch_add(1, Ordering::Relaxed) % self.paths.iter().filter(alive).filter(near).count().max(1);
+            let Some(path) = self.paths.iter().filter(alive).filter(near).nth(turn) else {
                 let why = "every RDMA path to it failed";
                 self.link.kill(why.into());
                 return Err(self.gone(why));

@@ -29,6 +29,15 @@ const TARGET_CAPS: QpCaps = QpCaps { send_wr: 1, recv_wr: 1, sge: 1 };
 /// Registrations that may meet a used key value in a row before giving up.
 const MAX_KEY_TRIES: usize = 64;
 
+/// Where a registration's memory is, for choosing the NIC nearest it (`RdmaSide::near`).
+pub(crate) enum Place {
+    /// Host memory on this NUMA node.
+    Numa(i32),
+    /// Device memory of the GPU at this PCI path (sysfs).
+    Pci(String),
+    Unknown,
+}
+
 pub(crate) struct RdmaSide {
     /// Every active port, opened, each with its own protection domain (in the order the section lists them).
     pub(crate) ports: Vec<PortSide>,
@@ -124,6 +133,32 @@ impl RdmaSide {
                 (!reach.is_empty()).then(|| (i, reach[i % reach.len()]))
             })
             .collect()
+    }
+
+    /// The ports nearest `place` (a mask by port index): those on its NUMA node, or sharing the most of a GPU's
+    /// PCI path; every port where the topology sets none apart.
+    pub(crate) fn near(&self, place: &Place) -> u32 {
+        let scores: Vec<usize> = self
+            .ports
+            .iter()
+            .map(|p| {
+                let port = p.nic.port();
+                match place {
+                    Place::Numa(n) => usize::from(port.numa == Some(*n)),
+                    Place::Pci(gpu) => port
+                        .pci
+                        .as_deref()
+                        .map_or(0, |nic| gpu.split('/').zip(nic.split('/')).take_while(|(a, b)| a == b).count()),
+                    Place::Unknown => 0,
+                }
+            })
+            .collect();
+        let best = scores.iter().copied().max().unwrap_or(0);
+        let all = u32::MAX >> (32 - self.ports.len().clamp(1, 32));
+        if scores.iter().all(|&s| s == best) {
+            return all;
+        }
+        scores.iter().enumerate().filter(|(_, &s)| s == best).fold(0, |m, (i, _)| m | 1 << i)
     }
 
     /// A memory region for host memory `[addr, addr + len)` on every port (by port index).
