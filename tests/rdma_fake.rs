@@ -3,12 +3,15 @@
 //! 16 KiB blocks, a notification after the data, the route doctor and telemetry name, a region deregistered and
 //! registered again at the same address while the NIC hands the same key value out again (the old handle is
 //! refused, the new region untouched), a killed target (REMOTE_DISCONNECT within the bound) and its restart
-//! under the same name (the old handle refused, the new incarnation reached over RDMA again).
+//! under the same name (the old handle refused, the new incarnation reached over RDMA again), in a new process
+//! and in the same one; GPU memory reached by the NIC directly (dma-buf, peer memory) or staged; the port nearest
+//! a region's memory; strangers on the pair exchange.
 //!
 //! Every test of this file runs with the fake fabric in its environment (set by `fake_env`, before any agent
 //! exists); the child is this binary re-run with `GIXL_CHILD=rdma-prefill`.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
 use std::process::{Child, ChildStdin, ChildStdout, Command};
 use std::time::{Duration, Instant};
 
@@ -98,6 +101,11 @@ fn prefill_child() {
             "sum" => writeln!(out, "sum {}", buf.iter().map(|&b| b as u64).sum::<u64>()).unwrap(),
             // Bytes this process's (fake) device layer copied: staging, where VRAM is served over TCP.
             "copied" => writeln!(out, "copied {}", gixl::device::fake::copied_bytes()).unwrap(),
+            // Queue pairs alive on this process's ports.
+            "qps" => {
+                writeln!(out, "qps {}", gixl::verbs::fake::live_qps("fake0") + gixl::verbs::fake::live_qps("fake1"))
+                    .unwrap()
+            }
             // Requests each of this process's ports served as a target.
             "served" => {
                 let (a, b) = (gixl::verbs::fake::served("fake0"), gixl::verbs::fake::served("fake1"));
@@ -497,4 +505,144 @@ fn requests_take_the_port_nearest_the_region_and_another_when_it_fails() {
     let (f0, f1) = served(&mut q);
     assert!(f0 > 0 && f1 == 0, "GPU memory goes through the NIC under its switch: {f0} {f1}");
     q.kill();
+}
+
+/// Strangers on the RDMA exchange (a raw socket to the target's TCP listener, `KIND_RDMA`): without the engine's
+/// secret the handshake fails and nothing is served; with it (a copy of the metadata), a garbage offer is
+/// closed, an offer for a port the target does not have or for a pair nobody holds is refused, and none of it
+/// leaves a queue pair behind; the real initiator is served before and after.
+#[test]
+fn strangers_on_the_rdma_exchange_get_no_queue_pair_and_break_nothing() {
+    use gixl::backend::engine::wire;
+    fake_env();
+    let mut p = Prefill::start(21);
+    let a = agent("decode-stranger");
+    let dst = vec![0u8; SIZE];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    a.load_remote_md(&p.md).unwrap();
+    let read = |a: &Agent, p: &Prefill| run(a, XferOp::Read, &local(&dst, 0, SIZE), &remote(p.addr, 0, SIZE), None);
+    assert_eq!(read(&a, &p).unwrap(), Status::Success);
+    let qps = |p: &mut Prefill| p.ask("qps", "qps").pop().unwrap();
+    let before = qps(&mut p);
+
+    let md = gixl::md::AgentMd::decode(&p.md).unwrap();
+    let (addrs, secret) = gixl::backend::engine::tcp_endpoint(&md.conns[0].1).unwrap();
+    let addr = addrs.iter().copied().find(|a| a.ip().is_loopback()).unwrap_or(addrs[0]);
+    let inc = md.incarnation;
+    let hello = |secret: u128| -> (TcpStream, bool) {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut c = [0u8; wire::CHALLENGE_BYTES];
+        s.read_exact(&mut c).unwrap();
+        let nonce = wire::parse_challenge(&c).unwrap();
+        let tag = wire::hello_tag(secret, wire::KIND_RDMA, inc, &nonce, "mallory");
+        s.write_all(&wire::encode_hello(&wire::Hello {
+            kind: wire::KIND_RDMA,
+            incarnation: inc,
+            tag,
+            name: "mallory".into(),
+        }))
+        .unwrap();
+        let mut b = [0u8; 1];
+        let ok = matches!(s.read(&mut b), Ok(1) if b[0] == wire::ACK);
+        (s, ok)
+    };
+    // The documented offer: "GXQP" | port | n | n × (gid 16 | lid u16 | qpn u32 | psn u32).
+    let offer = |port: u8, n: u8, gid: [u8; 16]| {
+        let mut o = b"GXQP".to_vec();
+        o.extend_from_slice(&[port, n]);
+        for i in 0..n {
+            o.extend_from_slice(&gid);
+            o.extend_from_slice(&0u16.to_le_bytes());
+            o.extend_from_slice(&(0x900 + u32::from(i)).to_le_bytes());
+            o.extend_from_slice(&7u32.to_le_bytes());
+        }
+        o
+    };
+    // Closed, or one refusal byte then closed: never an address.
+    let answer = |mut s: TcpStream| {
+        let mut got = Vec::new();
+        let _ = s.read_to_end(&mut got);
+        got
+    };
+
+    // Without the secret: no ACK, and an offer sent anyway is never answered.
+    let (mut s, ok) = hello(secret ^ 1);
+    assert!(!ok, "a wrong tag must not be acknowledged");
+    let _ = s.write_all(&offer(0, 1, [0; 16]));
+    assert!(answer(s).iter().all(|&b| b == wire::NAK), "nothing but the refusal");
+    // With it: garbage, a port it does not have, too many pairs, a pair that no endpoint holds.
+    let (mut s, ok) = hello(secret);
+    assert!(ok);
+    s.write_all(&[0xAB; 64]).unwrap();
+    assert_eq!(answer(s), Vec::<u8>::new(), "garbage: closed");
+    let (mut s, _) = hello(secret);
+    s.write_all(&offer(9, 1, [0; 16])).unwrap();
+    assert_eq!(answer(s), vec![1], "no port 9: refused");
+    let (mut s, _) = hello(secret);
+    s.write_all(&offer(0, 200, [0; 16])).unwrap();
+    assert_eq!(answer(s), Vec::<u8>::new(), "more pairs than an offer may carry: closed");
+    let mut gid = [0u8; 16];
+    gid[..4].copy_from_slice(b"gxfv");
+    gid[4..].copy_from_slice(&[0x5a; 12]);
+    let (mut s, _) = hello(secret);
+    s.write_all(&offer(0, 2, gid)).unwrap();
+    assert_eq!(answer(s), vec![1], "pairs nobody holds: refused");
+
+    assert_eq!(qps(&mut p), before, "no queue pair left behind");
+    assert_eq!(read(&a, &p).unwrap(), Status::Success, "the real initiator is still served");
+    assert!(dst.iter().enumerate().all(|(i, &b)| b == ((i + 21) % 251) as u8));
+    p.kill();
+}
+
+/// The target restarts in the same process (its agent destroyed and made again under the same name, the fake
+/// NIC handing the same key values out again): the old handle is refused, the old peer is down, and the new
+/// incarnation is reached over RDMA with its own bytes.
+#[test]
+fn a_target_restarted_in_the_same_process_is_a_new_incarnation_over_rdma() {
+    fake_env();
+    let a = agent("decode-same");
+    let dst = vec![0u8; SIZE];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    let start = |seed: usize| {
+        let t = agent("prefill-same");
+        let buf: Vec<u8> = (0..SIZE).map(|i| ((i + seed) % 251) as u8).collect();
+        t.register_mem(&reg_list(&buf), &[]).unwrap();
+        (t, buf)
+    };
+    let read = |buf: &[u8]| {
+        let req = a.create_xfer_req(
+            XferOp::Read,
+            &local(&dst, 0, SIZE),
+            &local(buf, 0, SIZE),
+            "prefill-same",
+            &XferOpts::default(),
+        );
+        req.and_then(|r| {
+            let mut s = a.post_xfer_req(&r, NotifUpdate::Keep)?;
+            let t = Instant::now();
+            while s == Status::InProg && t.elapsed() < Duration::from_secs(30) {
+                std::thread::sleep(Duration::from_micros(200));
+                s = a.xfer_status(&r)?;
+            }
+            Ok((s, r))
+        })
+    };
+    let (t, buf) = start(31);
+    a.load_remote_md(&t.local_md().unwrap()).unwrap();
+    assert_eq!(route_of("decode-same", "prefill-same"), "rdma");
+    let (s, old) = read(&buf).unwrap();
+    assert_eq!(s, Status::Success);
+    assert!(dst.iter().enumerate().all(|(i, &b)| b == ((i + 31) % 251) as u8));
+    drop(t);
+    let (t2, buf2) = start(32);
+    a.invalidate_remote_md("prefill-same").unwrap();
+    a.load_remote_md(&t2.local_md().unwrap()).unwrap();
+    let e = a.post_xfer_req(&old, NotifUpdate::Keep).unwrap_err();
+    assert_eq!(e.status(), Status::NotFound, "{e}");
+    assert_eq!(route_of("decode-same", "prefill-same"), "rdma");
+    let (s, _) = read(&buf2).unwrap();
+    assert_eq!(s, Status::Success);
+    assert!(dst.iter().enumerate().all(|(i, &b)| b == ((i + 32) % 251) as u8), "the new incarnation's bytes");
+    drop(buf);
 }

@@ -166,6 +166,15 @@ pub fn served(device: &str) -> u64 {
     eps.iter().filter(|e| e.name == device).map(|e| e.served.load(Ordering::Relaxed)).sum()
 }
 
+/// Queue pairs alive on this process's endpoint for `device`, for tests.
+pub fn live_qps(device: &str) -> usize {
+    let eps: Vec<Arc<Endpoint>> = endpoints().lock().values().filter_map(Weak::upgrade).collect();
+    eps.iter()
+        .filter(|e| e.name == device)
+        .map(|e| e.qps.lock().values().filter(|q| q.strong_count() > 0).count())
+        .sum()
+}
+
 /// One process's fake NIC for one device: its socket, its key table and its queue pairs.
 struct Endpoint {
     name: String,
