@@ -17,6 +17,11 @@
 //! Then the same transfers over the TCP route (the route to another host): a second prefill, both engines
 //! with transport=tcp on loopback, both sides staged through pinned buffers: VRAM→VRAM READ and WRITE
 //! (64 MiB, 1024 × 16 KiB), remote VRAM → local DRAM, local VRAM ↔ remote DRAM.
+//!
+//! Then, where the build has the `rdma` feature and the host an active RDMA port (or the fake fabric is
+//! configured, `GIXL_FAKE_VERBS`), the RDMA route: a third prefill, both engines with transport=rdma, VRAM→VRAM
+//! READ and WRITE (64 MiB, 1024 × 16 KiB: GPU-direct where the NIC reaches the memory, else staged; each
+//! engine's log says which per region) and DRAM→DRAM READ 64 MiB. Without a port it says so and runs none.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -266,15 +271,22 @@ struct Prefill {
 
 impl Prefill {
     fn start(fill: u8, at: Option<u64>) -> Prefill {
-        Self::start_with(fill, at, false)
+        Self::start_with(fill, at, None)
     }
 
-    /// `tcp`: the prefill's engine reaches every peer over TCP (its serving loops stage its VRAM).
+    /// `transport`: "tcp" (the prefill's engine reaches every peer over TCP, its serving loops staging its
+    /// VRAM) or "rdma" (every peer with a port on its fabric over RDMA).
     #[allow(clippy::zombie_processes)]
-    fn start_with(fill: u8, at: Option<u64>, tcp: bool) -> Prefill {
+    fn start_with(fill: u8, at: Option<u64>, transport: Option<&str>) -> Prefill {
         let mut c = Command::new(std::env::current_exe().expect("own path"));
-        if tcp {
-            c.env("GIXL_TRANSPORT", "tcp").env("GIXL_TCP_ADDR", "127.0.0.1");
+        match transport {
+            Some("tcp") => {
+                c.env("GIXL_TRANSPORT", "tcp").env("GIXL_TCP_ADDR", "127.0.0.1");
+            }
+            Some(t) => {
+                c.env("GIXL_TRANSPORT", t);
+            }
+            None => {}
         }
         c.env("GIXL_GPU_CHILD", "1").env("GIXL_FILL", fill.to_string()).stdin(Stdio::piped()).stdout(Stdio::piped());
         if let Some(at) = at {
@@ -459,7 +471,7 @@ fn main() {
 
     // The TCP route (another host, here loopback with transport=tcp): both sides staged through pinned buffers.
     {
-        let mut pt = Prefill::start_with(5, None, true);
+        let mut pt = Prefill::start_with(5, None, Some("tcp"));
         let at = tcp_agent("gpu-decode-tcp");
         reg(&at, MemType::Vram, lv, BULK, dev as u64).expect("register local VRAM (TCP agent)");
         reg(&at, MemType::Dram, host.as_ptr() as u64, BULK, 0).expect("register local DRAM (TCP agent)");
@@ -505,6 +517,58 @@ fn main() {
         rows.push(("TCP: remote DRAM → local VRAM 64 MiB".into(), rate(&at, &r, BULK, iters).unwrap_or(f64::NAN)));
         check(mem::sum(lv, BULK) == 0x29 * BULK as u64, "TCP remote DRAM → VRAM: data");
         pt.kill();
+    }
+
+    // The RDMA route, where there is a port to take it.
+    let fabric = gixl::verbs::fabric().and_then(|f| Ok((f.name(), f.ports()?)));
+    match fabric {
+        Ok((name, ports)) if ports.iter().any(|p| p.active) => {
+            for p in &ports {
+                println!(
+                    "RDMA port {}:{} {:?} active {} numa {:?} pci {:?}",
+                    p.device, p.port, p.link, p.active, p.numa, p.pci
+                );
+            }
+            let mut pr = Prefill::start_with(11, None, Some("rdma"));
+            let ar = agent_with("gpu-decode-rdma", [("transport".to_owned(), "rdma".to_owned())].into());
+            reg(&ar, MemType::Vram, lv, BULK, dev as u64).expect("register local VRAM (RDMA agent)");
+            reg(&ar, MemType::Dram, host.as_ptr() as u64, BULK, 0).expect("register local DRAM (RDMA agent)");
+            ar.load_remote_md(&pr.md).expect("load RDMA prefill metadata");
+            let route = gixl::telemetry::live_agents()
+                .into_iter()
+                .filter(|(n, _, _)| n == "gpu-decode-rdma")
+                .flat_map(|(_, _, rows)| rows)
+                .map(|r| r.route)
+                .next()
+                .unwrap_or_default();
+            check(route == "rdma", &format!("RDMA ({name} fabric): the route is '{route}'"));
+            let mk = |op, l: XferDList, r: XferDList| ar.create_xfer_req(op, &l, &r, "gpu-prefill", &o);
+            let r = mk(XferOp::Read, bulk_l(), bulk_r(&pr)).expect("request");
+            rows.push(("RDMA: VRAM→VRAM READ 1 × 64 MiB".into(), rate(&ar, &r, BULK, iters).unwrap_or(f64::NAN)));
+            check(mem::sum(lv, BULK) == 11 * BULK as u64, "RDMA READ 64 MiB: data");
+            mem::fill(lv, BULK, 0x33);
+            let w = mk(XferOp::Write, bulk_l(), bulk_r(&pr)).expect("request");
+            rows.push(("RDMA: VRAM→VRAM WRITE 1 × 64 MiB".into(), rate(&ar, &w, BULK, iters).unwrap_or(f64::NAN)));
+            check(pr.sums().0 == 0x33 * BULK as u64, "RDMA WRITE 64 MiB: data");
+            mem::write(lv, &pattern);
+            let w = mk(XferOp::Write, bl.clone(), br(&pr)).expect("request");
+            let name = "RDMA: VRAM→VRAM WRITE 1024 × 16 KiB";
+            rows.push((name.into(), rate(&ar, &w, BLOCKS * BLOCK, iters).unwrap_or(f64::NAN)));
+            mem::fill(lv, BULK, 0);
+            let r = mk(XferOp::Read, bl.clone(), br(&pr)).expect("request");
+            let name = "RDMA: VRAM→VRAM READ 1024 × 16 KiB";
+            rows.push((name.into(), rate(&ar, &r, BLOCKS * BLOCK, iters).unwrap_or(f64::NAN)));
+            let mut back = vec![0u8; BLOCKS * BLOCK];
+            mem::read(lv, &mut back);
+            check(back == pattern, "RDMA 1024 × 16 KiB WRITE then READ: data");
+            let r = mk(XferOp::Read, dl(dr, vec![(host.as_ptr() as u64, BULK)], 0), dl(dr, vec![(pr.dram, BULK)], 0))
+                .expect("request");
+            rows.push(("RDMA: DRAM→DRAM READ 1 × 64 MiB".into(), rate(&ar, &r, BULK, iters).unwrap_or(f64::NAN)));
+            check(host.iter().all(|&b| b == !11u8), "RDMA DRAM READ: data");
+            pr.kill();
+        }
+        Ok((name, _)) => println!("RDMA: the {name} fabric has no active port: RDMA cases not run"),
+        Err(e) => println!("RDMA: {e}: RDMA cases not run"),
     }
 
     println!("\n| case | gixl GB/s | of device D2D |");

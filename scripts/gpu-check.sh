@@ -2,7 +2,7 @@
 # scripts/gpu-check.sh — VRAM on a machine with a GPU, in one call of a few minutes.
 #
 #   scripts/gpu-check.sh --prepare [--with-nixl]   on the build machine (needs cargo and the crates):
-#       builds examples/gpu_check with --features cuda into target/gpu-check/ (stripped), and with
+#       builds examples/gpu_check with --features cuda,rdma into target/gpu-check/ (stripped), and with
 #       --with-nixl packs NIXL 1.5.1 (nixl_cu12 + numpy from .venv/nixl) into target/gpu-check/nixl.tar.zst;
 #       prints the sizes (the device tool carries at most 64 MiB).
 #   scripts/gpu-check.sh                           on the GPU machine (carry target/gpu-check):
@@ -11,8 +11,12 @@
 #          cross-process VRAM->VRAM READ and WRITE (1 x 64 MiB, 1024 x 16 KiB), remote VRAM <-> local DRAM,
 #          local VRAM <-> remote DRAM (staged), a VMM (POSIX-fd) allocation, the peer killed with the IPC
 #          handle open and restarted (old handle refused, new memory unchanged), the same transfers over the
-#          TCP route (loopback, transport=tcp: both sides staged through pinned buffers), bandwidth beside the
-#          device's own D2D copy rate;
+#          TCP route (loopback, transport=tcp: both sides staged through pinned buffers), and, where the host
+#          has an active RDMA port, over the RDMA route (transport=rdma: GPU-direct where the NIC reaches the
+#          memory, which the log says per region), bandwidth beside the device's own D2D copy rate; before it,
+#          the RDMA devices the host has (sysfs, ibv_devices) and, where perftest is installed, ib_write_bw and
+#          ib_read_bw between two processes on the first device as the NIC's own figure; where there is none it
+#          says so;
 #       3. NIXL 1.5.1 on the same cases (scripts/gpu_check_nixl.py --impl nixl_cu12) if it can be imported
 #          (installed, or unpacked from target/gpu-check/nixl.tar.zst; needs python3.11); otherwise says so.
 # Exit status: non-zero if any gixl case failed.
@@ -24,7 +28,7 @@ out="$root/target/gpu-check"
 if [ "${1:-}" = "--prepare" ]; then
     set -e
     mkdir -p "$out"
-    cargo build --release --features cuda --example gpu_check
+    cargo build --release --features cuda,rdma --example gpu_check
     cp target/release/examples/gpu_check "$out/gpu_check"
     strip "$out/gpu_check" 2>/dev/null || true
     if [ "${2:-}" = "--with-nixl" ]; then
@@ -43,10 +47,31 @@ else
     echo "nvidia-smi not found"
 fi
 
+# RDMA: what the host has, and the NIC's own figure beside gixl's (perftest), where it has one.
+rdma_devs=$(ls /sys/class/infiniband 2>/dev/null | tr '\n' ' ')
+if [ -z "$rdma_devs" ]; then
+    echo "=== RDMA: no RDMA device on this host (/sys/class/infiniband is empty or absent): RDMA cases will not run"
+else
+    echo "=== RDMA devices: $rdma_devs"
+    command -v ibv_devices >/dev/null && ibv_devices
+    dev=${rdma_devs%% *}
+    for t in ib_write_bw ib_read_bw; do
+        if command -v $t >/dev/null; then
+            echo "=== $t on $dev, 64 MiB messages, two processes on this host"
+            timeout 60 $t -d "$dev" -s 67108864 -n 50 -F >/tmp/gpu-check-$t.log 2>&1 &
+            sleep 1
+            timeout 60 $t -d "$dev" -s 67108864 -n 50 -F 127.0.0.1 | tail -n 3
+            wait
+        else
+            echo "=== $t: not installed (perftest): no NIC reference figure"
+        fi
+    done
+fi
+
 bin="$out/gpu_check"
 if [ ! -x "$bin" ]; then
     echo "=== building gpu_check (cargo build --release --features cuda --example gpu_check)"
-    cargo build --release --offline --features cuda --example gpu_check && bin=target/release/examples/gpu_check
+    cargo build --release --offline --features cuda,rdma --example gpu_check && bin=target/release/examples/gpu_check
 fi
 status=0
 if [ -x "$bin" ]; then
