@@ -110,12 +110,13 @@ rust_cuda() {
     # NOT_SUPPORTED path), and the GPU check program as a dry run.
     cargo clippy --release --features cuda --lib --example gpu_check -- -D warnings &&
         cargo test --release --features cuda --lib --test vram --test vram_tcp -- vram &&
-        GIXL_FAKE_DEVICE=1 GIXL_ITERS=2 timeout 120 cargo run -q --release --features cuda --example gpu_check
+        GIXL_FAKE_DEVICE=1 GIXL_ITERS=2 GIXL_FAKE_VERBS=2 GIXL_FAKE_VERBS_DIR="${TMPDIR:-/tmp}/gixl-gpu-check-fv-$$" \
+            timeout 180 cargo run -q --release --features cuda --example gpu_check
 }
 rust_rdma() {
     # The `rdma` feature: the verbs layer over the fake fabric (multi-process), rdma-core's layout against
     # the bindings, the real library's no-device path (rdma-core unpacked by setup.sh, opened by path), and no
-    # load-time dependency on libibverbs.
+    # load-time dependency on libibverbs (the feature's library, and the wheel's extension as installed).
     local rdma_lib="$HOME/.cache/gixl/rdma-core/usr/lib/x86_64-linux-gnu"
     cargo clippy --release --features rdma --lib --test verbs_abi --test verbs_fake -- -D warnings &&
         cargo test --release --features rdma --lib verbs &&
@@ -128,6 +129,18 @@ rust_rdma() {
         return 1
     fi
     echo "libgixl.so (rdma feature) needs no libibverbs to load: $(ldd target/release/libgixl.so | wc -l) libraries"
+    local ext
+    ext=$(ls .venv/gixl/lib/python3*/site-packages/gixl/_gixl*.so 2>/dev/null | head -n 1)
+    if [ -z "$ext" ]; then
+        echo "the wheel's extension is not installed in .venv/gixl (scripts/setup.sh): cannot check it"
+        return 1
+    fi
+    if ldd "$ext" | grep -q ibverbs; then
+        echo "the wheel's extension links libibverbs at load time:"
+        ldd "$ext"
+        return 1
+    fi
+    echo "the wheel's extension ($ext) needs no libibverbs to load"
 }
 rust_lint() {
     # A machine without the tools must not pass this step by accident.
