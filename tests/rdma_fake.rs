@@ -214,6 +214,19 @@ fn run(a: &Agent, op: XferOp, l: &XferDList, r: &XferDList, notif: Option<&[u8]>
     Ok(s)
 }
 
+/// Post `req`, which must fail (at post or while in flight): its error.
+fn failure(a: &Agent, req: &XferReq) -> Error {
+    match a.post_xfer_req(req, NotifUpdate::Keep) {
+        Ok(Status::InProg) => loop {
+            match a.xfer_status(req) {
+                Ok(Status::InProg) => std::thread::sleep(Duration::from_millis(1)),
+                other => break other.unwrap_err(),
+            }
+        },
+        other => other.unwrap_err(),
+    }
+}
+
 fn route_of(me: &str, peer: &str) -> String {
     gixl::telemetry::live_agents()
         .into_iter()
@@ -293,15 +306,7 @@ fn two_processes_over_the_fake_fabric_read_write_notify_and_survive_deregistrati
         )
         .unwrap();
     let md = p.ask("rereg", "@md").pop().unwrap();
-    let e = match a.post_xfer_req(&before, NotifUpdate::Keep) {
-        Ok(Status::InProg) => loop {
-            match a.xfer_status(&before) {
-                Ok(Status::InProg) => std::thread::sleep(Duration::from_millis(1)),
-                other => break other.unwrap_err(),
-            }
-        },
-        other => other.unwrap_err(),
-    };
+    let e = failure(&a, &before);
     assert_eq!(e.status(), Status::NotFound, "{e}");
     assert_eq!(p.ask("sum", "sum")[0], format!("sum {}", 0xEE * SIZE as u64), "the new region was written");
     // Its new metadata (the same incarnation with a changed region: loaded after invalidating, as NIXL
@@ -433,15 +438,7 @@ fn gpu_memory_goes_over_the_fabric_directly_where_the_nic_reaches_it_else_staged
                 )
                 .unwrap();
             p.ask("rereg", "@md");
-            let e = match a.post_xfer_req(&old, NotifUpdate::Keep) {
-                Ok(Status::InProg) => loop {
-                    match a.xfer_status(&old) {
-                        Ok(Status::InProg) => std::thread::sleep(Duration::from_millis(1)),
-                        other => break other.unwrap_err(),
-                    }
-                },
-                other => other.unwrap_err(),
-            };
+            let e = failure(&a, &old);
             assert_eq!(e.status(), Status::NotFound, "{how}: {e}");
             assert_eq!(
                 p.ask("sum", "sum")[0],

@@ -283,12 +283,10 @@ fn import_fd(fd: OwnedFd) -> Result<sys::CUmemGenericAllocationHandle> {
 }
 
 impl Cuda {
-    /// Whether device `dev` reports dma-buf export (`CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`; false where the
-    /// driver does not know the attribute).
-    fn dmabuf_supported(&self, dev: u32) -> bool {
+    /// Whether device `dev` reports the yes/no attribute `attr` (false where the driver does not know it).
+    fn reports(&self, dev: u32, attr: sys::CUdevice_attribute) -> bool {
         let mut d = 0;
         let mut v = 0;
-        let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED;
         // SAFETY: valid out-pointers; both symbols were checked at load.
         let ok = unsafe {
             sys::cuDeviceGet(&mut d, dev as i32) == sys::CUresult::CUDA_SUCCESS
@@ -297,18 +295,14 @@ impl Cuda {
         ok && v != 0
     }
 
-    /// Whether device `dev` reports fabric handle support (false where the driver does not know the
-    /// attribute: older than CUDA 12.3).
+    /// Whether device `dev` reports dma-buf export (`CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`).
+    fn dmabuf_supported(&self, dev: u32) -> bool {
+        self.reports(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)
+    }
+
+    /// Whether device `dev` reports fabric handle support (false before CUDA 12.3).
     fn fabric_supported(&self, dev: u32) -> bool {
-        let mut d = 0;
-        let mut v = 0;
-        let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED;
-        // SAFETY: valid out-pointers; both symbols were checked at load.
-        let ok = unsafe {
-            sys::cuDeviceGet(&mut d, dev as i32) == sys::CUresult::CUDA_SUCCESS
-                && sys::cuDeviceGetAttribute(&mut v, attr, d) == sys::CUresult::CUDA_SUCCESS
-        };
-        ok && v != 0
+        self.reports(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED)
     }
 
     /// The fabric handle of VMM allocation `h` (retained by the caller), where its properties request that
