@@ -170,23 +170,23 @@ impl Backend for Engine {
 
     fn prep_xfer(&self, plan: XferPlan) -> Result<Box<dyn BackendXfer>> {
         let wants = vram::wants(&plan);
-        // VRAM to a peer reached over TCP is staged (see `route::tcp::vram`), over RDMA it goes as DRAM does
-        // where the NIC reaches every region; same-host VRAM routes are `vram`'s.
-        let way = if wants { router::vram_way(&plan)? } else { router::VramWay::Direct };
-        let mover: Option<Box<dyn Mover>> = match way {
-            router::VramWay::Staged(link) => Some(Box::new(route::tcp::vram::prep(&plan, link)?)),
-            router::VramWay::Local => Some(Box::new(vram::prep(&self.shared, &plan)?)),
-            router::VramWay::Direct => None,
-        };
         if !wants && (plan.local_mem != MemType::Dram || plan.remote_mem != MemType::Dram) {
             return Err(Error::not_supported("this engine moves DRAM and VRAM only"));
         }
+        // The local regions' RDMA keys, for a peer reached over RDMA.
         let mut lkeys = Vec::new();
         if let Target::Remote(p) = &plan.target {
             if matches!(downcast(p)?.kind, peer::PeerKind::Rdma(_)) {
                 lkeys = plan.local_keys.iter().map(|k| k.as_ref().and_then(exports::Registered::rdma_lkeys)).collect();
             }
         }
+        // VRAM to a peer reached over TCP is staged (see `route::tcp::vram`), over RDMA it goes as DRAM does
+        // where the NICs reach every region; same-host VRAM routes are `vram`'s.
+        let mover: Option<Box<dyn Mover>> = match wants.then(|| router::vram_way(&plan, &lkeys)).transpose()? {
+            Some(router::VramWay::Staged(link)) => Some(Box::new(route::tcp::vram::prep(&plan, link)?)),
+            Some(router::VramWay::Local) => Some(Box::new(vram::prep(&self.shared, &plan)?)),
+            Some(router::VramWay::Direct) | None => None,
+        };
         Ok(EngineXfer::boxed(Core { shared: self.shared.clone(), plan, mover, lkeys }))
     }
 

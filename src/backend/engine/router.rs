@@ -13,7 +13,7 @@ use parking_lot::Mutex;
 
 use super::conn::ConnInfo;
 use super::copy;
-use super::exports::Registered;
+use super::exports::LocalMrs;
 use super::gate::{self, Attached};
 use super::health::PeerHealth;
 use super::peer::{downcast, EnginePeer, PeerKind};
@@ -169,15 +169,15 @@ pub(super) enum VramWay {
     Direct,
 }
 
-/// How `plan` (touching VRAM) reaches its peer.
-pub(super) fn vram_way(plan: &XferPlan) -> Result<VramWay> {
+/// How `plan` (touching VRAM) reaches its peer; `lkeys`: its local regions' RDMA keys, for an RDMA peer.
+pub(super) fn vram_way(plan: &XferPlan, lkeys: &[Option<LocalMrs>]) -> Result<VramWay> {
     let Target::Remote(p) = &plan.target else { return Ok(VramWay::Local) };
     let p = downcast(p)?;
     Ok(match (&p.kind, p.fallen_back()) {
         (PeerKind::Tcp(Tcp { link }), _) => VramWay::Staged(link.clone()),
         // A region the NIC cannot reach directly (no dma-buf, no peer memory) stages the whole request.
         (PeerKind::Rdma(r), _) => {
-            let here = plan.local_keys.iter().all(|k| k.as_ref().and_then(Registered::rdma_lkeys).is_some());
+            let here = lkeys.len() == plan.local_keys.len() && lkeys.iter().all(Option::is_some);
             let there = plan
                 .remote_keys
                 .iter()
