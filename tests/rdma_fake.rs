@@ -643,3 +643,27 @@ fn a_target_restarted_in_the_same_process_is_a_new_incarnation_over_rdma() {
     assert!(dst.iter().enumerate().all(|(i, &b)| b == ((i + 32) % 251) as u8), "the new incarnation's bytes");
     drop(buf);
 }
+
+/// A WRITE completes only after a 1-byte READ on the same queue pair (the flush that makes the target's memory
+/// hold the data before the request completes and its notification leaves): the target's NIC serves two
+/// requests for a 4 KiB WRITE, one for a 4 KiB READ.
+#[test]
+fn a_write_is_flushed_by_a_read_on_its_queue_pair_before_it_completes() {
+    fake_env();
+    let mut p = Prefill::start(41);
+    let a = agent("decode-flush");
+    let dst = vec![0u8; SIZE];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    a.load_remote_md(&p.md).unwrap();
+    let served = |p: &mut Prefill| -> u64 {
+        let l = p.ask("served", "served").pop().unwrap();
+        l.split(' ').skip(1).map(|x| x.parse::<u64>().unwrap()).sum()
+    };
+    let s0 = served(&mut p);
+    assert_eq!(run(&a, XferOp::Write, &local(&dst, 0, 4096), &remote(p.addr, 0, 4096), None).unwrap(), Status::Success);
+    let s1 = served(&mut p);
+    assert_eq!(run(&a, XferOp::Read, &local(&dst, 0, 4096), &remote(p.addr, 0, 4096), None).unwrap(), Status::Success);
+    let s2 = served(&mut p);
+    assert_eq!((s1 - s0, s2 - s1), (2, 1), "WRITE: the data and its flush; READ: the data");
+    p.kill();
+}

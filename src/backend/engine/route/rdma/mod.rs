@@ -12,7 +12,8 @@
 //!
 //! The peer's TCP link carries what is not data: the authenticated exchange that connects the pairs (a
 //! `KIND_RDMA` connection, kept open while they live), heartbeats while requests are in flight, and
-//! notifications, which leave after the request's last completion, so after its data.
+//! notifications, which leave after the request's last completion, so after its data (a WRITE's last chain on
+//! each pair ends with a 1-byte READ, a flush, so the data is in the target's memory by then, see `run`).
 //!
 //! GPU memory goes as host memory does where both sides' NICs reach the regions (registered through a dma-buf of
 //! the range, else as peer memory; chosen per region at registration, see `target::RdmaSide::register_device`);
@@ -76,20 +77,24 @@ fn nearest(job: &Job, segs: &[Seg]) -> (u32, u32) {
     (any(here), any(there))
 }
 
-/// A work request of a chain: its list (`count` entries of `Chain::sges` from `first`) and its remote range.
+/// A work request of a chain: its list (`count` entries of `Chain::sges` from `first`) and its remote range;
+/// `flush`: a READ whatever the request's op (see `Chain::flush`).
 struct Pending {
     first: usize,
     count: usize,
     raddr: u64,
     rkey: u32,
     bytes: u64,
+    flush: bool,
 }
 
 impl Chain {
     /// Add up to `len` bytes from `laddr` (local, under `lkey`) to or from `raddr` (remote, under `rkey`); how
     /// many it took: fewer than `len` only when the chain is full (post it, then push the rest).
     fn push(&mut self, laddr: u64, raddr: u64, len: u64, lkey: u32, rkey: u32) -> u64 {
-        if let Some(w) = self.wrs.last_mut().filter(|w| w.rkey == rkey && w.raddr.checked_add(w.bytes) == Some(raddr)) {
+        if let Some(w) =
+            self.wrs.last_mut().filter(|w| !w.flush && w.rkey == rkey && w.raddr.checked_add(w.bytes) == Some(raddr))
+        {
             let n = len.min(MAX_WR_BYTES - w.bytes);
             let tail = &mut self.sges[w.first + w.count - 1];
             if n > 0 && tail.lkey == lkey && tail.addr.checked_add(u64::from(tail.len)) == Some(laddr) {
@@ -108,9 +113,20 @@ impl Chain {
             return 0;
         }
         let n = len.min(MAX_WR_BYTES);
-        self.wrs.push(Pending { first: self.sges.len(), count: 1, raddr, rkey, bytes: n });
+        self.wrs.push(Pending { first: self.sges.len(), count: 1, raddr, rkey, bytes: n, flush: false });
         self.sges.push(Sge { addr: laddr, len: n as u32, lkey });
         n + self.push(laddr + n, raddr + n, len - n, lkey, rkey)
+    }
+
+    /// Append a READ of the byte at `raddr` (under `rkey`) into local `scratch` (under `lkey`): on one queue pair
+    /// its answer comes after the WRITEs before it are placed. False when the chain is full (post it first).
+    fn flush(&mut self, scratch: u64, lkey: u32, raddr: u64, rkey: u32) -> bool {
+        if self.wrs.len() == CHAIN {
+            return false;
+        }
+        self.wrs.push(Pending { first: self.sges.len(), count: 1, raddr, rkey, bytes: 1, flush: true });
+        self.sges.push(Sge { addr: scratch, len: 1, lkey });
+        true
     }
 
     /// Its work requests for `op`, all with `id`, only the last signalled.
@@ -121,9 +137,9 @@ impl Chain {
             .enumerate()
             .map(|(i, w)| Wr {
                 id,
-                op: match op {
-                    XferOp::Read => Op::Read { raddr: w.raddr, rkey: w.rkey },
-                    XferOp::Write => Op::Write { raddr: w.raddr, rkey: w.rkey },
+                op: match (op, w.flush) {
+                    (XferOp::Read, _) | (_, true) => Op::Read { raddr: w.raddr, rkey: w.rkey },
+                    (XferOp::Write, false) => Op::Write { raddr: w.raddr, rkey: w.rkey },
                 },
                 sges: &self.sges[w.first..w.first + w.count],
                 signaled: i + 1 == n,
@@ -243,9 +259,13 @@ impl Rdma {
         Ok(Lane { qp, cq, conn })
     }
 
-    /// Post `segs` on `lane` (of `path`) in chains (see `Chain`) and wait for each chain's completion.
+    /// Post `segs` on `lane` (of `path`) in chains (see `Chain`) and wait for each chain's completion. WRITEs end
+    /// with a 1-byte READ of the last byte written on the same queue pair (a flush): its answer leaves the target
+    /// after the writes before it are placed in its memory, so the request completes, and its notification
+    /// leaves, only once the target's memory holds the data, whatever the PCIe ordering on the target.
     fn run(&self, path: &Path, lane: &Lane, job: &Job, segs: &[Seg]) -> Result<()> {
         let mut chain = Chain::default();
+        let mut last = None;
         for s in segs {
             let lkey =
                 job.lkeys.get(s.lreg as usize).and_then(|k| k.as_ref()?.keys.get(path.local).copied()).ok_or_else(
@@ -268,6 +288,14 @@ impl Rdma {
                 if off < s.len {
                     self.post(lane, job, &mut chain)?;
                 }
+            }
+            last = (s.len > 0).then(|| (s.remote + s.len - 1, rkey)).or(last);
+        }
+        if let (XferOp::Write, Some((raddr, rkey))) = (job.op, last) {
+            let (mr, buf) = &self.side.ports[path.local].scratch;
+            if !chain.flush(buf.as_ptr() as u64, mr.lkey, raddr, rkey) {
+                self.post(lane, job, &mut chain)?;
+                chain.flush(buf.as_ptr() as u64, mr.lkey, raddr, rkey);
             }
         }
         self.post(lane, job, &mut chain)
@@ -463,6 +491,27 @@ mod tests {
         assert_eq!(chains.len(), 1);
         assert_eq!(chains[0].len(), 1024 / MAX_SGE);
         assert!(chains[0].iter().all(|&(_, bytes, n)| bytes == MAX_SGE as u64 * B && n == MAX_SGE));
+    }
+
+    #[test]
+    fn a_flush_is_a_one_byte_read_that_nothing_joins() {
+        let mut c = Chain::default();
+        assert_eq!(c.push(0x1000, 0x2000, 64, 1, 9), 64);
+        assert!(c.flush(0x9000, 5, 0x203f, 9));
+        // A range continuing the flushed byte starts a request of its own.
+        assert_eq!(c.push(0x1040, 0x2040, 64, 1, 9), 64);
+        let wrs = c.wrs(XferOp::Write, 3);
+        assert_eq!(wrs.len(), 3);
+        assert_eq!(wrs[0].op, Op::Write { raddr: 0x2000, rkey: 9 });
+        assert_eq!(wrs[1].op, Op::Read { raddr: 0x203f, rkey: 9 });
+        assert_eq!(wrs[1].sges, &[Sge { addr: 0x9000, len: 1, lkey: 5 }]);
+        assert_eq!(wrs[2].op, Op::Write { raddr: 0x2040, rkey: 9 });
+        // A full chain takes no flush.
+        let mut full = Chain::default();
+        for i in 0..CHAIN as u64 {
+            full.push(0x1000 + i * 2, 0x10_0000 + i * 4, 1, 1, 9);
+        }
+        assert!(!full.flush(0x9000, 5, 0x10_0000, 9));
     }
 
     #[test]

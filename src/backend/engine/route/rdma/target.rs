@@ -54,6 +54,9 @@ pub(crate) struct PortSide {
     /// Every key value this domain handed out.
     used: Mutex<HashSet<u32>>,
     tombstones: Mutex<Vec<(Mr, Box<[u8]>)>>,
+    /// A few bytes of local memory the initiator reads into to flush its WRITEs (see `Rdma::run`), kept for
+    /// the engine's life.
+    pub(crate) scratch: (Mr, Box<[u8]>),
 }
 
 impl PortSide {
@@ -94,7 +97,11 @@ impl RdmaSide {
             let open = || -> Result<PortSide> {
                 let nic = fabric.open(&p.device, p.port)?;
                 let cq = nic.create_cq(64)?;
-                Ok(PortSide { port: Port::from(p), nic, cq, used: Mutex::default(), tombstones: Mutex::default() })
+                let buf = vec![0u8; 64].into_boxed_slice();
+                let mr = nic.reg_mr(buf.as_ptr() as u64, buf.len() as u64, LOCAL_WRITE)?;
+                let used = Mutex::new(HashSet::from([mr.rkey]));
+                let scratch = (mr, buf);
+                Ok(PortSide { port: Port::from(p), nic, cq, used, tombstones: Mutex::default(), scratch })
             };
             match open() {
                 Ok(side) => ports.push(side),
