@@ -667,3 +667,48 @@ fn a_write_is_flushed_by_a_read_on_its_queue_pair_before_it_completes() {
     assert_eq!((s1 - s0, s2 - s1), (2, 1), "WRITE: the data and its flush; READ: the data");
     p.kill();
 }
+
+/// A million-entry list over RDMA: 1,048,576 descriptors of 16 bytes, adjacent on both sides, READ whole (the
+/// adjacent entries share work requests: the target's NIC serves a handful of requests, not a million), then
+/// 65,536 of them with the remote blocks reversed (one work request each), both checked byte for byte.
+#[test]
+fn a_million_entry_list_goes_over_rdma_in_a_handful_of_work_requests() {
+    fake_env();
+    let mut p = Prefill::start(51);
+    let a = agent("decode-million");
+    let dst = vec![0u8; SIZE];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    a.load_remote_md(&p.md).unwrap();
+    let served = |p: &mut Prefill| -> u64 {
+        let l = p.ask("served", "served").pop().unwrap();
+        l.split(' ').skip(1).map(|x| x.parse::<u64>().unwrap()).sum()
+    };
+    const E: usize = 16;
+    let n = SIZE / E;
+    assert_eq!(n, 1 << 20);
+    let list = |base: u64, order: &dyn Fn(usize) -> usize, count: usize| {
+        XferDList::with_descs(
+            MemType::Dram,
+            (0..count).map(|i| Desc::new(base + (order(i) * E) as u64, E as u64, 0)).collect(),
+        )
+    };
+    let s0 = served(&mut p);
+    let r = run(&a, XferOp::Read, &list(dst.as_ptr() as u64, &|i| i, n), &list(p.addr, &|i| i, n), None).unwrap();
+    assert_eq!(r, Status::Success);
+    assert!(dst.iter().enumerate().all(|(i, &b)| b == ((i + 51) % 251) as u8), "a million adjacent entries");
+    let s1 = served(&mut p);
+    assert!(s1 - s0 <= 64, "adjacent entries share work requests: the target served {}", s1 - s0);
+    // 65,536 entries, the remote ones reversed: nothing adjacent.
+    let m = 1 << 16;
+    let mut dst = dst;
+    dst.iter_mut().for_each(|b| *b = 0);
+    let r =
+        run(&a, XferOp::Read, &list(dst.as_ptr() as u64, &|i| i, m), &list(p.addr, &|i| m - 1 - i, m), None).unwrap();
+    assert_eq!(r, Status::Success);
+    for i in 0..m {
+        let want = |j: usize| (((m - 1 - i) * E + j + 51) % 251) as u8;
+        assert!((0..E).all(|j| dst[i * E + j] == want(j)), "entry {i}");
+    }
+    assert_eq!(served(&mut p) - s1, m as u64, "one work request per scattered entry");
+    p.kill();
+}
