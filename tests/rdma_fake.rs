@@ -66,7 +66,15 @@ fn reg_of(mem: MemType, buf: &[u8]) -> RegDList {
 
 /// `SIZE` bytes of fake device memory on GPU 0 (host memory the fake device layer calls device memory).
 fn fake_vram() -> &'static mut [u8] {
-    let p = gixl::device::fake::alloc(0, SIZE, false, None).unwrap();
+    fake_vram_of(1)
+}
+
+/// The same as `chunks` allocations mapped back to back (a VMM range such as PyTorch's expandable segments).
+fn fake_vram_of(chunks: usize) -> &'static mut [u8] {
+    let p = match chunks {
+        0 | 1 => gixl::device::fake::alloc(0, SIZE, false, None).unwrap(),
+        n => gixl::device::fake::alloc_chunks(0, &vec![SIZE / n; n], true, None).unwrap(),
+    };
     // SAFETY: a fresh fake allocation of `SIZE` bytes in this process, never freed.
     unsafe { std::slice::from_raw_parts_mut(p as usize as *mut u8, SIZE) }
 }
@@ -79,7 +87,7 @@ fn prefill_child() {
     let a = agent("prefill");
     let mut own = Vec::new();
     let buf: &mut [u8] = match mem {
-        MemType::Vram => fake_vram(),
+        MemType::Vram => fake_vram_of(std::env::var("GIXL_VRAM_CHUNKS").map_or(1, |v| v.parse().unwrap())),
         _ => {
             own.resize(SIZE, 0);
             &mut own
@@ -377,14 +385,15 @@ fn gpu_memory_goes_over_the_fabric_directly_where_the_nic_reaches_it_else_staged
     fake_env();
     assert!(gixl::device::select_fake(), "this test process must use the fake device");
     let a = agent("decode-vram");
-    let dst = fake_vram();
-    a.register_mem(&reg_of(MemType::Vram, dst), &[]).unwrap();
+    let one = fake_vram();
+    let four = fake_vram_of(4);
+    a.register_mem(&reg_of(MemType::Vram, one), &[]).unwrap();
+    a.register_mem(&reg_of(MemType::Vram, four), &[]).unwrap();
     let vram = |addr: u64, off: usize, len: usize| {
         XferDList::with_descs(MemType::Vram, vec![Desc::new(addr + off as u64, len as u64, 0)])
     };
-    let here = dst.as_ptr() as u64;
     type Case<'a> = (&'a str, &'a [(&'a str, &'a str)], bool);
-    let cases: [Case; 3] = [
+    let cases: [Case; 4] = [
         ("dma-buf", &[("GIXL_VRAM", "1"), ("GIXL_FAKE_DEVICE", "1")], true),
         (
             "peer memory",
@@ -397,8 +406,16 @@ fn gpu_memory_goes_over_the_fabric_directly_where_the_nic_reaches_it_else_staged
             true,
         ),
         ("staged", &[("GIXL_VRAM", "1"), ("GIXL_FAKE_DEVICE", "1"), ("GIXL_FAKE_DMABUF", "0")], false),
+        // Both sides' regions span 4 allocations: one dma-buf and one memory region per allocation.
+        (
+            "dma-buf, 4 allocations each side",
+            &[("GIXL_VRAM", "1"), ("GIXL_FAKE_DEVICE", "1"), ("GIXL_VRAM_CHUNKS", "4")],
+            true,
+        ),
     ];
     for (seed, (how, env, direct)) in cases.into_iter().enumerate() {
+        let dst: &mut [u8] = if seed == 3 { &mut *four } else { &mut *one };
+        let here = dst.as_ptr() as u64;
         let mut p = Prefill::start_with(seed, env);
         a.invalidate_remote_md("prefill").ok();
         a.load_remote_md(&p.md).unwrap();

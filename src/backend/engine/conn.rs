@@ -249,12 +249,19 @@ const TICKET_RKEY: u64 = 1;
 /// A region ticket's section: the ports nearest the region's memory, as a mask by port index (u32).
 const TICKET_NEAR: u64 = 2;
 
-/// What RDMA peers need of a region: its key on each port of its engine (empty: no RDMA), and the ports nearest
-/// its memory (a mask by port index; 0: not said, any).
+/// A region ticket's section: where the region's memory regions start, for a region registered as several
+/// (GPU memory over several allocations: one dma-buf each), as u64 addresses, at least two, increasing.
+const TICKET_BOUNDS: u64 = 3;
+
+/// What RDMA peers need of a region: its key on each port of its engine (empty: no RDMA; for a region of several
+/// memory regions, `bounds`, one key per port for each, region by region), and the ports nearest its memory (a
+/// mask by port index; 0: not said, any).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub(super) struct RdmaKeys {
     pub(super) rkeys: Vec<u32>,
     pub(super) near: u32,
+    /// Where each of its memory regions starts; empty for one.
+    pub(super) bounds: Vec<u64>,
 }
 
 /// `slot | state`, then the RDMA sections where the region has keys.
@@ -274,6 +281,10 @@ pub(super) fn put_ticket_sections(out: &mut Vec<u8>, k: &RdmaKeys) {
         put_bytes(out, &k.rkeys.iter().flat_map(|k| k.to_le_bytes()).collect::<Vec<u8>>());
         put_uvar(out, TICKET_NEAR);
         put_bytes(out, &k.near.to_le_bytes());
+        if k.bounds.len() > 1 {
+            put_uvar(out, TICKET_BOUNDS);
+            put_bytes(out, &k.bounds.iter().flat_map(|b| b.to_le_bytes()).collect::<Vec<u8>>());
+        }
     }
 }
 
@@ -305,8 +316,22 @@ pub(super) fn read_ticket_sections(r: &mut Reader<'_>) -> Result<RdmaKeys> {
                     sec.try_into().map_err(|_| Error::mismatch("malformed nearest ports in a region ticket"))?;
                 k.near = u32::from_le_bytes(b);
             }
+            TICKET_BOUNDS => {
+                let bad = || Error::mismatch("malformed memory-region bounds in a region ticket");
+                if sec.len() < 16 || sec.len() % 8 != 0 {
+                    return Err(bad());
+                }
+                k.bounds = sec.chunks(8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or_default())).collect();
+                if k.bounds.windows(2).any(|w| w[0] >= w[1]) {
+                    return Err(bad());
+                }
+            }
             _ => {}
         }
+    }
+    // One key per port for each memory region.
+    if !k.bounds.is_empty() && k.rkeys.len() % k.bounds.len() != 0 {
+        return Err(Error::mismatch("RDMA keys do not match the region's memory regions in a region ticket"));
     }
     Ok(k)
 }
@@ -393,7 +418,7 @@ mod tests {
         ticket.push(3);
         assert!(decode_ticket(&ticket).is_err());
         // The RDMA keys' and nearest ports' sections, and a later one after them.
-        let keys = RdmaKeys { rkeys: vec![0xABCD01, 7], near: 0b10 };
+        let keys = RdmaKeys { rkeys: vec![0xABCD01, 7], near: 0b10, bounds: vec![] };
         let mut ticket = encode_ticket(t, &keys);
         assert_eq!(decode_ticket(&ticket).unwrap(), (t, keys.clone()));
         put_uvar(&mut ticket, 32);
@@ -406,6 +431,17 @@ mod tests {
         let mut short = encode_ticket(t, &none);
         put_uvar(&mut short, 2);
         put_bytes(&mut short, &[1, 2, 3]);
+        assert!(decode_ticket(&short).is_err());
+        // Several memory regions: their bounds, one key per port each.
+        let chunked = RdmaKeys { rkeys: vec![1, 2, 3, 4, 5, 6], near: 1, bounds: vec![0x1000, 0x5000, 0x9000] };
+        assert_eq!(decode_ticket(&encode_ticket(t, &chunked)).unwrap(), (t, chunked.clone()));
+        let odd = RdmaKeys { rkeys: vec![1, 2, 3, 4], ..chunked.clone() };
+        assert!(decode_ticket(&encode_ticket(t, &odd)).is_err(), "4 keys for 3 regions");
+        let unordered = RdmaKeys { bounds: vec![0x5000, 0x1000, 0x9000], ..chunked };
+        assert!(decode_ticket(&encode_ticket(t, &unordered)).is_err(), "bounds out of order");
+        let mut short = encode_ticket(t, &none);
+        put_uvar(&mut short, 3);
+        put_bytes(&mut short, &[0; 8]);
         assert!(decode_ticket(&short).is_err());
     }
 }

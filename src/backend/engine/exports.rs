@@ -23,6 +23,8 @@ use crate::verbs::Mr;
 pub(super) struct LocalMrs {
     pub(super) keys: Box<[u32]>,
     pub(super) near: u32,
+    /// Where each of its memory regions starts, for a region registered as several (`RdmaKeys::bounds`).
+    pub(super) bounds: Box<[u64]>,
 }
 
 /// One registration of this engine, as its key.
@@ -36,6 +38,8 @@ pub(super) struct Registered {
     mrs: Vec<Mr>,
     /// The ports nearest its memory (a mask by port index, see `RdmaSide::near`).
     near: u32,
+    /// Where each of its memory regions starts, where it has several (`mrs` then holds one per port for each).
+    bounds: Vec<u64>,
 }
 
 impl Registered {
@@ -47,7 +51,11 @@ impl Registered {
     /// The RDMA local keys (by port index) and nearest ports of a local registration's key.
     pub(super) fn rdma_lkeys(key: &RegionKey) -> Option<LocalMrs> {
         let r = key.downcast_ref::<Registered>()?;
-        (!r.mrs.is_empty()).then(|| LocalMrs { keys: r.mrs.iter().map(|m| m.lkey).collect(), near: r.near })
+        (!r.mrs.is_empty()).then(|| LocalMrs {
+            keys: r.mrs.iter().map(|m| m.lkey).collect(),
+            near: r.near,
+            bounds: r.bounds.clone().into(),
+        })
     }
 }
 
@@ -65,13 +73,25 @@ impl Shared {
             }
             (Some(r), _) => r.near(&crate::os::numa_node_of(d.addr).map_or(Place::Unknown, Place::Numa)),
         };
-        let rdma_keys = |mrs: &[Mr]| RdmaKeys { rkeys: mrs.iter().map(|m| m.rkey).collect(), near };
+        let rdma_keys = |mrs: &[Mr], bounds: &[u64]| RdmaKeys {
+            rkeys: mrs.iter().map(|m| m.rkey).collect(),
+            near,
+            bounds: bounds.to_vec(),
+        };
+        let mut bounds = Vec::new();
         let (public, ticket, vram, mrs) = match mem {
             MemType::Vram => {
                 // `register` checks that the descriptor's device is the allocation's.
                 let v = self.vram.register(&self.ctrl, &self.gate, desc)?;
-                let mrs = self.rdma.as_ref().map_or_else(Vec::new, |r| self.device_mrs(r, d.addr, d.len, d.dev));
-                (with_rdma(v.public, &rdma_keys(&mrs)), v.ticket, Some((d.dev as u32, v.bases)), mrs)
+                let mrs = match &self.rdma {
+                    None => Vec::new(),
+                    Some(r) => {
+                        let (mrs, b) = self.device_mrs(r, d.addr, d.len, d.dev, &v.bases);
+                        bounds = b;
+                        mrs
+                    }
+                };
+                (with_rdma(v.public, &rdma_keys(&mrs, &bounds)), v.ticket, Some((d.dev as u32, v.bases)), mrs)
             }
             MemType::Dram => {
                 let mrs = self.rdma.as_ref().map(|r| r.register(d.addr, d.len)).transpose()?.unwrap_or_default();
@@ -84,23 +104,35 @@ impl Shared {
                         return Err(e);
                     }
                 };
-                (encode_ticket(t, &rdma_keys(&mrs)), t, None, mrs)
+                (encode_ticket(t, &rdma_keys(&mrs, &[])), t, None, mrs)
             }
             _ => return Err(Error::not_supported(format!("{} is not supported by this engine", mem.seg_name()))),
         };
         // TCP peers reach VRAM through the serving loops, staged (see `route::tcp::stage`).
         self.regions.add(d.addr, d.len, vram.as_ref().map(|v| v.0));
-        let key: RegionKey = Arc::new(Registered { addr: d.addr, len: d.len, ticket, vram, mrs, near });
+        let key: RegionKey = Arc::new(Registered { addr: d.addr, len: d.len, ticket, vram, mrs, near, bounds });
         Ok(LocalRegion { public, key: Some(key) })
     }
 
-    /// A VRAM region's memory regions for RDMA peers, chosen per region and said in the log: reached by the NIC
-    /// directly (dma-buf, else peer memory), else none (RDMA peers' requests on it are staged through host
-    /// memory over their TCP link).
-    fn device_mrs(&self, rdma: &RdmaSide, addr: u64, len: u64, dev: u64) -> Vec<Mr> {
-        let (mrs, how) = match rdma.register_device(addr, len) {
-            Ok((mrs, how)) => (mrs, format!("reached by the RDMA NIC directly ({how})")),
-            Err(why) => (Vec::new(), format!("staged through host memory for RDMA peers ({why})")),
+    /// A VRAM region's memory regions for RDMA peers (and where each starts, for several), chosen per region and
+    /// said in the log: reached by the NIC directly (a dma-buf of its part of each allocation in `bases`, else
+    /// peer memory), else none (RDMA peers' requests on it are staged through host memory over their TCP link).
+    fn device_mrs(&self, rdma: &RdmaSide, addr: u64, len: u64, dev: u64, bases: &[u64]) -> (Vec<Mr>, Vec<u64>) {
+        let end = addr + len;
+        let pieces: Vec<(u64, u64)> = bases
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| {
+                let (lo, hi) = (b.max(addr), bases.get(i + 1).map_or(end, |&n| n.min(end)));
+                (lo, hi - lo)
+            })
+            .collect();
+        let (mrs, bounds, how) = match rdma.register_device(&pieces) {
+            Ok((mrs, bounds, how)) => {
+                let n = if bounds.is_empty() { String::new() } else { format!(", {} memory regions", bounds.len()) };
+                (mrs, bounds, format!("reached by the RDMA NIC directly ({how}{n})"))
+            }
+            Err(why) => (Vec::new(), Vec::new(), format!("staged through host memory for RDMA peers ({why})")),
         };
         let line = format!("agent '{}': VRAM region {addr:#x}+{len} on GPU {dev}: {how}", self.agent);
         if mrs.is_empty() {
@@ -108,7 +140,7 @@ impl Shared {
         } else {
             crate::telemetry::log::info(&line)
         }
-        mrs
+        (mrs, bounds)
     }
 
     /// Deregister the regions of `keys` (this engine's, from `register`) from every route: each refuses new

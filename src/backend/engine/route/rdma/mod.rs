@@ -60,6 +60,14 @@ struct Chain {
     wrs: Vec<Pending>,
 }
 
+/// The key on `port` of the memory region holding `addr` (of a region registered as one, or as several starting
+/// at `bounds`, `ports` keys each), and where that memory region ends (`u64::MAX` for the last).
+fn key_at(keys: &[u32], bounds: &[u64], ports: usize, addr: u64, port: usize) -> Option<(u32, u64)> {
+    let i = bounds.partition_point(|&b| b <= addr).saturating_sub(1);
+    let end = bounds.get(i + 1).copied().unwrap_or(u64::MAX);
+    Some((*keys.get(i * ports + port)?, end))
+}
+
 /// The ports nearest the memory of every region of `segs`, here and at the peer (masks by port index; every port
 /// where the regions say nothing or disagree).
 fn nearest(job: &Job, segs: &[Seg]) -> (u32, u32) {
@@ -266,30 +274,38 @@ impl Rdma {
     fn run(&self, path: &Path, lane: &Lane, job: &Job, segs: &[Seg]) -> Result<()> {
         let mut chain = Chain::default();
         let mut last = None;
+        let here_ports = self.side.ports.len();
         for s in segs {
-            let lkey =
-                job.lkeys.get(s.lreg as usize).and_then(|k| k.as_ref()?.keys.get(path.local).copied()).ok_or_else(
-                    || Error::invalid_param("a local region of this request is not registered with the RDMA NIC"),
-                )?;
-            let rkey = job
-                .keys
-                .get(s.rreg as usize)
-                .and_then(|k| k.as_ref())
-                .and_then(|k| remote_keys(k)?.rkeys.get(path.remote).copied())
-                .ok_or_else(|| {
-                    Error::not_supported(format!(
-                        "agent '{}' registered a region of this request without an RDMA key",
-                        self.name
-                    ))
-                })?;
+            let local = job.lkeys.get(s.lreg as usize).and_then(Option::as_ref).ok_or_else(|| {
+                Error::invalid_param("a local region of this request is not registered with the RDMA NIC")
+            })?;
+            let remote = job.keys.get(s.rreg as usize).and_then(Option::as_ref).and_then(remote_keys);
+            let no_rkey = || {
+                Error::not_supported(format!(
+                    "agent '{}' registered a region of this request without an RDMA key",
+                    self.name
+                ))
+            };
+            let remote = remote.filter(|r| !r.rkeys.is_empty()).ok_or_else(no_rkey)?;
+            let there_ports = remote.rkeys.len() / remote.bounds.len().max(1);
             let mut off = 0;
             while off < s.len {
-                off += chain.push(s.local + off, s.remote + off, s.len - off, lkey, rkey);
-                if off < s.len {
+                let (laddr, raddr) = (s.local + off, s.remote + off);
+                // The memory region of each side holding this byte, and where it ends.
+                let (lkey, lend) = key_at(&local.keys, &local.bounds, here_ports, laddr, path.local)
+                    .ok_or_else(|| Error::invalid_param("a local region of this request has no key on this port"))?;
+                let (rkey, rend) =
+                    key_at(&remote.rkeys, &remote.bounds, there_ports, raddr, path.remote).ok_or_else(no_rkey)?;
+                let n = (s.len - off).min(lend - laddr).min(rend - raddr);
+                let took = chain.push(laddr, raddr, n, lkey, rkey);
+                off += took;
+                if took > 0 {
+                    last = Some((raddr + took - 1, rkey));
+                }
+                if took < n {
                     self.post(lane, job, &mut chain)?;
                 }
             }
-            last = (s.len > 0).then(|| (s.remote + s.len - 1, rkey)).or(last);
         }
         if let (XferOp::Write, Some((raddr, rkey))) = (job.op, last) {
             let (mr, buf) = &self.side.ports[path.local].scratch;

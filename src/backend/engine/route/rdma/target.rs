@@ -173,20 +173,40 @@ impl RdmaSide {
         self.register_with(&|nic, access| nic.reg_mr(addr, len, access))
     }
 
-    /// Device memory `[addr, addr + len)` registered on every port without staging, and how: through a dma-buf
-    /// of the range (`ibv_reg_dmabuf_mr`; needs the GPU driver's export and a NIC driver that takes it), else
-    /// as a plain region (which only the GPU vendor's peer-memory kernel module makes work). Err: neither
-    /// works, with both reasons; the caller stages that region through host memory.
-    pub(crate) fn register_device(&self, addr: u64, len: u64) -> std::result::Result<(Vec<Mr>, &'static str), String> {
-        let by_dmabuf = crate::device::get().and_then(|dev| dev.dmabuf(addr, len)).and_then(|(fd, offset)| {
-            self.register_with(&|nic, access| nic.reg_dmabuf_mr(fd.as_fd(), offset, len, addr, access))
-        });
-        let dmabuf_err = match by_dmabuf {
-            Ok(mrs) => return Ok((mrs, "dma-buf")),
-            Err(e) => e,
+    /// Device memory registered on every port without staging, and how: `pieces` (the region's part of each
+    /// allocation it spans, back to back) each through a dma-buf of its range (`ibv_reg_dmabuf_mr`; needs the GPU
+    /// driver's export and a NIC driver that takes it), their memory regions piece by piece (port by port inside
+    /// a piece) and where each starts (empty for one piece); else the whole range as a plain region (which only
+    /// the GPU vendor's peer-memory kernel module makes work). Err: neither works, with both reasons; the caller
+    /// stages that region through host memory.
+    pub(crate) fn register_device(
+        &self,
+        pieces: &[(u64, u64)],
+    ) -> std::result::Result<(Vec<Mr>, Vec<u64>, &'static str), String> {
+        let mut mrs = Vec::with_capacity(pieces.len() * self.ports.len());
+        let mut by_dmabuf = || -> Result<()> {
+            let dev = crate::device::get()?;
+            for &(addr, len) in pieces {
+                let (fd, offset) = dev.dmabuf(addr, len)?;
+                mrs.extend(
+                    self.register_with(&|nic, access| nic.reg_dmabuf_mr(fd.as_fd(), offset, len, addr, access))?,
+                );
+            }
+            Ok(())
         };
-        match self.register(addr, len) {
-            Ok(mrs) => Ok((mrs, "peer memory")),
+        let dmabuf_err = match by_dmabuf() {
+            Ok(()) => {
+                let bounds = if pieces.len() > 1 { pieces.iter().map(|p| p.0).collect() } else { Vec::new() };
+                return Ok((mrs, bounds, "dma-buf"));
+            }
+            Err(e) => {
+                self.deregister(&mrs);
+                e
+            }
+        };
+        let (addr, end) = (pieces.first().map_or(0, |p| p.0), pieces.last().map_or(0, |p| p.0 + p.1));
+        match self.register(addr, end - addr) {
+            Ok(mrs) => Ok((mrs, Vec::new(), "peer memory")),
             Err(e) => Err(format!("dma-buf: {}; peer memory: {}", dmabuf_err.message(), e.message())),
         }
     }
@@ -206,9 +226,10 @@ impl RdmaSide {
         Ok(mrs)
     }
 
-    /// After it returns, no peer's access through `mrs` (as `register` gave them) succeeds.
+    /// After it returns, no peer's access through `mrs` (as `register` or `register_device` gave them: port by
+    /// port, piece by piece) succeeds.
     pub(crate) fn deregister(&self, mrs: &[Mr]) {
-        for (p, mr) in self.ports.iter().zip(mrs) {
+        for (p, mr) in self.ports.iter().cycle().zip(mrs) {
             if let Err(e) = p.nic.dereg_mr(mr) {
                 crate::telemetry::log::warn(&format!("RDMA: deregistering {:#x}+{}: {e}", mr.addr, mr.len));
             }
