@@ -1,5 +1,6 @@
 //! The rdma-core bindings (`gixl::verbs::sys`, feature `rdma`) against rdma-core's own header: a C program
-//! compiled against `<infiniband/verbs.h>` prints the offsets the bindings read, and they must agree; and the
+//! compiled against `<infiniband/verbs.h>` prints the offsets the bindings read, and they must agree (and
+//! `ibv_reg_dmabuf_mr` must have the signature the bindings call it by); and the
 //! real library's answer on a host without a NIC (this one, and CI's): NOT_SUPPORTED saying why, nothing
 //! else. The header comes from `$GIXL_RDMA_CORE/usr/include` (scripts/setup.sh unpacks Debian's rdma-core into
 //! ~/.cache/gixl/rdma-core without installing it, and the test command points there), else /usr/include;
@@ -33,8 +34,14 @@ fn the_offsets_the_bindings_read_are_rdma_cores() {
         };
         lines.push(format!("    printf(\"{name} %zu\\n\", (size_t)({expr}));"));
     }
+    // The optional symbol the bindings call through a pointer of this type (`reg_dmabuf_mr`): a compile-time
+    // check, no linking needed.
+    let dmabuf = "_Static_assert(__builtin_types_compatible_p(__typeof__(&ibv_reg_dmabuf_mr), \
+                  struct ibv_mr *(*)(struct ibv_pd *, uint64_t, size_t, uint64_t, int, int)), \
+                  \"ibv_reg_dmabuf_mr's signature\");";
     let c = format!(
-        "#include <stddef.h>\n#include <stdio.h>\n#include <infiniband/verbs.h>\nint main(void) {{\n{}\n    return 0;\n}}\n",
+        "#include <stddef.h>\n#include <stdint.h>\n#include <stdio.h>\n#include <infiniband/verbs.h>\n{dmabuf}\n\
+         int main(void) {{\n{}\n    return 0;\n}}\n",
         lines.join("\n")
     );
     std::fs::write(&src, c).unwrap();
