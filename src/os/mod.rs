@@ -12,7 +12,7 @@ pub(crate) mod sentinel;
 pub(crate) mod sock;
 
 pub(crate) use proc::{pidfd_alive, pidfd_getfd, pidfd_open};
-pub(crate) use reactor::{epoll, eventfd, wake, Reactor, Tokens};
+pub(crate) use reactor::{epoll, eventfd, wake, woken, Reactor, Tokens};
 
 /// The NUMA node of the page holding `addr` (`get_mempolicy` with `MPOL_F_NODE | MPOL_F_ADDR`; a page not yet
 /// allocated is, as a read would). None where the kernel does not say (no NUMA support, an address not mapped).

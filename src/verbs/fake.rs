@@ -35,9 +35,11 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, RwLock};
 
-use super::{Completion, Cq, Fabric, LinkLayer, Mr, Nic, Op, PortInfo, Qp, QpAddr, QpCaps, Sge, WcKind, WcStatus, Wr};
+use super::{
+    Completion, Cq, Fabric, LinkLayer, Mr, Nic, Op, PortEvent, PortInfo, Qp, QpAddr, QpCaps, Sge, WcKind, WcStatus, Wr,
+};
 use super::{LOCAL_WRITE, REMOTE_READ, REMOTE_WRITE};
-use crate::os::{eventfd, wake};
+use crate::os::{eventfd, wake, woken};
 use crate::status::{Error, Result, Status};
 
 /// At most this many fake devices.
@@ -112,6 +114,8 @@ pub fn fail_port(port: &PortInfo) {
     failed_ports().lock().insert(port.gid);
     let eps: Vec<Arc<Endpoint>> = endpoints().lock().values().filter_map(Weak::upgrade).collect();
     for ep in eps.iter().filter(|e| e.gid == port.gid) {
+        // Every NIC opened on it says so (an async event), as a real one does when its link goes.
+        ep.nics.lock().retain(|n| n.upgrade().map(|n| n.push(PortEvent::Down)).is_some());
         let qps: Vec<Arc<QpInner>> = ep.qps.lock().values().filter_map(Weak::upgrade).collect();
         for q in qps {
             q.fail(WcStatus::RetryExceeded);
@@ -149,7 +153,9 @@ impl Fabric for FakeFabric {
             .ok_or_else(|| Error::not_found(format!("no RDMA port {device}:{port} on the fake fabric")))?;
         let ep = self.endpoint(dev)?;
         let port = ep.port_info();
-        Ok(Arc::new(FakeNic { ep, port, pd: Arc::new(Pd::default()) }))
+        let events = Arc::new(NicEvents { fd: eventfd(false)?, q: Mutex::default() });
+        ep.nics.lock().push(Arc::downgrade(&events));
+        Ok(Arc::new(FakeNic { ep, port, pd: Arc::new(Pd::default()), events }))
     }
 }
 
@@ -181,6 +187,8 @@ struct Endpoint {
     dev: u32,
     /// READ and WRITE requests served (see [`served`]).
     served: AtomicU64,
+    /// The event queues of the NICs opened on it.
+    nics: Mutex<Vec<Weak<NicEvents>>>,
     gid: [u8; 16],
     path: PathBuf,
     reuse_keys: bool,
@@ -206,6 +214,7 @@ impl Endpoint {
             name: format!("fake{dev}"),
             dev,
             served: AtomicU64::new(0),
+            nics: Mutex::default(),
             gid,
             path,
             reuse_keys,
@@ -357,6 +366,20 @@ struct FakeNic {
     ep: Arc<Endpoint>,
     port: PortInfo,
     pd: Arc<Pd>,
+    events: Arc<NicEvents>,
+}
+
+/// What a fake NIC reports on its own (`Nic::port_event`): its port's changes, readable on an eventfd.
+struct NicEvents {
+    fd: OwnedFd,
+    q: Mutex<VecDeque<PortEvent>>,
+}
+
+impl NicEvents {
+    fn push(&self, e: PortEvent) {
+        self.q.lock().push_back(e);
+        wake(&self.fd);
+    }
 }
 
 impl FakeNic {
@@ -372,6 +395,18 @@ impl FakeNic {
 impl Nic for FakeNic {
     fn port(&self) -> &PortInfo {
         &self.port
+    }
+
+    fn event_fd(&self) -> RawFd {
+        self.events.fd.as_raw_fd()
+    }
+
+    fn port_event(&self) -> Result<Option<PortEvent>> {
+        let mut q = self.events.q.lock();
+        if q.len() <= 1 {
+            woken(&self.events.fd);
+        }
+        Ok(q.pop_front())
     }
 
     fn reg_mr(&self, addr: u64, len: u64, access: u32) -> Result<Mr> {

@@ -194,6 +194,21 @@ pub trait Nic: Send + Sync {
     fn dereg_mr(&self, mr: &Mr) -> Result<()>;
     fn create_cq(&self, depth: u32) -> Result<Arc<dyn Cq>>;
     fn create_qp(&self, send_cq: &Arc<dyn Cq>, recv_cq: &Arc<dyn Cq>, caps: QpCaps) -> Result<Arc<dyn Qp>>;
+    /// Readable when the NIC has something to report on its own (rdma-core's async events: a port going down or
+    /// coming back, a fatal device error); `port_event` takes it.
+    fn event_fd(&self) -> RawFd;
+    /// The next change of this port's state the NIC reported, without blocking (other events are taken and
+    /// dropped); None when none is pending.
+    fn port_event(&self) -> Result<Option<PortEvent>>;
+}
+
+/// A change of a port's state, as the NIC reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PortEvent {
+    /// The port (or the whole device) stopped carrying traffic.
+    Down,
+    /// It carries traffic again.
+    Up,
 }
 
 /// A completion queue.

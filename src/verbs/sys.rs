@@ -21,7 +21,9 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::{Completion, Cq, Fabric, LinkLayer, Mr, Nic, Op, PortInfo, Qp, QpAddr, QpCaps, Sge, WcKind, WcStatus, Wr};
+use super::{
+    Completion, Cq, Fabric, LinkLayer, Mr, Nic, Op, PortEvent, PortInfo, Qp, QpAddr, QpCaps, Sge, WcKind, WcStatus, Wr,
+};
 use super::{LOCAL_WRITE, REMOTE_READ, REMOTE_WRITE};
 use crate::status::{Error, Result, Status};
 
@@ -35,6 +37,9 @@ pub const PORT_ATTR_SIZE: usize = 52;
 pub const MR_LKEY: usize = 36;
 pub const MR_RKEY: usize = 40;
 pub const CHANNEL_FD: usize = 8;
+pub const CONTEXT_ASYNC_FD: usize = 268;
+pub const ASYNC_EVENT_TYPE: usize = 8;
+pub const ASYNC_EVENT_SIZE: usize = 16;
 pub const QP_NUM: usize = 52;
 /// `struct ibv_context`'s function table entries this file calls.
 pub const OPS_POLL_CQ: usize = 8 + 11 * 8;
@@ -43,6 +48,9 @@ pub const OPS_POST_SEND: usize = 8 + 25 * 8;
 pub const OPS_POST_RECV: usize = 8 + 26 * 8;
 
 const PORT_ACTIVE: u32 = 4;
+const EVENT_DEVICE_FATAL: u32 = 8;
+const EVENT_PORT_ACTIVE: u32 = 9;
+const EVENT_PORT_ERR: u32 = 10;
 const LINK_ETHERNET: u8 = 2;
 const QPT_RC: u32 = 2;
 const QPS_INIT: u32 = 1;
@@ -240,6 +248,12 @@ pub const ABI: &[(&str, usize)] = &[
     ("qp_attr.rnr_retry", offset_of!(IbvQpAttr, rnr_retry)),
     ("qp_attr.rate_limit", offset_of!(IbvQpAttr, rate_limit)),
     ("IBV_PORT_ACTIVE", PORT_ACTIVE as usize),
+    ("context.async_fd", CONTEXT_ASYNC_FD),
+    ("async_event.event_type", ASYNC_EVENT_TYPE),
+    ("sizeof.async_event", ASYNC_EVENT_SIZE),
+    ("IBV_EVENT_DEVICE_FATAL", EVENT_DEVICE_FATAL as usize),
+    ("IBV_EVENT_PORT_ACTIVE", EVENT_PORT_ACTIVE as usize),
+    ("IBV_EVENT_PORT_ERR", EVENT_PORT_ERR as usize),
     ("IBV_LINK_LAYER_ETHERNET", LINK_ETHERNET as usize),
     ("IBV_QPT_RC", QPT_RC as usize),
     ("IBV_QPS_INIT", QPS_INIT as usize),
@@ -307,6 +321,8 @@ struct Lib {
     destroy_cq: unsafe extern "C" fn(*mut c_void) -> c_int,
     get_cq_event: unsafe extern "C" fn(*mut u8, *mut *mut c_void, *mut *mut c_void) -> c_int,
     ack_cq_events: unsafe extern "C" fn(*mut c_void, u32),
+    get_async_event: unsafe extern "C" fn(*mut c_void, *mut u8) -> c_int,
+    ack_async_event: unsafe extern "C" fn(*mut u8),
     create_qp: unsafe extern "C" fn(*mut c_void, *mut IbvQpInitAttr) -> *mut u8,
     modify_qp: unsafe extern "C" fn(*mut u8, *mut IbvQpAttr, c_int) -> c_int,
     destroy_qp: unsafe extern "C" fn(*mut u8) -> c_int,
@@ -377,6 +393,8 @@ fn open_lib() -> std::result::Result<Lib, String> {
             destroy_cq: fn_ptr(sym(c"ibv_destroy_cq")?),
             get_cq_event: fn_ptr(sym(c"ibv_get_cq_event")?),
             ack_cq_events: fn_ptr(sym(c"ibv_ack_cq_events")?),
+            get_async_event: fn_ptr(sym(c"ibv_get_async_event")?),
+            ack_async_event: fn_ptr(sym(c"ibv_ack_async_event")?),
             create_qp: fn_ptr(sym(c"ibv_create_qp")?),
             modify_qp: fn_ptr(sym(c"ibv_modify_qp")?),
             destroy_qp: fn_ptr(sym(c"ibv_destroy_qp")?),
@@ -415,6 +433,12 @@ impl Drop for Context {
 }
 
 impl Context {
+    /// The context's async event descriptor.
+    fn async_fd(&self) -> RawFd {
+        // SAFETY: `ctx` is a live `struct ibv_context`; the offset is checked against the header by the ABI test.
+        unsafe { (self.ctx as *const u8).add(CONTEXT_ASYNC_FD).cast::<c_int>().read() }
+    }
+
     /// The function-table entry at `offset` of the context (an inline verb's target).
     fn op<F: Copy>(&self, offset: usize) -> F {
         // SAFETY: `ctx` is a live `struct ibv_context`; the offset is one of the `OPS_*` the ABI test checks,
@@ -512,6 +536,13 @@ impl Fabric for SysFabric {
         if pd.is_null() {
             return Err(os_err(&format!("ibv_alloc_pd on {device}")));
         }
+        // Async events are read without blocking (`port_event`, when `event_fd` is readable).
+        let async_fd = ctx.async_fd();
+        // SAFETY: fcntl on the context's own descriptor.
+        unsafe {
+            let fl = libc::fcntl(async_fd, libc::F_GETFL);
+            libc::fcntl(async_fd, libc::F_SETFL, fl | libc::O_NONBLOCK);
+        }
         let pd = Arc::new(Pd { ctx, pd });
         Ok(Arc::new(SysNic { pd, port: info, mtu, mrs: Mutex::new(HashMap::new()) }))
     }
@@ -555,6 +586,42 @@ impl Drop for SysNic {
 impl Nic for SysNic {
     fn port(&self) -> &PortInfo {
         &self.port
+    }
+
+    fn event_fd(&self) -> RawFd {
+        self.pd.ctx.async_fd()
+    }
+
+    fn port_event(&self) -> Result<Option<PortEvent>> {
+        let lib = &self.pd.ctx.lib;
+        loop {
+            let mut ev = [0u8; ASYNC_EVENT_SIZE];
+            // SAFETY: a live context; `ev` is a `struct ibv_async_event` (size checked by the ABI test); the
+            // descriptor is non-blocking (set at open).
+            if unsafe { (lib.get_async_event)(self.pd.ctx.ctx, ev.as_mut_ptr()) } != 0 {
+                let e = std::io::Error::last_os_error();
+                return match e.raw_os_error() {
+                    Some(libc::EAGAIN) => Ok(None),
+                    _ => Err(Error::backend(format!("ibv_get_async_event failed: {e}"))),
+                };
+            }
+            let kind = u32::from_ne_bytes([
+                ev[ASYNC_EVENT_TYPE],
+                ev[ASYNC_EVENT_TYPE + 1],
+                ev[ASYNC_EVENT_TYPE + 2],
+                ev[ASYNC_EVENT_TYPE + 3],
+            ]);
+            let port = i32::from_ne_bytes([ev[0], ev[1], ev[2], ev[3]]);
+            // SAFETY: an event `get_async_event` returned, acknowledged once (destroying a pair waits for that).
+            unsafe { (lib.ack_async_event)(ev.as_mut_ptr()) };
+            let mine = port == i32::from(self.port.port);
+            match kind {
+                EVENT_DEVICE_FATAL => return Ok(Some(PortEvent::Down)),
+                EVENT_PORT_ERR if mine => return Ok(Some(PortEvent::Down)),
+                EVENT_PORT_ACTIVE if mine => return Ok(Some(PortEvent::Up)),
+                _ => {}
+            }
+        }
     }
 
     fn reg_mr(&self, addr: u64, len: u64, access: u32) -> Result<Mr> {

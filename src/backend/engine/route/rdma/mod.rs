@@ -7,7 +7,8 @@
 //!   request's pieces spread over the live ones nearest its memory, each piece as chains of RDMA READ/WRITE work requests on a lane
 //!   of its path (one RC queue pair, its completion queue and its exchange connection), only the last of a chain
 //!   signalled; the copying thread sleeps on the queue's event descriptor, no polling; a path whose port fails is
-//!   dropped and the piece goes again over another;
+//!   dropped and the piece goes again over another, and a port the NIC says went down (an async event, see
+//!   `target::watch`) is not taken;
 //! - `wire`: the section and the exchange as pure functions.
 //!
 //! The peer's TCP link carries what is not data: the authenticated exchange that connects the pairs (a
@@ -303,22 +304,22 @@ impl Rdma {
                     last = Some((raddr + took - 1, rkey));
                 }
                 if took < n {
-                    self.post(lane, job, &mut chain)?;
+                    self.post(path, lane, job, &mut chain)?;
                 }
             }
         }
         if let (XferOp::Write, Some((raddr, rkey))) = (job.op, last) {
             let (mr, buf) = &self.side.ports[path.local].scratch;
             if !chain.flush(buf.as_ptr() as u64, mr.lkey, raddr, rkey) {
-                self.post(lane, job, &mut chain)?;
+                self.post(path, lane, job, &mut chain)?;
                 chain.flush(buf.as_ptr() as u64, mr.lkey, raddr, rkey);
             }
         }
-        self.post(lane, job, &mut chain)
+        self.post(path, lane, job, &mut chain)
     }
 
     /// Post `chain` (only its last work request signalled), wait for it, and empty it.
-    fn post(&self, lane: &Lane, job: &Job, chain: &mut Chain) -> Result<()> {
+    fn post(&self, path: &Path, lane: &Lane, job: &Job, chain: &mut Chain) -> Result<()> {
         if chain.wrs.is_empty() {
             return Ok(());
         }
@@ -328,11 +329,11 @@ impl Rdma {
         POSTED_CHAINS.fetch_add(1, Ordering::Relaxed);
         chain.sges.clear();
         chain.wrs.clear();
-        self.wait(lane, job, id)
+        self.wait(path, lane, job, id)
     }
 
     /// Wait on the lane's completion queue for the signalled request `id`, sleeping on its event descriptor.
-    fn wait(&self, lane: &Lane, job: &Job, id: u64) -> Result<()> {
+    fn wait(&self, path: &Path, lane: &Lane, job: &Job, id: u64) -> Result<()> {
         let mut got: Vec<Completion> = Vec::with_capacity(4);
         loop {
             lane.cq.arm()?;
@@ -351,6 +352,9 @@ impl Rdma {
             }
             if self.link.down() {
                 return Err(self.link_down());
+            }
+            if self.side.ports[path.local].down.load(Ordering::Acquire) {
+                return Err(self.gone("our port went down"));
             }
             let mut p = libc::pollfd { fd: lane.cq.event_fd(), events: libc::POLLIN, revents: 0 };
             // SAFETY: one valid pollfd for the duration of the call.
@@ -415,7 +419,8 @@ impl Route for Rdma {
             if self.link.down() {
                 return Err(self.link_down());
             }
-            let alive = |p: &&Path| !p.dead.load(Ordering::Acquire);
+            let alive =
+                |p: &&Path| !p.dead.load(Ordering::Acquire) && !self.side.ports[p.local].down.load(Ordering::Acquire);
             let live = self.paths.iter().filter(alive).count();
             let best = self.paths.iter().filter(alive).map(rank).max().unwrap_or(0);
             let near = |p: &&Path| rank(p) == best;

@@ -14,7 +14,8 @@
 use std::collections::HashSet;
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,7 +23,7 @@ use parking_lot::Mutex;
 
 use super::wire::{self, Port};
 use crate::status::{Error, Result};
-use crate::verbs::{self, Cq, Mr, Nic, QpAddr, QpCaps, LOCAL_WRITE, REMOTE_READ, REMOTE_WRITE};
+use crate::verbs::{self, Cq, Mr, Nic, PortEvent, QpAddr, QpCaps, LOCAL_WRITE, REMOTE_READ, REMOTE_WRITE};
 
 /// Target pairs only answer: they post nothing.
 const TARGET_CAPS: QpCaps = QpCaps { send_wr: 1, recv_wr: 1, sge: 1 };
@@ -43,6 +44,8 @@ pub(crate) struct RdmaSide {
     pub(crate) ports: Vec<PortSide>,
     /// Exchange connections being served (each holds its pairs): shut down when the engine goes.
     conns: Mutex<Vec<TcpStream>>,
+    /// Wakes the thread that reads the NICs' own events (`watch`), to end it.
+    stop: OwnedFd,
 }
 
 /// One opened port of this engine.
@@ -57,6 +60,8 @@ pub(crate) struct PortSide {
     /// A few bytes of local memory the initiator reads into to flush its WRITEs (see `Rdma::run`), kept for
     /// the engine's life.
     pub(crate) scratch: (Mr, Box<[u8]>),
+    /// The NIC said the port went down (an async event) and has not said it came back: its paths are not taken.
+    pub(crate) down: AtomicBool,
 }
 
 impl PortSide {
@@ -85,7 +90,11 @@ impl RdmaSide {
     /// data path has not run on a NIC yet, so a real fabric is taken only when asked for (`asked`:
     /// `GIXL_TRANSPORT=rdma`); the fake one whenever it is configured.
     pub(crate) fn start(asked: bool) -> std::result::Result<Arc<RdmaSide>, String> {
-        let fabric = verbs::fabric().map_err(|e| e.message().to_owned())?;
+        Self::start_on(verbs::fabric().map_err(|e| e.message().to_owned())?, asked)
+    }
+
+    /// `start` on `fabric`.
+    fn start_on(fabric: Arc<dyn verbs::Fabric>, asked: bool) -> std::result::Result<Arc<RdmaSide>, String> {
         if fabric.name() != "fake" && !asked {
             return Err(
                 "gixl's rdma-core data path has not run on a NIC yet: used only with GIXL_TRANSPORT=rdma".into()
@@ -101,7 +110,8 @@ impl RdmaSide {
                 let mr = nic.reg_mr(buf.as_ptr() as u64, buf.len() as u64, LOCAL_WRITE)?;
                 let used = Mutex::new(HashSet::from([mr.rkey]));
                 let scratch = (mr, buf);
-                Ok(PortSide { port: Port::from(p), nic, cq, used, tombstones: Mutex::default(), scratch })
+                let down = AtomicBool::new(false);
+                Ok(PortSide { port: Port::from(p), nic, cq, used, tombstones: Mutex::default(), scratch, down })
             };
             match open() {
                 Ok(side) => ports.push(side),
@@ -111,7 +121,14 @@ impl RdmaSide {
         if ports.is_empty() {
             return Err(format!("no usable active port among {} RDMA ports", all.len()));
         }
-        Ok(Arc::new(RdmaSide { ports, conns: Mutex::default() }))
+        let stop = crate::os::eventfd(false).map_err(|e| e.message().to_owned())?;
+        let side = Arc::new(RdmaSide { ports, conns: Mutex::default(), stop });
+        let weak = Arc::downgrade(&side);
+        std::thread::Builder::new()
+            .name("gixl-rdma-ev".into())
+            .spawn(move || watch(weak))
+            .map_err(|e| format!("cannot start the RDMA event thread: {e}"))?;
+        Ok(side)
     }
 
     /// The connection-info section: this engine's ports.
@@ -294,10 +311,85 @@ impl RdmaSide {
         drop(qps);
     }
 
-    /// The engine goes: every exchange connection is shut down (their pairs with them).
+    /// The engine goes: every exchange connection is shut down (their pairs with them), and the event thread
+    /// ends.
     pub(crate) fn close(&self) {
+        crate::os::wake(&self.stop);
         for c in self.conns.lock().drain(..) {
             let _ = c.shutdown(Shutdown::Both);
         }
+    }
+}
+
+impl Drop for RdmaSide {
+    fn drop(&mut self) {
+        // The event thread holds no reference: it finds this side gone when it wakes.
+        crate::os::wake(&self.stop);
+    }
+}
+
+/// The NICs' own events (a port going down or coming back), read as they come: sleeps in `poll` on the NICs'
+/// event descriptors and the stop line, so an idle engine spends nothing here. A port said down is not taken by
+/// new pieces, and pieces waiting on it give up within their wake-up interval (see `Rdma::wait`).
+fn watch(side: std::sync::Weak<RdmaSide>) {
+    let fds: Vec<i32> = match side.upgrade() {
+        Some(s) => std::iter::once(s.stop.as_raw_fd()).chain(s.ports.iter().map(|p| p.nic.event_fd())).collect(),
+        None => return,
+    };
+    let mut set: Vec<libc::pollfd> =
+        fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
+    loop {
+        set.iter_mut().for_each(|p| p.revents = 0);
+        // SAFETY: `set` is a valid array of pollfds for the duration of the call.
+        let n = unsafe { libc::poll(set.as_mut_ptr(), set.len() as libc::nfds_t, -1) };
+        if n < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return;
+        }
+        let Some(s) = side.upgrade() else { return };
+        if set[0].revents != 0 {
+            return;
+        }
+        for (p, fd) in s.ports.iter().zip(&set[1..]) {
+            if fd.revents == 0 {
+                continue;
+            }
+            while let Ok(Some(e)) = p.nic.port_event() {
+                let down = e == PortEvent::Down;
+                if p.down.swap(down, Ordering::AcqRel) != down {
+                    let port = p.nic.port();
+                    let what = if down { "went down: its paths are not taken" } else { "is up again" };
+                    crate::telemetry::log::warn(&format!(
+                        "RDMA port {}:{} {what} (the NIC says so)",
+                        port.device, port.port
+                    ));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verbs::fake::{fail_port, FakeFabric};
+
+    /// A port the NIC says went down is marked down by the event thread (its paths are then not taken); the
+    /// other stays up; an idle side's thread only sleeps.
+    #[test]
+    fn a_port_the_nic_says_is_down_is_marked_down() {
+        let dir = std::env::temp_dir().join(format!("gixl-rdma-ev-{}", std::process::id()));
+        let side = RdmaSide::start_on(Arc::new(FakeFabric::new(2, dir.clone(), false)), false).unwrap();
+        assert_eq!(side.ports.len(), 2);
+        assert!(side.ports.iter().all(|p| !p.down.load(Ordering::Acquire)));
+        fail_port(side.ports[1].nic.port());
+        let t = std::time::Instant::now();
+        while !side.ports[1].down.load(Ordering::Acquire) && t.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(side.ports[1].down.load(Ordering::Acquire), "the event thread did not mark the port down");
+        assert!(!side.ports[0].down.load(Ordering::Acquire));
+        side.close();
+        drop(side);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
