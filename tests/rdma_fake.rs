@@ -188,6 +188,19 @@ impl Prefill {
         }
     }
 
+    /// Requests each of its ports (fake0, fake1) served as a target.
+    fn served(&mut self) -> (u64, u64) {
+        let l = self.ask("served", "served").pop().unwrap();
+        let v: Vec<u64> = l.split(' ').skip(1).map(|x| x.parse().unwrap()).collect();
+        (v[0], v[1])
+    }
+
+    /// Requests its ports served as a target, together.
+    fn served_total(&mut self) -> u64 {
+        let (f0, f1) = self.served();
+        f0 + f1
+    }
+
     fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -198,6 +211,15 @@ impl Drop for Prefill {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// An initiator named `name` with `SIZE` bytes of DRAM registered, `p`'s metadata loaded.
+fn decode(name: &str, p: &Prefill) -> (Agent, Vec<u8>) {
+    let a = agent(name);
+    let dst = vec![0u8; SIZE];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    a.load_remote_md(&p.md).unwrap();
+    (a, dst)
 }
 
 fn remote(addr: u64, off: usize, len: usize) -> XferDList {
@@ -354,10 +376,7 @@ fn two_processes_over_the_fake_fabric_read_write_notify_and_survive_deregistrati
 fn a_failed_port_takes_its_share_elsewhere_and_the_last_one_takes_the_peer_down() {
     fake_env();
     let mut p = Prefill::start(3);
-    let a = agent("decode2");
-    let dst = vec![0u8; SIZE];
-    a.register_mem(&reg_list(&dst), &[]).unwrap();
-    a.load_remote_md(&p.md).unwrap();
+    let (a, dst) = decode("decode2", &p);
     let raddr = p.addr;
     let read_all = |a: &Agent| run(a, XferOp::Read, &local(&dst, 0, SIZE), &remote(raddr, 0, SIZE), None);
     for _ in 0..3 {
@@ -477,11 +496,6 @@ fn requests_take_the_port_nearest_the_region_and_another_when_it_fails() {
     let a = agent("decode-near");
     let dst = vec![0u8; SIZE];
     a.register_mem(&reg_list(&dst), &[]).unwrap();
-    let served = |p: &mut Prefill| -> (u64, u64) {
-        let l = p.ask("served", "served").pop().unwrap();
-        let v: Vec<u64> = l.split(' ').skip(1).map(|x| x.parse().unwrap()).collect();
-        (v[0], v[1])
-    };
     // Host memory: the target's fake1 is on node 0, fake0 on node 1.
     let mut p = Prefill::start_with(11, &[("GIXL_FAKE_VERBS_NUMA", "1,0")]);
     a.load_remote_md(&p.md).unwrap();
@@ -492,11 +506,11 @@ fn requests_take_the_port_nearest_the_region_and_another_when_it_fails() {
         );
     }
     assert!(dst.iter().enumerate().all(|(i, &b)| b == ((i + 11) % 251) as u8));
-    let (f0, f1) = served(&mut p);
+    let (f0, f1) = p.served();
     assert!(f0 == 0 && f1 > 0, "host memory on node 0 goes through the port on node 0: {f0} {f1}");
     assert_eq!(p.ask("failport fake1", "failed")[0], "failed fake1");
     assert_eq!(run(&a, XferOp::Read, &local(&dst, 0, SIZE), &remote(p.addr, 0, SIZE), None).unwrap(), Status::Success);
-    let (f0, _) = served(&mut p);
+    let (f0, _) = p.served();
     assert!(f0 > 0, "the nearest port failed: the other one takes its share");
     p.kill();
 
@@ -516,7 +530,7 @@ fn requests_take_the_port_nearest_the_region_and_another_when_it_fails() {
         assert_eq!(r, Status::Success);
     }
     assert!(local_vram.iter().enumerate().all(|(i, &b)| b == ((i + 12) % 251) as u8));
-    let (f0, f1) = served(&mut q);
+    let (f0, f1) = q.served();
     assert!(f0 > 0 && f1 == 0, "GPU memory goes through the NIC under its switch: {f0} {f1}");
     q.kill();
 }
@@ -530,10 +544,7 @@ fn strangers_on_the_rdma_exchange_get_no_queue_pair_and_break_nothing() {
     use gixl::backend::engine::wire;
     fake_env();
     let mut p = Prefill::start(21);
-    let a = agent("decode-stranger");
-    let dst = vec![0u8; SIZE];
-    a.register_mem(&reg_list(&dst), &[]).unwrap();
-    a.load_remote_md(&p.md).unwrap();
+    let (a, dst) = decode("decode-stranger", &p);
     let read = |a: &Agent, p: &Prefill| run(a, XferOp::Read, &local(&dst, 0, SIZE), &remote(p.addr, 0, SIZE), None);
     assert_eq!(read(&a, &p).unwrap(), Status::Success);
     let qps = |p: &mut Prefill| p.ask("qps", "qps").pop().unwrap();
@@ -668,19 +679,12 @@ fn a_target_restarted_in_the_same_process_is_a_new_incarnation_over_rdma() {
 fn a_write_is_flushed_by_a_read_on_its_queue_pair_before_it_completes() {
     fake_env();
     let mut p = Prefill::start(41);
-    let a = agent("decode-flush");
-    let dst = vec![0u8; SIZE];
-    a.register_mem(&reg_list(&dst), &[]).unwrap();
-    a.load_remote_md(&p.md).unwrap();
-    let served = |p: &mut Prefill| -> u64 {
-        let l = p.ask("served", "served").pop().unwrap();
-        l.split(' ').skip(1).map(|x| x.parse::<u64>().unwrap()).sum()
-    };
-    let s0 = served(&mut p);
+    let (a, dst) = decode("decode-flush", &p);
+    let s0 = p.served_total();
     assert_eq!(run(&a, XferOp::Write, &local(&dst, 0, 4096), &remote(p.addr, 0, 4096), None).unwrap(), Status::Success);
-    let s1 = served(&mut p);
+    let s1 = p.served_total();
     assert_eq!(run(&a, XferOp::Read, &local(&dst, 0, 4096), &remote(p.addr, 0, 4096), None).unwrap(), Status::Success);
-    let s2 = served(&mut p);
+    let s2 = p.served_total();
     assert_eq!((s1 - s0, s2 - s1), (2, 1), "WRITE: the data and its flush; READ: the data");
     p.kill();
 }
@@ -692,14 +696,7 @@ fn a_write_is_flushed_by_a_read_on_its_queue_pair_before_it_completes() {
 fn a_million_entry_list_goes_over_rdma_in_a_handful_of_work_requests() {
     fake_env();
     let mut p = Prefill::start(51);
-    let a = agent("decode-million");
-    let dst = vec![0u8; SIZE];
-    a.register_mem(&reg_list(&dst), &[]).unwrap();
-    a.load_remote_md(&p.md).unwrap();
-    let served = |p: &mut Prefill| -> u64 {
-        let l = p.ask("served", "served").pop().unwrap();
-        l.split(' ').skip(1).map(|x| x.parse::<u64>().unwrap()).sum()
-    };
+    let (a, dst) = decode("decode-million", &p);
     const E: usize = 16;
     let n = SIZE / E;
     assert_eq!(n, 1 << 20);
@@ -709,11 +706,11 @@ fn a_million_entry_list_goes_over_rdma_in_a_handful_of_work_requests() {
             (0..count).map(|i| Desc::new(base + (order(i) * E) as u64, E as u64, 0)).collect(),
         )
     };
-    let s0 = served(&mut p);
+    let s0 = p.served_total();
     let r = run(&a, XferOp::Read, &list(dst.as_ptr() as u64, &|i| i, n), &list(p.addr, &|i| i, n), None).unwrap();
     assert_eq!(r, Status::Success);
     assert!(dst.iter().enumerate().all(|(i, &b)| b == ((i + 51) % 251) as u8), "a million adjacent entries");
-    let s1 = served(&mut p);
+    let s1 = p.served_total();
     assert!(s1 - s0 <= 64, "adjacent entries share work requests: the target served {}", s1 - s0);
     // 65,536 entries, the remote ones reversed: nothing adjacent.
     let m = 1 << 16;
@@ -726,6 +723,6 @@ fn a_million_entry_list_goes_over_rdma_in_a_handful_of_work_requests() {
         let want = |j: usize| (((m - 1 - i) * E + j + 51) % 251) as u8;
         assert!((0..E).all(|j| dst[i * E + j] == want(j)), "entry {i}");
     }
-    assert_eq!(served(&mut p) - s1, m as u64, "one work request per scattered entry");
+    assert_eq!(p.served_total() - s1, m as u64, "one work request per scattered entry");
     p.kill();
 }
