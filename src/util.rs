@@ -262,6 +262,13 @@ pub fn send_now(fd: std::os::fd::RawFd, buf: &[u8]) -> std::io::Result<usize> {
     }
 }
 
+/// Entry `i` of the comma-separated list in environment variable `var`, trimmed, where it is set and not empty
+/// (the fake layers' per-device test settings).
+pub(crate) fn env_list_entry(var: &str, i: u32) -> Option<String> {
+    let v = std::env::var(var).ok()?;
+    v.split(',').nth(i as usize).map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

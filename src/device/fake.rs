@@ -494,8 +494,7 @@ impl Device for Fake {
 
     /// Entry `dev` of `GIXL_FAKE_DEVICE_PCI` (comma-separated sysfs paths: the tests' topology).
     fn pci_path(&self, dev: u32) -> Option<String> {
-        let v = std::env::var("GIXL_FAKE_DEVICE_PCI").ok()?;
-        v.split(',').nth(dev as usize).map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned)
+        crate::util::env_list_entry("GIXL_FAKE_DEVICE_PCI", dev)
     }
 
     /// The allocation's memfd, duplicated (a dma-buf of the whole allocation), unless `GIXL_FAKE_DMABUF=0`

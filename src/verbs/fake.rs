@@ -159,26 +159,19 @@ impl Fabric for FakeFabric {
     }
 }
 
-/// Entry `dev` of the comma-separated list in `var` (the tests' topology: each device's NUMA node or PCI path),
-/// where it is set and not empty.
-fn setting(var: &str, dev: u32) -> Option<String> {
-    let v = std::env::var(var).ok()?;
-    v.split(',').nth(dev as usize).map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned)
+/// This process's live endpoints for `device`.
+fn endpoints_of(device: &str) -> Vec<Arc<Endpoint>> {
+    endpoints().lock().values().filter_map(Weak::upgrade).filter(|e| e.name == device).collect()
 }
 
 /// READ and WRITE requests this process's endpoint for `device` served (its NIC's work as a target), for tests.
 pub fn served(device: &str) -> u64 {
-    let eps: Vec<Arc<Endpoint>> = endpoints().lock().values().filter_map(Weak::upgrade).collect();
-    eps.iter().filter(|e| e.name == device).map(|e| e.served.load(Ordering::Relaxed)).sum()
+    endpoints_of(device).iter().map(|e| e.served.load(Ordering::Relaxed)).sum()
 }
 
 /// Queue pairs alive on this process's endpoint for `device`, for tests.
 pub fn live_qps(device: &str) -> usize {
-    let eps: Vec<Arc<Endpoint>> = endpoints().lock().values().filter_map(Weak::upgrade).collect();
-    eps.iter()
-        .filter(|e| e.name == device)
-        .map(|e| e.qps.lock().values().filter(|q| q.strong_count() > 0).count())
-        .sum()
+    endpoints_of(device).iter().map(|e| e.qps.lock().values().filter(|q| q.strong_count() > 0).count()).sum()
 }
 
 /// One process's fake NIC for one device: its socket, its key table and its queue pairs.
@@ -239,8 +232,8 @@ impl Endpoint {
             active: !port_failed(&self.gid),
             lid: 0,
             gid: self.gid,
-            numa: setting("GIXL_FAKE_VERBS_NUMA", self.dev).and_then(|n| n.parse().ok()),
-            pci: setting("GIXL_FAKE_VERBS_PCI", self.dev),
+            numa: crate::util::env_list_entry("GIXL_FAKE_VERBS_NUMA", self.dev).and_then(|n| n.parse().ok()),
+            pci: crate::util::env_list_entry("GIXL_FAKE_VERBS_PCI", self.dev),
         }
     }
 }
