@@ -81,12 +81,15 @@ def graph(unit_of):
         src_unit = unit_of(here)
         if src_unit is None:
             continue
-        text = strip_tests(f.read_text())
+        # Comments name paths too (`see route::tcp::vram`); only code counts.
+        text = re.sub(r"//.*", "", strip_tests(f.read_text()))
         paths = list(use_paths(text))
-        # A `mod.rs` names its child modules bare (`copy::probe(..)`).
+        # A `mod.rs` names its child modules (files and folders) bare (`copy::probe(..)`, `rdma::wire::..`).
         if f.name == "mod.rs":
             children = {c.stem for c in f.parent.glob("*.rs") if c.name != "mod.rs"}
-            paths += [m.group(1) for m in re.finditer(r"(?<![:\w])([a-z_][a-z0-9_]*)::", text) if m.group(1) in children]
+            children |= {c.name for c in f.parent.iterdir() if (c / "mod.rs").is_file()}
+            bare = r"(?<![:\w])([a-z_][a-z0-9_]*)((?:::[A-Za-z_][A-Za-z0-9_]*)+)"
+            paths += [m.group(1) + m.group(2) for m in re.finditer(bare, text) if m.group(1) in children]
         for p in paths:
             dst = unit_of(resolve(p, here))
             if dst is not None and dst != src_unit:

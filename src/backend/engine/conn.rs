@@ -5,6 +5,8 @@
 use std::net::{IpAddr, SocketAddr};
 
 use super::gate::RegionTicket;
+use super::sides::{self, Tickets};
+use crate::backend::RegionKey;
 use crate::md::{put_bytes, put_uvar, Reader};
 use crate::status::{Error, Result};
 
@@ -21,8 +23,7 @@ pub(super) const SEC_PROCESS: u64 = 1;
 pub(super) const SEC_LOCAL: u64 = 2;
 pub(super) const SEC_SECRET: u64 = 3;
 pub(super) const SEC_TCP: u64 = 4;
-/// The RDMA route's section (its ports), read and written by the route (`route::rdma::wire`), kept here as bytes.
-pub(super) const SEC_RDMA: u64 = 5;
+/// Ids 5 and up: routes' own sections (`sides::SECTIONS`), read and written by each route, kept here as bytes.
 const MAX_CONN_SECTIONS: usize = 64;
 const MAX_SECTION: usize = 64 * 1024;
 const MAX_ADDRS: usize = 64;
@@ -70,8 +71,15 @@ pub(super) struct ConnInfo {
     pub(super) addrs: Vec<SocketAddr>,
     /// The TCP listener's port (0 when the TCP part was left out).
     pub(super) port: u16,
-    /// The RDMA route's section, unread (layout 4 only; the route parses it).
-    pub(super) rdma: Option<Vec<u8>>,
+    /// Routes' own sections (`sides::SECTIONS`: layout 4 only), unread: each route parses its own.
+    pub(super) routes: Vec<(u64, Vec<u8>)>,
+}
+
+impl ConnInfo {
+    /// Route section `id`, as the peer wrote it.
+    pub(super) fn route(&self, id: u64) -> Option<&[u8]> {
+        self.routes.iter().find(|r| r.0 == id).map(|r| r.1.as_slice())
+    }
 }
 
 impl ConnInfo {
@@ -152,8 +160,8 @@ fn read_part(id: u64, r: &mut Reader, c: &mut ConnInfo) -> Result<()> {
             Ok(())
         }
         SEC_TCP => read_tcp(r, c),
-        SEC_RDMA => {
-            c.rdma = Some(r.buf[r.pos..].to_vec());
+        _ if sides::SECTIONS.contains(&id) => {
+            c.routes.push((id, r.buf[r.pos..].to_vec()));
             r.pos = r.buf.len();
             Ok(())
         }
@@ -201,16 +209,18 @@ fn read_tcp(r: &mut Reader, c: &mut ConnInfo) -> Result<()> {
 /// For `crate::fuzzing` only: the connection-info parser and the notification-frame parser.
 /// Whatever parses as layout 3 parses to the same as its layout 4 rewriting.
 pub(crate) fn fuzz_parse_conn(b: &[u8]) -> bool {
-    // The RDMA route's codecs read bytes from peers too: on the raw input, and on a section that parsed.
-    super::route::rdma::wire::fuzz(b);
+    // Routes' codecs read bytes from peers too: on the raw input, and on a section that parsed; and a region
+    // ticket's sections.
+    sides::fuzz(b);
+    let _ = Tickets::read(&mut Reader { buf: b, pos: 0 });
     let Ok(c) = parse_conn(b) else { return false };
-    if let Some(r) = &c.rdma {
-        super::route::rdma::wire::fuzz(r);
+    for (_, r) in &c.routes {
+        sides::fuzz(r);
     }
     if c.has_local && c.port != 0 {
-        // Layout 3 has no RDMA section: compare the rest.
+        // Layout 3 has no route sections: compare the rest.
         let again = parse_conn(&c.encode()).expect("connection info written again does not parse");
-        let without = ConnInfo { rdma: None, ..parse_conn(b).expect("parsed once") };
+        let without = ConnInfo { routes: Vec::new(), ..parse_conn(b).expect("parsed once") };
         assert_eq!(format!("{again:?}"), format!("{without:?}"), "connection info changed when written again");
     }
     if let Ok(v4) = conn_v3_to_v4(b, &[], &[(99, b"later")]) {
@@ -238,107 +248,42 @@ pub(super) struct RemoteRegion {
     pub(super) addr: u64,
     pub(super) len: u64,
     pub(super) ticket: RegionTicket,
-    /// Its RDMA keys, one per port of the target (in its connection info's order; empty without), and the
-    /// target's ports nearest it.
-    pub(super) rdma: RdmaKeys,
+    /// What its routes' sections of the ticket say (its RDMA keys, ...).
+    pub(super) tickets: Tickets,
 }
 
-/// A region ticket's section: the region's RDMA remote keys (u32 each, one per port).
-const TICKET_RKEY: u64 = 1;
-
-/// A region ticket's section: the ports nearest the region's memory, as a mask by port index (u32).
-const TICKET_NEAR: u64 = 2;
-
-/// A region ticket's section: where the region's memory regions start, for a region registered as several
-/// (GPU memory over several allocations: one dma-buf each), as u64 addresses, at least two, increasing.
-const TICKET_BOUNDS: u64 = 3;
-
-/// What RDMA peers need of a region: its key on each port of its engine (empty: no RDMA; for a region of several
-/// memory regions, `bounds`, one key per port for each, region by region), and the ports nearest its memory (a
-/// mask by port index; 0: not said, any).
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub(super) struct RdmaKeys {
-    pub(super) rkeys: Vec<u32>,
-    pub(super) near: u32,
-    /// Where each of its memory regions starts; empty for one.
-    pub(super) bounds: Vec<u64>,
+/// Remote region keys as (gate slot, state, address, length), as the target's gate checks them.
+pub(super) fn gate_regions(keys: &[Option<RegionKey>]) -> impl Iterator<Item = (u32, u64, u64, u64)> + Clone + '_ {
+    keys.iter().map(|k| match k.as_ref().and_then(|k| k.downcast_ref::<RemoteRegion>()) {
+        Some(r) => (r.ticket.slot, r.ticket.state, r.addr, r.len),
+        // Never for this engine's plans; refused by the gate if it happens.
+        None => (u32::MAX, 0, 0, 0),
+    })
 }
 
-/// `slot | state`, then the RDMA sections where the region has keys.
-pub(super) fn encode_ticket(t: RegionTicket, k: &RdmaKeys) -> Vec<u8> {
-    let mut out = Vec::with_capacity(24 + 4 * k.rkeys.len());
+/// `slot | state`, then the routes' sections (`sections`, from each route's `Export`), as a DRAM region's
+/// public bytes.
+pub(super) fn encode_ticket(t: RegionTicket, sections: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(24 + sections.len());
     put_uvar(&mut out, t.slot as u64);
     put_uvar(&mut out, t.state);
-    put_ticket_sections(&mut out, k);
+    out.extend_from_slice(sections);
     out
 }
 
-/// A region's sections (`id | length | bytes`, as in connection info, see `CONN_V4`): its RDMA keys and nearest
-/// ports where it has keys. DRAM tickets and VRAM regions' public bytes end with them.
-pub(super) fn put_ticket_sections(out: &mut Vec<u8>, k: &RdmaKeys) {
-    if !k.rkeys.is_empty() {
-        put_uvar(out, TICKET_RKEY);
-        put_bytes(out, &k.rkeys.iter().flat_map(|k| k.to_le_bytes()).collect::<Vec<u8>>());
-        put_uvar(out, TICKET_NEAR);
-        put_bytes(out, &k.near.to_le_bytes());
-        if k.bounds.len() > 1 {
-            put_uvar(out, TICKET_BOUNDS);
-            put_bytes(out, &k.bounds.iter().flat_map(|b| b.to_le_bytes()).collect::<Vec<u8>>());
-        }
-    }
-}
-
-/// `slot | state`, then sections (see `read_ticket_sections`).
-pub(super) fn decode_ticket(b: &[u8]) -> Result<(RegionTicket, RdmaKeys)> {
+/// `slot | state`, then sections (see `sides::Tickets::read`).
+pub(super) fn decode_ticket(b: &[u8]) -> Result<(RegionTicket, Tickets)> {
     let mut r = Reader { buf: b, pos: 0 };
     let slot = u32::try_from(r.uvar()?).map_err(|_| Error::mismatch("bad region slot in metadata"))?;
     let state = r.uvar()?;
-    let keys = read_ticket_sections(&mut r)?;
-    Ok((RegionTicket { slot, state }, keys))
-}
-
-/// The rest of `r` as a region's sections: the RDMA keys' (a whole number of u32, at least one), the nearest
-/// ports' (one u32), and any a later release may add, skipped.
-pub(super) fn read_ticket_sections(r: &mut Reader<'_>) -> Result<RdmaKeys> {
-    let mut k = RdmaKeys::default();
-    while r.left() != 0 {
-        let id = r.uvar()?;
-        let sec = r.bytes(MAX_SECTION)?;
-        match id {
-            TICKET_RKEY => {
-                if sec.is_empty() || sec.len() % 4 != 0 {
-                    return Err(Error::mismatch("malformed RDMA keys in a region ticket"));
-                }
-                k.rkeys = sec.chunks(4).map(|k| u32::from_le_bytes([k[0], k[1], k[2], k[3]])).collect();
-            }
-            TICKET_NEAR => {
-                let b: [u8; 4] =
-                    sec.try_into().map_err(|_| Error::mismatch("malformed nearest ports in a region ticket"))?;
-                k.near = u32::from_le_bytes(b);
-            }
-            TICKET_BOUNDS => {
-                let bad = || Error::mismatch("malformed memory-region bounds in a region ticket");
-                if sec.len() < 16 || sec.len() % 8 != 0 {
-                    return Err(bad());
-                }
-                k.bounds = sec.chunks(8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or_default())).collect();
-                if k.bounds.windows(2).any(|w| w[0] >= w[1]) {
-                    return Err(bad());
-                }
-            }
-            _ => {}
-        }
-    }
-    // One key per port for each memory region.
-    if !k.bounds.is_empty() && k.rkeys.len() % k.bounds.len() != 0 {
-        return Err(Error::mismatch("RDMA keys do not match the region's memory regions in a region ticket"));
-    }
-    Ok(k)
+    let t = Tickets::read(&mut r)?;
+    Ok((RegionTicket { slot, state }, t))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::engine::route::rdma::wire::RdmaKeys;
 
     fn conn_bytes(addrs: &[(u8, &[u8])]) -> Vec<u8> {
         let mut b = vec![CONN_V3];
@@ -386,9 +331,9 @@ mod tests {
         let v4 = conn_v3_to_v4(&v3, &[], &[(77, b"a route of a later release"), (6, b"")]).unwrap();
         let c = parse_conn(&v4).unwrap();
         assert_eq!(format!("{c:?}"), format!("{want:?}"));
-        // The RDMA route's section is kept as bytes, for that route to read.
-        let with = parse_conn(&conn_v3_to_v4(&v3, &[], &[(SEC_RDMA, b"ports")]).unwrap()).unwrap();
-        assert_eq!(with.rdma.as_deref(), Some(&b"ports"[..]));
+        // A route's section is kept as bytes, for that route to read.
+        let with = parse_conn(&conn_v3_to_v4(&v3, &[], &[(sides::SECTIONS[0], b"ports")]).unwrap()).unwrap();
+        assert_eq!(with.route(sides::SECTIONS[0]), Some(&b"ports"[..]));
         for n in 0..v4.len() {
             assert!(parse_conn(&v4[..n]).is_err(), "prefix {n}");
         }
@@ -409,8 +354,8 @@ mod tests {
         assert!(parse_conn(&conn_v3_to_v4(&v3, &[], &[(SEC_TCP, &[1, 1, 0])]).unwrap()).is_err(), "a section twice");
         // Region tickets: sections after slot and state are skipped.
         let t = RegionTicket { slot: 5, state: 9 };
-        let none = RdmaKeys::default();
-        let mut ticket = encode_ticket(t, &none);
+        let none = Tickets::default();
+        let mut ticket = encode_ticket(t, &[]);
         assert_eq!(decode_ticket(&ticket).unwrap(), (t, none.clone()));
         put_uvar(&mut ticket, 31);
         put_bytes(&mut ticket, b"later");
@@ -419,27 +364,29 @@ mod tests {
         assert!(decode_ticket(&ticket).is_err());
         // The RDMA keys' and nearest ports' sections, and a later one after them.
         let keys = RdmaKeys { rkeys: vec![0xABCD01, 7], near: 0b10, bounds: vec![] };
-        let mut ticket = encode_ticket(t, &keys);
-        assert_eq!(decode_ticket(&ticket).unwrap(), (t, keys.clone()));
+        let with = |k: &RdmaKeys| encode_ticket(t, &k.sections());
+        let read = |k: &RdmaKeys| Tickets { rdma: k.clone() };
+        let mut ticket = with(&keys);
+        assert_eq!(decode_ticket(&ticket).unwrap(), (t, read(&keys)));
         put_uvar(&mut ticket, 32);
         put_bytes(&mut ticket, b"");
-        assert_eq!(decode_ticket(&ticket).unwrap(), (t, keys.clone()));
-        let mut short = encode_ticket(t, &none);
+        assert_eq!(decode_ticket(&ticket).unwrap(), (t, read(&keys)));
+        let mut short = encode_ticket(t, &[]);
         put_uvar(&mut short, 1);
         put_bytes(&mut short, &[1, 2, 3]);
         assert!(decode_ticket(&short).is_err());
-        let mut short = encode_ticket(t, &none);
+        let mut short = encode_ticket(t, &[]);
         put_uvar(&mut short, 2);
         put_bytes(&mut short, &[1, 2, 3]);
         assert!(decode_ticket(&short).is_err());
         // Several memory regions: their bounds, one key per port each.
         let chunked = RdmaKeys { rkeys: vec![1, 2, 3, 4, 5, 6], near: 1, bounds: vec![0x1000, 0x5000, 0x9000] };
-        assert_eq!(decode_ticket(&encode_ticket(t, &chunked)).unwrap(), (t, chunked.clone()));
+        assert_eq!(decode_ticket(&with(&chunked)).unwrap(), (t, read(&chunked)));
         let odd = RdmaKeys { rkeys: vec![1, 2, 3, 4], ..chunked.clone() };
-        assert!(decode_ticket(&encode_ticket(t, &odd)).is_err(), "4 keys for 3 regions");
+        assert!(decode_ticket(&with(&odd)).is_err(), "4 keys for 3 regions");
         let unordered = RdmaKeys { bounds: vec![0x5000, 0x1000, 0x9000], ..chunked };
-        assert!(decode_ticket(&encode_ticket(t, &unordered)).is_err(), "bounds out of order");
-        let mut short = encode_ticket(t, &none);
+        assert!(decode_ticket(&with(&unordered)).is_err(), "bounds out of order");
+        let mut short = encode_ticket(t, &[]);
         put_uvar(&mut short, 3);
         put_bytes(&mut short, &[0; 8]);
         assert!(decode_ticket(&short).is_err());

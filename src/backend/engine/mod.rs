@@ -57,6 +57,7 @@ mod pool;
 mod route;
 mod router;
 mod shared;
+mod sides;
 mod vram;
 mod vram_regions;
 mod xfer;
@@ -142,8 +143,8 @@ impl Backend for Engine {
         if mem == MemType::Vram {
             return vram_regions::load_remote(downcast(peer)?.incarnation, desc, public).map(Some);
         }
-        let (ticket, rdma) = decode_ticket(public)?;
-        Ok(Some(Arc::new(RemoteRegion { addr: desc.addr, len: desc.len, ticket, rdma })))
+        let (ticket, tickets) = decode_ticket(public)?;
+        Ok(Some(Arc::new(RemoteRegion { addr: desc.addr, len: desc.len, ticket, tickets })))
     }
 
     fn conn_info(&self) -> Vec<u8> {
@@ -173,21 +174,20 @@ impl Backend for Engine {
         if !wants && (plan.local_mem != MemType::Dram || plan.remote_mem != MemType::Dram) {
             return Err(Error::not_supported("this engine moves DRAM and VRAM only"));
         }
-        // The local regions' RDMA keys, for a peer reached over RDMA.
-        let mut lkeys = Vec::new();
-        if let Target::Remote(p) = &plan.target {
-            if matches!(downcast(p)?.kind, peer::PeerKind::Rdma(_)) {
-                lkeys = plan.local_keys.iter().map(|k| k.as_ref().and_then(exports::Registered::rdma_lkeys)).collect();
-            }
-        }
+        // What the peer's route needs of the local regions (an RDMA peer: their memory regions), found once.
+        let prepared = match &plan.target {
+            Target::Remote(p) => downcast(p)?.via().prepare(&plan.local_keys),
+            Target::Local => None,
+        };
         // VRAM to a peer reached over TCP is staged (see `route::tcp::vram`), over RDMA it goes as DRAM does
         // where the NICs reach every region; same-host VRAM routes are `vram`'s.
-        let mover: Option<Box<dyn Mover>> = match wants.then(|| router::vram_way(&plan, &lkeys)).transpose()? {
+        let way = wants.then(|| router::vram_way(&plan, prepared.as_deref())).transpose()?;
+        let mover: Option<Box<dyn Mover>> = match way {
             Some(router::VramWay::Staged(link)) => Some(Box::new(route::tcp::vram::prep(&plan, link)?)),
             Some(router::VramWay::Local) => Some(Box::new(vram::prep(&self.shared, &plan)?)),
             Some(router::VramWay::Direct) | None => None,
         };
-        Ok(EngineXfer::boxed(Core { shared: self.shared.clone(), plan, mover, lkeys }))
+        Ok(EngineXfer::boxed(Core { shared: self.shared.clone(), plan, mover, prepared }))
     }
 
     fn notifs(&self, out: &mut Vec<(String, Vec<u8>)>) -> Result<()> {

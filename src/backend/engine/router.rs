@@ -6,6 +6,7 @@
 //! `ipc_despite_denial`). Doctor and
 //! telemetry read the route it keeps a peer on (`EnginePeer::label`).
 
+use std::any::Any;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 
@@ -13,13 +14,12 @@ use parking_lot::Mutex;
 
 use super::conn::ConnInfo;
 use super::copy;
-use super::exports::LocalMrs;
 use super::gate::{self, Attached};
 use super::health::PeerHealth;
 use super::peer::{downcast, EnginePeer, PeerKind};
 use super::route::cma::Cma;
 use super::route::in_process::InProcess;
-use super::route::rdma::{self, wire, Rdma};
+use super::route::rdma::{wire, Rdma};
 use super::route::tcp::link::{LinkTarget, TcpLink};
 use super::route::tcp::Tcp;
 use super::route::{Job, Route};
@@ -47,7 +47,7 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
     // process's (pidfd) and its gate's, and its TCP fall-back's first failure is final.
     let health = |recover, exited, gate| Arc::new(PeerHealth::new(s.tcp_opts.live(), recover, exited, gate));
     // RDMA where both sides have a port on one fabric: across hosts, or on this one when asked for.
-    let rdma = match (&s.rdma, ci.rdma.as_deref().map(wire::decode_ports)) {
+    let rdma = match (&s.sides.rdma, ci.route(wire::SECTION).map(wire::decode_ports)) {
         (Some(side), Some(Some(ports))) if !same_host || s.transport == Transport::Rdma => {
             let paths = side.paths_to(&ports);
             (!paths.is_empty()).then(|| (side.clone(), paths)).ok_or("no port of the peer on our fabric")
@@ -92,7 +92,7 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
             (true, true, _) => "GIXL_TRANSPORT=tcp",
         };
         // Say why not RDMA where this side has a port (never a silent fallback).
-        let why = match (&rdma, &s.rdma) {
+        let why = match (&rdma, &s.sides.rdma) {
             (Err(no), Some(_)) => format!("{why}; not RDMA: {no}"),
             _ => why.to_owned(),
         };
@@ -169,25 +169,17 @@ pub(super) enum VramWay {
     Direct,
 }
 
-/// How `plan` (touching VRAM) reaches its peer; `lkeys`: its local regions' RDMA keys, for an RDMA peer.
-pub(super) fn vram_way(plan: &XferPlan, lkeys: &[Option<LocalMrs>]) -> Result<VramWay> {
+/// How `plan` (touching VRAM) reaches its peer; `prepared`: what its route found for it (`Route::prepare`).
+pub(super) fn vram_way(plan: &XferPlan, prepared: Option<&(dyn Any + Send + Sync)>) -> Result<VramWay> {
     let Target::Remote(p) = &plan.target else { return Ok(VramWay::Local) };
     let p = downcast(p)?;
     Ok(match (&p.kind, p.fallen_back()) {
         (PeerKind::Tcp(Tcp { link }), _) => VramWay::Staged(link.clone()),
         // A region the NIC cannot reach directly (no dma-buf, no peer memory) stages the whole request.
-        (PeerKind::Rdma(r), _) => {
-            let here = lkeys.len() == plan.local_keys.len() && lkeys.iter().all(Option::is_some);
-            let there = plan
-                .remote_keys
-                .iter()
-                .all(|k| k.as_ref().and_then(rdma::remote_keys).is_some_and(|r| !r.rkeys.is_empty()));
-            if here && there {
-                VramWay::Direct
-            } else {
-                VramWay::Staged(r.link.clone())
-            }
-        }
+        (PeerKind::Rdma(r), _) => match r.direct(plan, prepared) {
+            true => VramWay::Direct,
+            false => VramWay::Staged(r.link.clone()),
+        },
         // Cross-memory attach denied: over TCP, unless the peer's VRAM stays reachable by IPC handles.
         (PeerKind::Cma(Cma { gate, .. }), Some(Tcp { link })) => {
             if ipc_despite_denial(gate, plan.remote_mem == MemType::Vram) {

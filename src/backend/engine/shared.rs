@@ -12,15 +12,16 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::conn::{conn_v3_to_v4, ConnInfo, SEC_RDMA};
+use super::conn::{conn_v3_to_v4, ConnInfo};
 use super::copy::{self, cma_denied};
 use super::ctrl::{self, Ctrl};
 use super::gate::{self, Attached, Gate};
 use super::notif::{NotifQueue, QUEUE_BYTES, QUEUE_MSGS};
 use super::pool::Pool;
-use super::route::rdma::target::RdmaSide;
 use super::route::tcp::listen::{self, TcpOpts, TcpSetup};
 use super::route::tcp::regions::Regions;
+pub(super) use super::route::Transport;
+use super::sides::Sides;
 use super::vram_regions::Vram;
 use crate::backend::BackendInit;
 use crate::os;
@@ -64,16 +65,8 @@ pub(super) struct Shared {
     pub(super) vram: Vram,
     /// Same-host peer processes proven so far, by process incarnation (see [`Proof`]).
     pub(super) proofs: Mutex<HashMap<gate::Owner, Weak<Proof>>>,
-    /// This engine's RDMA ports and their protection domains, where the host has active ones (see `route::rdma`).
-    pub(super) rdma: Option<Arc<RdmaSide>>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Transport {
-    Auto,
-    Tcp,
-    /// Every peer over RDMA where both sides have a port on one fabric, even on this host; else TCP.
-    Rdma,
+    /// Its routes' target sides (an RDMA port's domains and regions, ...), each where it runs here.
+    pub(super) sides: Sides,
 }
 
 /// A backend parameter, else an environment variable.
@@ -138,23 +131,7 @@ impl Shared {
             .is_some_and(|v| v.split(',').any(|f| f.trim() == "no_pidfd_getfd"));
         // Peers that may not take it with `pidfd_getfd` ask for it over the control socket.
         ctrl.offer_fd(gate.raw_fd());
-        let rdma = match (transport, RdmaSide::start(transport == Transport::Rdma)) {
-            (Transport::Tcp, _) => None,
-            (_, Ok(side)) => {
-                crate::telemetry::log::info(&format!("agent '{}': RDMA port {}", init.agent_name, side.label()));
-                let (s, patience) = (side.clone(), tcp_opts.patience());
-                ctrl.tcp.set_side(Box::new(move |c| s.serve(c, patience)));
-                Some(side)
-            }
-            (Transport::Rdma, Err(why)) => {
-                crate::telemetry::log::warn(&format!(
-                    "agent '{}': GIXL_TRANSPORT=rdma but no RDMA port here ({why}): peers over TCP",
-                    init.agent_name
-                ));
-                None
-            }
-            (Transport::Auto, Err(_)) => None,
-        };
+        let sides = Sides::start(transport, &init.agent_name, &ctrl.tcp, tcp_opts.patience());
         let shared = Arc::new(Shared {
             agent: init.agent_name,
             incarnation: init.incarnation,
@@ -176,14 +153,14 @@ impl Shared {
             tcp_pool: Pool::new((2 * conns).clamp(4, 64)),
             vram: Default::default(),
             proofs: Mutex::default(),
-            rdma,
+            sides,
         });
         registry().lock().insert(init.incarnation, Arc::downgrade(&shared));
         Ok(shared)
     }
 
-    /// This engine's connection info, as it advertises it (see `conn`): layout 3, or, with an RDMA port,
-    /// layout 4 with the RDMA route's section (releases that read only layout 3 cannot load it).
+    /// This engine's connection info, as it advertises it (see `conn`): layout 3, or, where a route side runs
+    /// (an RDMA port), layout 4 with their sections (releases that read only layout 3 cannot load it).
     pub(super) fn conn_info(&self) -> Vec<u8> {
         let v3 = ConnInfo {
             host: self.host.clone(),
@@ -196,14 +173,16 @@ impl Shared {
             secret: self.secret,
             addrs: self.ctrl.tcp.addrs.clone(),
             port: self.ctrl.tcp.port,
-            rdma: None,
+            routes: Vec::new(),
         }
         .encode();
-        match &self.rdma {
-            None => v3,
-            // Our own layout 3 always converts.
-            Some(r) => conn_v3_to_v4(&v3, &[], &[(SEC_RDMA, &r.section())]).unwrap_or(v3),
+        let sections: Vec<(u64, Vec<u8>)> = self.sides.all().map(|s| s.section()).collect();
+        if sections.is_empty() {
+            return v3;
         }
+        let sections: Vec<(u64, &[u8])> = sections.iter().map(|(id, b)| (*id, b.as_slice())).collect();
+        // Our own layout 3 always converts.
+        conn_v3_to_v4(&v3, &[], &sections).unwrap_or(v3)
     }
 
     /// The proof that `ci`'s process runs here as `incarnation` (see [`Proof`]): the one this engine holds
@@ -276,9 +255,7 @@ impl Shared {
         // From here no peer's batch passes the gate; those inside finish before this returns.
         self.gate.close(self.tcp_opts.timeout);
         self.ctrl.shutdown();
-        if let Some(r) = &self.rdma {
-            r.close();
-        }
+        self.sides.all().for_each(|s| s.close());
         self.pool.shutdown();
         self.tcp_pool.shutdown();
     }

@@ -359,7 +359,8 @@ impl VramPlan {
             )));
         };
         // The remote DRAM side goes through the peer's CMA gate (see `gate`), batch by batch, as DRAM does.
-        let job = Job { op, keys: &core.plan.remote_keys, lkeys: &[], abort: &run.abort, agent: &core.shared.agent };
+        let job =
+            Job { op, keys: &core.plan.remote_keys, prepared: None, abort: &run.abort, agent: &core.shared.agent };
         // SAFETY: the staged local ranges lie inside the staging buffer, alive for the call.
         let cma = |staged: &[Seg]| unsafe { cma.batches(&job, staged) };
         let buf = Staging::take(self.device, self.dev)?;

@@ -11,9 +11,9 @@ use std::sync::{Arc, OnceLock, Weak};
 
 use parking_lot::Mutex;
 
-use super::conn::{put_ticket_sections, read_ticket_sections, RdmaKeys};
 use super::ctrl::Ctrl;
 use super::gate::{Gate, RegionTicket};
+use super::sides::Tickets;
 use crate::backend::RegionKey;
 use crate::device::{self, Device, Export, HandleKind, IpcHandle, Mapping};
 use crate::md::{put_bytes, put_uvar, Reader};
@@ -22,16 +22,16 @@ use crate::status::{Error, Result};
 
 /// Version 2: the region's place in the engine's transfer gate (slot and state) replaced a VRAM-only gate.
 pub(super) const PUBLIC_VERSION: u8 = 2;
-/// Version 3: version 2, then the region's sections (its RDMA keys, see `conn::put_ticket_sections`); written
-/// only for a region an RDMA NIC reaches directly, so nothing changes for the others.
+/// Version 3: version 2, then the routes' sections of the region's ticket (its RDMA keys, see
+/// `sides::Tickets`); written only for a region a route exported (an RDMA NIC reaches it directly), so nothing
+/// changes for the others.
 const PUBLIC_WITH_SECTIONS: u8 = 3;
 
-/// A region's public bytes (from `Vram::register`) with its RDMA keys (one per port) and nearest ports, so
-/// peers reach it over RDMA without staging.
-pub(super) fn with_rdma(mut public: Vec<u8>, keys: &RdmaKeys) -> Vec<u8> {
-    if !keys.rkeys.is_empty() {
+/// A region's public bytes (from `Vram::register`) with its routes' ticket `sections` (from their exports).
+pub(super) fn with_sections(mut public: Vec<u8>, sections: &[u8]) -> Vec<u8> {
+    if !sections.is_empty() {
         public[0] = PUBLIC_WITH_SECTIONS;
-        put_ticket_sections(&mut public, keys);
+        public.extend_from_slice(sections);
     }
     public
 }
@@ -178,9 +178,8 @@ pub(super) struct RemoteVram {
     pub(super) chunks: Vec<RemoteChunk>,
     ticket: RegionTicket,
     incarnation: u128,
-    /// Its RDMA keys, one per port of the peer, where its NIC reaches it directly (empty without), and the
-    /// peer's ports nearest it.
-    pub(super) rdma: RdmaKeys,
+    /// What its routes' sections say (its RDMA keys where the peer's NIC reaches it directly, ...).
+    pub(super) tickets: Tickets,
 }
 
 /// One of the peer's allocations under a region.
@@ -240,7 +239,7 @@ pub(super) fn load_remote(incarnation: u128, desc: &Desc, public: &[u8]) -> Resu
         }
         chunks.push(RemoteChunk { base, handle: IpcHandle { kind, size, bytes }, opened: Mutex::new(None) });
     }
-    let rdma = if version == PUBLIC_WITH_SECTIONS { read_ticket_sections(&mut r)? } else { RdmaKeys::default() };
+    let tickets = if version == PUBLIC_WITH_SECTIONS { Tickets::read(&mut r)? } else { Tickets::default() };
     // The region lies inside the chunks.
     let (lo, hi) = (chunks[0].base, chunks[n - 1].base.checked_add(chunks[n - 1].handle.size));
     let end = desc.addr.checked_add(desc.len);
@@ -254,7 +253,7 @@ pub(super) fn load_remote(incarnation: u128, desc: &Desc, public: &[u8]) -> Resu
         chunks,
         ticket: RegionTicket { slot, state },
         incarnation,
-        rdma,
+        tickets,
     }))
 }
 

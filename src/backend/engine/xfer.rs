@@ -9,12 +9,11 @@ use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
 
-use super::copy;
-use super::exports::LocalMrs;
 use super::peer::EnginePeer;
 use super::route::tcp::link::TcpLink;
-use super::route::{self, Job};
+use super::route::{Job, Prepared};
 use super::shared::Shared;
+use super::{conn, copy};
 use crate::backend::{BackendXfer, Peer, Seg, Target, XferPlan};
 use crate::status::{Error, Result, Status};
 
@@ -33,8 +32,8 @@ pub(super) struct Core {
     /// Set when the request touches VRAM: its pieces go through it (`vram`, inside the same gate; `route::tcp::vram`
     /// when its peer is reached over TCP) instead of the DRAM copies of `copy`.
     pub(super) mover: Option<Box<dyn Mover>>,
-    /// The RDMA local keys (by port) of each local region, where the peer is reached over RDMA (else empty).
-    pub(super) lkeys: Vec<Option<LocalMrs>>,
+    /// What the peer's route found for the request (`Route::prepare`).
+    pub(super) prepared: Option<Prepared>,
 }
 
 /// How a request that moves more than DRAM runs its pieces, prepared once for it (`prep_xfer`).
@@ -85,7 +84,7 @@ impl Core {
 
     /// The remote regions this request may touch, as (gate slot, state, address, length).
     pub(super) fn gate_regions(&self) -> impl Iterator<Item = (u32, u64, u64, u64)> + Clone + '_ {
-        route::gate_regions(&self.plan.remote_keys)
+        conn::gate_regions(&self.plan.remote_keys)
     }
 
     /// Copy `segs` by whichever route this request takes (see `route`).
@@ -104,7 +103,7 @@ impl Core {
         let job = Job {
             op: self.plan.op,
             keys: &self.plan.remote_keys,
-            lkeys: &self.lkeys,
+            prepared: self.prepared.as_deref(),
             abort: &run.abort,
             agent: &self.shared.agent,
         };
@@ -310,7 +309,7 @@ mod tests {
             total_bytes: SIZE as u64,
         };
         let x = EngineXfer {
-            core: Arc::new(Core { shared: a.shared.clone(), plan, mover: None, lkeys: Vec::new() }),
+            core: Arc::new(Core { shared: a.shared.clone(), plan, mover: None, prepared: None }),
             run: Mutex::new(None),
         };
         assert_eq!(x.post(None).unwrap(), Status::InProg);

@@ -9,13 +9,14 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::{Job, Route, TcpLink};
+use super::{Job, Prepared, Route, TcpLink};
+use crate::backend::engine::conn;
 use crate::backend::engine::copy::{self, cma_denied};
 use crate::backend::engine::ctrl::Sender;
 use crate::backend::engine::gate::Attached;
 use crate::backend::engine::health::PeerHealth;
 use crate::backend::engine::shared::Proof;
-use crate::backend::Seg;
+use crate::backend::{RegionKey, Seg};
 use crate::status::{Error, Result, Status};
 
 pub(crate) struct Cma {
@@ -62,7 +63,7 @@ impl Cma {
             // Identity is checked inside the call itself: its first iovec is the incarnation's gate (see
             // `copy::cma_batch`), which an exec'd image or a process that took over the pid does not map. (A
             // pidfd poll here would cost a syscall per batch and still miss exec.)
-            let inside = gate.enter(job.gate_regions());
+            let inside = gate.enter(conn::gate_regions(job.keys));
             if let Err(e) = &inside {
                 gone = e.status() == Status::RemoteDisconnect;
             }
@@ -129,6 +130,9 @@ impl Route for Cma {
         r
     }
     fn link(&self) -> Option<&Arc<TcpLink>> {
+        None
+    }
+    fn prepare(&self, _local: &[Option<RegionKey>]) -> Option<Prepared> {
         None
     }
     fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {

@@ -3,11 +3,12 @@
 
 use std::sync::{Arc, Weak};
 
-use super::{Job, Route, TcpLink};
+use super::{Job, Prepared, Route, TcpLink};
+use crate::backend::engine::conn;
 use crate::backend::engine::copy;
 use crate::backend::engine::gate::Attached;
 use crate::backend::engine::shared::Shared;
-use crate::backend::Seg;
+use crate::backend::{RegionKey, Seg};
 use crate::status::{Error, Result};
 
 pub(crate) struct InProcess {
@@ -51,13 +52,16 @@ impl Route for InProcess {
     fn link(&self) -> Option<&Arc<TcpLink>> {
         None
     }
+    fn prepare(&self, _local: &[Option<RegionKey>]) -> Option<Prepared> {
+        None
+    }
     fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {
         let gate = self.gate.as_ref().ok_or_else(|| self.destroyed())?;
         copy::for_batches(segs, usize::MAX, copy::BATCH_BYTES, &mut |b| {
             if let Some(e) = job.stopped() {
                 return Err(e);
             }
-            let _inside = gate.enter(job.gate_regions())?;
+            let _inside = gate.enter(conn::gate_regions(job.keys))?;
             // SAFETY: local ranges were resolved against this agent's registrations; remote ones are inside
             // registrations the target still holds (the gate), which it cannot drop while we are inside.
             unsafe { copy::local_copy(job.op, b) };

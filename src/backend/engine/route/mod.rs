@@ -1,9 +1,15 @@
 //! The engine's routes to a peer, a file or a folder each, behind one trait (`Route`): an agent in this process
 //! (`in_process`), another process on this host by cross-memory attach (`cma`), TCP (`tcp/`, split by
-//! responsibility) and RDMA (`rdma/`, which rides a TCP link for what is not data). A peer holds one (`peer::PeerKind`); everything the engine asks of a peer's route (why it is
-//! down, connect, close, notify, copy a piece of a request) goes through the trait, so a new route is a file or
-//! folder here, a variant of `PeerKind` and its choice in `router`. Whether the peer is down is not a route's
+//! responsibility) and RDMA (`rdma/`, which rides a TCP link for what is not data). A peer holds one
+//! (`peer::PeerKind`); everything the engine asks of a peer's route (why it is down, connect, close, notify,
+//! prepare a request, copy a piece of it) goes through the trait. Whether the peer is down is not a route's
 //! answer but its health's (`health::PeerHealth`), which every route of the peer feeds.
+//!
+//! A route with state of its own on the target side (its connection-info section, what it exports for each
+//! registration and the sections that puts in the region's ticket) implements `Side` too, and is listed in
+//! `sides` (what the engine starts and advertises, and what it reads of a peer's region). So a new route is its
+//! folder here, its lines in `sides`, a variant of `PeerKind` and its choice in `router`. This file names no
+//! route but TCP, whose link others ride.
 //!
 //! Requests that touch VRAM go through their `xfer::Mover` instead (`vram`, `tcp::vram`), which reads the
 //! route's own fields.
@@ -13,16 +19,19 @@ pub(super) mod in_process;
 pub(super) mod rdma;
 pub(super) mod tcp;
 
+use std::any::Any;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use super::conn::RemoteRegion;
-use super::exports::LocalMrs;
 use crate::backend::{RegionKey, Seg, XferOp};
+use crate::mem::MemType;
 use crate::status::{Error, Result, Status};
 pub(crate) use tcp::link::TcpLink;
 /// The connection kind on which the RDMA route's pairs are exchanged (after the TCP handshake).
 pub(crate) use tcp::wire::KIND_RDMA;
+
+/// What a route found once for a request (`Route::prepare`), handed back with each piece (`Job::prepared`).
+pub(super) type Prepared = Box<dyn Any + Send + Sync>;
 
 /// A way to reach one peer. Every method is required: a new route says what each means for it.
 pub(super) trait Route: Send + Sync {
@@ -44,8 +53,53 @@ pub(super) trait Route: Send + Sync {
     /// The TCP link of a route that is TCP from the start: its heartbeats bound the requests in flight, and
     /// its data connections take their pieces.
     fn link(&self) -> Option<&Arc<TcpLink>>;
+    /// What it needs of a request's local regions (`local`, this engine's keys), found once when the request is
+    /// prepared; None: nothing.
+    fn prepare(&self, local: &[Option<RegionKey>]) -> Option<Prepared>;
     /// Copy `segs`, one piece of `job`.
     fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()>;
+}
+
+/// A route's part of this engine's target side, where it has state of its own (same-host routes and TCP serve
+/// from the gate and the region table every registration gets, see `exports`).
+pub(super) trait Side: Send + Sync {
+    /// Its connection-info section (layout 4): id and bytes.
+    fn section(&self) -> (u64, Vec<u8>);
+    /// What it exports for a new registration (its sections go into the region's ticket); None where it does
+    /// not reach that memory (its peers' requests on it go another way).
+    fn export(&self, r: &Registration) -> Result<Option<Box<dyn Export>>>;
+    /// Retire one of its exports: no peer reaches the region through it once this returns.
+    fn retire(&self, e: &dyn Export);
+    /// Stop serving (the engine shuts down).
+    fn close(&self);
+}
+
+/// What a `Side` exports for one registration.
+pub(super) trait Export: Send + Sync {
+    /// Its sections of the region's ticket (`id | length | bytes` each, ids the route's own, see `Tickets`).
+    fn put_sections(&self, out: &mut Vec<u8>);
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// A new registration, as a `Side` exports it.
+pub(super) struct Registration<'a> {
+    pub(super) mem: MemType,
+    pub(super) addr: u64,
+    pub(super) len: u64,
+    pub(super) dev: u64,
+    /// VRAM: the base of each allocation it spans.
+    pub(super) bases: &'a [u64],
+    /// This agent's name, for the log.
+    pub(super) agent: &'a str,
+}
+
+/// Which routes an engine may take (`GIXL_TRANSPORT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Transport {
+    Auto,
+    Tcp,
+    /// Every peer over RDMA where both sides have a port on one fabric, even on this host; else TCP.
+    Rdma,
 }
 
 /// What a route needs of a request to copy a piece of it.
@@ -53,9 +107,8 @@ pub(super) struct Job<'a> {
     pub(super) op: XferOp,
     /// The request's remote regions (this engine's `RemoteRegion`s).
     pub(super) keys: &'a [Option<RegionKey>],
-    /// The RDMA memory regions of each local region (by `Seg::lreg`); empty unless the peer is reached over
-    /// RDMA.
-    pub(super) lkeys: &'a [Option<LocalMrs>],
+    /// What the route found for the request when it was prepared (`Route::prepare`).
+    pub(super) prepared: Option<&'a (dyn Any + Send + Sync)>,
     /// Set when the request is aborted: stop between batches.
     pub(super) abort: &'a AtomicBool,
     /// This agent's name, for the log.
@@ -66,18 +119,4 @@ impl Job<'_> {
     pub(super) fn stopped(&self) -> Option<Error> {
         self.abort.load(Ordering::Relaxed).then(|| Error::new(Status::Canceled, "transfer stopped"))
     }
-
-    /// The remote regions the request may touch, as the target's gate checks them.
-    pub(super) fn gate_regions(&self) -> impl Iterator<Item = (u32, u64, u64, u64)> + Clone + '_ {
-        gate_regions(self.keys)
-    }
-}
-
-/// Remote region keys as (gate slot, state, address, length).
-pub(super) fn gate_regions(keys: &[Option<RegionKey>]) -> impl Iterator<Item = (u32, u64, u64, u64)> + Clone + '_ {
-    keys.iter().map(|k| match k.as_ref().and_then(|k| k.downcast_ref::<RemoteRegion>()) {
-        Some(r) => (r.ticket.slot, r.ticket.state, r.addr, r.len),
-        // Never for this engine's plans; refused by the gate if it happens.
-        None => (u32::MAX, 0, 0, 0),
-    })
 }

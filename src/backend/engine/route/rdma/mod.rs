@@ -27,6 +27,7 @@
 pub(crate) mod target;
 pub(crate) mod wire;
 
+use std::any::Any;
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -35,13 +36,29 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::{Job, Route, TcpLink, KIND_RDMA};
-use crate::backend::engine::conn::{RdmaKeys, RemoteRegion};
+use super::{Job, Prepared, Route, TcpLink, KIND_RDMA};
+use crate::backend::engine::conn::RemoteRegion;
+use crate::backend::engine::exports::Registered;
 use crate::backend::engine::vram_regions::RemoteVram;
-use crate::backend::{RegionKey, Seg, XferOp};
+use crate::backend::{RegionKey, Seg, XferOp, XferPlan};
 use crate::status::{Error, Result, Status};
 use crate::verbs::{Completion, Cq, Op, Qp, QpCaps, Sge, WcStatus, Wr};
-use target::RdmaSide;
+use target::{RdmaExport, RdmaSide};
+use wire::RdmaKeys;
+
+/// A local region's memory regions as a request uses them (found once per request, `Route::prepare`): its key on
+/// each port (by port index), the ports nearest its memory (a mask by port index), and where each of its memory
+/// regions starts, for a region registered as several (`RdmaKeys::bounds`).
+pub(crate) struct LocalMrs {
+    keys: Box<[u32]>,
+    near: u32,
+    bounds: Box<[u64]>,
+}
+
+/// The local regions' memory regions of a request (by `Seg::lreg`), as `prepare` found them.
+fn local_mrs<'a>(job: &Job<'a>) -> &'a [Option<LocalMrs>] {
+    job.prepared.and_then(|p| p.downcast_ref::<Vec<Option<LocalMrs>>>()).map_or(&[], Vec::as_slice)
+}
 
 /// Work requests per chain (one post, one signalled completion).
 const CHAIN: usize = 256;
@@ -73,8 +90,9 @@ fn key_at(keys: &[u32], bounds: &[u64], ports: usize, addr: u64, port: usize) ->
 /// where the regions say nothing or disagree).
 fn nearest(job: &Job, segs: &[Seg]) -> (u32, u32) {
     let (mut here, mut there) = (u32::MAX, u32::MAX);
+    let lkeys = local_mrs(job);
     for s in segs {
-        if let Some(l) = job.lkeys.get(s.lreg as usize).and_then(Option::as_ref).filter(|l| l.near != 0) {
+        if let Some(l) = lkeys.get(s.lreg as usize).and_then(Option::as_ref).filter(|l| l.near != 0) {
             here &= l.near;
         }
         let remote = job.keys.get(s.rreg as usize).and_then(Option::as_ref).and_then(remote_keys);
@@ -182,9 +200,9 @@ fn thread_cpu_ns() -> u64 {
 /// reach directly) and the peer's ports nearest it, DRAM or VRAM.
 pub(crate) fn remote_keys(k: &RegionKey) -> Option<&RdmaKeys> {
     if let Some(r) = k.downcast_ref::<RemoteRegion>() {
-        return Some(&r.rdma);
+        return Some(&r.tickets.rdma);
     }
-    k.downcast_ref::<RemoteVram>().map(|v| &v.rdma)
+    k.downcast_ref::<RemoteVram>().map(|v| &v.tickets.rdma)
 }
 
 pub(crate) struct Rdma {
@@ -223,6 +241,15 @@ impl Drop for Lane {
 }
 
 impl Rdma {
+    /// Whether `plan` (touching VRAM) goes over this route as DRAM does (GPU-direct): every region of it, here
+    /// (as `prepared` found them) and there, has its memory regions. A region the NIC cannot reach directly (no
+    /// dma-buf, no peer memory) stages the whole request.
+    pub(crate) fn direct(&self, plan: &XferPlan, prepared: Option<&(dyn Any + Send + Sync)>) -> bool {
+        let lkeys = prepared.and_then(|p| p.downcast_ref::<Vec<Option<LocalMrs>>>()).map_or(&[][..], Vec::as_slice);
+        let here = lkeys.len() == plan.local_keys.len() && lkeys.iter().all(Option::is_some);
+        here && plan.remote_keys.iter().all(|k| k.as_ref().and_then(remote_keys).is_some_and(|r| !r.rkeys.is_empty()))
+    }
+
     /// `paths`: (our port, the peer's port) pairs, from `RdmaSide::paths_to` (not empty).
     pub(crate) fn new(link: Arc<TcpLink>, side: Arc<RdmaSide>, name: &str, paths: &[(usize, usize)]) -> Rdma {
         let paths = paths
@@ -276,8 +303,9 @@ impl Rdma {
         let mut chain = Chain::default();
         let mut last = None;
         let here_ports = self.side.ports.len();
+        let lkeys = local_mrs(job);
         for s in segs {
-            let local = job.lkeys.get(s.lreg as usize).and_then(Option::as_ref).ok_or_else(|| {
+            let local = lkeys.get(s.lreg as usize).and_then(Option::as_ref).ok_or_else(|| {
                 Error::invalid_param("a local region of this request is not registered with the RDMA NIC")
             })?;
             let remote = job.keys.get(s.rreg as usize).and_then(Option::as_ref).and_then(remote_keys);
@@ -407,6 +435,21 @@ impl Route for Rdma {
     }
     fn link(&self) -> Option<&Arc<TcpLink>> {
         Some(&self.link)
+    }
+    /// Each local region's memory regions (by `Seg::lreg`), found once for the request.
+    fn prepare(&self, local: &[Option<RegionKey>]) -> Option<Prepared> {
+        let mrs: Vec<Option<LocalMrs>> = local
+            .iter()
+            .map(|k| {
+                let e = Registered::export::<RdmaExport>(k.as_ref()?)?;
+                Some(LocalMrs {
+                    keys: e.mrs.iter().map(|m| m.lkey).collect(),
+                    near: e.near,
+                    bounds: e.bounds.clone().into(),
+                })
+            })
+            .collect();
+        Some(Box::new(mrs))
     }
     /// Over the next live path; where the path fails (its pair set up or answered by nobody: a port or its
     /// cable), it is marked dead, said in the log, and the piece goes again over another (READ and WRITE

@@ -1,7 +1,8 @@
 //! The RDMA route's side of this engine (`RdmaSide`): its opened ports, each with one protection domain per
 //! engine incarnation (so a handle built against an earlier incarnation names keys of a domain that no longer
 //! exists), the memory regions of its registrations, its connection-info section, and the target's half of
-//! the queue-pair exchange.
+//! the queue-pair exchange. It is the route's `Side`: a registration's export (`RdmaExport`) is its memory
+//! regions, chosen per region and said in the log for GPU memory, and the ports nearest its memory.
 //!
 //! Exactness on a one-sided route: after `deregister` returns, the NIC refuses the region's key (deregistering
 //! waits for accesses under way). A NIC may hand the same key value to a later region (the lowest free index
@@ -21,7 +22,9 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::wire::{self, Port};
+use super::wire::{self, Port, RdmaKeys};
+use crate::backend::engine::route::{Export, Registration, Side, Transport};
+use crate::mem::MemType;
 use crate::status::{Error, Result};
 use crate::verbs::{self, Cq, Mr, Nic, PortEvent, QpAddr, QpCaps, LOCAL_WRITE, REMOTE_READ, REMOTE_WRITE};
 
@@ -84,7 +87,105 @@ impl PortSide {
     }
 }
 
+/// A registration's memory regions on this engine's ports (see `Side::export`).
+pub(crate) struct RdmaExport {
+    /// Its memory region on each port (by port index); for a region registered as several (`bounds`), port by
+    /// port inside each, one after the other.
+    pub(crate) mrs: Vec<Mr>,
+    /// The ports nearest its memory (a mask by port index, see `RdmaSide::near`).
+    pub(crate) near: u32,
+    /// Where each of its memory regions starts, where it has several.
+    pub(crate) bounds: Vec<u64>,
+}
+
+impl Export for RdmaExport {
+    fn put_sections(&self, out: &mut Vec<u8>) {
+        let rkeys = self.mrs.iter().map(|m| m.rkey).collect();
+        RdmaKeys { rkeys, near: self.near, bounds: self.bounds.clone() }.put_sections(out);
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+impl Side for RdmaSide {
+    fn section(&self) -> (u64, Vec<u8>) {
+        (wire::SECTION, wire::encode_ports(&self.ports.iter().map(|p| p.port).collect::<Vec<_>>()))
+    }
+
+    /// Host memory: a memory region on every port (an error fails the registration). GPU memory: reached by the
+    /// NIC directly where it can be (`register_device`), else none (RDMA peers' requests on it are staged
+    /// through host memory over their TCP link); the choice is one log line per region.
+    fn export(&self, r: &Registration) -> Result<Option<Box<dyn Export>>> {
+        let what = format!("agent '{}': VRAM region {:#x}+{} on GPU {}", r.agent, r.addr, r.len, r.dev);
+        let (mrs, bounds, place) = match r.mem {
+            MemType::Vram => match self.register_device(&pieces(r.addr, r.len, r.bases)) {
+                Ok((mrs, bounds, how)) => {
+                    let n =
+                        if bounds.is_empty() { String::new() } else { format!(", {} memory regions", bounds.len()) };
+                    crate::telemetry::log::info(&format!("{what}: reached by the RDMA NIC directly ({how}{n})"));
+                    let pci = crate::device::get().ok().and_then(|dev| dev.pci_path(r.dev as u32));
+                    (mrs, bounds, pci.map_or(Place::Unknown, Place::Pci))
+                }
+                Err(why) => {
+                    crate::telemetry::log::warn(&format!("{what}: staged through host memory for RDMA peers ({why})"));
+                    return Ok(None);
+                }
+            },
+            _ => {
+                let numa = crate::os::numa_node_of(r.addr).map_or(Place::Unknown, Place::Numa);
+                (self.register(r.addr, r.len)?, Vec::new(), numa)
+            }
+        };
+        // The ports nearest its memory: its GPU's PCI place, or its first page's NUMA node.
+        Ok(Some(Box::new(RdmaExport { mrs, near: self.near(&place), bounds })))
+    }
+
+    fn retire(&self, e: &dyn Export) {
+        // The NIC refuses the keys once this returns (accesses under way finish first).
+        if let Some(e) = e.as_any().downcast_ref::<RdmaExport>() {
+            self.deregister(&e.mrs);
+        }
+    }
+
+    fn close(&self) {
+        RdmaSide::close(self)
+    }
+}
+
+/// A region's part of each allocation it spans (`bases`, in address order), back to back.
+fn pieces(addr: u64, len: u64, bases: &[u64]) -> Vec<(u64, u64)> {
+    let end = addr + len;
+    bases
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| {
+            let (lo, hi) = (b.max(addr), bases.get(i + 1).map_or(end, |&n| n.min(end)));
+            (lo, hi - lo)
+        })
+        .collect()
+}
+
 impl RdmaSide {
+    /// The side an engine of `transport` starts: none with `tcp`, or where the host has no usable port (said
+    /// in the log where it was asked for). Its `serve` takes the `KIND_RDMA` connections.
+    pub(crate) fn start_for(transport: Transport, agent: &str) -> Option<Arc<RdmaSide>> {
+        match (transport, RdmaSide::start(transport == Transport::Rdma)) {
+            (Transport::Tcp, _) => None,
+            (_, Ok(side)) => {
+                crate::telemetry::log::info(&format!("agent '{agent}': RDMA port {}", side.label()));
+                Some(side)
+            }
+            (Transport::Rdma, Err(why)) => {
+                crate::telemetry::log::warn(&format!(
+                    "agent '{agent}': GIXL_TRANSPORT=rdma but no RDMA port here ({why}): peers over TCP"
+                ));
+                None
+            }
+            (Transport::Auto, Err(_)) => None,
+        }
+    }
+
     /// This engine's ports: every active one of the fabric (`verbs::fabric`). None, with the reason, where
     /// there is none (no library, no device, no active port): peers are then reached over TCP. rdma-core's
     /// data path has not run on a NIC yet, so a real fabric is taken only when asked for (`asked`:
@@ -129,11 +230,6 @@ impl RdmaSide {
             .spawn(move || watch(weak))
             .map_err(|e| format!("cannot start the RDMA event thread: {e}"))?;
         Ok(side)
-    }
-
-    /// The connection-info section: this engine's ports.
-    pub(crate) fn section(&self) -> Vec<u8> {
-        wire::encode_ports(&self.ports.iter().map(|p| p.port).collect::<Vec<_>>())
     }
 
     /// What doctor and the log call the ports.

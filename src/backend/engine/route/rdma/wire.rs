@@ -1,5 +1,6 @@
-//! The RDMA route's bytes, as pure functions: its connection-info section (the engine's ports) and the
-//! queue-pair exchange on a `KIND_RDMA` connection (after the TCP route's authenticated handshake).
+//! The RDMA route's bytes, as pure functions: its connection-info section (the engine's ports), its sections
+//! of a region's ticket (the region's keys, see `RdmaKeys`) and the queue-pair exchange on a `KIND_RDMA`
+//! connection (after the TCP route's authenticated handshake).
 //!
 //! ```text
 //! SECTION  = nports u8 | nports × PORT
@@ -12,7 +13,92 @@
 //! All integers little-endian. The connection stays open while the pairs live: when either side closes it,
 //! the other destroys its pairs.
 
+use crate::md::{put_bytes, put_uvar};
+use crate::status::{Error, Result};
 use crate::verbs::{LinkLayer, PortInfo, QpAddr};
+
+/// Its connection-info section's id (layout 4, see `conn`).
+pub(crate) const SECTION: u64 = 5;
+
+/// A region ticket's section: the region's RDMA remote keys (u32 each, one per port).
+const TICKET_RKEY: u64 = 1;
+/// A region ticket's section: the ports nearest the region's memory, as a mask by port index (u32).
+const TICKET_NEAR: u64 = 2;
+/// A region ticket's section: where the region's memory regions start, for a region registered as several
+/// (GPU memory over several allocations: one dma-buf each), as u64 addresses, at least two, increasing.
+const TICKET_BOUNDS: u64 = 3;
+
+/// What RDMA peers need of a region: its key on each port of its engine (empty: no RDMA; for a region of several
+/// memory regions, `bounds`, one key per port for each, region by region), and the ports nearest its memory (a
+/// mask by port index; 0: not said, any).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(crate) struct RdmaKeys {
+    pub(crate) rkeys: Vec<u32>,
+    pub(crate) near: u32,
+    /// Where each of its memory regions starts; empty for one.
+    pub(crate) bounds: Vec<u64>,
+}
+
+impl RdmaKeys {
+    /// Its sections of a region's ticket (`id | length | bytes`; none without keys).
+    pub(crate) fn put_sections(&self, out: &mut Vec<u8>) {
+        if !self.rkeys.is_empty() {
+            put_uvar(out, TICKET_RKEY);
+            put_bytes(out, &self.rkeys.iter().flat_map(|k| k.to_le_bytes()).collect::<Vec<u8>>());
+            put_uvar(out, TICKET_NEAR);
+            put_bytes(out, &self.near.to_le_bytes());
+            if self.bounds.len() > 1 {
+                put_uvar(out, TICKET_BOUNDS);
+                put_bytes(out, &self.bounds.iter().flat_map(|b| b.to_le_bytes()).collect::<Vec<u8>>());
+            }
+        }
+    }
+
+    /// Its sections alone.
+    #[cfg(test)]
+    pub(crate) fn sections(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.put_sections(&mut out);
+        out
+    }
+}
+
+/// The RDMA keys among a region's ticket sections: the keys' (a whole number of u32, at least one), the nearest
+/// ports' (one u32), the bounds' (see `TICKET_BOUNDS`); other routes' sections are not its business.
+pub(crate) fn read_ticket(sections: &[(u64, &[u8])]) -> Result<RdmaKeys> {
+    let mut k = RdmaKeys::default();
+    for &(id, sec) in sections {
+        match id {
+            TICKET_RKEY => {
+                if sec.is_empty() || sec.len() % 4 != 0 {
+                    return Err(Error::mismatch("malformed RDMA keys in a region ticket"));
+                }
+                k.rkeys = sec.chunks(4).map(|k| u32::from_le_bytes([k[0], k[1], k[2], k[3]])).collect();
+            }
+            TICKET_NEAR => {
+                let b: [u8; 4] =
+                    sec.try_into().map_err(|_| Error::mismatch("malformed nearest ports in a region ticket"))?;
+                k.near = u32::from_le_bytes(b);
+            }
+            TICKET_BOUNDS => {
+                let bad = || Error::mismatch("malformed memory-region bounds in a region ticket");
+                if sec.len() < 16 || sec.len() % 8 != 0 {
+                    return Err(bad());
+                }
+                k.bounds = sec.chunks(8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or_default())).collect();
+                if k.bounds.windows(2).any(|w| w[0] >= w[1]) {
+                    return Err(bad());
+                }
+            }
+            _ => {}
+        }
+    }
+    // One key per port for each memory region.
+    if !k.bounds.is_empty() && k.rkeys.len() % k.bounds.len() != 0 {
+        return Err(Error::mismatch("RDMA keys do not match the region's memory regions in a region ticket"));
+    }
+    Ok(k)
+}
 
 pub(crate) const OFFER_MAGIC: &[u8; 4] = b"GXQP";
 pub(crate) const MAX_QPS: usize = 16;

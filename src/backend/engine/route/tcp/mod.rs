@@ -19,9 +19,9 @@ pub(crate) mod stage;
 pub(crate) mod vram;
 pub mod wire;
 
-use super::{Job, Route};
+use super::{Job, Prepared, Route};
 use crate::backend::engine::conn::RemoteRegion;
-use crate::backend::Seg;
+use crate::backend::{RegionKey, Seg};
 use crate::status::Result;
 use link::TcpLink;
 
@@ -53,6 +53,9 @@ impl Route for Tcp {
     }
     fn link(&self) -> Option<&Arc<TcpLink>> {
         Some(&self.link)
+    }
+    fn prepare(&self, _local: &[Option<RegionKey>]) -> Option<Prepared> {
+        None
     }
     fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {
         // The target finds each segment's registration by the range its metadata names.
