@@ -5,6 +5,7 @@
 1. Between the engine (`backend::engine`, all of it), the metadata exchange (`mdx`), `auth` and the OS layer
    (`os`): no cycle at all.
 2. Between the files of the engine (`backend::engine::<file>`, `mod.rs` being `engine`): no cycle either.
+   Test-only files (declared under `#[cfg(test)]`) and test-only lines are left out.
 3. No route imports another: a file under `engine/route/<name>` imports nothing under another route's name
    (the router is the one place that knows more than one route).
 4. The README's tree of the engine (Layout) lists every file of the engine once, each importing only files
@@ -71,7 +72,16 @@ def resolve(path: str, here: tuple) -> tuple:
 
 def strip_tests(text: str) -> str:
     m = re.search(r"#\[cfg\(test\)\]\s*mod tests\b", text)
-    return text[: m.start()] if m else text
+    text = text[: m.start()] if m else text
+    # A test-only item of one line (an enum variant, a match arm's head): its line goes too.
+    return re.sub(r"#\[cfg\(test\)\][^\n]*\n[^\n]*", "", text)
+
+
+def test_only(f: Path) -> bool:
+    """A file its parent declares under `#[cfg(test)]` (a harness), or a `tests` module of its own."""
+    parent = f.parent / "mod.rs" if f.name != "mod.rs" else f.parent.parent / "mod.rs"
+    name = f.stem if f.name != "mod.rs" else f.parent.name
+    return parent.is_file() and re.search(rf"#\[cfg\(test\)\]\s*mod {name};", parent.read_text()) is not None
 
 
 def graph(unit_of):
@@ -79,7 +89,7 @@ def graph(unit_of):
     for f in sorted(SRC.rglob("*.rs")):
         here = module_of(f)
         src_unit = unit_of(here)
-        if src_unit is None:
+        if src_unit is None or test_only(f):
             continue
         # Comments name paths too (`see route::tcp::vram`); only code counts.
         text = re.sub(r"//.*", "", strip_tests(f.read_text()))
@@ -220,7 +230,7 @@ def readme_order(g) -> bool:
     listed = [line.split()[0] for line in m.group(1).splitlines() if line.strip() and not line[0].isspace()]
     names = [unit_of_file(f) for f in listed]
     base = SRC / "backend" / "engine"
-    files = {unit_of_file(f.relative_to(base).as_posix()) for f in base.rglob("*.rs")}
+    files = {unit_of_file(f.relative_to(base).as_posix()) for f in base.rglob("*.rs") if not test_only(f)}
     ok = True
     if sorted(names) != sorted(files):
         print(f"module-cycles: README's engine tree lists {sorted(names)}, the engine has {sorted(files)}")

@@ -50,6 +50,8 @@ mod copy;
 mod ctrl;
 mod exports;
 mod gate;
+#[cfg(test)]
+mod harness;
 mod health;
 mod notif;
 mod peer;
@@ -352,7 +354,9 @@ mod tests {
         let (_, p) = remotes.get(name).unwrap().peers[0].clone();
         match &downcast(&p).unwrap().kind {
             PeerKind::Tcp(t) => t.link.clone(),
-            PeerKind::InProcess(_) | PeerKind::Cma(_) | PeerKind::Rdma(_) => panic!("not a TCP peer"),
+            PeerKind::InProcess(_) | PeerKind::Cma(_) | PeerKind::Rdma(_) | PeerKind::Fake(_) => {
+                panic!("not a TCP peer")
+            }
         }
     }
 

@@ -28,6 +28,9 @@ pub(super) enum PeerKind {
     Tcp(Tcp),
     /// A peer with a port on a fabric ours reaches (another host, or `GIXL_TRANSPORT=rdma`).
     Rdma(Rdma),
+    /// A scripted route of the engine's harness (`harness`).
+    #[cfg(test)]
+    Fake(Arc<super::harness::FakeRoute>),
 }
 
 pub(super) struct EnginePeer {
@@ -35,7 +38,7 @@ pub(super) struct EnginePeer {
     pub(super) incarnation: u128,
     pub(super) kind: PeerKind,
     /// The next route (TCP, for a same-host peer), taken when the kernel denies `kind`'s.
-    pub(super) fallback: Option<Tcp>,
+    pub(super) fallback: Option<Box<dyn Route>>,
     /// The router moved the peer to `fallback` (at load, or when a copy or probe was denied).
     pub(super) on_fallback: AtomicBool,
     /// Its health, fed by its route: per name, so a forged copy of a peer's metadata can only break itself
@@ -51,6 +54,8 @@ impl EnginePeer {
             PeerKind::Cma(r) => r,
             PeerKind::Tcp(r) => r,
             PeerKind::Rdma(r) => r,
+            #[cfg(test)]
+            PeerKind::Fake(r) => r,
         }
     }
 }

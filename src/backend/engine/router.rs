@@ -139,7 +139,7 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
             sender: Mutex::new(None),
             health: health.clone(),
         });
-        (kind, Some(tcp), health)
+        (kind, Some(Box::new(tcp) as Box<dyn Route>), health)
     };
     let on_fallback = AtomicBool::new(denial.is_some());
     let peer = EnginePeer { name: agent.to_owned(), incarnation, kind, fallback, on_fallback, health };
@@ -181,22 +181,22 @@ pub(super) fn vram_way(plan: &XferPlan, prepared: Option<&(dyn Any + Send + Sync
             false => VramWay::Staged(r.link.clone()),
         },
         // Cross-memory attach denied: over TCP, unless the peer's VRAM stays reachable by IPC handles.
-        (PeerKind::Cma(Cma { gate, .. }), Some(Tcp { link })) => {
-            if ipc_despite_denial(gate, plan.remote_mem == MemType::Vram) {
-                VramWay::Local
-            } else {
-                VramWay::Staged(link.clone())
-            }
-        }
+        (PeerKind::Cma(Cma { gate, .. }), Some(f)) => match f.link() {
+            _ if ipc_despite_denial(gate, plan.remote_mem == MemType::Vram) => VramWay::Local,
+            Some(link) => VramWay::Staged(link.clone()),
+            None => return Err(Error::not_supported(format!("VRAM to agent '{}' over its {}", p.name, f.label()))),
+        },
         (PeerKind::Cma(_) | PeerKind::InProcess(_), _) => VramWay::Local,
+        #[cfg(test)]
+        (PeerKind::Fake(_), _) => return Err(Error::not_supported("VRAM over the harness's fake route")),
     })
 }
 
 /// A peer as the engine uses it: through the route the router keeps it on.
 impl EnginePeer {
     /// The fallback, once the router moved the peer there.
-    pub(super) fn fallen_back(&self) -> Option<&Tcp> {
-        self.fallback.as_ref().filter(|_| self.on_fallback.load(Ordering::Acquire))
+    pub(super) fn fallen_back(&self) -> Option<&dyn Route> {
+        self.fallback.as_deref().filter(|_| self.on_fallback.load(Ordering::Acquire))
     }
 
     /// Move the peer to its fallback for good (its first route was denied). True when this is news.
@@ -265,9 +265,13 @@ impl EnginePeer {
         }
     }
 
-    /// Why it is down, as ` (reason)`, or empty.
+    /// Why it is down, as ` (reason)`, or empty: its route's reason, else its health's (a route that keeps none
+    /// of its own).
     pub(super) fn why(&self) -> String {
-        self.active().why_down()
+        match self.active().why_down() {
+            w if w.is_empty() => self.health.why().map(|w| format!(" ({w})")).unwrap_or_default(),
+            w => w,
+        }
     }
 }
 

@@ -232,6 +232,10 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
         Some((ep, PeerKind::Tcp(_) | PeerKind::Rdma(_))) => {
             return Err(Error::backend(format!("VRAM to agent '{}' over TCP goes through route::tcp::vram", ep.name)))
         }
+        #[cfg(test)]
+        Some((ep, PeerKind::Fake(_))) => {
+            return Err(Error::not_supported(format!("VRAM to agent '{}' over the harness's fake route", ep.name)))
+        }
     };
     let remote_dev = plan
         .remote_keys
@@ -341,6 +345,8 @@ impl Mover for VramPlan {
                 (Far::InProcess, PeerKind::Cma(_) | PeerKind::Tcp(_) | PeerKind::Rdma(_)) | (Far::Loopback, _) => {
                     Err(Error::backend("unreachable route"))
                 }
+                #[cfg(test)]
+                (Far::InProcess, PeerKind::Fake(_)) => Err(Error::backend("unreachable route")),
             }
         })
     }
