@@ -170,20 +170,30 @@ fn peer(e: &Engine, first: &Arc<FakeRoute>, fallback: Option<&Arc<FakeRoute>>) -
     (Arc::new(p), health)
 }
 
-/// A request of `bytes` in one segment to `peer` (addresses the fake route never touches).
-fn request(e: &Engine, peer: &Arc<dyn Peer>, bytes: u64) -> Box<dyn BackendXfer> {
-    let seg = Seg { local: 0x1000_0000, remote: 0x2000_0000, len: bytes, ldev: 0, rdev: 0, lreg: 0, rreg: 0 };
-    let plan = XferPlan {
+/// A WRITE of `bytes` from `local` to `remote` (of the peer's region `key`) in one segment.
+pub(super) fn write_plan(
+    local: u64,
+    remote: u64,
+    bytes: u64,
+    peer: &Arc<dyn Peer>,
+    key: Option<RegionKey>,
+) -> XferPlan {
+    let seg = Seg { local, remote, len: bytes, ldev: 0, rdev: 0, lreg: 0, rreg: 0 };
+    XferPlan {
         op: XferOp::Write,
         local_mem: MemType::Dram,
         remote_mem: MemType::Dram,
         segs: vec![seg],
         local_keys: vec![None],
-        remote_keys: vec![None],
+        remote_keys: vec![key],
         target: Target::Remote(peer.clone()),
         total_bytes: bytes,
-    };
-    e.prep_xfer(plan).unwrap()
+    }
+}
+
+/// A request of `bytes` to `peer` (addresses the fake route never touches).
+fn request(e: &Engine, peer: &Arc<dyn Peer>, bytes: u64) -> Box<dyn BackendXfer> {
+    e.prep_xfer(write_plan(0x1000_0000, 0x2000_0000, bytes, peer, None)).unwrap()
 }
 
 /// The request's final status: `abort` returns once it is terminal (called when every piece has run, it

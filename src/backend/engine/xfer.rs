@@ -262,9 +262,10 @@ impl Drop for EngineXfer {
 
 #[cfg(test)]
 mod tests {
+    use super::super::harness::write_plan;
     use super::super::Engine;
     use super::*;
-    use crate::backend::{Backend, BackendInit, Target, XferOp};
+    use crate::backend::{Backend, BackendInit};
     use crate::mem::{Desc, MemType, RegDesc};
     use std::time::Duration;
 
@@ -289,25 +290,7 @@ mod tests {
         let lr = b.register(MemType::Dram, &rd).unwrap();
         let peer = a.load_peer("ct-B", binc, &b.conn_info()).unwrap();
         let key = a.load_remote_region(&peer, MemType::Dram, &rd.desc, &lr.public).unwrap();
-        let seg = Seg {
-            local: src.as_ptr() as u64,
-            remote: dst.as_ptr() as u64,
-            len: SIZE as u64,
-            ldev: 0,
-            rdev: 0,
-            lreg: 0,
-            rreg: 0,
-        };
-        let plan = XferPlan {
-            op: XferOp::Write,
-            local_mem: MemType::Dram,
-            remote_mem: MemType::Dram,
-            segs: vec![seg],
-            local_keys: vec![None],
-            remote_keys: vec![key],
-            target: Target::Remote(peer.clone()),
-            total_bytes: SIZE as u64,
-        };
+        let plan = write_plan(src.as_ptr() as u64, dst.as_ptr() as u64, SIZE as u64, &peer, key);
         let x = EngineXfer {
             core: Arc::new(Core { shared: a.shared.clone(), plan, mover: None, prepared: None }),
             run: Mutex::new(None),
