@@ -1,10 +1,11 @@
 //! The engine's harness (tests only): a real engine's requests over a scripted route (`FakeRoute`, a
-//! `PeerKind::Fake` peer) instead of a socket or a process, so the engine's own rules are driven step by step:
+//! `PeerKind::Net` peer) instead of a socket or a process, so the engine's own rules are driven step by step:
 //! pieces, then the notification, then the status; a peer that dies while its pieces are held; a route the
 //! kernel denies and the router's fallback; a failed piece. Pieces wait on the script, not on time; the only
 //! waits are for events the script records. Peers' deaths are the health machine's `Gone` signal, which reads
 //! no clock (the machine's timing rules have their own tests in `health`).
 
+use std::any::Any;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -12,7 +13,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::health::PeerHealth;
 use super::peer::{EnginePeer, PeerKind};
-use super::route::{Job, Prepared, Route, TcpLink};
+use super::route::{Job, Prepared, Route, TcpLink, VramWay};
 use super::Engine;
 use crate::backend::{Backend, BackendInit, BackendXfer, Peer, RegionKey, Seg, Target, XferOp, XferPlan};
 use crate::mem::MemType;
@@ -103,6 +104,9 @@ impl Route for Arc<FakeRoute> {
     fn link(&self) -> Option<&Arc<TcpLink>> {
         None
     }
+    fn vram(&self, _plan: &XferPlan, _prepared: Option<&(dyn Any + Send + Sync)>) -> Result<VramWay> {
+        Err(Error::not_supported("VRAM over the harness's scripted route"))
+    }
     fn prepare(&self, _local: &[Option<RegionKey>]) -> Option<Prepared> {
         None
     }
@@ -162,7 +166,7 @@ fn peer(e: &Engine, first: &Arc<FakeRoute>, fallback: Option<&Arc<FakeRoute>>) -
     let p = EnginePeer {
         name: "scripted".into(),
         incarnation: crate::util::random_u128(),
-        kind: PeerKind::Fake(first.clone()),
+        kind: PeerKind::Net(Box::new(first.clone())),
         fallback: fallback.map(|f| Box::new(f.clone()) as Box<dyn Route>),
         on_fallback: AtomicBool::new(false),
         health: health.clone(),

@@ -185,9 +185,9 @@ impl Backend for Engine {
         // where the NICs reach every region; same-host VRAM routes are `vram`'s.
         let way = wants.then(|| router::vram_way(&plan, prepared.as_deref())).transpose()?;
         let mover: Option<Box<dyn Mover>> = match way {
-            Some(router::VramWay::Staged(link)) => Some(Box::new(route::tcp::vram::prep(&plan, link)?)),
-            Some(router::VramWay::Local) => Some(Box::new(vram::prep(&self.shared, &plan)?)),
-            Some(router::VramWay::Direct) | None => None,
+            Some(route::VramWay::Staged(link)) => Some(Box::new(route::tcp::vram::prep(&plan, link)?)),
+            Some(route::VramWay::Local) => Some(Box::new(vram::prep(&self.shared, &plan)?)),
+            Some(route::VramWay::Direct) | None => None,
         };
         Ok(EngineXfer::boxed(Core { shared: self.shared.clone(), plan, mover, prepared }))
     }
@@ -353,8 +353,8 @@ mod tests {
         let remotes = a.inner.remotes.read();
         let (_, p) = remotes.get(name).unwrap().peers[0].clone();
         match &downcast(&p).unwrap().kind {
-            PeerKind::Tcp(t) => t.link.clone(),
-            PeerKind::InProcess(_) | PeerKind::Cma(_) | PeerKind::Rdma(_) | PeerKind::Fake(_) => {
+            PeerKind::Net(r) => r.link().expect("a TCP peer").clone(),
+            PeerKind::InProcess(_) | PeerKind::Cma(_) => {
                 panic!("not a TCP peer")
             }
         }

@@ -1,7 +1,6 @@
 //! A peer as the engine knows it (`EnginePeer`): its name and incarnation, the route that reaches it
-//! (`PeerKind`: an agent of this process, another process on this host, a TCP or an RDMA peer; each a
-//! `route::Route`),
-//! the route the router falls back to, and its health. What the engine asks of it goes through the router
+//! (`PeerKind`: an agent of this process, another process on this host, or a peer over the network, TCP or
+//! RDMA, known only through its `route::Route`), the route the router falls back to, and its health. What the engine asks of it goes through the router
 //! (`router`: copy, notify, connect, close, label), which picks between the two.
 
 use std::any::Any;
@@ -11,8 +10,6 @@ use std::sync::Arc;
 use super::health::PeerHealth;
 use super::route::cma::Cma;
 use super::route::in_process::InProcess;
-use super::route::rdma::Rdma;
-use super::route::tcp::Tcp;
 use super::route::Route;
 use crate::backend::Peer;
 use crate::status::{Error, Result};
@@ -24,13 +21,9 @@ pub(super) enum PeerKind {
     /// Another process on this host (TCP carries the data instead once the kernel has denied cross-memory
     /// attach).
     Cma(Cma),
-    /// Another host, or `GIXL_TRANSPORT=tcp`.
-    Tcp(Tcp),
-    /// A peer with a port on a fabric ours reaches (another host, or `GIXL_TRANSPORT=rdma`).
-    Rdma(Rdma),
-    /// A scripted route of the engine's harness (`harness`).
-    #[cfg(test)]
-    Fake(Arc<super::harness::FakeRoute>),
+    /// Another host, or one reached as if it were (`GIXL_TRANSPORT`): a route that knows nothing of this host
+    /// (TCP; RDMA where both have a port on one fabric), asked only through the trait.
+    Net(Box<dyn Route>),
 }
 
 pub(super) struct EnginePeer {
@@ -52,10 +45,7 @@ impl EnginePeer {
         match &self.kind {
             PeerKind::InProcess(r) => r,
             PeerKind::Cma(r) => r,
-            PeerKind::Tcp(r) => r,
-            PeerKind::Rdma(r) => r,
-            #[cfg(test)]
-            PeerKind::Fake(r) => r,
+            PeerKind::Net(r) => &**r,
         }
     }
 }

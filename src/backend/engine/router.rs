@@ -22,7 +22,7 @@ use super::route::in_process::InProcess;
 use super::route::rdma::{wire, Rdma};
 use super::route::tcp::link::{LinkTarget, TcpLink};
 use super::route::tcp::Tcp;
-use super::route::{Job, Route};
+use super::route::{Job, Route, VramWay};
 use super::shared::{registry, Shared, Transport};
 use crate::backend::{Seg, Target, XferPlan};
 use crate::mem::MemType;
@@ -70,7 +70,7 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
         return Ok(EnginePeer {
             name: agent.to_owned(),
             incarnation,
-            kind: PeerKind::Rdma(r),
+            kind: PeerKind::Net(Box::new(r)),
             fallback: None,
             on_fallback,
             health,
@@ -83,7 +83,7 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
             )));
         }
         let health = health(true, None, None);
-        let kind = PeerKind::Tcp(Tcp { link: link(&health) });
+        let kind = PeerKind::Net(Box::new(Tcp { link: link(&health) }));
         let on_fallback = AtomicBool::new(false);
         let why = match (same_host, ci.has_local, s.transport) {
             (false, _, _) => "another host, or another pid or network namespace",
@@ -158,38 +158,19 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
     Ok(peer)
 }
 
-/// How a request touching VRAM reaches its peer (`vram_way`).
-pub(super) enum VramWay {
-    /// Through the device layer inside the target's gate (`vram`): a same-host route, or loopback.
-    Local,
-    /// Staged through page-locked host memory over the peer's TCP link (`route::tcp::vram`).
-    Staged(Arc<TcpLink>),
-    /// By the peer's RDMA route as DRAM is (GPU-direct): every region of the request, here and there, has its
-    /// memory regions.
-    Direct,
-}
-
 /// How `plan` (touching VRAM) reaches its peer; `prepared`: what its route found for it (`Route::prepare`).
 pub(super) fn vram_way(plan: &XferPlan, prepared: Option<&(dyn Any + Send + Sync)>) -> Result<VramWay> {
     let Target::Remote(p) = &plan.target else { return Ok(VramWay::Local) };
     let p = downcast(p)?;
-    Ok(match (&p.kind, p.fallen_back()) {
-        (PeerKind::Tcp(Tcp { link }), _) => VramWay::Staged(link.clone()),
-        // A region the NIC cannot reach directly (no dma-buf, no peer memory) stages the whole request.
-        (PeerKind::Rdma(r), _) => match r.direct(plan, prepared) {
-            true => VramWay::Direct,
-            false => VramWay::Staged(r.link.clone()),
-        },
+    match (&p.kind, p.fallen_back()) {
         // Cross-memory attach denied: over TCP, unless the peer's VRAM stays reachable by IPC handles.
         (PeerKind::Cma(Cma { gate, .. }), Some(f)) => match f.link() {
-            _ if ipc_despite_denial(gate, plan.remote_mem == MemType::Vram) => VramWay::Local,
-            Some(link) => VramWay::Staged(link.clone()),
-            None => return Err(Error::not_supported(format!("VRAM to agent '{}' over its {}", p.name, f.label()))),
+            _ if ipc_despite_denial(gate, plan.remote_mem == MemType::Vram) => Ok(VramWay::Local),
+            Some(link) => Ok(VramWay::Staged(link.clone())),
+            None => Err(Error::not_supported(format!("VRAM to agent '{}' over its {}", p.name, f.label()))),
         },
-        (PeerKind::Cma(_) | PeerKind::InProcess(_), _) => VramWay::Local,
-        #[cfg(test)]
-        (PeerKind::Fake(_), _) => return Err(Error::not_supported("VRAM over the harness's fake route")),
-    })
+        (PeerKind::Cma(_) | PeerKind::InProcess(_) | PeerKind::Net(_), _) => p.via().vram(plan, prepared),
+    }
 }
 
 /// A peer as the engine uses it: through the route the router keeps it on.

@@ -229,12 +229,8 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
             Far::Process
         }
         // The engine hands these to `route::tcp::vram` before this.
-        Some((ep, PeerKind::Tcp(_) | PeerKind::Rdma(_))) => {
-            return Err(Error::backend(format!("VRAM to agent '{}' over TCP goes through route::tcp::vram", ep.name)))
-        }
-        #[cfg(test)]
-        Some((ep, PeerKind::Fake(_))) => {
-            return Err(Error::not_supported(format!("VRAM to agent '{}' over the harness's fake route", ep.name)))
+        Some((ep, PeerKind::Net(_))) => {
+            return Err(Error::backend(format!("VRAM to agent '{}' over the network goes by its route", ep.name)))
         }
     };
     let remote_dev = plan
@@ -342,11 +338,9 @@ impl Mover for VramPlan {
                 }
                 (Far::Process, _) => in_peer_gate(p, &self.gated, || self.device.copy(self.dev, &copies(b))),
                 // `prep` makes `Far::InProcess` for in-process peers only, and loopback has no peer.
-                (Far::InProcess, PeerKind::Cma(_) | PeerKind::Tcp(_) | PeerKind::Rdma(_)) | (Far::Loopback, _) => {
+                (Far::InProcess, PeerKind::Cma(_) | PeerKind::Net(_)) | (Far::Loopback, _) => {
                     Err(Error::backend("unreachable route"))
                 }
-                #[cfg(test)]
-                (Far::InProcess, PeerKind::Fake(_)) => Err(Error::backend("unreachable route")),
             }
         })
     }

@@ -4,19 +4,20 @@
 //! socket refuses our uid, this route says so (`copy::cma_denied`, NOT_ALLOWED) and the router moves the peer to
 //! its next route (TCP).
 
+use std::any::Any;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::{Job, Prepared, Route, TcpLink};
+use super::{Job, Prepared, Route, TcpLink, VramWay};
 use crate::backend::engine::conn;
 use crate::backend::engine::copy::{self, cma_denied};
 use crate::backend::engine::ctrl::Sender;
 use crate::backend::engine::gate::Attached;
 use crate::backend::engine::health::PeerHealth;
 use crate::backend::engine::shared::Proof;
-use crate::backend::{RegionKey, Seg};
+use crate::backend::{RegionKey, Seg, XferPlan};
 use crate::status::{Error, Result, Status};
 
 pub(crate) struct Cma {
@@ -131,6 +132,10 @@ impl Route for Cma {
     }
     fn link(&self) -> Option<&Arc<TcpLink>> {
         None
+    }
+    /// Through the device layer inside the peer's gate (`vram`).
+    fn vram(&self, _plan: &XferPlan, _prepared: Option<&(dyn Any + Send + Sync)>) -> Result<VramWay> {
+        Ok(VramWay::Local)
     }
     fn prepare(&self, _local: &[Option<RegionKey>]) -> Option<Prepared> {
         None

@@ -1,14 +1,15 @@
 //! Another agent of this process, found in the registry of live engines by its incarnation (never by what its
 //! connection info claims): `memcpy` batch by batch inside its gate, notifications straight into its queue.
 
+use std::any::Any;
 use std::sync::{Arc, Weak};
 
-use super::{Job, Prepared, Route, TcpLink};
+use super::{Job, Prepared, Route, TcpLink, VramWay};
 use crate::backend::engine::conn;
 use crate::backend::engine::copy;
 use crate::backend::engine::gate::Attached;
 use crate::backend::engine::shared::Shared;
-use crate::backend::{RegionKey, Seg};
+use crate::backend::{RegionKey, Seg, XferPlan};
 use crate::status::{Error, Result};
 
 pub(crate) struct InProcess {
@@ -51,6 +52,10 @@ impl Route for InProcess {
     }
     fn link(&self) -> Option<&Arc<TcpLink>> {
         None
+    }
+    /// Through the device layer inside the peer's gate (`vram`).
+    fn vram(&self, _plan: &XferPlan, _prepared: Option<&(dyn Any + Send + Sync)>) -> Result<VramWay> {
+        Ok(VramWay::Local)
     }
     fn prepare(&self, _local: &[Option<RegionKey>]) -> Option<Prepared> {
         None

@@ -8,8 +8,9 @@
 //! A route with state of its own on the target side (its connection-info section, what it exports for each
 //! registration and the sections that puts in the region's ticket) implements `Side` too, and is listed in
 //! `sides` (what the engine starts and advertises, and what it reads of a peer's region). So a new route is its
-//! folder here, its lines in `sides`, a variant of `PeerKind` and its choice in `router`. This file names no
-//! route but TCP, whose link others ride.
+//! folder here and its lines in `sides` and `router` (where it is chosen, and made a `PeerKind::Net` peer: the
+//! engine asks it everything through the trait, VRAM's way included). This file names no route but TCP, whose
+//! link others ride.
 //!
 //! Requests that touch VRAM go through their `xfer::Mover` instead (`vram`, `tcp::vram`), which reads the
 //! route's own fields.
@@ -23,12 +24,23 @@ use std::any::Any;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use crate::backend::{RegionKey, Seg, XferOp};
+use crate::backend::{RegionKey, Seg, XferOp, XferPlan};
 use crate::mem::MemType;
 use crate::status::{Error, Result, Status};
 pub(crate) use tcp::link::TcpLink;
 /// The connection kind on which the RDMA route's pairs are exchanged (after the TCP handshake).
 pub(crate) use tcp::wire::KIND_RDMA;
+
+/// How a request touching VRAM reaches its peer (`Route::vram`, `router::vram_way`).
+pub(super) enum VramWay {
+    /// Through the device layer inside the target's gate (`vram`): a same-host route, or loopback.
+    Local,
+    /// Staged through page-locked host memory over the peer's TCP link (`tcp::vram`).
+    Staged(Arc<TcpLink>),
+    /// By the peer's route as DRAM is (GPU-direct over RDMA): every region of the request, here and there, has
+    /// what the route needs.
+    Direct,
+}
 
 /// What a route found once for a request (`Route::prepare`), handed back with each piece (`Job::prepared`).
 pub(super) type Prepared = Box<dyn Any + Send + Sync>;
@@ -53,6 +65,9 @@ pub(super) trait Route: Send + Sync {
     /// The TCP link of a route that is TCP from the start: its heartbeats bound the requests in flight, and
     /// its data connections take their pieces.
     fn link(&self) -> Option<&Arc<TcpLink>>;
+    /// How a request touching VRAM goes over it (`prepared`: what `prepare` found for it); the router decides
+    /// instead while the peer is on its fallback.
+    fn vram(&self, plan: &XferPlan, prepared: Option<&(dyn Any + Send + Sync)>) -> Result<VramWay>;
     /// What it needs of a request's local regions (`local`, this engine's keys), found once when the request is
     /// prepared; None: nothing.
     fn prepare(&self, local: &[Option<RegionKey>]) -> Option<Prepared>;

@@ -36,7 +36,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::{Job, Prepared, Route, TcpLink, KIND_RDMA};
+use super::{Job, Prepared, Route, TcpLink, VramWay, KIND_RDMA};
 use crate::backend::engine::conn::RemoteRegion;
 use crate::backend::engine::exports::Registered;
 use crate::backend::engine::vram_regions::RemoteVram;
@@ -241,15 +241,6 @@ impl Drop for Lane {
 }
 
 impl Rdma {
-    /// Whether `plan` (touching VRAM) goes over this route as DRAM does (GPU-direct): every region of it, here
-    /// (as `prepared` found them) and there, has its memory regions. A region the NIC cannot reach directly (no
-    /// dma-buf, no peer memory) stages the whole request.
-    pub(crate) fn direct(&self, plan: &XferPlan, prepared: Option<&(dyn Any + Send + Sync)>) -> bool {
-        let lkeys = prepared.and_then(|p| p.downcast_ref::<Vec<Option<LocalMrs>>>()).map_or(&[][..], Vec::as_slice);
-        let here = lkeys.len() == plan.local_keys.len() && lkeys.iter().all(Option::is_some);
-        here && plan.remote_keys.iter().all(|k| k.as_ref().and_then(remote_keys).is_some_and(|r| !r.rkeys.is_empty()))
-    }
-
     /// `paths`: (our port, the peer's port) pairs, from `RdmaSide::paths_to` (not empty).
     pub(crate) fn new(link: Arc<TcpLink>, side: Arc<RdmaSide>, name: &str, paths: &[(usize, usize)]) -> Rdma {
         let paths = paths
@@ -435,6 +426,16 @@ impl Route for Rdma {
     }
     fn link(&self) -> Option<&Arc<TcpLink>> {
         Some(&self.link)
+    }
+    /// As DRAM goes (GPU-direct) where every region of it, here (as `prepared` found them) and there, has its
+    /// memory regions; a region the NIC cannot reach directly (no dma-buf, no peer memory) stages the whole
+    /// request over the TCP link.
+    fn vram(&self, plan: &XferPlan, prepared: Option<&(dyn Any + Send + Sync)>) -> Result<VramWay> {
+        let lkeys = prepared.and_then(|p| p.downcast_ref::<Vec<Option<LocalMrs>>>()).map_or(&[][..], Vec::as_slice);
+        let here = lkeys.len() == plan.local_keys.len() && lkeys.iter().all(Option::is_some);
+        let there =
+            plan.remote_keys.iter().all(|k| k.as_ref().and_then(remote_keys).is_some_and(|r| !r.rkeys.is_empty()));
+        Ok(if here && there { VramWay::Direct } else { VramWay::Staged(self.link.clone()) })
     }
     /// Each local region's memory regions (by `Seg::lreg`), found once for the request.
     fn prepare(&self, local: &[Option<RegionKey>]) -> Option<Prepared> {

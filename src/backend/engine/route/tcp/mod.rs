@@ -8,6 +8,7 @@
 //! - `regions`: the target's region table and the leases its serving loops hold (what deregistration waits for);
 //! - `stage` and `vram`: device memory over TCP, staged through page-locked buffers (target and initiator).
 
+use std::any::Any;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -19,9 +20,9 @@ pub(crate) mod stage;
 pub(crate) mod vram;
 pub mod wire;
 
-use super::{Job, Prepared, Route};
+use super::{Job, Prepared, Route, VramWay};
 use crate::backend::engine::conn::RemoteRegion;
-use crate::backend::{RegionKey, Seg};
+use crate::backend::{RegionKey, Seg, XferPlan};
 use crate::status::Result;
 use link::TcpLink;
 
@@ -53,6 +54,10 @@ impl Route for Tcp {
     }
     fn link(&self) -> Option<&Arc<TcpLink>> {
         Some(&self.link)
+    }
+    /// Staged through page-locked host memory over the link (`vram`).
+    fn vram(&self, _plan: &XferPlan, _prepared: Option<&(dyn Any + Send + Sync)>) -> Result<VramWay> {
+        Ok(VramWay::Staged(self.link.clone()))
     }
     fn prepare(&self, _local: &[Option<RegionKey>]) -> Option<Prepared> {
         None
