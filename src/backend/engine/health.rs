@@ -96,12 +96,14 @@ pub struct Liveness {
     recover: bool,
     health: Health,
     next_ping: Option<u64>,
+    /// When the first ping since the last sign of life left (see `tick`).
+    asked: Option<u64>,
     backoff: u64,
 }
 
 impl Liveness {
     pub fn new(cfg: LiveCfg, recover: bool) -> Liveness {
-        Liveness { cfg, recover, health: Health::Up, next_ping: None, backoff: cfg.backoff_min }
+        Liveness { cfg, recover, health: Health::Up, next_ping: None, asked: None, backoff: cfg.backoff_min }
     }
 
     #[cfg(test)]
@@ -117,21 +119,29 @@ impl Liveness {
         }
     }
 
-    /// Heartbeats: `inflight` requests are running and the last sign of life came at `last_rx`.
+    /// Heartbeats: `inflight` requests are running and the last sign of life came at `last_rx`. Down after
+    /// `silence` without one, and never before the peer had half of it to answer a ping that actually left: a
+    /// caller starved of CPU (its pings late) does not take its own delay for the peer's silence.
     pub fn tick(&mut self, now: u64, inflight: usize, last_rx: u64) -> Tick {
         if self.health != Health::Up || inflight == 0 {
             self.next_ping = None;
+            self.asked = None;
             return Tick::default();
         }
-        let deadline = last_rx.saturating_add(self.cfg.silence);
-        if now >= deadline {
-            self.went_down(now, false);
-            return Tick { down: true, ..Tick::default() };
+        if self.asked.is_some_and(|a| last_rx >= a) {
+            self.asked = None;
         }
         let due = *self.next_ping.get_or_insert(now);
         let ping = now >= due;
         if ping {
             self.next_ping = Some(now + self.cfg.ping_every);
+            self.asked.get_or_insert(now);
+        }
+        let answer_by = self.asked.map_or(0, |a| a.saturating_add(self.cfg.silence / 2));
+        let deadline = last_rx.saturating_add(self.cfg.silence).max(answer_by);
+        if now >= deadline {
+            self.went_down(now, false);
+            return Tick { down: true, ..Tick::default() };
         }
         let soonest = deadline.min(self.next_ping.unwrap_or(deadline));
         Tick { ping, down: false, wake_in: Some(soonest - now) }
@@ -172,6 +182,7 @@ impl Liveness {
 
     fn went_down(&mut self, now: u64, proven: bool) {
         self.next_ping = None;
+        self.asked = None;
         if proven || !self.recover {
             return self.give_up();
         }
@@ -182,6 +193,7 @@ impl Liveness {
 
     fn give_up(&mut self) {
         self.next_ping = None;
+        self.asked = None;
         self.health = Health::Gone;
     }
 }
@@ -405,6 +417,24 @@ mod tests {
         assert_eq!(l.tick(3000 * MS, 1, last), Tick::default());
     }
 
+    /// The caller starved of CPU: its progress thread wakes 900 ms late, past the silence bound, its last ping
+    /// answered long ago. It pings first and judges after the peer had half the bound to answer that ping; a
+    /// peer that answers stays up, one that does not is down then (and a caller on time is judged as before).
+    #[test]
+    fn a_caller_starved_past_the_bound_pings_before_it_judges() {
+        for answers in [true, false] {
+            let mut l = live();
+            assert!(l.tick(0, 1, 0).ping);
+            // Answered at 10 ms; the next tick is due at 125 ms but runs at 910 ms.
+            let t = l.tick(910 * MS, 1, 10 * MS);
+            assert!(t.ping && !t.down, "judged its own delay as the peer's silence");
+            assert_eq!(t.wake_in, Some(125 * MS));
+            let rx = if answers { 920 * MS } else { 10 * MS };
+            assert!(!l.tick(1284 * MS, 1, rx).down);
+            assert_eq!(l.tick(1285 * MS, 1, rx).down, !answers, "answers: {answers}");
+        }
+    }
+
     #[test]
     fn a_request_posted_right_at_the_deadline_is_not_a_false_death() {
         // Idle for an hour, then a request: its start refreshes the last sign of life, so the silence
@@ -413,9 +443,14 @@ mod tests {
         let hour = 3_600_000 * MS;
         let t = l.tick(hour, 1, hour);
         assert!(!t.down && t.ping);
-        // The same request with a stale last_rx (the race the caller must avoid) would be down at once:
+        // The same request with a stale last_rx (the race the caller must avoid) is not down at once either:
+        // the ping it sends now gets half the silence bound to be answered, and no more.
         let mut l2 = live();
-        assert!(l2.tick(hour, 1, 0).down);
+        let t = l2.tick(hour, 1, 0);
+        assert!(t.ping && !t.down);
+        assert_eq!(t.wake_in, Some(125 * MS));
+        assert!(!l2.tick(hour + 374 * MS, 1, 0).down);
+        assert!(l2.tick(hour + 375 * MS, 1, 0).down);
     }
 
     #[test]
@@ -474,9 +509,10 @@ mod tests {
         assert!(l.feed(5 * MS, Signal::Broken));
         assert_eq!(l.verdict(), Verdict::Gone);
         assert!(!l.feed(u64::MAX, Signal::Handshake), "no way back");
-        // Silence while busy: the same.
+        // Silence while busy (a ping unanswered for half the bound, the last sign of life long before): the same.
         let mut l = Liveness::new(cfg, false);
-        assert!(l.tick(2000 * MS, 1, 0).down);
+        assert!(!l.tick(2000 * MS, 1, 0).down);
+        assert!(l.tick(2375 * MS, 1, 0).down);
         assert_eq!(l.verdict(), Verdict::Gone);
         // Any machine: a process that exited, or an incarnation proven gone, is gone, whatever came before
         // or comes after.
