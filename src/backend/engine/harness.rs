@@ -1,17 +1,16 @@
 //! The engine's harness (tests only): a real engine's requests over a scripted route (`FakeRoute`, a
 //! `PeerKind::Net` peer) instead of a socket or a process, so the engine's own rules are driven step by step:
 //! pieces, then the notification, then the status; a peer that dies while its pieces are held; a route the
-//! kernel denies and the router's fallback; a failed piece. Pieces wait on the script, not on time; the only
-//! waits are for events the script records. Peers' deaths are the health machine's `Gone` signal, which reads
-//! no clock (the machine's timing rules have their own tests in `health`).
+//! kernel denies and the router's fallback; a failed piece; a broken peer's back-off and redial on a clock the
+//! test moves. Pieces wait on the script, not on time; the only waits are for events the script records.
 
 use std::any::Any;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::health::PeerHealth;
+use super::health::{Clock, PeerHealth, Signal};
 use super::peer::{EnginePeer, PeerKind};
 use super::route::{Job, Prepared, Route, TcpLink, VramWay};
 use super::Engine;
@@ -48,6 +47,10 @@ pub(super) struct FakeRoute {
     fail: AtomicUsize,
     /// Pieces running now.
     active: AtomicUsize,
+    /// The peer's health, where the route feeds it (its dials and handshakes, see `unreachable`).
+    health: OnceLock<Arc<PeerHealth>>,
+    /// A piece of a peer that is down redials: refused while this is set (a failed dial), else a handshake.
+    unreachable: AtomicBool,
 }
 
 impl FakeRoute {
@@ -129,6 +132,13 @@ impl Route for Arc<FakeRoute> {
 
 impl FakeRoute {
     fn piece(&self, job: &Job, _bytes: u64) -> Result<()> {
+        if let Some(h) = self.health.get().filter(|h| h.down.load(Ordering::Acquire)) {
+            if self.unreachable.load(Ordering::Acquire) {
+                h.feed(h.now(), Signal::DialFailed { proven: false }, || "the redial was refused".into(), || {});
+                return Err(Error::disconnected("the redial was refused"));
+            }
+            h.handshake(h.now(), || true, || {});
+        }
         if self.deny.load(Ordering::Acquire) {
             let eperm = std::io::Error::from_raw_os_error(libc::EPERM);
             return Err(Error::os(Status::Backend, "process_vm_readv", eperm));
@@ -160,18 +170,22 @@ fn engine(threads: usize) -> Engine {
     .unwrap()
 }
 
-/// A peer of `e` reached by `first`, and by `fallback` once the router moves it there.
+/// A peer of `e` reached by `first`, and by `fallback` once the router moves it there; its health does not
+/// recover (a same-host peer's).
 fn peer(e: &Engine, first: &Arc<FakeRoute>, fallback: Option<&Arc<FakeRoute>>) -> (Arc<dyn Peer>, Arc<PeerHealth>) {
     let health = Arc::new(PeerHealth::new(e.shared.tcp_opts.live(), false, None, None));
-    let p = EnginePeer {
+    (peer_of(first, fallback, health.clone()), health)
+}
+
+fn peer_of(first: &Arc<FakeRoute>, fallback: Option<&Arc<FakeRoute>>, health: Arc<PeerHealth>) -> Arc<dyn Peer> {
+    Arc::new(EnginePeer {
         name: "scripted".into(),
         incarnation: crate::util::random_u128(),
         kind: PeerKind::Net(Box::new(first.clone())),
         fallback: fallback.map(|f| Box::new(f.clone()) as Box<dyn Route>),
         on_fallback: AtomicBool::new(false),
-        health: health.clone(),
-    };
-    (Arc::new(p), health)
+        health,
+    })
 }
 
 /// A WRITE of `bytes` from `local` to `remote` (of the peer's region `key`) in one segment.
@@ -205,6 +219,52 @@ fn request(e: &Engine, peer: &Arc<dyn Peer>, bytes: u64) -> Box<dyn BackendXfer>
 fn settled(x: &dyn BackendXfer) -> Result<Status> {
     assert!(x.abort());
     x.status()
+}
+
+const MS: u64 = 1_000_000;
+
+/// A peer whose route broke is refused without a try until its back-off has passed; a failed redial doubles the
+/// back-off, a successful one (a handshake) brings it back with the back-off reset: on a clock the test moves.
+#[test]
+fn a_broken_peer_waits_out_its_back_off_then_redials() {
+    let e = engine(2);
+    let route = Arc::new(FakeRoute::default());
+    let clock = Arc::new(AtomicU64::new(3_600_000 * MS));
+    let at = |ms: u64| clock.store(3_600_000 * MS + ms * MS, Ordering::Release);
+    let health =
+        Arc::new(PeerHealth::new(e.shared.tcp_opts.live(), true, None, None).with_clock(Clock::Fake(clock.clone())));
+    let _ = route.health.set(health.clone());
+    let p = peer_of(&route, None, health.clone());
+    let x = request(&e, &p, 4096);
+    let began = || route.count(|e| matches!(e, Event::Began(_)));
+    assert_eq!(x.post(None).unwrap(), Status::Success);
+    // Its link breaks: refused at once, and until one disconnect timeout (1 s) has passed.
+    health.feed(health.now(), Signal::Broken, || "reset by the harness".into(), || {});
+    for ms in [0, 999] {
+        at(ms);
+        let err = x.post(None).unwrap_err();
+        assert_eq!(err.status(), Status::RemoteDisconnect);
+        assert!(err.message().contains("reset by the harness"), "{err}");
+    }
+    assert_eq!(began(), 1, "nothing tried during the back-off");
+    // Its back-off passed: the next request redials, which is refused; the back-off doubles (2 s).
+    route.unreachable.store(true, Ordering::Release);
+    at(1000);
+    assert_eq!(x.post(None).unwrap_err().status(), Status::RemoteDisconnect);
+    assert_eq!(began(), 2);
+    at(2999);
+    assert_eq!(x.post(None).unwrap_err().status(), Status::RemoteDisconnect);
+    assert_eq!(began(), 2, "nothing tried during the doubled back-off");
+    // Reachable again: the redial's handshake brings the peer back, and the back-off is reset.
+    route.unreachable.store(false, Ordering::Release);
+    at(3000);
+    assert_eq!(x.post(None).unwrap(), Status::Success);
+    assert!(!p.disconnected());
+    health.feed(health.now(), Signal::Broken, || "again".into(), || {});
+    at(3999);
+    assert!(p.disconnected());
+    at(4000);
+    assert!(!p.disconnected(), "the back-off is one timeout again");
 }
 
 /// A request split into pieces: every piece is copied, then the notification leaves (once, after the last),

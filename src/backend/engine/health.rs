@@ -198,6 +198,26 @@ impl Liveness {
     }
 }
 
+/// Where a peer's health reads the time: the monotonic clock, or in tests one the test moves (the engine's
+/// harness drives back-offs without waiting for them).
+#[derive(Clone, Default)]
+pub(crate) enum Clock {
+    #[default]
+    Real,
+    #[cfg(test)]
+    Fake(Arc<std::sync::atomic::AtomicU64>),
+}
+
+impl Clock {
+    pub(crate) fn now(&self) -> u64 {
+        match self {
+            Clock::Real => crate::util::monotonic_ns(),
+            #[cfg(test)]
+            Clock::Fake(t) => t.load(Ordering::Acquire),
+        }
+    }
+}
+
 /// One peer's health as its routes share it: the machine, and what the copy path reads without its lock.
 pub(crate) struct PeerHealth {
     /// The machine. A route that acts on a change (a TCP link bumping its epoch) does so under this lock.
@@ -213,6 +233,7 @@ pub(crate) struct PeerHealth {
     /// ended, see `gate`).
     exited: Option<Arc<AtomicBool>>,
     gate: Option<Arc<Attached>>,
+    clock: Clock,
 }
 
 impl PeerHealth {
@@ -229,7 +250,19 @@ impl PeerHealth {
             why: Mutex::new(None),
             exited,
             gate,
+            clock: Clock::Real,
         }
+    }
+
+    /// The same on `clock` (tests).
+    #[cfg(test)]
+    pub(crate) fn with_clock(self, clock: Clock) -> PeerHealth {
+        PeerHealth { clock, ..self }
+    }
+
+    /// The time on its clock.
+    pub(crate) fn now(&self) -> u64 {
+        self.clock.now()
     }
 
     /// Feed `s` at `now` under the lock, with `also` run there too; the reason is kept when the peer was up
@@ -275,7 +308,7 @@ impl PeerHealth {
 
     /// The peer is gone for good (its incarnation proven gone by a route), saying `why`.
     pub(crate) fn kill(&self, why: impl FnOnce() -> String) {
-        self.feed(crate::util::monotonic_ns(), Signal::Gone, why, || {});
+        self.feed(self.now(), Signal::Gone, why, || {});
     }
 
     /// The verdict at `now`, every signal counted.
@@ -312,7 +345,7 @@ impl PeerHealth {
 
     /// `down_at` now, the clock read only when the peer is not plainly up (the post path asks).
     pub(crate) fn down_now(&self) -> bool {
-        self.down_when(crate::util::monotonic_ns)
+        self.down_when(|| self.clock.now())
     }
 
     fn down_when(&self, now: impl Fn() -> u64) -> bool {
