@@ -726,3 +726,44 @@ fn a_million_entry_list_goes_over_rdma_in_a_handful_of_work_requests() {
     assert_eq!(p.served_total() - s1, m as u64, "one work request per scattered entry");
     p.kill();
 }
+
+/// A registration the NIC refuses (device memory declared as DRAM, where the peer-memory module is not loaded)
+/// fails with the NIC's reason and keeps nothing: more of them than the engine has region slots leave the next
+/// registration working, and a transfer over the fabric with it.
+#[test]
+fn a_registration_the_nic_refuses_fails_whole_and_keeps_nothing() {
+    fake_env();
+    let vram = fake_vram();
+    let t = agent("prefill-refused");
+    let e = t.register_mem(&reg_list(vram), &[]).unwrap_err();
+    assert_eq!(e.status(), Status::Backend, "{e}");
+    assert!(e.message().contains("device memory"), "{e}");
+    // Each refused registration took a gate slot and a TCP range first: both must be given back.
+    for _ in 0..(1 << 16) + 10 {
+        t.register_mem(&reg_list(vram), &[]).unwrap_err();
+    }
+    let buf: Vec<u8> = (0..SIZE).map(|i| ((i + 61) % 251) as u8).collect();
+    t.register_mem(&reg_list(&buf), &[]).unwrap();
+    let a = agent("decode-refused");
+    let dst = vec![0u8; SIZE];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    a.load_remote_md(&t.local_md().unwrap()).unwrap();
+    assert_eq!(route_of("decode-refused", "prefill-refused"), "rdma");
+    let req = a
+        .create_xfer_req(
+            XferOp::Read,
+            &local(&dst, 0, SIZE),
+            &local(&buf, 0, SIZE),
+            "prefill-refused",
+            &XferOpts::default(),
+        )
+        .unwrap();
+    let mut s = a.post_xfer_req(&req, NotifUpdate::Keep).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while s == Status::InProg && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_micros(200));
+        s = a.xfer_status(&req).unwrap();
+    }
+    assert_eq!(s, Status::Success);
+    assert!(dst == buf);
+}
