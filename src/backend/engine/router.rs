@@ -2,9 +2,9 @@
 //! proves about it, and logged once per peer (`load`); every fallback between them: a same-host peer whose
 //! cross-memory attach the kernel denies (at load, or at run time: said in the log once) or whose notification
 //! socket refuses our uid goes over TCP (`EnginePeer::copy`, `notify`, ...); and, for requests touching VRAM,
-//! whether they go by the device layer, staged over TCP or directly over RDMA (`vram_way`,
-//! `ipc_despite_denial`). Doctor and
-//! telemetry read the route it keeps a peer on (`EnginePeer::label`).
+//! the way of a peer on its fallback (by IPC handles, or staged over TCP: `vram_way`, `ipc_despite_denial`),
+//! every other peer's route saying its own (`Route::vram`). Doctor and telemetry read the route it keeps a peer
+//! on (`EnginePeer::label`).
 
 use std::any::Any;
 use std::sync::atomic::{AtomicBool, Ordering};
