@@ -2,7 +2,8 @@
 //! `PeerKind::Net` peer) instead of a socket or a process, so the engine's own rules are driven step by step:
 //! pieces, then the notification, then the status; a peer that dies while its pieces are held; a route the
 //! kernel denies and the router's fallback; a failed piece; a broken peer's back-off and redial on a clock the
-//! test moves. Pieces wait on the script, not on time; the only waits are for events the script records.
+//! test moves. Pieces wait on the script, not on time; the waits are for events the script records, but one: that
+//! a deregistration does not return while pieces are inside the gate is given 100 ms to be wrong.
 
 use std::any::Any;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -10,12 +11,14 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::{Condvar, Mutex};
 
+use super::conn;
+use super::gate::Attached;
 use super::health::{Clock, PeerHealth, Signal};
 use super::peer::{EnginePeer, PeerKind};
 use super::route::{Job, Prepared, Route, TcpLink, VramWay};
 use super::Engine;
 use crate::backend::{Backend, BackendInit, BackendXfer, Peer, RegionKey, Seg, Target, XferOp, XferPlan};
-use crate::mem::MemType;
+use crate::mem::{Desc, MemType, RegDesc};
 use crate::status::{Error, Result, Status};
 
 /// What the route saw, in order.
@@ -29,6 +32,13 @@ enum Event {
     Stopped,
     /// A piece was refused as the kernel refuses cross-memory attach.
     Denied,
+    /// A piece passed the target's gate, and left it.
+    Entered,
+    Left,
+    /// The target's gate refused a piece (its region deregistered).
+    Refused,
+    /// The test's own mark (the target's deregistration returned).
+    Mark,
     /// A piece failed as scripted.
     Failed,
     Notified(Vec<u8>),
@@ -51,6 +61,8 @@ pub(super) struct FakeRoute {
     health: OnceLock<Arc<PeerHealth>>,
     /// A piece of a peer that is down redials: refused while this is set (a failed dial), else a handshake.
     unreachable: AtomicBool,
+    /// Pieces pass this target's gate, as a same-host route's batches do (held inside it while held).
+    gate: OnceLock<Attached>,
 }
 
 impl FakeRoute {
@@ -73,6 +85,18 @@ impl FakeRoute {
         while !f(&log) {
             self.changed.wait(&mut log);
         }
+    }
+
+    /// `wait_for`, for at most `limit`: whether the log satisfied `f`.
+    fn wait_until(&self, f: impl Fn(&[Event]) -> bool, limit: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + limit;
+        let mut log = self.log.lock();
+        while !f(&log) {
+            if self.changed.wait_until(&mut log, deadline).timed_out() {
+                return f(&log);
+            }
+        }
+        true
     }
 
     fn release(&self) {
@@ -143,6 +167,27 @@ impl FakeRoute {
             let eperm = std::io::Error::from_raw_os_error(libc::EPERM);
             return Err(Error::os(Status::Backend, "process_vm_readv", eperm));
         }
+        let inside = match self.gate.get().map(|g| g.enter(conn::gate_regions(job.keys))) {
+            Some(Err(e)) => {
+                self.record(Event::Refused);
+                return Err(e);
+            }
+            Some(Ok(inside)) => {
+                self.record(Event::Entered);
+                Some(inside)
+            }
+            None => None,
+        };
+        let r = self.hold(job);
+        if inside.is_some() {
+            // Before it leaves: whoever waits for the gate to drain sees this first.
+            self.record(Event::Left);
+        }
+        drop(inside);
+        r
+    }
+
+    fn hold(&self, job: &Job) -> Result<()> {
         let mut log = self.log.lock();
         while self.held.load(Ordering::Acquire) {
             if let Some(e) = job.stopped() {
@@ -265,6 +310,56 @@ fn a_broken_peer_waits_out_its_back_off_then_redials() {
     assert!(p.disconnected());
     at(4000);
     assert!(!p.disconnected(), "the back-off is one timeout again");
+}
+
+/// The target deregisters a region while pieces of a request are inside its gate on it: deregistration returns
+/// only after they left, a request that comes after it is refused by the gate, and the one inside completes.
+#[test]
+fn deregistration_waits_for_pieces_inside_the_gate_and_refuses_those_after() {
+    const SIZE: usize = 8 << 20;
+    let (target, e) = (engine(2), engine(2));
+    let buf = vec![0u8; SIZE];
+    let desc = Desc::new(buf.as_ptr() as u64, SIZE as u64, 0);
+    let lr = target.register(MemType::Dram, &RegDesc { desc, meta: vec![] }).unwrap();
+    let (held, probe) = (Arc::new(FakeRoute::default()), Arc::new(FakeRoute::default()));
+    for r in [&held, &probe] {
+        let _ = r.gate.set(Attached::new(target.shared.gate.clone()).unwrap());
+    }
+    held.held.store(true, Ordering::Release);
+    let (p, _) = peer(&e, &held, None);
+    let (q, _) = peer(&e, &probe, None);
+    let key = |p: &Arc<dyn Peer>| e.load_remote_region(p, MemType::Dram, &desc, &lr.public).unwrap();
+    let x = e.prep_xfer(write_plan(0x1000_0000, desc.addr, SIZE as u64, &p, key(&p))).unwrap();
+    let small = e.prep_xfer(write_plan(0x1000_0000, desc.addr, 4096, &q, key(&q))).unwrap();
+    assert_eq!(x.post(None).unwrap(), Status::InProg);
+    held.wait_for(|log| log.iter().filter(|e| matches!(e, Event::Entered)).count() == 2);
+    std::thread::scope(|s| {
+        let dereg = s.spawn(|| {
+            target.deregister(MemType::Dram, &desc, lr.key.as_ref());
+            held.record(Event::Mark);
+        });
+        // The region is retired at once: the next request on it is refused by the gate (a probe that is not held
+        // passes until then).
+        let t = std::time::Instant::now();
+        while small.post(None).is_ok() {
+            assert!(t.elapsed() < std::time::Duration::from_secs(10), "the gate never refused the region");
+        }
+        assert_eq!(probe.count(|e| matches!(e, Event::Refused)), 1);
+        // What must not happen has no event to wait for: give the deregistration 100 ms to return (it must not).
+        let returned = held.wait_until(|log| log.contains(&Event::Mark), std::time::Duration::from_millis(100));
+        assert!(!returned, "deregistration returned with pieces inside the gate");
+        held.release();
+        dereg.join().unwrap();
+    });
+    let log = held.events();
+    let mark = log.iter().position(|e| *e == Event::Mark).unwrap();
+    assert_eq!(log.iter().filter(|e| matches!(e, Event::Left)).count(), 2);
+    assert!(log[..mark].iter().filter(|e| matches!(e, Event::Left)).count() == 2, "left after the return: {log:?}");
+    assert_eq!(settled(&*x).unwrap(), Status::Success, "the request inside completes");
+    // Posted again: its pieces are refused by the gate, and the request fails.
+    assert_eq!(x.post(None).unwrap(), Status::InProg);
+    held.wait_for(|log| log.iter().filter(|e| matches!(e, Event::Refused)).count() == 2);
+    assert!(settled(&*x).is_err(), "after deregistration the gate refuses it");
 }
 
 /// A request split into pieces: every piece is copied, then the notification leaves (once, after the last),
