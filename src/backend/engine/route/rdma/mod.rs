@@ -56,8 +56,8 @@ pub(crate) struct LocalMrs {
 }
 
 /// The local regions' memory regions of a request (by `Seg::lreg`), as `prepare` found them.
-fn local_mrs<'a>(job: &Job<'a>) -> &'a [Option<LocalMrs>] {
-    job.prepared.and_then(|p| p.downcast_ref::<Vec<Option<LocalMrs>>>()).map_or(&[], Vec::as_slice)
+fn local_mrs(prepared: Option<&(dyn Any + Send + Sync)>) -> &[Option<LocalMrs>] {
+    prepared.and_then(|p| p.downcast_ref::<Vec<Option<LocalMrs>>>()).map_or(&[], Vec::as_slice)
 }
 
 /// Work requests per chain (one post, one signalled completion).
@@ -90,7 +90,7 @@ fn key_at(keys: &[u32], bounds: &[u64], ports: usize, addr: u64, port: usize) ->
 /// where the regions say nothing or disagree).
 fn nearest(job: &Job, segs: &[Seg]) -> (u32, u32) {
     let (mut here, mut there) = (u32::MAX, u32::MAX);
-    let lkeys = local_mrs(job);
+    let lkeys = local_mrs(job.prepared);
     for s in segs {
         if let Some(l) = lkeys.get(s.lreg as usize).and_then(Option::as_ref).filter(|l| l.near != 0) {
             here &= l.near;
@@ -294,7 +294,7 @@ impl Rdma {
         let mut chain = Chain::default();
         let mut last = None;
         let here_ports = self.side.ports.len();
-        let lkeys = local_mrs(job);
+        let lkeys = local_mrs(job.prepared);
         for s in segs {
             let local = lkeys.get(s.lreg as usize).and_then(Option::as_ref).ok_or_else(|| {
                 Error::invalid_param("a local region of this request is not registered with the RDMA NIC")
@@ -431,7 +431,7 @@ impl Route for Rdma {
     /// memory regions; a region the NIC cannot reach directly (no dma-buf, no peer memory) stages the whole
     /// request over the TCP link.
     fn vram(&self, plan: &XferPlan, prepared: Option<&(dyn Any + Send + Sync)>) -> Result<VramWay> {
-        let lkeys = prepared.and_then(|p| p.downcast_ref::<Vec<Option<LocalMrs>>>()).map_or(&[][..], Vec::as_slice);
+        let lkeys = local_mrs(prepared);
         let here = lkeys.len() == plan.local_keys.len() && lkeys.iter().all(Option::is_some);
         let there =
             plan.remote_keys.iter().all(|k| k.as_ref().and_then(remote_keys).is_some_and(|r| !r.rkeys.is_empty()));
