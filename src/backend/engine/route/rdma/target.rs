@@ -117,18 +117,21 @@ impl Side for RdmaSide {
     /// NIC directly where it can be (`register_device`), else none (RDMA peers' requests on it are staged
     /// through host memory over their TCP link); the choice is one log line per region.
     fn export(&self, r: &Registration) -> Result<Option<Box<dyn Export>>> {
-        let what = format!("agent '{}': VRAM region {:#x}+{} on GPU {}", r.agent, r.addr, r.len, r.dev);
+        let what = || format!("agent '{}': VRAM region {:#x}+{} on GPU {}", r.agent, r.addr, r.len, r.dev);
         let (mrs, bounds, place) = match r.mem {
             MemType::Vram => match self.register_device(&pieces(r.addr, r.len, r.bases)) {
                 Ok((mrs, bounds, how)) => {
                     let n =
                         if bounds.is_empty() { String::new() } else { format!(", {} memory regions", bounds.len()) };
-                    crate::telemetry::log::info(&format!("{what}: reached by the RDMA NIC directly ({how}{n})"));
+                    crate::telemetry::log::info(&format!("{}: reached by the RDMA NIC directly ({how}{n})", what()));
                     let pci = crate::device::get().ok().and_then(|dev| dev.pci_path(r.dev as u32));
                     (mrs, bounds, pci.map_or(Place::Unknown, Place::Pci))
                 }
                 Err(why) => {
-                    crate::telemetry::log::warn(&format!("{what}: staged through host memory for RDMA peers ({why})"));
+                    crate::telemetry::log::warn(&format!(
+                        "{}: staged through host memory for RDMA peers ({why})",
+                        what()
+                    ));
                     return Ok(None);
                 }
             },
