@@ -5,7 +5,8 @@
 use std::net::{IpAddr, SocketAddr};
 
 use super::gate::RegionTicket;
-use super::sides::{self, Tickets};
+use super::route::Tickets;
+use super::sides;
 use crate::backend::RegionKey;
 use crate::md::{put_bytes, put_uvar, Reader};
 use crate::status::{Error, Result};
@@ -23,7 +24,7 @@ pub(super) const SEC_PROCESS: u64 = 1;
 pub(super) const SEC_LOCAL: u64 = 2;
 pub(super) const SEC_SECRET: u64 = 3;
 pub(super) const SEC_TCP: u64 = 4;
-/// Ids 5 and up: routes' own sections (`sides::SECTIONS`), read and written by each route, kept here as bytes.
+/// Ids 5 and up: routes' own sections (`sides::NET`), read and written by each route, kept here as bytes.
 const MAX_CONN_SECTIONS: usize = 64;
 const MAX_SECTION: usize = 64 * 1024;
 const MAX_ADDRS: usize = 64;
@@ -71,7 +72,7 @@ pub(super) struct ConnInfo {
     pub(super) addrs: Vec<SocketAddr>,
     /// The TCP listener's port (0 when the TCP part was left out).
     pub(super) port: u16,
-    /// Routes' own sections (`sides::SECTIONS`: layout 4 only), unread: each route parses its own.
+    /// Routes' own sections (`sides::NET`: layout 4 only), unread: each route parses its own.
     pub(super) routes: Vec<(u64, Vec<u8>)>,
 }
 
@@ -160,7 +161,7 @@ fn read_part(id: u64, r: &mut Reader, c: &mut ConnInfo) -> Result<()> {
             Ok(())
         }
         SEC_TCP => read_tcp(r, c),
-        _ if sides::SECTIONS.contains(&id) => {
+        _ if sides::is_section(id) => {
             c.routes.push((id, r.buf[r.pos..].to_vec()));
             r.pos = r.buf.len();
             Ok(())
@@ -212,7 +213,7 @@ pub(crate) fn fuzz_parse_conn(b: &[u8]) -> bool {
     // Routes' codecs read bytes from peers too: on the raw input, and on a section that parsed; and a region
     // ticket's sections.
     sides::fuzz(b);
-    let _ = Tickets::read(&mut Reader { buf: b, pos: 0 });
+    let _ = sides::read_tickets(&mut Reader { buf: b, pos: 0 });
     let Ok(c) = parse_conn(b) else { return false };
     for (_, r) in &c.routes {
         sides::fuzz(r);
@@ -271,12 +272,12 @@ pub(super) fn encode_ticket(t: RegionTicket, sections: &[u8]) -> Vec<u8> {
     out
 }
 
-/// `slot | state`, then sections (see `sides::Tickets::read`).
+/// `slot | state`, then sections (see `sides::read_tickets`).
 pub(super) fn decode_ticket(b: &[u8]) -> Result<(RegionTicket, Tickets)> {
     let mut r = Reader { buf: b, pos: 0 };
     let slot = u32::try_from(r.uvar()?).map_err(|_| Error::mismatch("bad region slot in metadata"))?;
     let state = r.uvar()?;
-    let t = Tickets::read(&mut r)?;
+    let t = sides::read_tickets(&mut r)?;
     Ok((RegionTicket { slot, state }, t))
 }
 
@@ -332,8 +333,8 @@ mod tests {
         let c = parse_conn(&v4).unwrap();
         assert_eq!(format!("{c:?}"), format!("{want:?}"));
         // A route's section is kept as bytes, for that route to read.
-        let with = parse_conn(&conn_v3_to_v4(&v3, &[], &[(sides::SECTIONS[0], b"ports")]).unwrap()).unwrap();
-        assert_eq!(with.route(sides::SECTIONS[0]), Some(&b"ports"[..]));
+        let with = parse_conn(&conn_v3_to_v4(&v3, &[], &[(sides::NET[0].section(), b"ports")]).unwrap()).unwrap();
+        assert_eq!(with.route(sides::NET[0].section()), Some(&b"ports"[..]));
         for n in 0..v4.len() {
             assert!(parse_conn(&v4[..n]).is_err(), "prefix {n}");
         }
@@ -354,23 +355,25 @@ mod tests {
         assert!(parse_conn(&conn_v3_to_v4(&v3, &[], &[(SEC_TCP, &[1, 1, 0])]).unwrap()).is_err(), "a section twice");
         // Region tickets: sections after slot and state are skipped.
         let t = RegionTicket { slot: 5, state: 9 };
-        let none = Tickets::default();
+        // As the RDMA route reads them.
+        let decode = |b: &[u8]| decode_ticket(b).map(|(t, k)| (t, k.get::<RdmaKeys>().cloned()));
+        let none = None;
         let mut ticket = encode_ticket(t, &[]);
-        assert_eq!(decode_ticket(&ticket).unwrap(), (t, none.clone()));
+        assert_eq!(decode(&ticket).unwrap(), (t, none.clone()));
         put_uvar(&mut ticket, 31);
         put_bytes(&mut ticket, b"later");
-        assert_eq!(decode_ticket(&ticket).unwrap(), (t, none.clone()));
+        assert_eq!(decode(&ticket).unwrap(), (t, none.clone()));
         ticket.push(3);
         assert!(decode_ticket(&ticket).is_err());
         // The RDMA keys' and nearest ports' sections, and a later one after them.
         let keys = RdmaKeys { rkeys: vec![0xABCD01, 7], near: 0b10, bounds: vec![] };
         let with = |k: &RdmaKeys| encode_ticket(t, &k.sections());
-        let read = |k: &RdmaKeys| Tickets { rdma: k.clone() };
+        let read = |k: &RdmaKeys| Some(k.clone());
         let mut ticket = with(&keys);
-        assert_eq!(decode_ticket(&ticket).unwrap(), (t, read(&keys)));
+        assert_eq!(decode(&ticket).unwrap(), (t, read(&keys)));
         put_uvar(&mut ticket, 32);
         put_bytes(&mut ticket, b"");
-        assert_eq!(decode_ticket(&ticket).unwrap(), (t, read(&keys)));
+        assert_eq!(decode(&ticket).unwrap(), (t, read(&keys)));
         let mut short = encode_ticket(t, &[]);
         put_uvar(&mut short, 1);
         put_bytes(&mut short, &[1, 2, 3]);
@@ -381,7 +384,7 @@ mod tests {
         assert!(decode_ticket(&short).is_err());
         // Several memory regions: their bounds, one key per port each.
         let chunked = RdmaKeys { rkeys: vec![1, 2, 3, 4, 5, 6], near: 1, bounds: vec![0x1000, 0x5000, 0x9000] };
-        assert_eq!(decode_ticket(&with(&chunked)).unwrap(), (t, read(&chunked)));
+        assert_eq!(decode(&with(&chunked)).unwrap(), (t, read(&chunked)));
         let odd = RdmaKeys { rkeys: vec![1, 2, 3, 4], ..chunked.clone() };
         assert!(decode_ticket(&with(&odd)).is_err(), "4 keys for 3 regions");
         let unordered = RdmaKeys { bounds: vec![0x5000, 0x1000, 0x9000], ..chunked };

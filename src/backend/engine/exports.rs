@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use super::conn::encode_ticket;
 use super::gate::RegionTicket;
-use super::route::{Export, Registration};
+use super::route::{Export, Exports, Registration};
 use super::shared::Shared;
 use super::vram_regions::with_sections;
 use crate::backend::{LocalRegion, RegionKey};
@@ -34,9 +34,9 @@ impl Registered {
         key.downcast_ref::<Registered>()?.vram.as_ref().map(|v| v.0)
     }
 
-    /// A route's export (of its own type `T`) of a local registration's key.
-    pub(super) fn export<T: 'static>(key: &RegionKey) -> Option<&T> {
-        key.downcast_ref::<Registered>()?.exports.iter().flatten().find_map(|e| e.as_any().downcast_ref::<T>())
+    /// The routes' exports of a local registration's key (`route::Regions::exports`).
+    pub(super) fn exports(key: &RegionKey) -> Option<&Exports> {
+        key.downcast_ref::<Registered>().map(|r| &r.exports[..])
     }
 }
 

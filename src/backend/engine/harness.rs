@@ -15,7 +15,7 @@ use super::conn;
 use super::gate::Attached;
 use super::health::{Clock, PeerHealth, Signal};
 use super::peer::{EnginePeer, PeerKind};
-use super::route::{Job, Prepared, Route, TcpLink, VramWay};
+use super::route::{Job, Prepared, Regions, Route, TcpLink, VramWay};
 use super::Engine;
 use crate::backend::{Backend, BackendInit, BackendXfer, Peer, RegionKey, Seg, Target, XferOp, XferPlan};
 use crate::mem::{Desc, MemType, RegDesc};
@@ -134,7 +134,7 @@ impl Route for Arc<FakeRoute> {
     fn vram(&self, _plan: &XferPlan, _prepared: Option<&(dyn Any + Send + Sync)>) -> Result<VramWay> {
         Err(Error::not_supported("VRAM over the harness's scripted route"))
     }
-    fn prepare(&self, _local: &[Option<RegionKey>]) -> Option<Prepared> {
+    fn prepare(&self, _regions: &Regions<'_>) -> Option<Prepared> {
         None
     }
     fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {

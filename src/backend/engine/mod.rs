@@ -176,9 +176,14 @@ impl Backend for Engine {
         if !wants && (plan.local_mem != MemType::Dram || plan.remote_mem != MemType::Dram) {
             return Err(Error::not_supported("this engine moves DRAM and VRAM only"));
         }
-        // What the peer's route needs of the local regions (an RDMA peer: their memory regions), found once.
+        // What the peer's route needs of the regions (an RDMA peer: their memory regions and keys), found once.
         let prepared = match &plan.target {
-            Target::Remote(p) => downcast(p)?.via().prepare(&plan.local_keys),
+            Target::Remote(p) => downcast(p)?.via().prepare(&route::Regions {
+                local: &plan.local_keys,
+                remote: &plan.remote_keys,
+                exports: exports::Registered::exports,
+                tickets: region_tickets,
+            }),
             Target::Local => None,
         };
         // VRAM to a peer reached over TCP is staged (see `route::tcp::vram`), over RDMA it goes as DRAM does
@@ -220,6 +225,14 @@ impl Backend for Engine {
             }
             Target::Remote(p) => downcast(p)?.notify(&self.shared.agent, msg),
         }
+    }
+}
+
+/// What the routes read of a peer region's ticket, DRAM or VRAM (`route::Regions::tickets`).
+fn region_tickets(key: &RegionKey) -> Option<&route::Tickets> {
+    match key.downcast_ref::<RemoteRegion>() {
+        Some(r) => Some(&r.tickets),
+        None => key.downcast_ref::<vram_regions::RemoteVram>().map(|v| &v.tickets),
     }
 }
 

@@ -19,10 +19,9 @@ use super::health::PeerHealth;
 use super::peer::{downcast, EnginePeer, PeerKind};
 use super::route::cma::Cma;
 use super::route::in_process::InProcess;
-use super::route::rdma::{wire, Rdma};
 use super::route::tcp::link::{LinkTarget, TcpLink};
 use super::route::tcp::Tcp;
-use super::route::{Job, Route, VramWay};
+use super::route::{Job, Reach, Route, VramWay};
 use super::shared::{registry, Shared, Transport};
 use crate::backend::{Seg, Target, XferPlan};
 use crate::mem::MemType;
@@ -46,35 +45,37 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
     // The peer's health: a TCP-only peer recovers from transient failures; a same-host peer's is its
     // process's (pidfd) and its gate's, and its TCP fall-back's first failure is final.
     let health = |recover, exited, gate| Arc::new(PeerHealth::new(s.tcp_opts.live(), recover, exited, gate));
-    // RDMA where both sides have a port on one fabric: across hosts, or on this one when asked for.
-    let rdma = match (&s.sides.rdma, ci.route(wire::SECTION).map(wire::decode_ports)) {
-        (Some(side), Some(Some(ports))) if !same_host || s.transport == Transport::Rdma => {
-            let paths = side.paths_to(&ports);
-            (!paths.is_empty()).then(|| (side.clone(), paths)).ok_or("no port of the peer on our fabric")
-        }
-        (Some(_), Some(Some(_))) => Err("same host"),
-        (Some(_), Some(None)) => Err("its RDMA section is malformed"),
-        (Some(_), None) => Err("it advertises no RDMA port"),
-        (None, _) => Err("no RDMA port here"),
-    };
-    if let (Ok((side, paths)), false) = (&rdma, addrs.is_empty()) {
+    // The first network route beside TCP that reaches the peer (`sides::NET`'s order); why not each, for the log.
+    let mut not = String::new();
+    for (net, side) in s.sides.routes().filter(|_| !addrs.is_empty()) {
+        let Some(side) = side else { continue };
         let health = health(true, None, None);
-        let r = Rdma::new(link(&health), side.clone(), agent, paths);
-        crate::telemetry::log::info(&format!(
-            "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route rdma ({} path(s) from {})",
-            s.agent,
-            paths.len(),
-            side.label()
-        ));
-        let on_fallback = AtomicBool::new(false);
-        return Ok(EnginePeer {
-            name: agent.to_owned(),
-            incarnation,
-            kind: PeerKind::Net(Box::new(r)),
-            fallback: None,
-            on_fallback,
-            health,
-        });
+        let to = Reach {
+            agent,
+            section: ci.route(net.section()),
+            same_host,
+            transport: s.transport,
+            link: &|| link(&health),
+        };
+        match net.open(side, &to) {
+            Ok((route, said)) => {
+                crate::telemetry::log::info(&format!(
+                    "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route {} ({said})",
+                    s.agent,
+                    net.name()
+                ));
+                let (kind, on_fallback) = (PeerKind::Net(route), AtomicBool::new(false));
+                return Ok(EnginePeer {
+                    name: agent.to_owned(),
+                    incarnation,
+                    kind,
+                    fallback: None,
+                    on_fallback,
+                    health,
+                });
+            }
+            Err(no) => not += &format!("; not {}: {no}", net.name()),
+        }
     }
     if !same_host || s.transport != Transport::Auto || !ci.has_local {
         if addrs.is_empty() {
@@ -91,13 +92,9 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
             (true, true, Transport::Rdma) => "GIXL_TRANSPORT=rdma",
             (true, true, _) => "GIXL_TRANSPORT=tcp",
         };
-        // Say why not RDMA where this side has a port (never a silent fallback).
-        let why = match (&rdma, &s.sides.rdma) {
-            (Err(no), Some(_)) => format!("{why}; not RDMA: {no}"),
-            _ => why.to_owned(),
-        };
+        // Say why not each route beside TCP this side runs (never a silent fallback).
         crate::telemetry::log::info(&format!(
-            "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route tcp ({why})",
+            "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route tcp ({why}{not})",
             s.agent
         ));
         return Ok(EnginePeer { name: agent.to_owned(), incarnation, kind, fallback: None, on_fallback, health });

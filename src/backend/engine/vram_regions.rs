@@ -13,7 +13,8 @@ use parking_lot::Mutex;
 
 use super::ctrl::Ctrl;
 use super::gate::{Gate, RegionTicket};
-use super::sides::Tickets;
+use super::route::Tickets;
+use super::sides;
 use crate::backend::RegionKey;
 use crate::device::{self, Device, Export, HandleKind, IpcHandle, Mapping};
 use crate::md::{put_bytes, put_uvar, Reader};
@@ -23,7 +24,7 @@ use crate::status::{Error, Result};
 /// Version 2: the region's place in the engine's transfer gate (slot and state) replaced a VRAM-only gate.
 pub(super) const PUBLIC_VERSION: u8 = 2;
 /// Version 3: version 2, then the routes' sections of the region's ticket (its RDMA keys, see
-/// `sides::Tickets`); written only for a region a route exported (an RDMA NIC reaches it directly), so nothing
+/// `route::Tickets`); written only for a region a route exported (an RDMA NIC reaches it directly), so nothing
 /// changes for the others.
 const PUBLIC_WITH_SECTIONS: u8 = 3;
 
@@ -239,7 +240,7 @@ pub(super) fn load_remote(incarnation: u128, desc: &Desc, public: &[u8]) -> Resu
         }
         chunks.push(RemoteChunk { base, handle: IpcHandle { kind, size, bytes }, opened: Mutex::new(None) });
     }
-    let tickets = if version == PUBLIC_WITH_SECTIONS { Tickets::read(&mut r)? } else { Tickets::default() };
+    let tickets = if version == PUBLIC_WITH_SECTIONS { sides::read_tickets(&mut r)? } else { Tickets::default() };
     // The region lies inside the chunks.
     let (lo, hi) = (chunks[0].base, chunks[n - 1].base.checked_add(chunks[n - 1].handle.size));
     let end = desc.addr.checked_add(desc.len);

@@ -10,14 +10,14 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::{Job, Prepared, Route, TcpLink, VramWay};
+use super::{Job, Prepared, Regions, Route, TcpLink, VramWay};
 use crate::backend::engine::conn;
 use crate::backend::engine::copy::{self, cma_denied};
 use crate::backend::engine::ctrl::Sender;
 use crate::backend::engine::gate::Attached;
 use crate::backend::engine::health::PeerHealth;
 use crate::backend::engine::shared::Proof;
-use crate::backend::{RegionKey, Seg, XferPlan};
+use crate::backend::{Seg, XferPlan};
 use crate::status::{Error, Result, Status};
 
 pub(crate) struct Cma {
@@ -137,7 +137,7 @@ impl Route for Cma {
     fn vram(&self, _plan: &XferPlan, _prepared: Option<&(dyn Any + Send + Sync)>) -> Result<VramWay> {
         Ok(VramWay::Local)
     }
-    fn prepare(&self, _local: &[Option<RegionKey>]) -> Option<Prepared> {
+    fn prepare(&self, _regions: &Regions<'_>) -> Option<Prepared> {
         None
     }
     fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {

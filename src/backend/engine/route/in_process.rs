@@ -4,12 +4,12 @@
 use std::any::Any;
 use std::sync::{Arc, Weak};
 
-use super::{Job, Prepared, Route, TcpLink, VramWay};
+use super::{Job, Prepared, Regions, Route, TcpLink, VramWay};
 use crate::backend::engine::conn;
 use crate::backend::engine::copy;
 use crate::backend::engine::gate::Attached;
 use crate::backend::engine::shared::Shared;
-use crate::backend::{RegionKey, Seg, XferPlan};
+use crate::backend::{Seg, XferPlan};
 use crate::status::{Error, Result};
 
 pub(crate) struct InProcess {
@@ -57,7 +57,7 @@ impl Route for InProcess {
     fn vram(&self, _plan: &XferPlan, _prepared: Option<&(dyn Any + Send + Sync)>) -> Result<VramWay> {
         Ok(VramWay::Local)
     }
-    fn prepare(&self, _local: &[Option<RegionKey>]) -> Option<Prepared> {
+    fn prepare(&self, _regions: &Regions<'_>) -> Option<Prepared> {
         None
     }
     fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {

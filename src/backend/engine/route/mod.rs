@@ -5,12 +5,11 @@
 //! prepare a request, copy a piece of it) goes through the trait. Whether the peer is down is not a route's
 //! answer but its health's (`health::PeerHealth`), which every route of the peer feeds.
 //!
-//! A route with state of its own on the target side (its connection-info section, what it exports for each
-//! registration and the sections that puts in the region's ticket) implements `Side` too, and is listed in
-//! `sides` (what the engine starts and advertises, and what it reads of a peer's region). So a new route is its
-//! folder here and its lines in `sides` and `router` (where it is chosen, and made a `PeerKind::Net` peer: the
-//! engine asks it everything through the trait, VRAM's way included). This file names no route but TCP, whose
-//! link others ride.
+//! A network route beside TCP is also a `Net`: its connection-info section, its target side (`Side`: what it
+//! exports for each registration and the sections that puts in the region's ticket), what it reads of a peer
+//! region's ticket, and whether it reaches a peer. `sides::NET` lists them, and the engine asks every one of them
+//! through that list (the router tries them in its order before TCP). So a new route is its folder, a `mod` line
+//! here and a line in `sides::NET`. This file names no route but TCP, whose link others ride.
 //!
 //! Requests that touch VRAM go through their `xfer::Mover` instead (`vram`, `tcp::vram`), which reads the
 //! route's own fields.
@@ -23,11 +22,13 @@ pub(super) mod tcp;
 use std::any::Any;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::backend::{RegionKey, Seg, XferOp, XferPlan};
 use crate::mem::MemType;
 use crate::status::{Error, Result, Status};
 pub(crate) use tcp::link::TcpLink;
+pub(crate) use tcp::listen::TcpShared;
 /// The connection kind on which the RDMA route's pairs are exchanged (after the TCP handshake).
 pub(crate) use tcp::wire::KIND_RDMA;
 
@@ -68,16 +69,86 @@ pub(super) trait Route: Send + Sync {
     /// How a request touching VRAM goes over it (`prepared`: what `prepare` found for it); the router decides
     /// instead while the peer is on its fallback.
     fn vram(&self, plan: &XferPlan, prepared: Option<&(dyn Any + Send + Sync)>) -> Result<VramWay>;
-    /// What it needs of a request's local regions (`local`, this engine's keys), found once when the request is
-    /// prepared; None: nothing.
-    fn prepare(&self, local: &[Option<RegionKey>]) -> Option<Prepared>;
+    /// What it needs of a request's regions, found once when the request is prepared; None: nothing.
+    fn prepare(&self, regions: &Regions<'_>) -> Option<Prepared>;
     /// Copy `segs`, one piece of `job`.
     fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()>;
 }
 
+/// A request's regions as a route prepares it (`Route::prepare`), with the engine's readers of its keys (whose
+/// types routes do not name).
+pub(super) struct Regions<'a> {
+    /// This engine's regions (by `Seg::lreg`).
+    pub(super) local: &'a [Option<RegionKey>],
+    /// The peer's (by `Seg::rreg`).
+    pub(super) remote: &'a [Option<RegionKey>],
+    /// A local region's exports (every started `Side`'s, see `exports`).
+    pub(super) exports: fn(&RegionKey) -> Option<&Exports>,
+    /// What the routes read of a remote region's ticket.
+    pub(super) tickets: fn(&RegionKey) -> Option<&Tickets>,
+}
+
+impl Regions<'_> {
+    /// A route's export (of its own type `T`) of each local region.
+    pub(super) fn local_exports<T: 'static>(&self) -> impl Iterator<Item = Option<&T>> + '_ {
+        self.local
+            .iter()
+            .map(|k| (self.exports)(k.as_ref()?)?.iter().flatten().find_map(|e| (&**e as &dyn Any).downcast_ref::<T>()))
+    }
+
+    /// What a route (of type `T`) read of each remote region's ticket.
+    pub(super) fn remote_tickets<T: 'static>(&self) -> impl Iterator<Item = Option<&T>> + '_ {
+        self.remote.iter().map(|k| (self.tickets)(k.as_ref()?)?.get::<T>())
+    }
+}
+
+/// A peer region's ticket sections as each `Net` route read them (`sides::read_tickets`; none where the region
+/// had no sections).
+#[derive(Default)]
+pub(super) struct Tickets(pub(super) Vec<Box<dyn Any + Send + Sync>>);
+
+impl Tickets {
+    /// What a route (of type `T`) read.
+    pub(super) fn get<T: 'static>(&self) -> Option<&T> {
+        self.0.iter().find_map(|t| t.downcast_ref::<T>())
+    }
+}
+
+/// A network route beside TCP as the engine lists it (`sides::NET`): what it starts, advertises and reads, and
+/// whether it reaches a peer.
+pub(super) trait Net: Sync {
+    /// What the log calls it.
+    fn name(&self) -> &'static str;
+    /// Its connection-info section's id (layout 4, see `conn`).
+    fn section(&self) -> u64;
+    /// Its target side, where `transport` allows it and it runs here; `tcp` hands it authenticated connections
+    /// of its kind (served with `patience`, see `TcpOpts::patience`).
+    fn start(&self, transport: Transport, agent: &str, tcp: &TcpShared, patience: Duration) -> Option<Arc<dyn Side>>;
+    /// What it reads of a peer region's ticket sections (`id`, bytes; others' are not its business); None where
+    /// none is its own (nothing kept: most regions have none).
+    fn read_ticket(&self, sections: &[(u64, &[u8])]) -> Result<Option<Box<dyn Any + Send + Sync>>>;
+    /// A route to the peer `to` describes, from our `side` (what `start` made), with what the log says of it;
+    /// else why not.
+    fn open(&self, side: &Arc<dyn Side>, to: &Reach<'_>)
+        -> std::result::Result<(Box<dyn Route>, String), &'static str>;
+    /// For `crate::fuzzing`: its codecs of peers' bytes, on `b`.
+    fn fuzz(&self, b: &[u8]);
+}
+
+/// A peer as a `Net` route is asked whether it reaches it.
+pub(super) struct Reach<'a> {
+    pub(super) agent: &'a str,
+    /// The route's section of the peer's connection info, where it has one.
+    pub(super) section: Option<&'a [u8]>,
+    pub(super) same_host: bool,
+    pub(super) transport: Transport,
+    /// The peer's TCP link (for what is not data), made on demand.
+    pub(super) link: &'a dyn Fn() -> Arc<TcpLink>,
+}
+
 /// A route's part of this engine's target side, where it has state of its own (same-host routes and TCP serve
 /// from the gate and the region table every registration gets, see `exports`).
-pub(super) trait Side: Send + Sync {
+pub(super) trait Side: Any + Send + Sync {
     /// Its connection-info section (layout 4): id and bytes.
     fn section(&self) -> (u64, Vec<u8>);
     /// What it exports for a new registration (its sections go into the region's ticket); None where it does
@@ -89,11 +160,13 @@ pub(super) trait Side: Send + Sync {
     fn close(&self);
 }
 
+/// A registration's exports, by the started sides' order (`None` where a side does not reach it).
+pub(super) type Exports = [Option<Box<dyn Export>>];
+
 /// What a `Side` exports for one registration.
-pub(super) trait Export: Send + Sync {
+pub(super) trait Export: Any + Send + Sync {
     /// Its sections of the region's ticket (`id | length | bytes` each, ids the route's own, see `Tickets`).
     fn put_sections(&self, out: &mut Vec<u8>);
-    fn as_any(&self) -> &dyn Any;
 }
 
 /// A new registration, as a `Side` exports it.

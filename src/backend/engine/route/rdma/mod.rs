@@ -36,11 +36,8 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::{Job, Prepared, Route, TcpLink, VramWay, KIND_RDMA};
-use crate::backend::engine::conn::RemoteRegion;
-use crate::backend::engine::exports::Registered;
-use crate::backend::engine::vram_regions::RemoteVram;
-use crate::backend::{RegionKey, Seg, XferOp, XferPlan};
+use super::{Job, Net, Prepared, Reach, Regions, Route, Side, TcpLink, TcpShared, Transport, VramWay, KIND_RDMA};
+use crate::backend::{Seg, XferOp, XferPlan};
 use crate::status::{Error, Result, Status};
 use crate::verbs::{Completion, Cq, Op, Qp, QpCaps, Sge, WcStatus, Wr};
 use target::{RdmaExport, RdmaSide};
@@ -55,9 +52,26 @@ pub(crate) struct LocalMrs {
     bounds: Box<[u64]>,
 }
 
-/// The local regions' memory regions of a request (by `Seg::lreg`), as `prepare` found them.
-fn local_mrs(prepared: Option<&(dyn Any + Send + Sync)>) -> &[Option<LocalMrs>] {
-    prepared.and_then(|p| p.downcast_ref::<Vec<Option<LocalMrs>>>()).map_or(&[], Vec::as_slice)
+/// A request's regions as `prepare` found them: each local one's memory regions (by `Seg::lreg`), and each remote
+/// one's RDMA keys (by `Seg::rreg`; one per port of the peer, none where the peer's NIC cannot reach it directly)
+/// and the peer's ports nearest it.
+#[derive(Default)]
+struct Keys {
+    local: Vec<Option<LocalMrs>>,
+    remote: Vec<Option<RdmaKeys>>,
+}
+
+impl Keys {
+    fn of(prepared: Option<&(dyn Any + Send + Sync)>) -> &Keys {
+        static NONE: Keys = Keys { local: Vec::new(), remote: Vec::new() };
+        prepared.and_then(|p| p.downcast_ref::<Keys>()).unwrap_or(&NONE)
+    }
+    fn local(&self, s: &Seg) -> Option<&LocalMrs> {
+        self.local.get(s.lreg as usize)?.as_ref()
+    }
+    fn remote(&self, s: &Seg) -> Option<&RdmaKeys> {
+        self.remote.get(s.rreg as usize)?.as_ref()
+    }
 }
 
 /// Work requests per chain (one post, one signalled completion).
@@ -90,13 +104,12 @@ fn key_at(keys: &[u32], bounds: &[u64], ports: usize, addr: u64, port: usize) ->
 /// where the regions say nothing or disagree).
 fn nearest(job: &Job, segs: &[Seg]) -> (u32, u32) {
     let (mut here, mut there) = (u32::MAX, u32::MAX);
-    let lkeys = local_mrs(job.prepared);
+    let keys = Keys::of(job.prepared);
     for s in segs {
-        if let Some(l) = lkeys.get(s.lreg as usize).and_then(Option::as_ref).filter(|l| l.near != 0) {
+        if let Some(l) = keys.local(s).filter(|l| l.near != 0) {
             here &= l.near;
         }
-        let remote = job.keys.get(s.rreg as usize).and_then(Option::as_ref).and_then(remote_keys);
-        if let Some(r) = remote.filter(|r| r.near != 0) {
+        if let Some(r) = keys.remote(s).filter(|r| r.near != 0) {
             there &= r.near;
         }
     }
@@ -196,13 +209,49 @@ fn thread_cpu_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// A peer's region's RDMA keys (one per port of the peer; empty where it has none: its VRAM the peer's NIC cannot
-/// reach directly) and the peer's ports nearest it, DRAM or VRAM.
-pub(crate) fn remote_keys(k: &RegionKey) -> Option<&RdmaKeys> {
-    if let Some(r) = k.downcast_ref::<RemoteRegion>() {
-        return Some(&r.tickets.rdma);
+/// The RDMA route as the engine lists it (`sides::NET`).
+pub(crate) struct RdmaNet;
+pub(crate) const RDMA: RdmaNet = RdmaNet;
+
+impl Net for RdmaNet {
+    fn name(&self) -> &'static str {
+        "rdma"
     }
-    k.downcast_ref::<RemoteVram>().map(|v| &v.tickets.rdma)
+    fn section(&self) -> u64 {
+        wire::SECTION
+    }
+    fn start(&self, transport: Transport, agent: &str, tcp: &TcpShared, patience: Duration) -> Option<Arc<dyn Side>> {
+        let side = RdmaSide::start_for(transport, agent)?;
+        let s = side.clone();
+        tcp.set_side(Box::new(move |c| s.serve(c, patience)));
+        Some(side)
+    }
+    fn read_ticket(&self, sections: &[(u64, &[u8])]) -> Result<Option<Box<dyn Any + Send + Sync>>> {
+        let keys = wire::read_ticket(sections)?;
+        Ok((keys != RdmaKeys::default()).then(|| Box::new(keys) as _))
+    }
+    /// Where both sides have a port on one fabric: across hosts, or on this one when asked for.
+    fn open(
+        &self,
+        side: &Arc<dyn Side>,
+        to: &Reach<'_>,
+    ) -> std::result::Result<(Box<dyn Route>, String), &'static str> {
+        let side = (side.clone() as Arc<dyn Any + Send + Sync>).downcast::<RdmaSide>().map_err(|_| "not its side")?;
+        let ports = wire::decode_ports(to.section.ok_or("it advertises no RDMA port")?);
+        let ports = ports.ok_or("its RDMA section is malformed")?;
+        if to.same_host && to.transport != Transport::Rdma {
+            return Err("same host");
+        }
+        let paths = side.paths_to(&ports);
+        if paths.is_empty() {
+            return Err("no port of the peer on our fabric");
+        }
+        let said = format!("{} path(s) from {}", paths.len(), side.label());
+        Ok((Box::new(Rdma::new((to.link)(), side, to.agent, &paths)), said))
+    }
+    fn fuzz(&self, b: &[u8]) {
+        wire::fuzz(b);
+    }
 }
 
 pub(crate) struct Rdma {
@@ -294,19 +343,18 @@ impl Rdma {
         let mut chain = Chain::default();
         let mut last = None;
         let here_ports = self.side.ports.len();
-        let lkeys = local_mrs(job.prepared);
+        let keys = Keys::of(job.prepared);
         for s in segs {
-            let local = lkeys.get(s.lreg as usize).and_then(Option::as_ref).ok_or_else(|| {
+            let local = keys.local(s).ok_or_else(|| {
                 Error::invalid_param("a local region of this request is not registered with the RDMA NIC")
             })?;
-            let remote = job.keys.get(s.rreg as usize).and_then(Option::as_ref).and_then(remote_keys);
             let no_rkey = || {
                 Error::not_supported(format!(
                     "agent '{}' registered a region of this request without an RDMA key",
                     self.name
                 ))
             };
-            let remote = remote.filter(|r| !r.rkeys.is_empty()).ok_or_else(no_rkey)?;
+            let remote = keys.remote(s).filter(|r| !r.rkeys.is_empty()).ok_or_else(no_rkey)?;
             let there_ports = remote.rkeys.len() / remote.bounds.len().max(1);
             let mut off = 0;
             while off < s.len {
@@ -431,26 +479,24 @@ impl Route for Rdma {
     /// memory regions; a region the NIC cannot reach directly (no dma-buf, no peer memory) stages the whole
     /// request over the TCP link.
     fn vram(&self, plan: &XferPlan, prepared: Option<&(dyn Any + Send + Sync)>) -> Result<VramWay> {
-        let lkeys = local_mrs(prepared);
-        let here = lkeys.len() == plan.local_keys.len() && lkeys.iter().all(Option::is_some);
-        let there =
-            plan.remote_keys.iter().all(|k| k.as_ref().and_then(remote_keys).is_some_and(|r| !r.rkeys.is_empty()));
+        let keys = Keys::of(prepared);
+        let here = keys.local.len() == plan.local_keys.len() && keys.local.iter().all(Option::is_some);
+        let there = keys.remote.len() == plan.remote_keys.len()
+            && keys.remote.iter().all(|r| r.as_ref().is_some_and(|r| !r.rkeys.is_empty()));
         Ok(if here && there { VramWay::Direct } else { VramWay::Staged(self.link.clone()) })
     }
-    /// Each local region's memory regions (by `Seg::lreg`), found once for the request.
-    fn prepare(&self, local: &[Option<RegionKey>]) -> Option<Prepared> {
-        let mrs: Vec<Option<LocalMrs>> = local
-            .iter()
-            .map(|k| {
-                let e = Registered::export::<RdmaExport>(k.as_ref()?)?;
-                Some(LocalMrs {
-                    keys: e.mrs.iter().map(|m| m.lkey).collect(),
-                    near: e.near,
-                    bounds: e.bounds.clone().into(),
-                })
+    /// Each local region's memory regions and each remote one's keys, found once for the request.
+    fn prepare(&self, regions: &Regions<'_>) -> Option<Prepared> {
+        let local = regions.local_exports::<RdmaExport>().map(|e| {
+            let e = e?;
+            Some(LocalMrs {
+                keys: e.mrs.iter().map(|m| m.lkey).collect(),
+                near: e.near,
+                bounds: e.bounds.clone().into(),
             })
-            .collect();
-        Some(Box::new(mrs))
+        });
+        let remote = regions.remote_tickets::<RdmaKeys>().map(|k| k.cloned());
+        Some(Box::new(Keys { local: local.collect(), remote: remote.collect() }))
     }
     /// Over the next live path; where the path fails (its pair set up or answered by nobody: a port or its
     /// cable), it is marked dead, said in the log, and the piece goes again over another (READ and WRITE

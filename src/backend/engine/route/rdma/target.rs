@@ -103,9 +103,6 @@ impl Export for RdmaExport {
         let rkeys = self.mrs.iter().map(|m| m.rkey).collect();
         RdmaKeys { rkeys, near: self.near, bounds: self.bounds.clone() }.put_sections(out);
     }
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
 }
 
 impl Side for RdmaSide {
@@ -146,7 +143,7 @@ impl Side for RdmaSide {
 
     fn retire(&self, e: &dyn Export) {
         // The NIC refuses the keys once this returns (accesses under way finish first).
-        if let Some(e) = e.as_any().downcast_ref::<RdmaExport>() {
+        if let Some(e) = (e as &dyn std::any::Any).downcast_ref::<RdmaExport>() {
             self.deregister(&e.mrs);
         }
     }

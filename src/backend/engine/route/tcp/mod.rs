@@ -20,9 +20,9 @@ pub(crate) mod stage;
 pub(crate) mod vram;
 pub mod wire;
 
-use super::{Job, Prepared, Route, VramWay};
+use super::{Job, Prepared, Regions, Route, VramWay};
 use crate::backend::engine::conn::RemoteRegion;
-use crate::backend::{RegionKey, Seg, XferPlan};
+use crate::backend::{Seg, XferPlan};
 use crate::status::Result;
 use link::TcpLink;
 
@@ -59,7 +59,7 @@ impl Route for Tcp {
     fn vram(&self, _plan: &XferPlan, _prepared: Option<&(dyn Any + Send + Sync)>) -> Result<VramWay> {
         Ok(VramWay::Staged(self.link.clone()))
     }
-    fn prepare(&self, _local: &[Option<RegionKey>]) -> Option<Prepared> {
+    fn prepare(&self, _regions: &Regions<'_>) -> Option<Prepared> {
         None
     }
     fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {
