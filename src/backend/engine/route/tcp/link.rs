@@ -1,7 +1,6 @@
 //! The initiator's side of the TCP route: one `TcpLink` per peer (its control connection, read by the progress
 //! thread (`listen`), and its data connections, used by the requests' pieces directly), its liveness (the peer's
-//! `health::PeerHealth`, its heartbeats fed by the progress thread through `listen::Watched`), and redialing after
-//! a failure.
+//! `health::PeerHealth`, its heartbeats fed by the progress thread), and redialing after a failure.
 
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpStream};
@@ -44,6 +43,7 @@ pub struct TcpLink {
     ctrl: Mutex<Option<Arc<CtrlConn>>>,
     data: Mutex<DataConns>,
     data_cv: Condvar,
+    /// Requests in flight, and when the peer last answered (monotonic ns): read by the progress thread.
     inflight: AtomicUsize,
     last_rx: AtomicU64,
     closed: AtomicBool,
@@ -236,8 +236,7 @@ impl TcpLink {
             retired: AtomicBool::new(false),
         });
         *self.ctrl.lock() = Some(conn.clone());
-        let me: Weak<TcpLink> = Arc::downgrade(self);
-        shared.add_out(conn.clone(), me)?;
+        shared.add_out(conn.clone(), Arc::downgrade(self) as Weak<dyn Watched>)?;
         // Death or close may have raced with the dial; they shut down whatever `ctrl` held before.
         if self.health.down.load(Ordering::Acquire) || self.closed.load(Ordering::Acquire) {
             let _ = conn.stream.shutdown(Shutdown::Both);
@@ -348,21 +347,18 @@ impl TcpLink {
 
     /// Send a notification on the control connection. Ok once the whole frame is in the socket: it then
     /// reaches the target's queue unless one of the two goes away. A target whose queue is full stops
-    /// reading; after `notif_wait` this fails with BACKEND and the link stays up. If the frame was left
-    /// half written, the connection is half-closed (the target drops the partial frame after queueing
-    /// everything before it) and the next notification dials a new one.
+    /// reading; after half the disconnect timeout (0.1 to 5 s) this fails with BACKEND and the link stays up.
+    /// If the frame was left half written, the connection is half-closed (the target drops the partial frame
+    /// after queueing everything before it) and the next notification dials a new one.
     pub fn notif(self: &Arc<Self>, msg: &[u8]) -> Result<()> {
-        if msg.len() > MAX_NOTIF {
-            return Err(Error::invalid_param(format!(
-                "notification of {} bytes exceeds the {}-byte limit",
-                msg.len(),
-                MAX_NOTIF
-            )));
+        let n = msg.len();
+        if n > MAX_NOTIF {
+            return Err(Error::invalid_param(format!("notification of {n} bytes exceeds the {MAX_NOTIF}-byte limit")));
         }
         let c = self.connect()?;
         let _g = c.w.lock();
         let head = wire::encode_ctrl_head(wire::CTRL_NOTIF, msg.len());
-        let wait = self.notif_wait();
+        let wait = (self.opts.timeout / 2).clamp(Duration::from_millis(100), Duration::from_secs(5));
         let deadline = monotonic_ns() + wait.as_nanos() as u64;
         let total = head.len() + msg.len();
         let mut sent = 0;
@@ -399,11 +395,6 @@ impl TcpLink {
             }
         }
         Ok(())
-    }
-
-    /// How long a notification may wait for room at the target.
-    fn notif_wait(&self) -> Duration {
-        (self.opts.timeout / 2).clamp(Duration::from_millis(100), Duration::from_secs(5))
     }
 
     /// Tests: put `s` in the pool of idle data connections, as if it were one of ours that the target keeps.
@@ -501,13 +492,17 @@ impl TcpLink {
         self.dial(wire::KIND_DATA)
     }
 
-    /// The peer answers on the control connection (within the silence bound), and a request that began at
-    /// `start` has not waited longer than `TcpOpts::patience`.
+    /// The peer answers on the control connection, and a request that began at `start` has not waited
+    /// longer than `TcpOpts::patience`.
     fn answering(&self, start: u64) -> bool {
+        self.ctrl.lock().is_some() && self.heard(start)
+    }
+
+    /// The peer answered within the silence bound, and `since` is less than `TcpOpts::patience` ago.
+    fn heard(&self, since: u64) -> bool {
         let now = monotonic_ns();
-        self.ctrl.lock().is_some()
-            && now.saturating_sub(self.last_rx.load(Ordering::Acquire)) < self.opts.live().silence
-            && now.saturating_sub(start) < self.opts.patience().as_nanos() as u64
+        now.saturating_sub(self.last_rx.load(Ordering::Acquire)) < self.opts.live().silence
+            && now.saturating_sub(since) < self.opts.patience().as_nanos() as u64
     }
 
     fn checkin(&self, s: Arc<TcpStream>, epoch: u64, reusable: bool) {
@@ -544,11 +539,9 @@ impl TcpLink {
             let retry = (pooled && !retried).then_some(&mut lost);
             let r = self.run_on(&conn, epoch, op, segs, region, stop, retry);
             // Denied and canceled requests leave the connection in step; anything else does not.
-            let reusable = match &r {
-                Ok(()) => true,
-                // I/O errors kill the link, so only these two can leave it alive.
-                Err(e) => matches!(e.status(), Status::Backend | Status::Canceled),
-            };
+            // I/O errors kill the link, so only these two can leave it alive.
+            let reusable =
+                r.as_ref().map_or_else(|e| matches!(e.status(), Status::Backend | Status::Canceled), |_| true);
             self.checkin(conn, epoch, reusable);
             if !lost {
                 return r;
@@ -671,13 +664,10 @@ impl net::Watch for DataWatch<'_> {
 
     fn patient(&self) -> bool {
         let l = self.link;
-        let now = monotonic_ns();
-        let silence = l.opts.live().silence;
         l.epoch.load(Ordering::Acquire) == self.epoch
             && !l.health.down.load(Ordering::Acquire)
             && !l.closed.load(Ordering::Acquire)
-            && now.saturating_sub(l.last_rx.load(Ordering::Acquire)) < silence
-            && now.saturating_sub(self.last.get()) < l.opts.patience().as_nanos() as u64
+            && l.heard(self.last.get())
     }
 }
 

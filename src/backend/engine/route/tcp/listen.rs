@@ -1,5 +1,5 @@
-//! The engine's TCP route: peers on other hosts, peers the kernel will not let us reach with cross-memory
-//! attach, and every peer when `GIXL_TRANSPORT=tcp`.
+//! The TCP route's listener and both ends of its control connections: the progress thread's TCP side (the
+//! route's other parts are listed in `tcp`).
 //!
 //! Per peer the initiator opens one control connection (heartbeats, notifications) and up to `conns` data
 //! connections (default 4). Each is authenticated: the target sends a fresh nonce, the initiator answers
@@ -9,17 +9,6 @@
 //! real peer of handshakes: pending connections are capped per source address (the oldest of a source
 //! makes room for its newest) and in total (the source holding the most gives way), and each must finish
 //! its handshake within `TcpOpts::handshake`.
-//!
-//! Data connections move bytes straight between the socket and registered host memory (`sendmsg`/`readv` on
-//! iovecs that point into it); there is no staging buffer on either side. Registrations in device memory
-//! (VRAM) are never handed to a socket: a request on them is served through a page-locked staging buffer
-//! of the serving loop, one bounded device copy per chunk (see `vram`). The target checks every segment
-//! of every request against its own table of registrations and leases the registrations it names while it
-//! touches their memory (`regions::Regions`): no lock is held across socket I/O, a deregistration waits only for
-//! requests on that range and at most the disconnect timeout (then the slow peer is cut off), and agent
-//! teardown cuts every serving connection at once. Authenticated data connections are served by a few
-//! edge-triggered epoll loops (`serve`), each connection a small state machine, so a slow or idle
-//! peer holds no thread.
 //!
 //! Liveness (see `health`): the progress thread (see `ctrl`) reads the control connections and feeds each
 //! peer's state machine the time. While a peer has requests in flight it is pinged every `timeout / 8` and
@@ -37,10 +26,6 @@
 //! blocking, within a bound: when the target does not take it, the sender gets BACKEND and the link stays
 //! up (a frame left half written retires that control connection: it is half-closed, and the target
 //! queues everything before the partial frame).
-//!
-//! Here: the listener and both ends of the control connections (the progress thread). Not here: the serving
-//! loops (`serve`), the initiator's link to a peer (`link`), the region table and its leases (`regions`), wire
-//! encoding (`wire`), socket syscalls (`os::sock`), splitting a request into pieces (`xfer`).
 
 use std::collections::HashMap;
 use std::io;
@@ -151,7 +136,8 @@ pub struct TcpSetup {
     pub regions: Arc<Regions>,
 }
 
-/// What the progress thread asks of the link behind an outbound control connection (`link::TcpLink`).
+/// What the progress thread asks of the link behind an outbound control connection (`link::TcpLink`; a trait,
+/// so that the listener does not import the link, which imports it).
 pub trait Watched: Send + Sync {
     /// Requests in flight on the link.
     fn inflight(&self) -> usize;
@@ -265,8 +251,7 @@ impl TcpShared {
         }
     }
 
-    /// The engine is going away: refuse every later request and drop the serving connections. Waits for
-    /// requests being served, so nothing touches memory after this returns.
+    /// The engine is going away: `Serving::close`, and the outbound control connections are shut down.
     pub fn close(&self) {
         self.serve.close();
         let outs: Vec<_> = self.out.lock().drain().map(|(_, o)| o).collect();
@@ -303,9 +288,7 @@ impl TcpShared {
                 if t.down {
                     down.push(link.clone());
                 }
-                if let Some(w) = t.wake_in {
-                    next = Some(next.map_or(w, |n| n.min(w)));
-                }
+                next = next.into_iter().chain(t.wake_in).min();
                 seen.push(link);
             }
         }
@@ -317,31 +300,19 @@ impl TcpShared {
 
     /// Bytes arrived on an outbound control connection.
     fn on_out(&self, token: u64) {
-        let mut closed = None;
-        let link;
+        let (mut closed, link);
         {
             let mut out = self.out.lock();
             let Some(o) = out.get_mut(&token) else { return };
             link = o.link.upgrade();
-            let mut chunk = [0u8; 512];
-            loop {
-                match net::recv_now(o.conn.stream.as_raw_fd(), &mut chunk) {
-                    Ok(0) => {
-                        closed = Some("the peer closed the connection (process exited or agent destroyed)".to_owned());
-                        break;
-                    }
-                    Ok(n) => o.buf.extend_from_slice(&chunk[..n]),
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(e) => {
-                        closed = Some(format!("control connection failed: {e}"));
-                        break;
-                    }
+            closed = match read_some(o.conn.stream.as_raw_fd(), &mut [0u8; 512], &mut o.buf, 4096) {
+                Ok(true) => Some("the peer closed the connection (process exited or agent destroyed)".to_owned()),
+                Ok(false) if o.buf.len() > 4096 => {
+                    Some("peer sent unexpected data on the control connection".to_owned())
                 }
-                if o.buf.len() > 4096 {
-                    closed = Some("peer sent unexpected data on the control connection".to_owned());
-                    break;
-                }
-            }
+                Ok(false) => None,
+                Err(e) => Some(format!("control connection failed: {e}")),
+            };
             if let Some(l) = &link {
                 l.touch();
             }
@@ -358,12 +329,26 @@ impl TcpShared {
         if let Some(why) = closed {
             let retired = self.out.lock().get(&token).is_some_and(|o| o.conn.retired.load(Ordering::Acquire));
             self.remove_out(token);
-            match link {
-                // The target read what we left and closed: nothing is wrong with the peer.
-                Some(_) if retired => {}
-                Some(l) => l.kill(why),
-                None => {}
+            // Retired: the target read what we left and closed: nothing is wrong with the peer.
+            if let Some(l) = link.filter(|_| !retired) {
+                l.kill(why);
             }
+        }
+    }
+}
+
+/// Read what the non-blocking socket `fd` has onto `buf`, through `chunk`, until it would block or `buf` holds
+/// more than `limit` bytes. Ok(true): the peer closed.
+fn read_some(fd: i32, chunk: &mut [u8], buf: &mut Vec<u8>, limit: usize) -> io::Result<bool> {
+    loop {
+        match net::recv_now(fd, chunk) {
+            Ok(0) => return Ok(true),
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+            Err(e) => return Err(e),
+        }
+        if buf.len() > limit {
+            return Ok(false);
         }
     }
 }
@@ -509,15 +494,11 @@ impl TcpProgress {
         for t in expired.into_iter().chain(stalled) {
             self.drop_in(t);
         }
-        let reserving = |(t, c): (&u64, &In)| (c.admitted > 0 && !self.paused.contains(t)).then_some((*t, c.last_rx));
-        for (_, rx) in self.inbound.iter().filter_map(reserving) {
-            let d = (rx + stall).saturating_sub(now);
-            next = Some(next.map_or(d, |n| n.min(d)));
-        }
-        for c in self.inbound.values().filter(|c| c.name.is_none()) {
-            let d = c.deadline.saturating_sub(now);
-            next = Some(next.map_or(d, |n| n.min(d)));
-        }
+        // The next of those deadlines, and of the pending handshakes'.
+        let reserving = |(t, c): (&u64, &In)| (c.admitted > 0 && !self.paused.contains(t)).then_some(c.last_rx + stall);
+        let pending = self.inbound.values().filter(|c| c.name.is_none()).map(|c| c.deadline);
+        let soonest = self.inbound.iter().filter_map(reserving).chain(pending).min();
+        next = next.into_iter().chain(soonest.map(|at| at.saturating_sub(now))).min();
         // A paused connection's PINGs go unread: answer them ahead, so its sender's heartbeats see us
         // alive (one small write per heartbeat interval while paused; nothing while the queue has room).
         // At least every 100 ms: the sender's disconnect timeout may be shorter than ours.
@@ -541,10 +522,7 @@ impl TcpProgress {
             self.drop_in(t);
         }
         self.shared.paused.store(!self.paused.is_empty(), Ordering::Release);
-        match next {
-            None => -1,
-            Some(ns) => ns.div_ceil(1_000_000).min(i32::MAX as u64) as i32,
-        }
+        next.map_or(-1, |ns| ns.div_ceil(1_000_000).min(i32::MAX as u64) as i32)
     }
 
     fn accept(&mut self) {
@@ -630,26 +608,8 @@ impl TcpProgress {
         if let Some(name) = c.name.clone() {
             return self.on_ctrl(token, &name);
         }
-        let mut chunk = [0u8; 64 * 1024];
-        let limit = 64 + wire::MAX_NAME;
-        let mut closed = false;
-        loop {
-            match net::recv_now(c.stream.as_raw_fd(), &mut chunk) {
-                Ok(0) => {
-                    closed = true;
-                    break;
-                }
-                Ok(n) => c.buf.extend_from_slice(&chunk[..n]),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(_) => {
-                    closed = true;
-                    break;
-                }
-            }
-            if c.buf.len() > limit {
-                break;
-            }
-        }
+        let closed =
+            read_some(c.stream.as_raw_fd(), &mut [0u8; 64 * 1024], &mut c.buf, 64 + wire::MAX_NAME).unwrap_or(true);
         let keep = self.authenticate(token);
         if closed || !keep {
             self.drop_in(token);

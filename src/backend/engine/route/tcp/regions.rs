@@ -62,22 +62,15 @@ impl Regions {
     /// requests holding a lease on any of them.
     pub fn remove(&self, ranges: &[(u64, u64, Option<u32>)]) {
         let mut st = self.st.lock();
-        for &(addr, len, _) in ranges.iter().filter(|r| r.2.is_some()) {
+        let mut gone = Vec::new();
+        for &(addr, len, dev) in ranges {
             let k = (addr, len);
-            if let Some(v) = st.vram.get_mut(&k) {
+            if let Some(v) = st.vram.get_mut(&k).filter(|_| dev.is_some()) {
                 v.1 -= 1;
                 if v.1 == 0 {
                     st.vram.remove(&k);
                 }
             }
-        }
-        let ranges: Vec<(u64, u64)> = ranges.iter().map(|r| (r.0, r.1)).collect();
-        self.remove_locked(st, &ranges);
-    }
-
-    fn remove_locked(&self, mut st: parking_lot::MutexGuard<'_, RegionState>, ranges: &[(u64, u64)]) {
-        let mut gone = Vec::new();
-        for &k in ranges {
             let Some(n) = st.table.get_mut(&k) else { continue };
             *n -= 1;
             if *n == 0 {

@@ -1,6 +1,7 @@
 //! The TCP target's serving loops: authenticated data connections, handed over by the progress thread (see
-//! `listen`), served against the region table and its leases (`regions`), device memory staged through
-//! page-locked buffers (`stage`).
+//! `listen`), served against the region table and its leases (`regions`): host memory straight between the
+//! socket and the registrations (`sendmsg`/`readv` on iovecs into them, no staging buffer on either side),
+//! device memory staged through page-locked buffers (`stage`).
 
 use std::collections::HashMap;
 use std::io;
@@ -19,7 +20,6 @@ use crate::backend::engine::pool::Pinned;
 use crate::backend::XferOp;
 use crate::os::sock::{self as net, iovec};
 use crate::os::Reactor;
-use crate::status::Result;
 use crate::util::monotonic_ns;
 
 /// Data connections served at once. When all are taken, a newcomer replaces an idle one (see
@@ -42,6 +42,7 @@ struct Served {
 
 /// The data connections being served and the loops serving them, shared by the progress thread (which hands
 /// connections over) and the loops.
+#[derive(Default)]
 pub struct Serving {
     pub regions: Arc<Regions>,
     /// How long a request may make no progress (`TcpOpts::stall`).
@@ -57,15 +58,7 @@ pub struct Serving {
 
 impl Serving {
     pub fn new(regions: Arc<Regions>, stall: Duration) -> Serving {
-        Serving {
-            regions,
-            stall,
-            serving: Mutex::default(),
-            nserving: AtomicUsize::new(0),
-            loops: OnceLock::new(),
-            next_serve: AtomicU64::new(0),
-            closed: AtomicBool::new(false),
-        }
+        Serving { regions, stall, ..Default::default() }
     }
 
     /// The engine is closing: nothing new is served.
@@ -81,34 +74,33 @@ impl Serving {
             let _ = s.shutdown(Shutdown::Both);
         }
         for l in self.loops.get().into_iter().flatten() {
-            l.wake();
+            l.reactor.wake();
         }
         self.regions.close();
     }
 
     /// Hand an authenticated data connection to a serving loop (started on first use).
     pub fn hand(self: &Arc<Self>, stream: TcpStream, src: IpAddr) {
-        let sh = self;
-        if sh.nserving.load(Ordering::Acquire) >= MAX_SERVING && !self.make_room() {
+        if self.nserving.load(Ordering::Acquire) >= MAX_SERVING && !self.make_room() {
             return;
         }
-        let loops = sh.loops.get_or_init(|| start_loops(sh));
+        let loops = self.loops.get_or_init(|| start_loops(self));
         if loops.is_empty() {
             return;
         }
-        net::tune(&stream, sh.stall);
+        net::tune(&stream, self.stall);
         // A fresh socket's send buffer is empty: the answer always fits.
         if net::send_now(stream.as_raw_fd(), &[wire::ACK]).ok() != Some(1) {
             return;
         }
         let stream = Arc::new(stream);
-        let id = sh.next_serve.fetch_add(1, Ordering::Relaxed);
+        let id = self.next_serve.fetch_add(1, Ordering::Relaxed);
         let idle = Arc::new(AtomicU64::new(0));
-        sh.serving.lock().insert(id, Served { src, stream: Arc::downgrade(&stream), idle: idle.clone() });
-        sh.nserving.fetch_add(1, Ordering::AcqRel);
+        self.serving.lock().insert(id, Served { src, stream: Arc::downgrade(&stream), idle: idle.clone() });
+        self.nserving.fetch_add(1, Ordering::AcqRel);
         let l = &loops[id as usize % loops.len()];
         l.inbox.lock().push((id, stream, idle));
-        l.wake();
+        l.reactor.wake();
     }
 
     /// Every serving slot is taken: cut one data connection that has waited for a request for at least
@@ -161,14 +153,6 @@ struct ServeLoop {
 }
 
 impl ServeLoop {
-    fn new() -> Result<ServeLoop> {
-        Ok(ServeLoop { reactor: Reactor::new()?, inbox: Mutex::new(Vec::new()) })
-    }
-
-    fn wake(&self) {
-        self.reactor.wake();
-    }
-
     /// Runs until the engine closes. `sh` is weak so the loop does not keep the engine alive.
     fn run(&self, sh: Weak<Serving>) {
         let mut conns: HashMap<u64, Box<DataConn>> = HashMap::new();
@@ -199,6 +183,11 @@ impl ServeLoop {
             if !ok {
                 return;
             }
+            let close = |conns: &mut HashMap<u64, Box<DataConn>>, id, pool: &mut Pinned| {
+                if let Some(mut c) = conns.remove(&id) {
+                    c.close(&shared, &self.reactor, pool);
+                }
+            };
             // Connection ids are the tokens (they never reach `Reactor::WAKE`).
             let mut ready: Vec<u64> = fired.iter().map(|e| e.0).collect();
             if ready.contains(&Reactor::WAKE) {
@@ -217,9 +206,7 @@ impl ServeLoop {
             for id in ready {
                 let Some(c) = conns.get_mut(&id) else { continue };
                 if !c.drive(&shared.regions, &mut scratch, &mut pool) {
-                    if let Some(mut c) = conns.remove(&id) {
-                        c.close(&shared, &self.reactor, &mut pool);
-                    }
+                    close(&mut conns, id, &mut pool);
                 } else if c.phase == Phase::StageWait && !c.queued {
                     c.queued = true;
                     waiting.push_back(id);
@@ -231,9 +218,7 @@ impl ServeLoop {
             let now = monotonic_ns();
             let late: Vec<u64> = conns.values().filter(|c| c.deadline(stall) <= now).map(|c| c.id).collect();
             for id in late {
-                if let Some(mut c) = conns.remove(&id) {
-                    c.close(&shared, &self.reactor, &mut pool);
-                }
+                close(&mut conns, id, &mut pool);
             }
             // Buffers given back: the connections waiting for one go on, oldest first.
             while pool.can_take() {
@@ -241,9 +226,7 @@ impl ServeLoop {
                 let Some(c) = conns.get_mut(&id) else { continue };
                 c.queued = false;
                 if !c.drive(&shared.regions, &mut scratch, &mut pool) {
-                    if let Some(mut c) = conns.remove(&id) {
-                        c.close(&shared, &self.reactor, &mut pool);
-                    }
+                    close(&mut conns, id, &mut pool);
                 } else if c.phase == Phase::StageWait {
                     c.queued = true;
                     waiting.push_front(id);
@@ -336,12 +319,7 @@ impl DataConn {
     }
 
     fn close(&mut self, sh: &Serving, reactor: &Reactor, pool: &mut Pinned) {
-        if let Some(b) = self.staged.take().and_then(|mut s| s.detach()) {
-            pool.put(b);
-        }
-        if self.leased {
-            sh.regions.release(self.id);
-        }
+        self.stage_end(&sh.regions, pool);
         let _ = self.stream.shutdown(Shutdown::Both);
         // `self.stream` still holds it open.
         reactor.remove(self.stream.as_raw_fd());
@@ -427,7 +405,7 @@ impl DataConn {
                 Phase::StageWait => {}
                 Phase::StageSend => {
                     let Some(st) = self.staged.as_mut() else { return false };
-                    if st.sent(n) {
+                    if st.moved(n) {
                         if !st.finished() {
                             // The next chunk out of device memory (a bounded device copy on this thread).
                             if st.load(None).is_err() {
@@ -442,7 +420,7 @@ impl DataConn {
                 }
                 Phase::StageRecv => {
                     let Some(st) = self.staged.as_mut() else { return false };
-                    if st.received(n) {
+                    if st.moved(n) {
                         // Into device memory (a bounded device copy on this thread).
                         match st.store() {
                             Ok(()) if st.finished() => {
@@ -456,12 +434,7 @@ impl DataConn {
                                 ));
                                 let rest = st.unstaged();
                                 self.stage_end(regions, pool);
-                                self.left = rest;
-                                if rest > 0 {
-                                    self.phase = Phase::Drain;
-                                } else {
-                                    self.reply_with(wire::REPLY_DENIED);
-                                }
+                                self.deny(rest);
                             }
                         }
                     }
@@ -486,45 +459,43 @@ impl DataConn {
     fn start(&mut self, regions: &Regions) -> bool {
         let Some(h) = self.req else { return false };
         let Ok(segs) = wire::parse_segs(&self.table, &h) else { return false };
-        let leased = regions.lease(self.id, &self.stream, &segs);
         self.iov.clear();
         self.at = 0;
-        let allowed = match leased {
-            Leased::Refused => false,
-            Leased::Host => true,
+        match regions.lease(self.id, &self.stream, &segs) {
+            Leased::Refused => self.deny(if h.op == XferOp::Write { h.total } else { 0 }),
             Leased::Device(devs) => {
                 self.leased = true;
                 self.staged = Some(Box::new(Staged::new(h.op, &segs, &devs)));
                 self.phase = Phase::StageWait;
-                return true;
             }
-        };
-        match (h.op, allowed) {
-            (XferOp::Read, true) => {
+            Leased::Host => {
                 self.leased = true;
-                self.reply = wire::encode_reply(wire::REPLY_OK);
-                self.iov.push(iovec(self.reply.as_ptr() as u64, wire::REPLY_BYTES as u64));
+                if h.op == XferOp::Read {
+                    self.reply = wire::encode_reply(wire::REPLY_OK);
+                    self.iov.push(iovec(self.reply.as_ptr() as u64, wire::REPLY_BYTES as u64));
+                }
                 self.iov.extend(segs.iter().map(|s| iovec(s.addr, s.len)));
-                self.phase = Phase::Send;
+                self.phase = if h.op == XferOp::Read { Phase::Send } else { Phase::Recv };
+                self.at = net::skip_empty(&self.iov, 0);
             }
-            (XferOp::Write, true) => {
-                self.leased = true;
-                self.iov.extend(segs.iter().map(|s| iovec(s.addr, s.len)));
-                self.phase = Phase::Recv;
-            }
-            (XferOp::Write, false) if h.total > 0 => {
-                self.left = h.total;
-                self.phase = Phase::Drain;
-            }
-            (_, false) => self.reply_with(wire::REPLY_DENIED),
         }
-        self.at = net::skip_empty(&self.iov, 0);
         true
     }
 
     fn reply_with(&mut self, status: u8) {
         self.reply = wire::encode_reply(status);
         (self.phase, self.got) = (Phase::Reply, 0);
+    }
+
+    /// Refuse the request, after swallowing the `drain` bytes of its payload still to come (the connection
+    /// stays in step).
+    fn deny(&mut self, drain: u64) {
+        self.left = drain;
+        if drain > 0 {
+            self.phase = Phase::Drain;
+        } else {
+            self.reply_with(wire::REPLY_DENIED);
+        }
     }
 
     /// A request on device memory takes a staging buffer and starts moving (true), or waits for one
@@ -540,8 +511,8 @@ impl DataConn {
                 return self.stage_refuse(regions, pool);
             }
         };
-        st.attach(buf);
-        match st.op() {
+        st.buf = Some(buf);
+        match st.op {
             XferOp::Read => {
                 if let Err(e) = st.load(Some(&wire::encode_reply(wire::REPLY_OK))) {
                     crate::telemetry::log::warn(&format!(
@@ -561,14 +532,9 @@ impl DataConn {
 
     /// Refuse the request on device memory in progress, keeping the connection in step.
     fn stage_refuse(&mut self, regions: &Regions, pool: &mut Pinned) -> bool {
-        let (op, total) = (self.staged.as_ref().map(|s| s.op()), self.req.map_or(0, |h| h.total));
+        let write = self.staged.as_ref().is_some_and(|s| s.op == XferOp::Write);
         self.stage_end(regions, pool);
-        if op == Some(XferOp::Write) && total > 0 {
-            self.left = total;
-            self.phase = Phase::Drain;
-        } else {
-            self.reply_with(wire::REPLY_DENIED);
-        }
+        self.deny(if write { self.req.map_or(0, |h| h.total) } else { 0 });
         true
     }
 
@@ -578,7 +544,7 @@ impl DataConn {
             regions.release(self.id);
             self.leased = false;
         }
-        if let Some(b) = self.staged.take().and_then(|mut s| s.detach()) {
+        if let Some(b) = self.staged.take().and_then(|s| s.buf) {
             pool.put(b);
         }
     }
@@ -589,7 +555,8 @@ fn start_loops(sh: &Arc<Serving>) -> Vec<Arc<ServeLoop>> {
     let n = std::thread::available_parallelism().map_or(MIN_LOOPS, |n| n.get()).clamp(MIN_LOOPS, MAX_LOOPS);
     let mut loops = Vec::new();
     for _ in 0..n {
-        let Ok(l) = ServeLoop::new().map(Arc::new) else { break };
+        let Ok(reactor) = Reactor::new() else { break };
+        let l = Arc::new(ServeLoop { reactor, inbox: Mutex::default() });
         let (l2, weak) = (l.clone(), Arc::downgrade(sh));
         if std::thread::Builder::new().name("gixl-tcp-serve".into()).spawn(move || l2.run(weak)).is_err() {
             break;

@@ -33,14 +33,15 @@ pub(crate) fn loop_pool() -> Pinned {
 /// One request on registered VRAM as a serving loop moves it: its segments (addresses in this process,
 /// each with its device) and the chunk in the staging buffer.
 pub(crate) struct Staged {
-    op: XferOp,
+    pub(super) op: XferOp,
     segs: Vec<(u64, u64, u32)>,
     /// Next byte not staged yet: segment index and offset in it.
     seg: usize,
     off: u64,
     /// The chunk in the buffer: (offset in the buffer, address, length, device) of each piece.
     chunk: Vec<(u64, u64, u64, u32)>,
-    buf: Option<PinnedBuf>,
+    /// The staging buffer, while the request holds one.
+    pub(super) buf: Option<PinnedBuf>,
     /// Bytes of the buffer the chunk fills, and how many of them the socket has moved.
     fill: usize,
     done: usize,
@@ -52,21 +53,9 @@ impl Staged {
         Staged { op, segs, seg: 0, off: 0, chunk: Vec::new(), buf: None, fill: 0, done: 0 }
     }
 
-    pub(crate) fn op(&self) -> XferOp {
-        self.op
-    }
-
     /// The device whose buffer stages the request (its first segment's).
     pub(crate) fn dev(&self) -> u32 {
         self.segs.first().map_or(0, |s| s.2)
-    }
-
-    pub(crate) fn attach(&mut self, b: PinnedBuf) {
-        self.buf = Some(b);
-    }
-
-    pub(crate) fn detach(&mut self) -> Option<PinnedBuf> {
-        self.buf.take()
     }
 
     /// Every byte of the request has been staged (and, once the chunk is moved, served).
@@ -101,19 +90,10 @@ impl Staged {
 
     fn copies(&self, to_device: bool) -> Vec<(u32, Vec<Copy>)> {
         let base = self.buf.as_ref().map_or(0, |b| b.buf.ptr());
-        let mut out: Vec<(u32, Vec<Copy>)> = Vec::new();
-        for &(at, addr, len, dev) in &self.chunk {
-            let c = if to_device {
-                Copy { dst: addr, src: base + at, len }
-            } else {
-                Copy { dst: base + at, src: addr, len }
-            };
-            match out.iter_mut().find(|(d, _)| *d == dev) {
-                Some((_, v)) => v.push(c),
-                None => out.push((dev, vec![c])),
-            }
-        }
-        out
+        by_device(self.chunk.iter().map(|&(at, addr, len, dev)| {
+            let (dst, src) = if to_device { (addr, base + at) } else { (base + at, addr) };
+            (dev, Copy { dst, src, len })
+        }))
     }
 
     /// READ: stage the next chunk out of device memory, after `head` (the reply) if given.
@@ -166,16 +146,23 @@ impl Staged {
         crate::os::sock::recv_now(fd, s)
     }
 
-    /// `n` more bytes went out; true when the chunk is complete.
-    pub(crate) fn sent(&mut self, n: usize) -> bool {
+    /// `n` more bytes went out or came in; true when the chunk is complete.
+    pub(crate) fn moved(&mut self, n: usize) -> bool {
         self.done += n;
         self.done >= self.fill
     }
+}
 
-    /// `n` more bytes came in; true when the chunk is complete.
-    pub(crate) fn received(&mut self, n: usize) -> bool {
-        self.sent(n)
+/// Device copies grouped by device, in the order the devices first appear (one `Device::copy` each).
+pub(super) fn by_device(copies: impl IntoIterator<Item = (u32, Copy)>) -> Vec<(u32, Vec<Copy>)> {
+    let mut out: Vec<(u32, Vec<Copy>)> = Vec::new();
+    for (dev, c) in copies {
+        match out.iter_mut().find(|(d, _)| *d == dev) {
+            Some((_, v)) => v.push(c),
+            None => out.push((dev, vec![c])),
+        }
     }
+    out
 }
 
 #[cfg(test)]
@@ -192,7 +179,7 @@ mod tests {
         let mut st = Staged::new(XferOp::Write, &segs, &[3, 4]);
         let mut pool = loop_pool();
         let d = device::get().unwrap();
-        st.attach(pool.take(d, st.dev()).unwrap().unwrap());
+        st.buf = Some(pool.take(d, st.dev()).unwrap().unwrap());
         st.expect();
         assert_eq!(st.fill, SERVE_BUF);
         assert_eq!(st.chunk, vec![(0, 0x1000, 5, 3), (5, 0x8000, SERVE_BUF as u64 - 5, 4)]);
@@ -205,10 +192,10 @@ mod tests {
         let src: Vec<u8> = (0..SERVE_CHUNK).map(|i| (i % 251) as u8).collect();
         let segs = [WireSeg { region: 0, region_len: 0, addr: src.as_ptr() as u64, len: SERVE_CHUNK as u64 }];
         let mut rd = Staged::new(XferOp::Read, &segs, &[0]);
-        rd.attach(pool.take(d, 0).unwrap().unwrap());
+        rd.buf = Some(pool.take(d, 0).unwrap().unwrap());
         rd.load(Some(&[9; 8])).unwrap();
         assert!(rd.finished() && rd.fill == SERVE_BUF);
-        let b = rd.detach().unwrap();
+        let b = rd.buf.take().unwrap();
         // SAFETY: the staging buffer holds `SERVE_BUF` bytes.
         let got = unsafe { std::slice::from_raw_parts(b.buf.ptr() as usize as *const u8, SERVE_BUF) };
         assert!(got[..8] == [9; 8] && got[8..] == src[..]);
@@ -216,7 +203,7 @@ mod tests {
         // The pool lends at most LOOP_BUFS buffers.
         let mut held: Vec<PinnedBuf> = (1..LOOP_BUFS).map(|_| pool.take(d, 0).unwrap().unwrap()).collect();
         assert!(!pool.can_take() && pool.take(d, 0).unwrap().is_none());
-        pool.put(st.detach().unwrap());
+        pool.put(st.buf.take().unwrap());
         assert!(pool.can_take());
         held.push(pool.take(d, 5).unwrap().unwrap());
         assert!(pool.take(d, 5).unwrap().is_none());

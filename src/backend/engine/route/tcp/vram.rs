@@ -21,6 +21,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 
 use super::link::TcpLink;
+use super::stage::by_device;
 use crate::backend::engine::conn::RemoteRegion;
 use crate::backend::engine::copy::chunks;
 use crate::backend::engine::vram::Staging;
@@ -67,23 +68,18 @@ fn region(keys: &[Option<RegionKey>], s: &Seg) -> (u64, u64) {
 /// that buffer and the chunk's VRAM (direction of `op`), grouped by device.
 fn staged(op: XferOp, chunk: &[Seg], buf: u64) -> (Vec<Seg>, Vec<(u32, Vec<Copy>)>) {
     let mut segs = Vec::with_capacity(chunk.len());
-    let mut copies: Vec<(u32, Vec<Copy>)> = Vec::new();
     let mut off = 0;
     for s in chunk {
-        let mut t = *s;
-        t.local = buf + off;
-        segs.push(t);
+        segs.push(Seg { local: buf + off, ..*s });
+        off += s.len;
+    }
+    let copies = by_device(chunk.iter().zip(&segs).map(|(s, t)| {
         let c = match op {
             XferOp::Read => Copy { dst: s.local, src: t.local, len: s.len },
             XferOp::Write => Copy { dst: t.local, src: s.local, len: s.len },
         };
-        let dev = s.ldev as u32;
-        match copies.iter_mut().find(|(d, _)| *d == dev) {
-            Some((_, v)) => v.push(c),
-            None => copies.push((dev, vec![c])),
-        }
-        off += s.len;
-    }
+        (s.ldev as u32, c)
+    }));
     (segs, copies)
 }
 
@@ -149,18 +145,12 @@ fn pipeline(chunks: &[Vec<Seg>], bufs: &[u64], first: &Stage<'_>, second: &Stage
             }
             Ok(())
         });
-        let helper = match helper {
-            Ok(h) => h,
-            Err(e) => return Err(Error::os(Status::Backend, "starting a staging thread", e)),
-        };
-        let mut r = Ok(());
-        for (i, b) in from_first.iter() {
-            if let Err(e) = second(&chunks[i], bufs[b]) {
-                r = Err(e);
-                break;
-            }
+        let helper = helper.map_err(|e| Error::os(Status::Backend, "starting a staging thread", e))?;
+        let r = from_first.iter().try_for_each(|(i, b)| {
+            second(&chunks[i], bufs[b])?;
             let _ = to_first.send(b);
-        }
+            Ok(())
+        });
         // Unblocks the helper if it waits for a buffer.
         drop(to_first);
         drop(from_first);

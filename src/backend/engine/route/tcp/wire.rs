@@ -30,8 +30,6 @@
 //! `region` names a registration of the target exactly (address and length as registered); the target
 //! serves a segment only if that registration exists in its own table and the segment lies inside it.
 //! All integers are little-endian.
-//!
-//! This module does no I/O and keeps no state.
 
 /// The handshake's MAC and its comparison live with the other MACs (`crate::auth`); named here too, where the
 /// wire format is.
