@@ -81,9 +81,7 @@ impl ConnInfo {
     pub(super) fn route(&self, id: u64) -> Option<&[u8]> {
         self.routes.iter().find(|r| r.0 == id).map(|r| r.1.as_slice())
     }
-}
 
-impl ConnInfo {
     /// Layout 3, what this release advertises: the parts in `V3_PARTS`' order, `host id | pid | start time`,
     /// `gate fd | gate address u64 | Unix socket name`, `secret u128`, `TCP port u16 | addresses` (an address
     /// `4 | 4 bytes` or `6 | 16 bytes`, at most `MAX_ADDRS`).
@@ -100,16 +98,12 @@ impl ConnInfo {
         let ips: Vec<IpAddr> = self.addrs.iter().map(|a| a.ip()).take(MAX_ADDRS).collect();
         put_uvar(&mut out, ips.len() as u64);
         for ip in ips {
-            match ip {
-                IpAddr::V4(v4) => {
-                    out.push(4);
-                    out.extend_from_slice(&v4.octets());
-                }
-                IpAddr::V6(v6) => {
-                    out.push(6);
-                    out.extend_from_slice(&v6.octets());
-                }
-            }
+            let (family, octets) = match ip {
+                IpAddr::V4(v4) => (4, v4.octets().to_vec()),
+                IpAddr::V6(v6) => (6, v6.octets().to_vec()),
+            };
+            out.push(family);
+            out.extend_from_slice(&octets);
         }
         out
     }

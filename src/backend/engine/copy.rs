@@ -108,10 +108,88 @@ pub unsafe fn cma_batch(
         (XferOp::Read, sentinel::Word::Alive(v)) => Some((sentinel, v)),
         _ => None,
     };
+    // The iovec arrays are this thread's, reused across batches.
     IOVS.with(|v| {
         let (local, remote) = &mut *v.borrow_mut();
-        // SAFETY: the caller's contract, passed on.
-        unsafe { cma_batch_with(pid, op, segs, probe, watch, gone, local, remote) }
+        let want: usize = segs.iter().map(|s| s.len as usize).sum();
+        // Checked after every call of a watched read: still the value seen before, or the image is not the same.
+        let same_image = |gone: &mut bool| match watch {
+            Some((w, v)) if w.load(Ordering::SeqCst) != v => {
+                *gone = true;
+                Err(Error::disconnected(format!(
+                    "process {pid} exited or exec'd during the read; agent incarnation {:032x} is gone",
+                    probe.incarnation
+                )))
+            }
+            _ => Ok(()),
+        };
+        let probing = watch.is_none();
+        let expect = probe.incarnation.to_le_bytes();
+        let mut canary = [0u8; super::gate::PROBE_BYTES];
+        let probe_off = match op {
+            XferOp::Read => super::gate::OFF_INCARNATION,
+            XferOp::Write => super::gate::OFF_PROBE,
+        };
+        if op == XferOp::Write {
+            canary = expect;
+        }
+        let iov = |a: u64, l: u64| libc::iovec { iov_base: a as usize as *mut libc::c_void, iov_len: l as usize };
+        let mut done = 0usize;
+        while done < want {
+            local.clear();
+            remote.clear();
+            if probing {
+                local.push(iov(canary.as_mut_ptr() as u64, canary.len() as u64));
+                remote.push(iov(probe.addr + probe_off as u64, canary.len() as u64));
+            }
+            let mut skip = done as u64;
+            for s in segs {
+                if skip >= s.len {
+                    skip -= s.len;
+                    continue;
+                }
+                local.push(iov(s.local + skip, s.len - skip));
+                remote.push(iov(s.remote + skip, s.len - skip));
+                skip = 0;
+            }
+            // SAFETY: the local iovecs point at registered local memory (caller's contract) and at `canary`; the
+            // kernel checks the remote ones.
+            let n = unsafe {
+                let (l, r) = (local.as_ptr(), remote.as_ptr());
+                match op {
+                    XferOp::Read => libc::process_vm_readv(pid, l, local.len() as _, r, remote.len() as _, 0),
+                    XferOp::Write => libc::process_vm_writev(pid, l, local.len() as _, r, remote.len() as _, 0),
+                }
+            };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                same_image(gone)?;
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                if !probing && e.raw_os_error() == Some(libc::EFAULT) {
+                    // Same image (checked above): the first descriptor faulted.
+                    return Err(descriptor_fault(pid, op, local, remote, 0));
+                }
+                return Err(cma_error(pid, op, e, gone));
+            }
+            same_image(gone)?;
+            let n = n as usize;
+            let head = if probing { canary.len() } else { 0 };
+            if n < head || (probing && op == XferOp::Read && canary != expect) {
+                *gone = true;
+                return Err(Error::disconnected(format!(
+                    "process {pid} no longer holds the agent incarnation {:032x}",
+                    probe.incarnation
+                )));
+            }
+            let data = n - head;
+            if data == 0 {
+                return Err(descriptor_fault(pid, op, local, remote, head.min(1)));
+            }
+            done += data;
+        }
+        Ok(())
     })
 }
 
@@ -120,100 +198,10 @@ thread_local! {
     static IOVS: std::cell::RefCell<(Vec<libc::iovec>, Vec<libc::iovec>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// `cma_batch` with the caller's iovec arrays.
-///
-/// # Safety
-/// As `cma_batch`.
-#[allow(clippy::too_many_arguments)]
-unsafe fn cma_batch_with(
-    pid: i32,
-    op: XferOp,
-    segs: &[Seg],
-    probe: &Probe,
-    watch: Option<(&AtomicU32, u32)>,
-    gone: &mut bool,
-    local: &mut Vec<libc::iovec>,
-    remote: &mut Vec<libc::iovec>,
-) -> Result<()> {
-    let want: usize = segs.iter().map(|s| s.len as usize).sum();
-    // Checked after every call of a watched read: still the value seen before, or the image is not the same.
-    let same_image = |gone: &mut bool| match watch {
-        Some((w, v)) if w.load(Ordering::SeqCst) != v => {
-            *gone = true;
-            Err(Error::disconnected(format!(
-                "process {pid} exited or exec'd during the read; agent incarnation {:032x} is gone",
-                probe.incarnation
-            )))
-        }
-        _ => Ok(()),
-    };
-    let probing = watch.is_none();
-    let expect = probe.incarnation.to_le_bytes();
-    let mut canary = [0u8; super::gate::PROBE_BYTES];
-    let probe_off = match op {
-        XferOp::Read => super::gate::OFF_INCARNATION,
-        XferOp::Write => super::gate::OFF_PROBE,
-    };
-    if op == XferOp::Write {
-        canary = expect;
-    }
-    let iov = |a: u64, l: u64| libc::iovec { iov_base: a as usize as *mut libc::c_void, iov_len: l as usize };
-    let mut done = 0usize;
-    while done < want {
-        local.clear();
-        remote.clear();
-        if probing {
-            local.push(iov(canary.as_mut_ptr() as u64, canary.len() as u64));
-            remote.push(iov(probe.addr + probe_off as u64, canary.len() as u64));
-        }
-        let mut skip = done as u64;
-        for s in segs {
-            if skip >= s.len {
-                skip -= s.len;
-                continue;
-            }
-            local.push(iov(s.local + skip, s.len - skip));
-            remote.push(iov(s.remote + skip, s.len - skip));
-            skip = 0;
-        }
-        // SAFETY: the local iovecs point at registered local memory (caller's contract) and at `canary`; the
-        // kernel checks the remote ones.
-        let n = unsafe {
-            let (l, r) = (local.as_ptr(), remote.as_ptr());
-            match op {
-                XferOp::Read => libc::process_vm_readv(pid, l, local.len() as _, r, remote.len() as _, 0),
-                XferOp::Write => libc::process_vm_writev(pid, l, local.len() as _, r, remote.len() as _, 0),
-            }
-        };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            same_image(gone)?;
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            if !probing && e.raw_os_error() == Some(libc::EFAULT) {
-                // Same image (checked above): the first descriptor faulted.
-                return Err(descriptor_fault(pid, op, local, remote, 0));
-            }
-            return Err(cma_error(pid, op, e, gone));
-        }
-        same_image(gone)?;
-        let n = n as usize;
-        let head = if probing { canary.len() } else { 0 };
-        if n < head || (probing && op == XferOp::Read && canary != expect) {
-            *gone = true;
-            return Err(Error::disconnected(format!(
-                "process {pid} no longer holds the agent incarnation {:032x}",
-                probe.incarnation
-            )));
-        }
-        let data = n - head;
-        if data == 0 {
-            return Err(descriptor_fault(pid, op, local, remote, head.min(1)));
-        }
-        done += data;
-    }
-    Ok(())
+/// `pid` no longer holds `probe`'s incarnation (the probe's read-back says another, or nothing).
+fn incarnation_gone(pid: i32, probe: &Probe, gone: &mut bool) -> Error {
+    *gone = true;
+    Error::disconnected(format!("process {pid} no longer holds the agent incarnation {:032x}", probe.incarnation))
 }
 
 /// A descriptor's memory is not mapped (local, or remote in the same image): the request fails, the peer
@@ -251,11 +239,7 @@ pub fn probe(pid: i32, probe: &Probe, gone: &mut bool) -> Result<()> {
             return Err(cma_error(pid, XferOp::Read, e, gone));
         }
         if n as usize != got.len() || got != probe.incarnation.to_le_bytes() {
-            *gone = true;
-            return Err(Error::disconnected(format!(
-                "process {pid} no longer holds the agent incarnation {:032x}",
-                probe.incarnation
-            )));
+            return Err(incarnation_gone(pid, probe, gone));
         }
         return Ok(());
     }

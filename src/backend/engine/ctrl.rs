@@ -80,21 +80,33 @@ const PIDFD: u64 = 1;
 pub struct Ctrl {
     pub sock_name: Vec<u8>,
     pub tcp: Arc<TcpShared>,
-    reactor: Arc<Reactor>,
-    tokens: Tokens,
-    stop: Arc<AtomicBool>,
-    watches: Arc<Mutex<HashMap<u64, Arc<AtomicBool>>>>,
+    c: Arc<Common>,
     next_watch: AtomicU64,
     thread: Mutex<Option<JoinHandle<()>>>,
-    local: Arc<Mutex<Local>>,
-    local_fd: RawFd,
-    /// The queue was full: the local sockets are not read until the application takes notifications.
-    paused: Arc<AtomicBool>,
-    /// When the application last called `drain` (monotonic ns): while it polls, the progress thread leaves
-    /// the local sockets to it.
-    last_poll: Arc<AtomicU64>,
     /// Descriptors an authenticated peer may ask for (`KIND_FD_REQ`).
     offered: Arc<Mutex<HashSet<RawFd>>>,
+}
+
+/// What the application's side (`Ctrl`) and the progress thread share.
+struct Common {
+    reactor: Arc<Reactor>,
+    tokens: Tokens,
+    stop: AtomicBool,
+    watches: Mutex<HashMap<u64, Arc<AtomicBool>>>,
+    local: Mutex<Local>,
+    local_fd: RawFd,
+    /// The queue was full: the local sockets are not read until the application takes notifications.
+    paused: AtomicBool,
+    /// When the application last called `drain` (monotonic ns): while it polls, the progress thread leaves
+    /// the local sockets to it.
+    last_poll: AtomicU64,
+}
+
+impl Common {
+    /// Arm the local epoll set again (one-shot) in the progress thread's reactor.
+    fn rearm(&self) {
+        let _ = self.reactor.modify(self.local_fd, self.tokens.token(LOCAL), LOCAL_ARM);
+    }
 }
 
 impl Ctrl {
@@ -117,11 +129,9 @@ impl Ctrl {
         epoll_add(local_fd.as_raw_fd(), listener.as_raw_fd(), TOKEN_LISTEN)?;
         let local_raw = local_fd.as_raw_fd();
         reactor.add(local_raw, tokens.token(LOCAL), LOCAL_ARM)?;
-        let last_poll = Arc::new(AtomicU64::new(0));
-        let paused = Arc::new(AtomicBool::new(false));
         let offered: Arc<Mutex<HashSet<RawFd>>> = Arc::default();
         let reserving = Arc::new(AtomicU64::new(0));
-        let local = Arc::new(Mutex::new(Local {
+        let local = Mutex::new(Local {
             epfd: local_fd,
             listener,
             allowed: allowed_uids(),
@@ -138,26 +148,21 @@ impl Ctrl {
             reserving: reserving.clone(),
             parked: std::collections::VecDeque::new(),
             stall: LOCAL_STALL,
-        }));
+        });
         let tcp = TcpProgress::new(setup, incarnation, queue.clone(), reactor.clone())?;
         let tcp_shared = tcp.shared.clone();
 
-        let stop = Arc::new(AtomicBool::new(false));
-        let watches: Arc<Mutex<HashMap<u64, Arc<AtomicBool>>>> = Arc::default();
-        let mut progress = Progress {
-            reactor: reactor.clone(),
+        let c = Arc::new(Common {
+            reactor,
             tokens,
-            stop: stop.clone(),
-            local: local.clone(),
+            stop: AtomicBool::new(false),
+            watches: Mutex::default(),
+            local,
             local_fd: local_raw,
-            paused: paused.clone(),
-            last_poll: last_poll.clone(),
-            rearm_at: None,
-            watches: watches.clone(),
-            tcp,
-            reserving,
-            swept: 0,
-        };
+            paused: AtomicBool::new(false),
+            last_poll: AtomicU64::new(0),
+        });
+        let mut progress = Progress { c: c.clone(), rearm_at: None, tcp, reserving, swept: 0 };
         let thread = std::thread::Builder::new()
             .name("gixl-progress".into())
             .spawn(move || progress.run())
@@ -165,16 +170,9 @@ impl Ctrl {
         Ok(Ctrl {
             sock_name,
             tcp: tcp_shared,
-            reactor,
-            tokens,
-            stop,
-            watches,
+            c,
             next_watch: AtomicU64::new(0),
             thread: Mutex::new(Some(thread)),
-            local,
-            local_fd: local_raw,
-            paused,
-            last_poll,
             offered,
         })
     }
@@ -193,24 +191,24 @@ impl Ctrl {
     /// Read whatever the local notification connections hold now (non-blocking) into the queue. Called by
     /// the application's `notifs` poll; costs one `epoll_wait` when nothing is pending.
     pub fn drain(&self) {
-        self.last_poll.store(crate::util::monotonic_ns(), Ordering::Relaxed);
-        if let Some(mut l) = self.local.try_lock() {
+        self.c.last_poll.store(crate::util::monotonic_ns(), Ordering::Relaxed);
+        if let Some(mut l) = self.c.local.try_lock() {
             l.drain();
         }
         // The application is about to take the queue: let the progress thread read again (it pauses
         // again at once if the queue is still full).
-        if self.paused.swap(false, Ordering::AcqRel) {
-            let _ = self.reactor.modify(self.local_fd, self.tokens.token(LOCAL), LOCAL_ARM);
+        if self.c.paused.swap(false, Ordering::AcqRel) {
+            self.c.rearm();
         }
     }
 
     /// Watch a peer's pidfd; `dead` is set when the process exits. Returns a token for `unwatch`.
     pub fn watch(&self, pidfd: RawFd, dead: Arc<AtomicBool>) -> Result<u64> {
-        let token = self.tokens.token(PIDFD + self.next_watch.fetch_add(1, Ordering::Relaxed));
-        self.watches.lock().insert(token, dead);
+        let token = self.c.tokens.token(PIDFD + self.next_watch.fetch_add(1, Ordering::Relaxed));
+        self.c.watches.lock().insert(token, dead);
         // One-shot: an exited process's pidfd stays readable, and the one event is all this needs.
-        if let Err(e) = self.reactor.add(pidfd, token, (libc::EPOLLIN | libc::EPOLLONESHOT) as u32) {
-            self.watches.lock().remove(&token);
+        if let Err(e) = self.c.reactor.add(pidfd, token, (libc::EPOLLIN | libc::EPOLLONESHOT) as u32) {
+            self.c.watches.lock().remove(&token);
             return Err(e);
         }
         Ok(token)
@@ -218,15 +216,15 @@ impl Ctrl {
 
     /// Stop watching; call before closing the pidfd.
     pub fn unwatch(&self, token: u64, pidfd: RawFd) {
-        self.reactor.remove(pidfd);
-        self.watches.lock().remove(&token);
+        self.c.reactor.remove(pidfd);
+        self.c.watches.lock().remove(&token);
     }
 
     /// Stop the progress thread and close the socket. Idempotent.
     pub fn shutdown(&self) {
         self.tcp.close();
-        self.stop.store(true, Ordering::Release);
-        self.reactor.wake();
+        self.c.stop.store(true, Ordering::Release);
+        self.c.reactor.wake();
         if let Some(t) = self.thread.lock().take() {
             if t.thread().id() != std::thread::current().id() {
                 let _ = t.join();
@@ -269,12 +267,7 @@ impl Sender {
             &nonce,
             &tagged_name(from, from_incarnation),
         );
-        let mut hello = Vec::with_capacity(HELLO_FIXED + from.len());
-        hello.extend_from_slice(&target_incarnation.to_le_bytes());
-        hello.extend_from_slice(&from_incarnation.to_le_bytes());
-        hello.extend_from_slice(&nonce);
-        hello.extend_from_slice(&tag.to_le_bytes());
-        hello.extend_from_slice(from.as_bytes());
+        let hello = hello_body(target_incarnation, from_incarnation, &nonce, tag, from);
         s.stream.set_read_timeout(Some(ACK_WAIT)).map_err(opt)?;
         if let Err(e) = s.send(KIND_HELLO, &hello) {
             // Refused at once (another uid): the reason is waiting to be read.
@@ -295,13 +288,7 @@ impl Sender {
 
     /// One frame from the peer (handshake only).
     fn reply(&mut self) -> Result<(u8, Vec<u8>)> {
-        let fail = |e: io::Error| {
-            let st = match e.kind() {
-                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Status::Backend,
-                _ => Status::RemoteDisconnect,
-            };
-            Error::os(st, "notification handshake", e)
-        };
+        let fail = |e: io::Error| Error::os(timed_out_or_gone(&e), "notification handshake", e);
         let mut head = [0u8; 5];
         self.stream.read_exact(&mut head).map_err(fail)?;
         let len = announced(&head).unwrap_or(0);
@@ -314,12 +301,7 @@ impl Sender {
     }
 
     pub fn notif(&mut self, msg: &[u8]) -> Result<()> {
-        if msg.len() > MAX_NOTIF {
-            return Err(Error::invalid_param(format!(
-                "notification of {} bytes exceeds the {MAX_NOTIF}-byte limit",
-                msg.len()
-            )));
-        }
+        super::notif::check(msg)?;
         self.send(KIND_NOTIF, msg)
     }
 
@@ -332,10 +314,7 @@ impl Sender {
         let head = frame_head(kind, body.len());
         // One write (one wake-up of the reader) for the usual small message.
         let r = if body.len() <= 64 * 1024 {
-            let mut frame = Vec::with_capacity(5 + body.len());
-            frame.extend_from_slice(&head);
-            frame.extend_from_slice(body);
-            self.stream.write_all(&frame)
+            self.stream.write_all(&framed(kind, body))
         } else {
             self.stream.write_all(&head).and_then(|_| self.stream.write_all(body))
         };
@@ -419,16 +398,9 @@ struct Inbox {
 }
 
 struct Progress {
-    reactor: Arc<Reactor>,
-    tokens: Tokens,
-    stop: Arc<AtomicBool>,
-    local: Arc<Mutex<Local>>,
-    local_fd: RawFd,
-    paused: Arc<AtomicBool>,
-    last_poll: Arc<AtomicU64>,
+    c: Arc<Common>,
     /// The local set is disarmed (one-shot) while the application polls; re-arm it at this time (ns).
     rearm_at: Option<u64>,
-    watches: Arc<Mutex<HashMap<u64, Arc<AtomicBool>>>>,
     tcp: TcpProgress,
     /// Bytes reserved on the local socket (see `Local::reserved`); while any are, stalled senders are swept
     /// once a second.
@@ -439,14 +411,14 @@ struct Progress {
 impl Progress {
     fn run(&mut self) {
         let mut ready = Vec::new();
-        while !self.stop.load(Ordering::Acquire) {
+        while !self.c.stop.load(Ordering::Acquire) {
             // -1 (sleep until an event) unless heartbeats or handshake deadlines are pending.
             let mut timeout = self.tcp.tick();
             if self.reserving.load(Ordering::Acquire) > 0 {
                 let now = crate::util::monotonic_ns();
                 if now.saturating_sub(self.swept) >= 1_000_000_000 {
                     self.swept = now;
-                    self.local.lock().sweep(now);
+                    self.c.local.lock().sweep(now);
                 }
                 timeout = if timeout < 0 { 1000 } else { timeout.min(1000) };
             }
@@ -454,43 +426,39 @@ impl Progress {
                 let now = crate::util::monotonic_ns();
                 if at <= now {
                     self.rearm_at = None;
-                    self.rearm();
+                    self.c.rearm();
                 } else {
                     let ms = (at - now).div_ceil(1_000_000) as i32;
                     timeout = if timeout < 0 { ms } else { timeout.min(ms) };
                 }
             }
-            if !self.reactor.wait(timeout, &mut ready) {
+            if !self.c.reactor.wait(timeout, &mut ready) {
                 return;
             }
             for &(token, _) in &ready {
                 if self.tcp.shared.owns(token) {
                     self.tcp.on_event(token);
-                } else if token == self.tokens.token(LOCAL) {
+                } else if token == self.c.tokens.token(LOCAL) {
                     // One-shot: disarmed now. If the application is polling, it reads the sockets itself
                     // and this thread stays out of its way (no lock contention, no wake-up per message);
                     // look again after POLL_GRACE_NS in case it stopped.
                     let now = crate::util::monotonic_ns();
-                    if now.saturating_sub(self.last_poll.load(Ordering::Relaxed)) < POLL_GRACE_NS {
+                    if now.saturating_sub(self.c.last_poll.load(Ordering::Relaxed)) < POLL_GRACE_NS {
                         self.rearm_at = Some(now + POLL_GRACE_NS);
-                    } else if self.local.lock().drain() {
-                        self.rearm();
+                    } else if self.c.local.lock().drain() {
+                        self.c.rearm();
                     } else {
                         // Queue full: stay disarmed until the application takes notifications.
-                        self.paused.store(true, Ordering::Release);
+                        self.c.paused.store(true, Ordering::Release);
                     }
-                } else if self.tokens.owns(token) {
+                } else if self.c.tokens.owns(token) {
                     // A watched process exited (its pidfd fires once: one-shot, see `Ctrl::watch`).
-                    if let Some(dead) = self.watches.lock().get(&token) {
+                    if let Some(dead) = self.c.watches.lock().get(&token) {
                         dead.store(true, Ordering::Release);
                     }
                 }
             }
         }
-    }
-
-    fn rearm(&self) {
-        let _ = self.reactor.modify(self.local_fd, self.tokens.token(LOCAL), LOCAL_ARM);
     }
 }
 
@@ -560,14 +528,10 @@ impl Local {
             if stream.set_nonblocking(true).is_err() {
                 continue;
             }
-            let pending: Vec<u64> = {
-                let mut p: Vec<u64> = self.conns.iter().filter(|(_, c)| c.sender.is_none()).map(|(t, _)| *t).collect();
-                p.sort_unstable();
-                p
-            };
-            if pending.len() >= MAX_PENDING {
-                // The oldest connection that has not authenticated makes room.
-                self.close(pending[0]);
+            let pending = self.conns.iter().filter(|(_, c)| c.sender.is_none()).map(|(t, _)| *t);
+            // The oldest connection that has not authenticated makes room.
+            if let (true, Some(oldest)) = (pending.clone().count() >= MAX_PENDING, pending.min()) {
+                self.close(oldest);
             }
             if self.conns.len() >= MAX_CONNS {
                 let _ = send_frame_now(&stream, KIND_REFUSE, b"too many notification connections");
@@ -748,6 +712,29 @@ fn frame_head(kind: u8, body_len: usize) -> [u8; 5] {
     h
 }
 
+/// A whole frame of `kind`: its header, then `body`.
+fn framed(kind: u8, body: &[u8]) -> Vec<u8> {
+    [&frame_head(kind, body.len())[..], body].concat()
+}
+
+/// A hello's body: to incarnation `target`, from agent `name` of incarnation `from`, proven by `tag` over `nonce`.
+fn hello_body(target: u128, from: u128, nonce: &[u8; 16], tag: u64, name: &str) -> Vec<u8> {
+    [&target.to_le_bytes()[..], &from.to_le_bytes(), nonce, &tag.to_le_bytes(), name.as_bytes()].concat()
+}
+
+/// The first `N` bytes of `b`, which the caller checked holds them (zeros otherwise).
+fn le<const N: usize>(b: &[u8]) -> [u8; N] {
+    b.get(..N).and_then(|b| b.try_into().ok()).unwrap_or([0; N])
+}
+
+/// A socket error's status: a timeout is the peer not answering yet (BACKEND), anything else the peer gone.
+fn timed_out_or_gone(e: &io::Error) -> Status {
+    match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Status::Backend,
+        _ => Status::RemoteDisconnect,
+    }
+}
+
 /// The bytes to reserve for the frame at the front of `buf` (header included) when it is a large one whose
 /// header has arrived and which is not complete yet.
 fn large_frame(buf: &[u8]) -> Option<usize> {
@@ -757,9 +744,7 @@ fn large_frame(buf: &[u8]) -> Option<usize> {
 
 /// One small frame, without blocking (handshake frames into a socket with room for them).
 fn send_frame_now(s: &UnixStream, kind: u8, body: &[u8]) -> io::Result<usize> {
-    let mut f = frame_head(kind, body.len()).to_vec();
-    f.extend_from_slice(body);
-    crate::os::sock::send_now(s.as_raw_fd(), &f)
+    crate::os::sock::send_now(s.as_raw_fd(), &framed(kind, body))
 }
 
 impl Inbox {
@@ -787,17 +772,10 @@ impl Inbox {
             };
             match (body[0], &c.sender) {
                 (KIND_HELLO, None) if body.len() >= HELLO_FIXED => {
-                    let u = |r: std::ops::Range<usize>| {
-                        let mut b = [0u8; 16];
-                        b.copy_from_slice(&body[r]);
-                        u128::from_le_bytes(b)
-                    };
-                    let (target, from_inc) = (u(1..17), u(17..33));
-                    let mut nonce = [0u8; 16];
-                    nonce.copy_from_slice(&body[33..49]);
-                    let mut t = [0u8; 8];
-                    t.copy_from_slice(&body[49..57]);
-                    let tag = u64::from_le_bytes(t);
+                    // Fixed-size fields at fixed places: `body` holds at least `HELLO_FIXED` bytes.
+                    let (target, from_inc) =
+                        (u128::from_le_bytes(le(&body[1..])), u128::from_le_bytes(le(&body[17..])));
+                    let (nonce, tag) = (le::<16>(&body[33..]), u64::from_le_bytes(le(&body[49..])));
                     let Ok(name) = std::str::from_utf8(&body[HELLO_FIXED..]) else {
                         verdict = Err("sender name is not UTF-8".into());
                         break;
@@ -867,9 +845,7 @@ fn send_fd_now(s: &UnixStream, fd: RawFd) -> io::Result<usize> {
     // SAFETY: `fd` is open while offered (the caller holds the lock the owner withdraws it under).
     let id = crate::device::fd_identity(unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) })?;
     let body = crate::device::fd_handle_bytes(fd, id);
-    let mut f = frame_head(KIND_FD, body.len()).to_vec();
-    f.extend_from_slice(&body);
-    crate::os::fdpass::send_with_fd(s.as_raw_fd(), &mut f, fd)
+    crate::os::fdpass::send_with_fd(s.as_raw_fd(), &mut framed(KIND_FD, &body), fd)
 }
 
 /// Ask the engine listening on `sock_name` as process `pid` (incarnation `target`, whose secret is `secret`) for its
@@ -915,12 +891,7 @@ pub fn request_fd(
                 }
                 KIND_FD if body.len() == 20 => {
                     let f = got.ok_or_else(|| Error::backend("the peer's descriptor reply carried no descriptor"))?;
-                    let n = |r: std::ops::Range<usize>| {
-                        let mut a = [0u8; 8];
-                        a.copy_from_slice(&body[r]);
-                        u64::from_le_bytes(a)
-                    };
-                    return Ok((f, (n(4..12), n(12..20))));
+                    return Ok((f, (u64::from_le_bytes(le(&body[4..])), u64::from_le_bytes(le(&body[12..])))));
                 }
                 _ => return Err(Error::backend("the peer's control socket sent an unexpected frame")),
             }
@@ -930,13 +901,7 @@ pub fn request_fd(
         let n = match crate::os::fdpass::recv_with_fds(s.stream.as_raw_fd(), &mut chunk, &mut got) {
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => {
-                let st = match e.kind() {
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Status::Backend,
-                    _ => Status::RemoteDisconnect,
-                };
-                return Err(Error::os(st, "waiting for the peer's descriptor", e));
-            }
+            Err(e) => return Err(Error::os(timed_out_or_gone(&e), "waiting for the peer's descriptor", e)),
         };
         if n == 0 {
             return Err(Error::disconnected("the peer closed its control connection before sending the descriptor"));
@@ -972,15 +937,7 @@ pub(crate) fn fuzz_parse_frames(data: &[u8], split: usize, incarnation: u128) ->
 /// For `crate::fuzzing` only: a valid hello for `fuzz_parse_frames`'s connection.
 pub(crate) fn fuzz_hello(incarnation: u128, from: &str) -> Vec<u8> {
     let tag = crate::auth::hello_tag(incarnation, TAG_KIND_LOCAL, incarnation, &[0; 16], &tagged_name(from, 1));
-    let mut body = vec![KIND_HELLO];
-    body.extend_from_slice(&incarnation.to_le_bytes());
-    body.extend_from_slice(&1u128.to_le_bytes());
-    body.extend_from_slice(&[0; 16]);
-    body.extend_from_slice(&tag.to_le_bytes());
-    body.extend_from_slice(from.as_bytes());
-    let mut f = (body.len() as u32).to_le_bytes().to_vec();
-    f.extend_from_slice(&body);
-    f
+    framed(KIND_HELLO, &hello_body(incarnation, 1, &[0; 16], tag, from))
 }
 /// How long after the application's last `notifs` poll the progress thread leaves the local sockets to it.
 const POLL_GRACE_NS: u64 = 2_000_000;
@@ -1013,7 +970,7 @@ mod tests {
     fn large_frames_in_progress_stay_within_the_local_budget() {
         let inc = 93u128;
         let (q, ctrl) = start_ctrl(inc, 3);
-        ctrl.local.lock().stall = Duration::from_millis(300);
+        ctrl.c.local.lock().stall = Duration::from_millis(300);
         let big = 60usize << 20;
         let start = |who: &str, k: u128| {
             let mut s = Sender::connect(&ctrl.sock_name, inc, 3, who, k).unwrap();
@@ -1031,18 +988,18 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(5));
             }
         };
-        wait("two reservations", &|| ctrl.local.lock().reserved == 2 * (big + 5));
+        wait("two reservations", &|| ctrl.c.local.lock().reserved == 2 * (big + 5));
         let mut c = start("late-c", 3);
-        wait("the third parked", &|| ctrl.local.lock().parked.len() == 1);
-        assert_eq!(ctrl.local.lock().reserved, 2 * (big + 5), "nothing reserved past the budget");
+        wait("the third parked", &|| ctrl.c.local.lock().parked.len() == 1);
+        assert_eq!(ctrl.c.local.lock().reserved, 2 * (big + 5), "nothing reserved past the budget");
         let mut d = Sender::connect(&ctrl.sock_name, inc, 3, "small-d", 4).unwrap();
         d.notif(b"small").unwrap();
         wait("a small notification meanwhile", &|| q.lock().iter().any(|(n, m)| n == "small-d" && m == b"small"));
         // The two stall past 300 ms and are cut; the third is read on.
-        wait("the stalled two cut off", &|| ctrl.local.lock().parked.is_empty());
+        wait("the stalled two cut off", &|| ctrl.c.local.lock().parked.is_empty());
         c.stream.write_all(&vec![9u8; big - 1000]).unwrap();
         wait("the third's frame", &|| q.lock().iter().any(|(n, m)| n == "late-c" && m.len() == big));
-        assert_eq!(ctrl.local.lock().reserved, 0);
+        assert_eq!(ctrl.c.local.lock().reserved, 0);
     }
 
     #[test]

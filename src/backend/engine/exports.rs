@@ -73,10 +73,7 @@ impl Shared {
         row.exports = exports;
         let mut sections = Vec::new();
         row.exports.iter().flatten().for_each(|e| e.put_sections(&mut sections));
-        let public = match public {
-            Some(p) => with_sections(p, &sections),
-            None => encode_ticket(ticket, &sections),
-        };
+        let public = public.map_or_else(|| encode_ticket(ticket, &sections), |p| with_sections(p, &sections));
         let key: RegionKey = Arc::new(row);
         Ok(LocalRegion { public, key: Some(key) })
     }

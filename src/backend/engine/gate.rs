@@ -30,9 +30,11 @@
 //! random address is not mapped) the call fails before any data moves; a read also returns the incarnation id
 //! from that address, proving which object the data came from.
 
+use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -361,7 +363,7 @@ impl Gate {
             }
             let pid = self.word(o + 8).load(Ordering::Relaxed) as i32;
             let start = self.word(o + 16).load(Ordering::Relaxed);
-            if !process_is(pid, start) {
+            if !crate::util::process_alive_as(pid, start) {
                 self.word(o + OFF_COUNT).store(0, Ordering::SeqCst);
                 self.word(o + OFF_MASKED).store(0, Ordering::SeqCst);
                 self.word(o).store(0, Ordering::SeqCst);
@@ -396,7 +398,7 @@ impl Gate {
                 let owner = self.word(o).load(Ordering::SeqCst);
                 let (p, st) =
                     (self.word(o + 8).load(Ordering::Relaxed) as i32, self.word(o + 16).load(Ordering::Relaxed));
-                owner != 0 && !process_is(p, st) && take(i, owner)
+                owner != 0 && !crate::util::process_alive_as(p, st) && take(i, owner)
             })
             .map(|i| (i as u32, token))
     }
@@ -414,14 +416,9 @@ impl Gate {
     }
 }
 
-/// Is `pid` still the process that started at `start`, and alive (a zombie's count can never drop)?
-fn process_is(pid: i32, start: u64) -> bool {
-    crate::util::process_alive_as(pid, start)
-}
-
 /// This process's start time, read once.
 fn own_start() -> Result<u64> {
-    static START: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    static START: OnceLock<u64> = OnceLock::new();
     if let Some(s) = START.get() {
         return Ok(*s);
     }
@@ -464,7 +461,7 @@ fn map_random(fd: RawFd) -> Result<*mut u8> {
 
 /// An initiator's claim on a peer's gate: the mapping and its own in-flight slot.
 pub struct Attached {
-    pub gate: std::sync::Arc<Gate>,
+    pub gate: Arc<Gate>,
     slot: u32,
     /// Our owner word in the slot: the slot is ours only while it holds this.
     token: u64,
@@ -475,31 +472,27 @@ pub struct Attached {
 pub type Owner = (i32, u64, u128);
 
 /// This process's claims, by the gate they are on (weak: a claim ends with the last peer holding it).
-fn claims() -> &'static Mutex<std::collections::HashMap<Owner, std::sync::Weak<Attached>>> {
-    static CLAIMS: std::sync::OnceLock<Mutex<std::collections::HashMap<Owner, std::sync::Weak<Attached>>>> =
-        std::sync::OnceLock::new();
+fn claims() -> &'static Mutex<HashMap<Owner, Weak<Attached>>> {
+    static CLAIMS: OnceLock<Mutex<HashMap<Owner, Weak<Attached>>>> = OnceLock::new();
     CLAIMS.get_or_init(Default::default)
 }
 
 /// This process's claim on the gate of `owner`: the live one if this process has it already (`gate` is then
 /// not used), else a new claim on `gate`. A renamed copy of a peer's metadata, or a second agent of this
 /// process loading the same peer, costs no slot in that peer's gate.
-pub fn attach_shared(
-    owner: Owner,
-    gate: impl FnOnce() -> Result<std::sync::Arc<Gate>>,
-) -> Result<std::sync::Arc<Attached>> {
+pub fn attach_shared(owner: Owner, gate: impl FnOnce() -> Result<Arc<Gate>>) -> Result<Arc<Attached>> {
     let mut map = claims().lock();
-    if let Some(a) = map.get(&owner).and_then(std::sync::Weak::upgrade) {
+    if let Some(a) = map.get(&owner).and_then(Weak::upgrade) {
         return Ok(a);
     }
-    let a = std::sync::Arc::new(Attached::new(gate()?)?);
+    let a = Arc::new(Attached::new(gate()?)?);
     map.retain(|_, w| w.strong_count() > 0);
-    map.insert(owner, std::sync::Arc::downgrade(&a));
+    map.insert(owner, Arc::downgrade(&a));
     Ok(a)
 }
 
 impl Attached {
-    pub fn new(gate: std::sync::Arc<Gate>) -> Result<Attached> {
+    pub fn new(gate: Arc<Gate>) -> Result<Attached> {
         let (slot, token) = gate.claim(std::process::id() as i32, own_start()?).ok_or_else(|| {
             Error::backend(format!("the peer's transfer gate has no free initiator slot ({INIT_SLOTS} in use)"))
         })?;
@@ -574,7 +567,6 @@ impl Drop for Inside<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
 
     #[test]
     fn placed_at_random_in_the_reserved_range() {

@@ -45,18 +45,6 @@ impl LiveCfg {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Health {
-    Up,
-    /// Down since `since`; a new connection may be tried from `retry_at`.
-    Down {
-        since: u64,
-        retry_at: u64,
-    },
-    /// For good.
-    Gone,
-}
-
 /// What happened to the peer, as a route saw it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Signal {
@@ -94,7 +82,7 @@ pub struct Liveness {
     cfg: LiveCfg,
     /// May it come back after a failure (else the first one is final)?
     recover: bool,
-    health: Health,
+    health: Verdict,
     next_ping: Option<u64>,
     /// When the first ping since the last sign of life left (see `tick`).
     asked: Option<u64>,
@@ -103,27 +91,18 @@ pub struct Liveness {
 
 impl Liveness {
     pub fn new(cfg: LiveCfg, recover: bool) -> Liveness {
-        Liveness { cfg, recover, health: Health::Up, next_ping: None, asked: None, backoff: cfg.backoff_min }
-    }
-
-    #[cfg(test)]
-    pub fn health(&self) -> Health {
-        self.health
+        Liveness { cfg, recover, health: Verdict::Up, next_ping: None, asked: None, backoff: cfg.backoff_min }
     }
 
     pub fn verdict(&self) -> Verdict {
-        match self.health {
-            Health::Up => Verdict::Up,
-            Health::Down { retry_at, .. } => Verdict::DownUntil(retry_at),
-            Health::Gone => Verdict::Gone,
-        }
+        self.health
     }
 
     /// Heartbeats: `inflight` requests are running and the last sign of life came at `last_rx`. Down after
     /// `silence` without one, and never before the peer had half of it to answer a ping that actually left: a
     /// caller starved of CPU (its pings late) does not take its own delay for the peer's silence.
     pub fn tick(&mut self, now: u64, inflight: usize, last_rx: u64) -> Tick {
-        if self.health != Health::Up || inflight == 0 {
+        if self.health != Verdict::Up || inflight == 0 {
             self.next_ping = None;
             self.asked = None;
             return Tick::default();
@@ -140,7 +119,7 @@ impl Liveness {
         let answer_by = self.asked.map_or(0, |a| a.saturating_add(self.cfg.silence / 2));
         let deadline = last_rx.saturating_add(self.cfg.silence).max(answer_by);
         if now >= deadline {
-            self.went_down(now, false);
+            self.went_down(now);
             return Tick { down: true, ..Tick::default() };
         }
         let soonest = deadline.min(self.next_ping.unwrap_or(deadline));
@@ -150,22 +129,18 @@ impl Liveness {
     /// Take in what happened at `now`. Returns true when the peer is up afterwards for a `Handshake` (false:
     /// too late, it is gone), and for the other signals when this is news (the peer was up).
     pub fn feed(&mut self, now: u64, s: Signal) -> bool {
-        let was_up = self.health == Health::Up;
+        let was_up = self.health == Verdict::Up;
         match (s, self.health) {
-            (_, Health::Gone) => return false,
+            (_, Verdict::Gone) => return false,
             (Signal::Handshake, _) => {
-                self.health = Health::Up;
+                self.health = Verdict::Up;
                 self.backoff = self.cfg.backoff_min;
                 return true;
             }
             (Signal::Gone | Signal::DialFailed { proven: true }, _) => self.give_up(),
-            (Signal::Broken | Signal::DialFailed { .. }, Health::Up) => self.went_down(now, false),
-            (Signal::Broken, Health::Down { .. }) => {}
-            (Signal::DialFailed { .. }, Health::Down { since, .. }) => {
-                let retry_at = now.saturating_add(self.backoff);
-                self.backoff = (self.backoff.saturating_mul(2)).min(self.cfg.backoff_max);
-                self.health = Health::Down { since, retry_at };
-            }
+            (Signal::Broken | Signal::DialFailed { .. }, Verdict::Up) => self.went_down(now),
+            (Signal::Broken, Verdict::DownUntil(_)) => {}
+            (Signal::DialFailed { .. }, Verdict::DownUntil(_)) => self.back_off(now),
         }
         was_up
     }
@@ -180,21 +155,25 @@ impl Liveness {
         }
     }
 
-    fn went_down(&mut self, now: u64, proven: bool) {
+    fn went_down(&mut self, now: u64) {
         self.next_ping = None;
         self.asked = None;
-        if proven || !self.recover {
+        if !self.recover {
             return self.give_up();
         }
-        let retry_at = now.saturating_add(self.backoff);
+        self.back_off(now);
+    }
+
+    /// Down until the back-off from `now` is over; the next one twice as long.
+    fn back_off(&mut self, now: u64) {
+        self.health = Verdict::DownUntil(now.saturating_add(self.backoff));
         self.backoff = (self.backoff.saturating_mul(2)).min(self.cfg.backoff_max);
-        self.health = Health::Down { since: now, retry_at };
     }
 
     fn give_up(&mut self) {
         self.next_ping = None;
         self.asked = None;
-        self.health = Health::Gone;
+        self.health = Verdict::Gone;
     }
 }
 
@@ -413,7 +392,7 @@ mod tests {
         for t in [0, 10 * MS, 100_000 * MS] {
             assert_eq!(l.tick(t, 0, 0), Tick::default());
         }
-        assert_eq!(l.health(), Health::Up);
+        assert_eq!(l.verdict(), Verdict::Up);
     }
 
     #[test]
@@ -445,7 +424,7 @@ mod tests {
             assert!(t.wake_in.unwrap() <= 750 * MS);
         }
         assert_eq!(at, Some(2750 * MS));
-        assert!(matches!(l.health(), Health::Down { .. }));
+        assert!(matches!(l.verdict(), Verdict::DownUntil(_)));
         // Down: no more timers and no second "down".
         assert_eq!(l.tick(3000 * MS, 1, last), Tick::default());
     }
@@ -502,7 +481,7 @@ mod tests {
         assert!(!l.may_dial(7299 * MS) && l.may_dial(7300 * MS));
         // Reachable again: up, and the back-off starts over.
         assert!(l.feed(0, Signal::Handshake));
-        assert_eq!(l.health(), Health::Up);
+        assert_eq!(l.verdict(), Verdict::Up);
         assert!(l.feed(8000 * MS, Signal::Broken));
         assert!(l.may_dial(9000 * MS));
     }
@@ -516,7 +495,7 @@ mod tests {
             now += 100_000 * MS;
             l.feed(now, Signal::DialFailed { proven: false });
         }
-        let Health::Down { retry_at, .. } = l.health() else { panic!() };
+        let Verdict::DownUntil(retry_at) = l.verdict() else { panic!() };
         assert_eq!(retry_at - now, 16_000 * MS);
     }
 

@@ -16,15 +16,9 @@
 //! Same-host routes copy batch by batch, each batch inside the target incarnation's gate (see `gate`): the
 //! target's live flag and registrations decide, and deregistration and destruction wait for batches inside.
 //!
-//! VRAM (requests with either side in GPU memory) goes through `vram`, over the device layer
-//! (`crate::device`): device copies in this process, CUDA IPC handles carried in metadata to another
-//! process, every batch of device copies behind the same gate as cross-memory attach, with the same
-//! per-call identity probe of the target's gate page.
-//!
-//! VRAM to a peer reached over TCP goes through `route::tcp::vram` instead: page-locked staging on both sides, the
-//! target serving its VRAM registrations under the same leases as DRAM ones. To a peer reached over RDMA it goes
-//! as DRAM does (GPU-direct) where the NICs reach every region of the request (dma-buf or peer memory, chosen
-//! per region at registration, see `exports`), else staged over the peer's TCP link.
+//! VRAM (either side in GPU memory) goes the way its peer's route says (`route::Route::vram`): on this host
+//! through `vram` (device copies, CUDA IPC handles, behind the same gate); over TCP staged (`route::tcp::vram`);
+//! over RDMA as DRAM does where the NICs reach every region, else staged over the TCP link.
 //!
 //! Small requests complete inline in `post`; large ones are split across a few copy threads (or, over TCP,
 //! across the peer's data connections).
@@ -211,13 +205,7 @@ impl Backend for Engine {
     }
 
     fn gen_notif(&self, target: &Target, msg: &[u8]) -> Result<()> {
-        if msg.len() > notif::MAX_NOTIF {
-            return Err(Error::invalid_param(format!(
-                "notification of {} bytes exceeds the {}-byte limit",
-                msg.len(),
-                notif::MAX_NOTIF
-            )));
-        }
+        notif::check(msg)?;
         match target {
             Target::Local => {
                 self.shared.queue.lock().push((self.shared.agent.clone(), msg.to_vec()));

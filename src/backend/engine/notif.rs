@@ -8,6 +8,16 @@ use parking_lot::{Mutex, MutexGuard};
 /// Largest notification accepted (a frame's body); NIXL users send msgpack'd block lists of a few MiB.
 pub const MAX_NOTIF: usize = 64 << 20;
 
+/// Refuse a notification over `MAX_NOTIF`.
+pub fn check(msg: &[u8]) -> crate::status::Result<()> {
+    match msg.len() {
+        n if n > MAX_NOTIF => Err(crate::status::Error::invalid_param(format!(
+            "notification of {n} bytes exceeds the {MAX_NOTIF}-byte limit"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// Default bounds of the notification queue: when reached, the local sockets and the TCP control connections are
 /// not read until the application takes notifications, so senders block and then fail (never a silent drop).
 pub const QUEUE_MSGS: usize = 1 << 16;

@@ -45,34 +45,28 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
     // The peer's health: a TCP-only peer recovers from transient failures; a same-host peer's is its
     // process's (pidfd) and its gate's, and its TCP fall-back's first failure is final.
     let health = |recover, exited, gate| Arc::new(PeerHealth::new(s.tcp_opts.live(), recover, exited, gate));
+    let said = |route: &str, why: &str| {
+        format!("agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route {route} ({why})", s.agent)
+    };
+    let peer = |kind, fallback, on_fallback, health| EnginePeer {
+        name: agent.to_owned(),
+        incarnation,
+        kind,
+        fallback,
+        on_fallback: AtomicBool::new(on_fallback),
+        health,
+    };
     // The first network route beside TCP that reaches the peer (`sides::NET`'s order); why not each, for the log.
     let mut not = String::new();
     for (net, side) in s.sides.routes().filter(|_| !addrs.is_empty()) {
         let Some(side) = side else { continue };
         let health = health(true, None, None);
-        let to = Reach {
-            agent,
-            section: ci.route(net.section()),
-            same_host,
-            transport: s.transport,
-            link: &|| link(&health),
-        };
+        let link = || link(&health);
+        let to = Reach { agent, section: ci.route(net.section()), same_host, transport: s.transport, link: &link };
         match net.open(side, &to) {
-            Ok((route, said)) => {
-                crate::telemetry::log::info(&format!(
-                    "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route {} ({said})",
-                    s.agent,
-                    net.name()
-                ));
-                let (kind, on_fallback) = (PeerKind::Net(route), AtomicBool::new(false));
-                return Ok(EnginePeer {
-                    name: agent.to_owned(),
-                    incarnation,
-                    kind,
-                    fallback: None,
-                    on_fallback,
-                    health,
-                });
+            Ok((route, why)) => {
+                crate::telemetry::log::info(&said(net.name(), &why));
+                return Ok(peer(PeerKind::Net(route), None, false, health));
             }
             Err(no) => not += &format!("; not {}: {no}", net.name()),
         }
@@ -83,35 +77,30 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
                 "agent '{agent}' runs on another host but advertises no address reachable from here"
             )));
         }
-        let health = health(true, None, None);
-        let kind = PeerKind::Net(Box::new(Tcp { link: link(&health) }));
-        let on_fallback = AtomicBool::new(false);
         let why = match (same_host, ci.has_local, s.transport) {
             (false, _, _) => "another host, or another pid or network namespace",
             (true, false, _) => "its connection info offers no same-host route",
             (true, true, Transport::Rdma) => "GIXL_TRANSPORT=rdma",
             (true, true, _) => "GIXL_TRANSPORT=tcp",
         };
-        // Say why not each route beside TCP this side runs (never a silent fallback).
-        crate::telemetry::log::info(&format!(
-            "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route tcp ({why}{not})",
-            s.agent
-        ));
-        return Ok(EnginePeer { name: agent.to_owned(), incarnation, kind, fallback: None, on_fallback, health });
+        // With why not each route beside TCP this side runs (never a silent fallback).
+        crate::telemetry::log::info(&said("tcp", &format!("{why}{not}")));
+        let health = health(true, None, None);
+        return Ok(peer(PeerKind::Net(Box::new(Tcp { link: link(&health) })), None, false, health));
     }
     // In process only to an engine that lives here under that incarnation, whatever the connection info
     // says; an incarnation of this process that is not in the registry was destroyed (or never existed).
     let local = registry().lock().get(&incarnation).and_then(Weak::upgrade);
-    // Why the kernel refused the peer's gate (so cross-memory attach): its data goes over TCP.
-    let mut denial = None;
-    let (kind, fallback, health) = if let Some(t) = local {
+    let in_process = |target, gate| PeerKind::InProcess(InProcess { name: agent.to_owned(), target, gate });
+    // `denial`: why the kernel refused the peer's gate (so cross-memory attach): its data goes over TCP.
+    let (kind, fallback, health, denial) = if let Some(t) = local {
         let gate = Some(gate::attach_shared((s.pid, s.start_time, incarnation), || Ok(t.gate.clone()))?);
         let health = health(false, None, gate.clone());
-        (PeerKind::InProcess(InProcess { name: agent.to_owned(), target: Arc::downgrade(&t), gate }), None, health)
+        (in_process(Arc::downgrade(&t), gate), None, health, None)
     } else if ci.pid == s.pid && ci.start_time == s.start_time {
         let health = health(false, None, None);
         health.kill(|| "no agent of that incarnation lives in this process".into());
-        (PeerKind::InProcess(InProcess { name: agent.to_owned(), target: Weak::new(), gate: None }), None, health)
+        (in_process(Weak::new(), None), None, health, None)
     } else {
         let proof = s.prove(ci, incarnation)?;
         let health =
@@ -119,9 +108,8 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
         if proof.is_none() {
             health.kill(|| "it did not prove it runs on this host".into());
         }
-        let denied = proof.as_ref().and_then(|p| p.denied.clone());
-        let tcp = Tcp { link: link(&health) };
-        denial.clone_from(&denied);
+        let denial = proof.as_ref().and_then(|p| p.denied.clone());
+        let tcp: Box<dyn Route> = Box::new(Tcp { link: link(&health) });
         let kind = PeerKind::Cma(Cma {
             name: agent.to_owned(),
             incarnation,
@@ -136,20 +124,14 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
             sender: Mutex::new(None),
             health: health.clone(),
         });
-        (kind, Some(Box::new(tcp) as Box<dyn Route>), health)
+        (kind, Some(tcp), health, denial)
     };
-    let on_fallback = AtomicBool::new(denial.is_some());
-    let peer = EnginePeer { name: agent.to_owned(), incarnation, kind, fallback, on_fallback, health };
+    let peer = peer(kind, fallback, denial.is_some(), health);
     match &denial {
-        None => crate::telemetry::log::info(&format!(
-            "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route {} (same host)",
-            s.agent,
-            peer.label()
-        )),
-        Some(why) => crate::telemetry::log::warn(&format!(
-            "agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route tcp (fall-back: the kernel \
-             denied cross-memory attach: {why}; `python -m gixl doctor` says why)",
-            s.agent
+        None => crate::telemetry::log::info(&said(peer.label(), "same host")),
+        Some(why) => crate::telemetry::log::warn(&said(
+            "tcp",
+            &format!("fall-back: the kernel denied cross-memory attach: {why}; `python -m gixl doctor` says why"),
         )),
     }
     Ok(peer)
@@ -184,10 +166,7 @@ impl EnginePeer {
 
     /// The route requests take now: its first, or the fallback once the router moved it there.
     fn active(&self) -> &dyn Route {
-        match self.fallen_back() {
-            Some(f) => f,
-            None => self.via(),
-        }
+        self.fallen_back().unwrap_or_else(|| self.via())
     }
 
     /// Copy `segs`, one piece of `job`. Where the kernel denies the first route (it checks before moving a
@@ -237,10 +216,7 @@ impl EnginePeer {
 
     /// The route its data takes now, as doctor, the log and telemetry name it.
     pub(super) fn label(&self) -> &'static str {
-        match self.fallen_back() {
-            Some(_) => "tcp-after-cma-denied",
-            None => self.via().label(),
-        }
+        self.fallen_back().map_or_else(|| self.via().label(), |_| "tcp-after-cma-denied")
     }
 
     /// Why it is down, as ` (reason)`, or empty: its route's reason, else its health's (a route that keeps none

@@ -78,10 +78,11 @@ fn setting(init: &BackendInit, param: &str, env: &str) -> Option<String> {
         .or_else(|| std::env::var(env).ok().filter(|v| !v.trim().is_empty()))
 }
 
-fn number<T: std::str::FromStr>(v: Option<String>, what: &str, default: T) -> Result<T> {
-    match v {
+/// The number set as backend parameter `param` or in `env`, else `default`.
+fn number<T: std::str::FromStr>(init: &BackendInit, param: &str, env: &str, default: T) -> Result<T> {
+    match setting(init, param, env) {
         None => Ok(default),
-        Some(v) => v.trim().parse().map_err(|_| Error::invalid_param(format!("{what}: '{v}' is not a valid number"))),
+        Some(v) => v.trim().parse().map_err(|_| Error::invalid_param(format!("{param}: '{v}' is not a valid number"))),
     }
 }
 
@@ -105,13 +106,9 @@ impl Shared {
                 )))
             }
         };
-        let conns = number(setting(&init, "tcp_conns", "GIXL_TCP_CONNS"), "tcp_conns", DEFAULT_TCP_CONNS)?.clamp(1, 64);
-        let ms = number(
-            setting(&init, "disconnect_timeout_ms", "GIXL_DISCONNECT_TIMEOUT_MS"),
-            "disconnect_timeout_ms",
-            DEFAULT_DISCONNECT_MS,
-        )?
-        .clamp(10, 3_600_000);
+        let conns = number(&init, "tcp_conns", "GIXL_TCP_CONNS", DEFAULT_TCP_CONNS)?.clamp(1, 64);
+        let ms = number(&init, "disconnect_timeout_ms", "GIXL_DISCONNECT_TIMEOUT_MS", DEFAULT_DISCONNECT_MS)?;
+        let ms = ms.clamp(10, 3_600_000);
         let tcp_opts = TcpOpts { conns, timeout: Duration::from_millis(ms) };
         let bind = listen::parse_bind(&setting(&init, "tcp_addr", "GIXL_TCP_ADDR").unwrap_or_default())?;
         let secret = crate::util::random_u128();
@@ -122,9 +119,8 @@ impl Shared {
             queue.clone(),
             TcpSetup { bind, opts: tcp_opts, secret, regions: regions.clone() },
         )?;
-        let msgs = number(setting(&init, "notif_queue_msgs", "GIXL_NOTIF_QUEUE_MSGS"), "notif_queue_msgs", QUEUE_MSGS)?;
-        let bytes =
-            number(setting(&init, "notif_queue_bytes", "GIXL_NOTIF_QUEUE_BYTES"), "notif_queue_bytes", QUEUE_BYTES)?;
+        let msgs = number(&init, "notif_queue_msgs", "GIXL_NOTIF_QUEUE_MSGS", QUEUE_MSGS)?;
+        let bytes = number(&init, "notif_queue_bytes", "GIXL_NOTIF_QUEUE_BYTES", QUEUE_BYTES)?;
         queue.set_bounds(msgs.max(1), bytes.max(1));
         let gate = Arc::new(Gate::create(init.incarnation)?);
         let no_pidfd_getfd = setting(&init, "test_fault", "GIXL_TEST_FAULT")
@@ -226,23 +222,18 @@ impl Shared {
             Err(e) if cma_denied(&e) => (None, Some(e.to_string())),
             Err(_) => return Ok(None),
         };
-        let gate = match gate {
-            Some(g) => Some(gate::attach_shared(key, || Ok(Arc::new(g)))?),
-            None => None,
-        };
+        let gate = gate.map(|g| gate::attach_shared(key, || Ok(Arc::new(g)))).transpose()?;
         let exited = Arc::new(AtomicBool::new(false));
         let watch = self.ctrl.watch(pidfd.as_raw_fd(), exited.clone())?;
         let p = Arc::new(Proof { pidfd, watch, exited, gate, denied, owner: Arc::downgrade(self) });
         let mut proofs = self.proofs.lock();
         proofs.retain(|_, w| w.strong_count() > 0);
         // Two loads that proved the same process at once keep the first proof.
-        match proofs.get(&key).and_then(Weak::upgrade).filter(known) {
-            Some(first) => Ok(Some(first)),
-            None => {
-                proofs.insert(key, Arc::downgrade(&p));
-                Ok(Some(p))
-            }
+        if let Some(first) = proofs.get(&key).and_then(Weak::upgrade).filter(known) {
+            return Ok(Some(first));
         }
+        proofs.insert(key, Arc::downgrade(&p));
+        Ok(Some(p))
     }
 
     /// Stop serving peers (same-host ones find the gate closed, TCP ones lose their connections and the region

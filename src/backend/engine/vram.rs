@@ -1,51 +1,24 @@
-//! GPU memory (VRAM) in the engine, over the device layer (`crate::device`).
+//! GPU memory (VRAM) in the engine, over the device layer (`crate::device`), for peers on this host; a peer
+//! reached over the network moves VRAM by its route (`route::Route::vram`: staged over TCP, or GPU-direct).
 //!
-//! Routes, by where the peer is:
-//! - loopback and agents in this process: device copies (D2D, H2D, D2H) between addresses valid here;
-//! - another process on this host, its region in VRAM: the peer exports the allocation (legacy IPC handle,
-//!   or a VMM allocation's POSIX fd that the importer takes with `pidfd_getfd`, or, where the kernel refuses
-//!   that, asks the exporter for over its authenticated control socket, which answers with SCM_RIGHTS; the
-//!   importer checks st_dev/st_ino either way; or a fabric handle, preferred where the allocation and device
-//!   allow it, opened without any descriptor, falling back to the fd where the fabric import fails, see
-//!   `crate::device`; this route stays on one host, as the gate and sentinel it relies on are, so a fabric
-//!   handle's reach across the nodes of an NVLink domain is not used: another host goes over TCP); the
-//!   handle travels in the
-//!   region's metadata; this engine opens it once per remote allocation (shared by every region inside it),
-//!   on first use, and closes it when the last region key holding it goes (remove / invalidate of the peer,
-//!   and the last request built on it released). A region may span several allocations mapped back to back
-//!   (a VMM range, such as PyTorch's expandable segments, maps one physical chunk after another): each chunk
-//!   is exported, carried and opened on its own, and copies are cut where chunks meet (the chunks need not
-//!   be contiguous here). The copy then runs here, in either direction, whatever the
-//!   local memory type (DRAM↔VRAM directly, the driver staging pageable memory itself);
-//! - another process, its region in DRAM and ours in VRAM: cross-memory attach into a page-locked staging
-//!   buffer, and a device copy between the buffer and VRAM (both directions);
-//! - a peer reached over TCP (another host, `GIXL_TRANSPORT=tcp`, or cross-memory attach denied unless its
-//!   VRAM stays reachable by IPC handles, see `router::ipc_despite_denial`): both
-//!   sides stage through page-locked buffers, the TCP target serving its VRAM registrations chunk by chunk
-//!   under the same leases as DRAM (see `route::tcp::vram`; no same-host gate there: the TCP target checks every
-//!   request against its own registrations).
+//! - Loopback and agents in this process: device copies between addresses valid here.
+//! - Another process, its region in VRAM: the peer exports each allocation under the region (a legacy IPC
+//!   handle, a VMM allocation's POSIX fd, taken with `pidfd_getfd` or over its authenticated control socket
+//!   and checked by st_dev/st_ino, or a fabric handle; see `crate::device`), carried in the region's
+//!   metadata; this engine opens each remote allocation once, on first use, shared by every region inside it,
+//!   and closes it with the last region key holding it. Copies are cut where a region's allocations meet (a
+//!   VMM range such as PyTorch's expandable segments). The copy runs here, either way, whatever our memory.
+//! - Another process, its region in DRAM and ours in VRAM: cross-memory attach into a page-locked staging
+//!   buffer and a device copy between the buffer and VRAM.
 //!
-//! The gate is the engine's one transfer gate (`gate`): a VRAM registration takes a region slot there, as a
-//! DRAM one does, and its slot and state travel in the region's metadata. Every batch of device copies into
-//! or out of another process's VRAM (≤ 1023 descriptors, ≤ 16 MiB) is bracketed the same way as a
-//! cross-memory-attach batch: enter the peer's gate (its initiator slot's in-flight count, then the live flag
-//! and the state of every region the request touches), check the peer's identity, run the device copy,
-//! check again, leave (`in_peer_gate`). The identity check is the peer's exit/exec sentinel in its gate
-//! (`sentinel`: a word the kernel flips when that process exits or execs, even in place with ASLR off, before
-//! a new image or a process that takes over the pid runs), one atomic load; for a peer without one, one
-//! 16-byte `process_vm_readv` of its gate that must read back the incarnation id (`copy::probe`). The same
-//! bracket comes before a peer's allocation is opened. An agent of this process is reached inside its gate
-//! without either (no pid to recycle). Because the sentinel needs no ptrace permission, a peer whose gate
-//! and descriptors came over its control socket is reachable this way even where the kernel denies
-//! cross-memory attach (another uid allowed by `GIXL_ALLOW_UIDS`, Yama); its DRAM then goes over TCP. So a handle from another
-//! incarnation, a deregistered region (NOT_FOUND) or a dead, exec'd or restarted peer (REMOTE_DISCONNECT) is
-//! refused before the driver is called, and `deregister_memory` (and agent destruction) returns only once no
-//! batch that passed the gate is still copying, bounded by the disconnect timeout.
-//!
-//! Not here: the gate itself (`gate`), the sentinel (`sentinel`), the probe (`copy::probe`), descriptor
-//! passing (`take_peer_fd`, `ctrl::request_fd`) and the driver (`crate::device`). Where the kernel denies
-//! cross-memory attach, a peer without a sentinel (nothing else can check its identity) and a peer's DRAM
-//! (the staged route) are NOT_SUPPORTED here.
+//! Every batch of device copies into or out of another process's VRAM is bracketed as a cross-memory-attach
+//! batch is (`in_peer_gate`): enter the peer's gate (`gate`), check its identity (the exit/exec sentinel in
+//! its gate, one load; else the 16-byte probe, `copy::probe`), copy, check again, leave; so is opening a
+//! peer's allocation. The sentinel needs no ptrace permission, so a peer whose gate and descriptors came
+//! over its control socket stays reachable where the kernel denies cross-memory attach (its DRAM then goes
+//! over TCP: `router::ipc_despite_denial`). A handle of another incarnation, a deregistered region
+//! (NOT_FOUND) or a dead, exec'd or restarted peer (REMOTE_DISCONNECT) is refused before the driver is
+//! called, and deregistration returns only once no batch that passed the gate is still copying.
 
 use std::os::fd::AsFd;
 use std::sync::atomic::Ordering;
@@ -53,6 +26,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use super::conn;
 use super::copy::{self, cma_denied};
 use super::exports::Registered;
 use super::peer::{downcast, EnginePeer, PeerKind};
@@ -73,19 +47,8 @@ use crate::status::{Error, Result, Status};
 /// Staging buffer for DRAM (remote, over CMA) ↔ VRAM (local) copies.
 const STAGE: u64 = 8 << 20;
 
-/// How a request reaches the remote side.
-enum Far {
-    /// This agent's own regions: addresses valid here, resolved by the agent against its registrations.
-    Loopback,
-    /// Another agent in this process: addresses valid here, copies inside its gate.
-    InProcess,
-    /// Another process: copies through its opened allocations, inside its gate, after the probe.
-    Process,
-}
-
 /// What `prep` resolved, kept with the request.
 pub(super) struct VramPlan {
-    far: Far,
     /// Per remote region index: where it is here, and the opened allocation it lies in.
     regions: Vec<Option<RegionUse>>,
     /// The peer's VRAM regions this request touches, as its gate checks them.
@@ -94,7 +57,6 @@ pub(super) struct VramPlan {
     dev: u32,
     device: &'static dyn Device,
     remote_is_vram: bool,
-    local_is_vram: bool,
 }
 
 /// Where a remote region is in this process: at the same addresses (this process), or per chunk opened
@@ -198,18 +160,18 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
             return Err(Error::not_supported(format!("this engine does not move {}", m.seg_name())));
         }
     }
-    let local_is_vram = plan.local_mem == MemType::Vram;
     let remote_is_vram = plan.remote_mem == MemType::Vram;
     let local_dev = plan.local_keys.iter().flatten().find_map(Registered::vram_dev);
     let peer = match &plan.target {
         Target::Local => None,
         Target::Remote(p) => Some(downcast(p)?),
     };
-    let far = match peer.map(|p| (p, &p.kind)) {
-        None => Far::Loopback,
+    // Another process (else addresses are valid here: loopback, or an agent of this process).
+    let process = match peer.map(|p| (p, &p.kind)) {
+        None => false,
         Some((ep, PeerKind::InProcess(InProcess { target, .. }))) => {
             target.upgrade().ok_or_else(|| Error::disconnected(format!("agent '{}' has been destroyed", ep.name)))?;
-            Far::InProcess
+            false
         }
         Some((ep, PeerKind::Cma(Cma { proof, gate, .. }))) => {
             // The engine sends a denied peer's requests over TCP unless this says they can stay here (see
@@ -226,7 +188,7 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
             if proof.is_none() || gate.is_none() {
                 return Err(Error::disconnected(format!("agent '{}' is not reachable as a local process", ep.name)));
             }
-            Far::Process
+            true
         }
         // The engine hands these to `route::tcp::vram` before this.
         Some((ep, PeerKind::Net(_))) => {
@@ -240,10 +202,10 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
         .find_map(|k| k.downcast_ref::<RemoteVram>().map(|r| r.dev).or(Registered::vram_dev(k)));
     // The device whose context runs the copies: the local region's, else (this process) the remote one's,
     // else device 0 (a peer's allocation opened here from DRAM).
-    let dev = match (&far, local_dev) {
-        (_, Some(d)) => d,
-        (Far::Loopback | Far::InProcess, None) => remote_dev.unwrap_or(0),
-        (Far::Process, None) => 0,
+    let dev = match local_dev {
+        Some(d) => d,
+        None if process => 0,
+        None => remote_dev.unwrap_or(0),
     };
     let used: std::collections::BTreeSet<u32> = plan.segs.iter().map(|s| s.rreg).collect();
     let mut regions = Vec::with_capacity(plan.remote_keys.len());
@@ -255,8 +217,8 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
             Some(RegionUse::SAME)
         } else if let Some(r) = k.and_then(|k| k.downcast_ref::<RemoteVram>()) {
             gated.push(r.gated());
-            match (&far, peer) {
-                (Far::Process, Some(ep)) => {
+            match peer.filter(|_| process) {
+                Some(ep) => {
                     let PeerKind::Cma(Cma { proof: Some(proof), sock, secret, pid, .. }) = &ep.kind else {
                         return Err(Error::backend("peer without a pidfd"));
                     };
@@ -280,7 +242,7 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
                     })?;
                     Some(RegionUse { chunks })
                 }
-                (Far::Loopback | Far::InProcess, _) | (Far::Process, None) => Some(RegionUse::SAME),
+                None => Some(RegionUse::SAME),
             }
         } else {
             // A DRAM region on the far side: nothing to open (another process: staged through CMA).
@@ -288,7 +250,7 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
         };
         regions.push(u);
     }
-    Ok(VramPlan { far, regions, gated, dev, device, remote_is_vram, local_is_vram })
+    Ok(VramPlan { regions, gated, dev, device, remote_is_vram })
 }
 
 impl Mover for VramPlan {
@@ -297,8 +259,7 @@ impl Mover for VramPlan {
         if run.abort.load(Ordering::Relaxed) {
             return Err(Error::new(Status::Canceled, "transfer stopped"));
         }
-        let direct = !matches!(self.far, Far::Process) || self.remote_is_vram;
-        if !direct {
+        if matches!(core.peer().map(|p| &p.kind), Some(PeerKind::Cma(_))) && !self.remote_is_vram {
             return self.staged(core, segs, run);
         }
         let op = core.plan.op;
@@ -326,21 +287,19 @@ impl Mover for VramPlan {
             if run.abort.load(Ordering::Relaxed) {
                 return Err(Error::new(Status::Canceled, "transfer stopped"));
             }
-            match (&self.far, &p.kind) {
-                (Far::InProcess, PeerKind::InProcess(InProcess { gate, .. })) => {
+            match &p.kind {
+                PeerKind::InProcess(InProcess { gate, .. }) => {
                     let gate = gate.as_ref().ok_or_else(|| Error::disconnected("the peer agent has been destroyed"))?;
                     let _inside = if self.remote_is_vram {
                         gate.enter(self.gated.iter().copied()).map_err(refused)?
                     } else {
-                        gate.enter(core.gate_regions())?
+                        gate.enter(conn::gate_regions(&core.plan.remote_keys))?
                     };
                     self.device.copy(self.dev, &copies(b))
                 }
-                (Far::Process, _) => in_peer_gate(p, &self.gated, || self.device.copy(self.dev, &copies(b))),
-                // `prep` makes `Far::InProcess` for in-process peers only, and loopback has no peer.
-                (Far::InProcess, PeerKind::Cma(_) | PeerKind::Net(_)) | (Far::Loopback, _) => {
-                    Err(Error::backend("unreachable route"))
-                }
+                PeerKind::Cma(_) => in_peer_gate(p, &self.gated, || self.device.copy(self.dev, &copies(b))),
+                // `prep` refuses network peers.
+                PeerKind::Net(_) => Err(Error::backend("unreachable route")),
             }
         })
     }
@@ -350,7 +309,6 @@ impl VramPlan {
     /// Local VRAM, remote DRAM in another process: stage through a page-locked buffer.
     fn staged(&self, core: &Core, segs: &[Seg], run: &Run) -> Result<()> {
         let op = core.plan.op;
-        debug_assert!(self.local_is_vram);
         let peer = core.peer().ok_or_else(|| Error::backend("unreachable route"))?;
         let PeerKind::Cma(cma @ Cma { gate: Some(_), .. }) = &peer.kind else {
             return Err(Error::not_supported(format!(

@@ -76,16 +76,9 @@ impl Vram {
         let mut exports = self.exports.lock();
         // Export every chunk (or count one more region on an existing export); undone on failure.
         let mut done: Vec<u64> = Vec::with_capacity(chunks.len());
-        let undo = |exports: &mut HashMap<u64, Exported>, done: &[u64]| Self::release(ctrl, exports, done);
         for c in &chunks {
             if !exports.contains_key(&c.base) {
-                let export = match dev.export(c) {
-                    Ok(x) => x,
-                    Err(e) => {
-                        undo(&mut exports, &done);
-                        return Err(e);
-                    }
-                };
+                let export = dev.export(c).inspect_err(|_| Self::release(ctrl, &mut exports, &done))?;
                 // Peers that may not take it with `pidfd_getfd` ask for it over the control socket.
                 if let Some(k) = &export.keep {
                     ctrl.offer_fd(k.as_raw_fd());
@@ -97,13 +90,7 @@ impl Vram {
             }
             done.push(c.base);
         }
-        let ticket = match gate.register(d.addr, d.len) {
-            Ok(t) => t,
-            Err(err) => {
-                undo(&mut exports, &done);
-                return Err(err);
-            }
-        };
+        let ticket = gate.register(d.addr, d.len).inspect_err(|_| Self::release(ctrl, &mut exports, &done))?;
         let mut public = vec![PUBLIC_VERSION];
         put_uvar(&mut public, chunks[0].dev as u64);
         put_uvar(&mut public, ticket.slot as u64);

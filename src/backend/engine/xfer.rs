@@ -9,11 +9,11 @@ use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
 
+use super::copy;
 use super::peer::EnginePeer;
 use super::route::tcp::link::TcpLink;
 use super::route::{Job, Prepared};
 use super::shared::Shared;
-use super::{conn, copy};
 use crate::backend::{BackendXfer, Peer, Seg, Target, XferPlan};
 use crate::status::{Error, Result, Status};
 
@@ -82,11 +82,6 @@ impl Core {
         }
     }
 
-    /// The remote regions this request may touch, as (gate slot, state, address, length).
-    pub(super) fn gate_regions(&self) -> impl Iterator<Item = (u32, u64, u64, u64)> + Clone + '_ {
-        conn::gate_regions(&self.plan.remote_keys)
-    }
-
     /// Copy `segs` by whichever route this request takes (see `route`).
     fn copy(&self, segs: &[Seg], run: &Run) -> Result<()> {
         if self.shared.panic_copies {
@@ -141,10 +136,7 @@ impl Core {
             }
         }
         *run.done_at.lock() = Some(Instant::now());
-        let state = match &*run.err.lock() {
-            None => Status::Success,
-            Some((s, _)) => *s,
-        };
+        let state = run.err.lock().as_ref().map_or(Status::Success, |e| e.0);
         if let Some(link) = self.tcp_link() {
             link.end();
         }

@@ -43,11 +43,6 @@ pub(crate) struct Cma {
 }
 
 impl Cma {
-    /// This name is gone for good (its incarnation proven gone), or its process exited.
-    pub(crate) fn gone(&self) -> bool {
-        self.health.gone()
-    }
-
     /// Cross-memory attach of `segs`, batch by batch, each inside the peer's gate; a batch that finds the
     /// incarnation gone marks this name dead.
     ///
@@ -58,7 +53,7 @@ impl Cma {
             self.gate.as_ref().ok_or_else(|| Error::disconnected(format!("agent '{}' is not reachable", self.name)))?;
         let mut gone = false;
         let r = copy::for_batches(segs, copy::BATCH_SEGS, copy::BATCH_BYTES, &mut |b| {
-            if job.abort.load(Ordering::Relaxed) || self.gone() {
+            if job.abort.load(Ordering::Relaxed) || self.health.gone() {
                 return Err(Error::new(Status::Canceled, "transfer stopped"));
             }
             // Identity is checked inside the call itself: its first iovec is the incarnation's gate (see
@@ -120,7 +115,7 @@ impl Route for Cma {
         self.sender.lock().take();
     }
     fn notify(&self, from: &str, msg: &[u8]) -> Result<()> {
-        if self.gone() {
+        if self.health.gone() {
             return Err(Error::disconnected(format!("agent '{}' has exited", self.name)));
         }
         let mut s = self.sender(from)?;
@@ -144,7 +139,7 @@ impl Route for Cma {
         // SAFETY: local ranges were resolved against this agent's registrations.
         let r = unsafe { self.batches(job, segs) };
         // Denied by the kernel (nothing was copied: it checks permission first): the router's to handle.
-        if r.as_ref().is_err_and(|e| !cma_denied(e)) && self.gone() {
+        if r.as_ref().is_err_and(|e| !cma_denied(e)) && self.health.gone() {
             return Err(Error::disconnected(format!("agent '{}' exited during the transfer", self.name)));
         }
         r
