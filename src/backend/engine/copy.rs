@@ -27,14 +27,8 @@ pub fn for_batches(
     let mut i = 0;
     while i < segs.len() {
         if segs[i].len > max_bytes {
-            let mut s = segs[i];
-            while s.len > 0 {
-                let mut piece = s;
-                piece.len = s.len.min(max_bytes);
-                f(std::slice::from_ref(&piece))?;
-                s.local += piece.len;
-                s.remote += piece.len;
-                s.len -= piece.len;
+            for piece in chunks(&segs[i..=i], max_bytes) {
+                f(&piece)?;
             }
             i += 1;
             continue;
@@ -108,7 +102,6 @@ pub unsafe fn cma_batch(
         (XferOp::Read, sentinel::Word::Alive(v)) => Some((sentinel, v)),
         _ => None,
     };
-    // The iovec arrays are this thread's, reused across batches.
     IOVS.with(|v| {
         let (local, remote) = &mut *v.borrow_mut();
         let want: usize = segs.iter().map(|s| s.len as usize).sum();
@@ -125,15 +118,10 @@ pub unsafe fn cma_batch(
         };
         let probing = watch.is_none();
         let expect = probe.incarnation.to_le_bytes();
-        let mut canary = [0u8; super::gate::PROBE_BYTES];
-        let probe_off = match op {
-            XferOp::Read => super::gate::OFF_INCARNATION,
-            XferOp::Write => super::gate::OFF_PROBE,
+        let (probe_off, mut canary) = match op {
+            XferOp::Read => (super::gate::OFF_INCARNATION, [0u8; super::gate::PROBE_BYTES]),
+            XferOp::Write => (super::gate::OFF_PROBE, expect),
         };
-        if op == XferOp::Write {
-            canary = expect;
-        }
-        let iov = |a: u64, l: u64| libc::iovec { iov_base: a as usize as *mut libc::c_void, iov_len: l as usize };
         let mut done = 0usize;
         while done < want {
             local.clear();
@@ -174,16 +162,11 @@ pub unsafe fn cma_batch(
                 return Err(cma_error(pid, op, e, gone));
             }
             same_image(gone)?;
-            let n = n as usize;
             let head = if probing { canary.len() } else { 0 };
-            if n < head || (probing && op == XferOp::Read && canary != expect) {
-                *gone = true;
-                return Err(Error::disconnected(format!(
-                    "process {pid} no longer holds the agent incarnation {:032x}",
-                    probe.incarnation
-                )));
+            if (n as usize) < head || (probing && op == XferOp::Read && canary != expect) {
+                return Err(incarnation_gone(pid, probe, gone));
             }
-            let data = n - head;
+            let data = n as usize - head;
             if data == 0 {
                 return Err(descriptor_fault(pid, op, local, remote, head.min(1)));
             }
@@ -207,13 +190,17 @@ fn incarnation_gone(pid: i32, probe: &Probe, gone: &mut bool) -> Error {
 /// A descriptor's memory is not mapped (local, or remote in the same image): the request fails, the peer
 /// stays usable. `first` is the index of the first data iovec.
 fn descriptor_fault(pid: i32, op: XferOp, local: &[libc::iovec], remote: &[libc::iovec], first: usize) -> Error {
-    let (l, r) = (local.get(first).map(|v| v.iov_base as u64), remote.get(first).map(|v| v.iov_base as u64));
+    let at = |v: &[libc::iovec]| v.get(first).map_or(0, |v| v.iov_base as u64);
     Error::backend(format!(
         "{}: a descriptor faulted (local {:#x}, remote {:#x} in process {pid}): its memory is not mapped",
         call_name(op),
-        l.unwrap_or(0),
-        r.unwrap_or(0)
+        at(local),
+        at(remote)
     ))
+}
+
+fn iov(addr: u64, len: u64) -> libc::iovec {
+    libc::iovec { iov_base: addr as usize as *mut libc::c_void, iov_len: len as usize }
 }
 
 /// Check, with one 16-byte `process_vm_readv` of the target's gate, that `pid` is still the process that
@@ -223,66 +210,52 @@ fn descriptor_fault(pid: i32, op: XferOp, local: &[libc::iovec], remote: &[libc:
 /// Errors as `cma_batch` (`gone` set for REMOTE_DISCONNECT; EPERM/ENOSYS keep their `io::Error` source).
 pub fn probe(pid: i32, probe: &Probe, gone: &mut bool) -> Result<()> {
     let mut got = [0u8; super::gate::PROBE_BYTES];
-    let local = libc::iovec { iov_base: got.as_mut_ptr().cast(), iov_len: got.len() };
-    let remote = libc::iovec {
-        iov_base: (probe.addr + super::gate::OFF_INCARNATION as u64) as usize as *mut libc::c_void,
-        iov_len: got.len(),
-    };
-    loop {
+    let local = iov(got.as_mut_ptr() as u64, got.len() as u64);
+    let remote = iov(probe.addr + super::gate::OFF_INCARNATION as u64, got.len() as u64);
+    let n = loop {
         // SAFETY: the local iovec is our own stack buffer; the kernel checks the remote one.
         let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(cma_error(pid, XferOp::Read, e, gone));
+        match (n < 0).then(io::Error::last_os_error) {
+            Some(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Some(e) => return Err(cma_error(pid, XferOp::Read, e, gone)),
+            None => break n as usize,
         }
-        if n as usize != got.len() || got != probe.incarnation.to_le_bytes() {
-            return Err(incarnation_gone(pid, probe, gone));
-        }
-        return Ok(());
+    };
+    if n != got.len() || got != probe.incarnation.to_le_bytes() {
+        return Err(incarnation_gone(pid, probe, gone));
     }
+    Ok(())
 }
 
 fn call_name(op: XferOp) -> &'static str {
-    if op == XferOp::Read {
-        "process_vm_readv"
-    } else {
-        "process_vm_writev"
+    match op {
+        XferOp::Read => "process_vm_readv",
+        XferOp::Write => "process_vm_writev",
     }
 }
 
 fn cma_error(pid: i32, op: XferOp, e: io::Error, gone: &mut bool) -> Error {
     let call = call_name(op);
-    match e.raw_os_error() {
-        Some(libc::ESRCH) => {
-            *gone = true;
-            Error::os(Status::RemoteDisconnect, format!("peer process {pid} has exited ({call})"), e)
-        }
-        Some(libc::EPERM) | Some(libc::ENOSYS) => Error::os(
+    let (status, msg) = match e.raw_os_error() {
+        Some(libc::ESRCH) => (Status::RemoteDisconnect, format!("peer process {pid} has exited ({call})")),
+        Some(libc::EPERM) | Some(libc::ENOSYS) => (
             Status::Backend,
             format!(
                 "the kernel denied cross-memory attach to pid {pid} ({call}); same-host transfers need ptrace \
                  permission between the processes (same user, and Yama ptrace_scope ≤ 1 or CAP_SYS_PTRACE; \
                  containers may block it with seccomp)"
             ),
-            e,
         ),
         // Nothing moved and the first remote element (the gate) faulted: this address space does not hold
         // the incarnation (exec'd image, other process).
-        Some(libc::EFAULT) => {
-            *gone = true;
-            Error::os(
-                Status::RemoteDisconnect,
-                format!(
-                    "{call}: process {pid} no longer maps the agent's transfer gate (it exec'd or is another process)"
-                ),
-                e,
-            )
-        }
-        _ => Error::os(Status::Backend, format!("{call} to pid {pid} failed"), e),
-    }
+        Some(libc::EFAULT) => (
+            Status::RemoteDisconnect,
+            format!("{call}: process {pid} no longer maps the agent's transfer gate (it exec'd or is another process)"),
+        ),
+        _ => (Status::Backend, format!("{call} to pid {pid} failed")),
+    };
+    *gone |= status == Status::RemoteDisconnect;
+    Error::os(status, msg, e)
 }
 
 /// Cut `segs` into chunks of at most `cap` bytes, splitting segments where needed.
@@ -297,10 +270,8 @@ pub(super) fn chunks(segs: &[Seg], cap: u64) -> Vec<Vec<Seg>> {
                 room = cap;
             }
             let take = s.len.min(room);
-            let mut piece = s;
-            piece.len = take;
             if let Some(c) = out.last_mut() {
-                c.push(piece);
+                c.push(Seg { len: take, ..s });
             }
             s.local += take;
             s.remote += take;

@@ -24,7 +24,7 @@ use crate::os::sock::{epoll_add, epoll_del};
 use crate::os::{self, Reactor, Tokens};
 use crate::status::{Error, Result, Status};
 
-// Frames on the local socket: `length u32 | kind u8 | body` (length counts kind + body).
+// Frame kinds on the local socket (see `Frame`).
 /// Client → server, first: `target incarnation u128 | sender incarnation u128 | nonce [16] | tag u64 | name`,
 /// the tag keyed by the target's engine secret over a nonce the sender draws fresh for the connection.
 /// (Not a server challenge as on TCP: a stopped or busy target must still take notifications into its
@@ -149,9 +149,8 @@ impl Ctrl {
             parked: std::collections::VecDeque::new(),
             stall: LOCAL_STALL,
         });
-        let tcp = TcpProgress::new(setup, incarnation, queue.clone(), reactor.clone())?;
-        let tcp_shared = tcp.shared.clone();
-
+        let tcp_progress = TcpProgress::new(setup, incarnation, queue.clone(), reactor.clone())?;
+        let tcp = tcp_progress.shared.clone();
         let c = Arc::new(Common {
             reactor,
             tokens,
@@ -162,19 +161,12 @@ impl Ctrl {
             paused: AtomicBool::new(false),
             last_poll: AtomicU64::new(0),
         });
-        let mut progress = Progress { c: c.clone(), rearm_at: None, tcp, reserving, swept: 0 };
+        let mut progress = Progress { c: c.clone(), rearm_at: None, tcp: tcp_progress, reserving, swept: 0 };
         let thread = std::thread::Builder::new()
             .name("gixl-progress".into())
             .spawn(move || progress.run())
             .map_err(|e| Error::os(Status::Backend, "spawning the progress thread", e))?;
-        Ok(Ctrl {
-            sock_name,
-            tcp: tcp_shared,
-            c,
-            next_watch: AtomicU64::new(0),
-            thread: Mutex::new(Some(thread)),
-            offered,
-        })
+        Ok(Ctrl { sock_name, tcp, c, next_watch: AtomicU64::new(0), thread: Mutex::new(Some(thread)), offered })
     }
 
     /// Let authenticated peers ask for descriptor `fd` (see [`request_fd`]). The caller keeps it open until
@@ -225,10 +217,8 @@ impl Ctrl {
         self.tcp.close();
         self.c.stop.store(true, Ordering::Release);
         self.c.reactor.wake();
-        if let Some(t) = self.thread.lock().take() {
-            if t.thread().id() != std::thread::current().id() {
-                let _ = t.join();
-            }
+        if let Some(t) = self.thread.lock().take().filter(|t| t.thread().id() != std::thread::current().id()) {
+            let _ = t.join();
         }
     }
 }
@@ -245,8 +235,8 @@ pub struct Sender {
 }
 
 impl Sender {
-    /// Connect, answer the peer's challenge with a tag keyed by its `secret` (from its metadata), and wait
-    /// for its acceptance. The connection then speaks only for `from` / `from_incarnation`.
+    /// Connect, send a hello tagged with the peer's `secret` (from its metadata), and wait for its
+    /// acceptance. The connection then speaks only for `from` / `from_incarnation`.
     pub fn connect(
         sock_name: &[u8],
         target_incarnation: u128,
@@ -256,33 +246,22 @@ impl Sender {
     ) -> Result<Sender> {
         let stream = crate::util::connect_abstract(sock_name, CONNECT_WAIT)
             .map_err(|e| Error::os(Status::RemoteDisconnect, "connecting to the peer's notification socket", e))?;
-        let opt = |e| Error::os(Status::Backend, "socket option", e);
-        stream.set_write_timeout(Some(SEND_TIMEOUT)).map_err(opt)?;
+        stream
+            .set_write_timeout(Some(SEND_TIMEOUT))
+            .and_then(|_| stream.set_read_timeout(Some(ACK_WAIT)))
+            .map_err(|e| Error::os(Status::Backend, "socket option", e))?;
         let mut s = Sender { stream };
         let nonce = crate::util::random_u128().to_le_bytes();
-        let tag = crate::auth::hello_tag(
-            secret,
-            TAG_KIND_LOCAL,
-            target_incarnation,
-            &nonce,
-            &tagged_name(from, from_incarnation),
-        );
-        let hello = hello_body(target_incarnation, from_incarnation, &nonce, tag, from);
-        s.stream.set_read_timeout(Some(ACK_WAIT)).map_err(opt)?;
-        if let Err(e) = s.send(KIND_HELLO, &hello) {
-            // Refused at once (another uid): the reason is waiting to be read.
-            return Err(match s.reply() {
-                Ok((KIND_REFUSE, why)) => refused(&why),
-                _ => e,
-            });
-        }
-        match s.reply() {
-            Ok((KIND_ACK, _)) => Ok(s),
-            Ok((KIND_REFUSE, why)) => Err(refused(&why)),
-            Ok(_) => Err(Error::backend("the peer's notification socket answered the hello with garbage")),
+        let sent = s.send(KIND_HELLO, &hello_body(secret, target_incarnation, from_incarnation, &nonce, from));
+        // A failed send was refused at once (another uid): the reason is waiting to be read.
+        match (s.reply(), sent) {
+            (Ok((KIND_REFUSE, why)), _) => Err(refused(&why)),
+            (_, Err(e)) => Err(e),
+            (Ok((KIND_ACK, _)), _) => Ok(s),
+            (Ok(_), _) => Err(Error::backend("the peer's notification socket answered the hello with garbage")),
             // No verdict yet: the target is stopped or busy; the hello waits in its socket.
-            Err(e) if e.status() == Status::Backend => Ok(s),
-            Err(e) => Err(e),
+            (Err(e), _) if e.status() == Status::Backend => Ok(s),
+            (Err(e), _) => Err(e),
         }
     }
 
@@ -311,12 +290,11 @@ impl Sender {
     }
 
     fn send(&mut self, kind: u8, body: &[u8]) -> Result<()> {
-        let head = frame_head(kind, body.len());
         // One write (one wake-up of the reader) for the usual small message.
         let r = if body.len() <= 64 * 1024 {
             self.stream.write_all(&framed(kind, body))
         } else {
-            self.stream.write_all(&head).and_then(|_| self.stream.write_all(body))
+            self.stream.write_all(&frame_head(kind, body.len())).and_then(|_| self.stream.write_all(body))
         };
         r.map_err(|e| match e.kind() {
             // The receiver stopped reading: its queue is full (the application does not take notifications)
@@ -393,7 +371,6 @@ struct Inbox {
     queue: Arc<NotifQueue>,
     /// (messages, bytes) in the queue, as of the current `drain`.
     queued: (usize, usize),
-    /// Descriptors an authenticated peer may ask for.
     offered: Arc<Mutex<HashSet<RawFd>>>,
 }
 
@@ -474,8 +451,7 @@ impl Local {
         for t in waiting {
             let Some(c) = self.conns.get_mut(&t) else { continue };
             if let Err(why) = self.inbox.parse(c) {
-                let _ = send_frame_now(&c.stream, KIND_REFUSE, why.as_bytes());
-                self.close(t);
+                self.close(t, Some(why.as_bytes()));
             }
             if self.inbox.full() {
                 return false;
@@ -531,7 +507,7 @@ impl Local {
             let pending = self.conns.iter().filter(|(_, c)| c.sender.is_none()).map(|(t, _)| *t);
             // The oldest connection that has not authenticated makes room.
             if let (true, Some(oldest)) = (pending.clone().count() >= MAX_PENDING, pending.min()) {
-                self.close(oldest);
+                self.close(oldest, None);
             }
             if self.conns.len() >= MAX_CONNS {
                 let _ = send_frame_now(&stream, KIND_REFUSE, b"too many notification connections");
@@ -553,21 +529,14 @@ impl Local {
             return;
         }
         let mut chunk = [0u8; 64 * 1024];
-        let mut closed = false;
         let mut verdict = Ok(());
-        let mut park = false;
-        loop {
+        let closed = loop {
             // A large frame is read only within the budget: its length is reserved once its header is in.
             if !reserve(&mut self.reserved, c) {
-                park = true;
-                break;
+                break false;
             }
             match c.stream.read(&mut chunk) {
-                Ok(0) => {
-                    closed = true;
-                    break;
-                }
-                Ok(n) => {
+                Ok(n) if n > 0 => {
                     c.buf.extend_from_slice(&chunk[..n]);
                     c.since = crate::util::monotonic_ns();
                     verdict = self.inbox.parse(c);
@@ -576,30 +545,21 @@ impl Local {
                     c.reserved = 0;
                     // A short read emptied the socket; epoll (level-triggered) reports anything later.
                     if verdict.is_err() || self.inbox.full() || n < chunk.len() {
-                        break;
+                        break false;
                     }
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break false,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(_) => {
-                    closed = true;
-                    break;
-                }
+                // End of stream, or an error.
+                _ => break true,
             }
+        };
+        if closed || verdict.is_err() {
+            return self.close(token, verdict.err().as_deref().map(str::as_bytes));
         }
-        if let Err(why) = verdict {
-            let _ = send_frame_now(&c.stream, KIND_REFUSE, why.as_bytes());
-            closed = true;
-        }
-        if closed {
-            self.close(token);
-            return;
-        }
-        if !park && !reserve(&mut self.reserved, c) {
-            park = true;
-        }
-        if park {
-            // Out of the set until room frees up (no spinning on a readable socket left unread).
+        // No room for the frame in progress (as when the loop stopped for that: a failed `reserve` changes
+        // nothing): out of the set until room frees up (no spinning on a readable socket left unread).
+        if !reserve(&mut self.reserved, c) {
             epoll_del(self.epfd.as_raw_fd(), c.stream.as_raw_fd());
             c.parked = true;
             self.parked.push_back(token);
@@ -621,7 +581,7 @@ impl Local {
             c.parked = false;
             c.since = crate::util::monotonic_ns();
             if epoll_add(self.epfd.as_raw_fd(), c.stream.as_raw_fd(), t).is_err() {
-                self.close(t);
+                self.close(t, None);
             }
         }
         self.reserving.store(self.reserved as u64, Ordering::Release);
@@ -645,15 +605,16 @@ impl Local {
             .map(|(t, _)| *t)
             .collect();
         for t in late {
-            if let Some(c) = self.conns.get(&t) {
-                let _ = send_frame_now(&c.stream, KIND_REFUSE, b"frame stalled: nothing arrived for too long");
-            }
-            self.close(t);
+            self.close(t, Some(b"frame stalled: nothing arrived for too long"));
         }
     }
 
-    fn close(&mut self, token: u64) {
+    /// Close connection `token`, first telling it `why` it is refused, if given.
+    fn close(&mut self, token: u64, why: Option<&[u8]>) {
         if let Some(c) = self.conns.remove(&token) {
+            if let Some(why) = why {
+                let _ = send_frame_now(&c.stream, KIND_REFUSE, why);
+            }
             self.reserved -= c.reserved;
             if c.parked {
                 self.parked.retain(|&t| t != token);
@@ -666,18 +627,19 @@ impl Local {
     }
 }
 
-/// Reserve (in `total`, at most `LOCAL_BUDGET`) for the large frame at the front of `c`'s buffer, unless `c`
-/// holds a reservation already or has no such frame; false when it does not fit.
+/// Reserve (in `total`, at most `LOCAL_BUDGET`) the bytes, header included, of the large frame at the front of
+/// `c`'s buffer (its header in, the rest not yet), unless `c` holds a reservation already or has no such frame;
+/// false when it does not fit.
 fn reserve(total: &mut usize, c: &mut Conn) -> bool {
-    if c.reserved == 0 {
-        if let Some(need) = large_frame(&c.buf) {
-            if *total + need > LOCAL_BUDGET {
-                return false;
-            }
-            *total += need;
-            c.reserved = need;
-        }
+    let need = match announced(&c.buf) {
+        Some(len) if c.reserved == 0 && len > RESERVE_ABOVE && c.buf.len() < 4 + len => 4 + len,
+        _ => return true,
+    };
+    if *total + need > LOCAL_BUDGET {
+        return false;
     }
+    *total += need;
+    c.reserved = need;
     true
 }
 
@@ -717,8 +679,10 @@ fn framed(kind: u8, body: &[u8]) -> Vec<u8> {
     [&frame_head(kind, body.len())[..], body].concat()
 }
 
-/// A hello's body: to incarnation `target`, from agent `name` of incarnation `from`, proven by `tag` over `nonce`.
-fn hello_body(target: u128, from: u128, nonce: &[u8; 16], tag: u64, name: &str) -> Vec<u8> {
+/// A hello's body: to incarnation `target` (whose secret is `secret`), from agent `name` of incarnation `from`,
+/// proven by a tag over `nonce`.
+fn hello_body(secret: u128, target: u128, from: u128, nonce: &[u8; 16], name: &str) -> Vec<u8> {
+    let tag = crate::auth::hello_tag(secret, TAG_KIND_LOCAL, target, nonce, &tagged_name(name, from));
     [&target.to_le_bytes()[..], &from.to_le_bytes(), nonce, &tag.to_le_bytes(), name.as_bytes()].concat()
 }
 
@@ -735,17 +699,13 @@ fn timed_out_or_gone(e: &io::Error) -> Status {
     }
 }
 
-/// The bytes to reserve for the frame at the front of `buf` (header included) when it is a large one whose
-/// header has arrived and which is not complete yet.
-fn large_frame(buf: &[u8]) -> Option<usize> {
-    let len = announced(buf)?;
-    (len > RESERVE_ABOVE && buf.len() < 4 + len).then_some(4 + len)
-}
-
 /// One small frame, without blocking (handshake frames into a socket with room for them).
 fn send_frame_now(s: &UnixStream, kind: u8, body: &[u8]) -> io::Result<usize> {
     crate::os::sock::send_now(s.as_raw_fd(), &framed(kind, body))
 }
+
+/// Ok, or why the peer broke the protocol or failed to authenticate (the connection is then closed).
+type Verdict = std::result::Result<(), String>;
 
 impl Inbox {
     fn full(&self) -> bool {
@@ -753,90 +713,62 @@ impl Inbox {
     }
 
     /// Consume every complete frame in `c.buf` while the queue has room (`queued` counts what is in it).
-    /// `Err(reason)` when the peer broke the protocol or failed to authenticate: the connection is closed.
-    fn parse(&mut self, c: &mut Conn) -> std::result::Result<(), String> {
+    fn parse(&mut self, c: &mut Conn) -> Verdict {
         let mut at = 0;
-        let mut verdict = Ok(());
-        loop {
+        let verdict = loop {
             let max = if c.sender.is_some() { MAX_NOTIF + 1 } else { MAX_HELLO };
-            let body = match frame(&c.buf[at..], max) {
+            match frame(&c.buf[at..], max) {
                 Frame::Whole(body, n) => {
                     at += n;
-                    body
-                }
-                Frame::Partial => break,
-                Frame::Refused(len) => {
-                    verdict = Err(format!("frame of {len} bytes refused"));
-                    break;
-                }
-            };
-            match (body[0], &c.sender) {
-                (KIND_HELLO, None) if body.len() >= HELLO_FIXED => {
-                    // Fixed-size fields at fixed places: `body` holds at least `HELLO_FIXED` bytes.
-                    let (target, from_inc) =
-                        (u128::from_le_bytes(le(&body[1..])), u128::from_le_bytes(le(&body[17..])));
-                    let (nonce, tag) = (le::<16>(&body[33..]), u64::from_le_bytes(le(&body[49..])));
-                    let Ok(name) = std::str::from_utf8(&body[HELLO_FIXED..]) else {
-                        verdict = Err("sender name is not UTF-8".into());
-                        break;
-                    };
-                    if target != self.incarnation {
-                        verdict = Err(format!("this is incarnation {:032x}, not {target:032x}", self.incarnation));
-                        break;
-                    }
-                    if name.is_empty()
-                        || !crate::auth::hello_ok(
-                            self.secret,
-                            TAG_KIND_LOCAL,
-                            self.incarnation,
-                            &nonce,
-                            &tagged_name(name, from_inc),
-                            tag,
-                        )
-                    {
-                        verdict = Err("authentication failed (wrong secret or cluster key)".into());
-                        break;
-                    }
-                    c.sender = Some(name.to_owned());
-                    if send_frame_now(&c.stream, KIND_ACK, &[]).is_err() {
-                        verdict = Err("acknowledgement not sent".into());
-                        break;
+                    if let Err(why) = self.take(&mut c.sender, &c.stream, body) {
+                        break Err(why);
                     }
                 }
-                (KIND_FD_REQ, Some(_)) if body.len() == 5 => {
-                    let fd = i32::from_le_bytes([body[1], body[2], body[3], body[4]]);
-                    // Held across the reply: the owner withdraws a descriptor (under this lock) before closing it.
-                    let o = self.offered.lock();
-                    let sent = if o.contains(&fd) {
-                        send_fd_now(&c.stream, fd)
-                    } else {
-                        send_frame_now(&c.stream, KIND_FD, &[])
-                    };
-                    if sent.is_err() {
-                        verdict = Err("descriptor reply not sent".into());
-                        break;
-                    }
-                }
-                (KIND_NOTIF, Some(name)) => {
-                    self.queue.lock().push((name.clone(), body[1..].to_vec()));
-                    self.queued.0 += 1;
-                    self.queued.1 += name.len() + body.len() - 1;
-                }
-                (_, None) => {
-                    verdict = Err("expected an authenticated hello".into());
-                    break;
-                }
-                _ => {
-                    verdict = Err("unexpected frame (a connection speaks for one agent only)".into());
-                    break;
-                }
+                Frame::Partial => break Ok(()),
+                Frame::Refused(len) => break Err(format!("frame of {len} bytes refused")),
             }
             if self.full() {
-                break;
+                break Ok(());
             }
-        }
+        };
         c.buf.drain(..at);
         verdict
+    }
+
+    /// One complete frame (`body`: kind, then body) on the connection `stream` that speaks for `sender`.
+    fn take(&mut self, sender: &mut Option<String>, stream: &UnixStream, body: &[u8]) -> Verdict {
+        match (body[0], &*sender) {
+            (KIND_HELLO, None) if body.len() >= HELLO_FIXED => {
+                // Fixed-size fields at fixed places: `body` holds at least `HELLO_FIXED` bytes.
+                let (target, from_inc) = (u128::from_le_bytes(le(&body[1..])), u128::from_le_bytes(le(&body[17..])));
+                let (nonce, tag) = (le::<16>(&body[33..]), u64::from_le_bytes(le(&body[49..])));
+                let name = std::str::from_utf8(&body[HELLO_FIXED..]).map_err(|_| "sender name is not UTF-8")?;
+                if target != self.incarnation {
+                    return Err(format!("this is incarnation {:032x}, not {target:032x}", self.incarnation));
+                }
+                let named = tagged_name(name, from_inc);
+                if name.is_empty() || !crate::auth::hello_ok(self.secret, TAG_KIND_LOCAL, target, &nonce, &named, tag) {
+                    return Err("authentication failed (wrong secret or cluster key)".into());
+                }
+                *sender = Some(name.to_owned());
+                send_frame_now(stream, KIND_ACK, &[]).map_err(|_| "acknowledgement not sent")?;
+            }
+            (KIND_FD_REQ, Some(_)) if body.len() == 5 => {
+                let fd = i32::from_le_bytes([body[1], body[2], body[3], body[4]]);
+                // Held across the reply: the owner withdraws a descriptor (under this lock) before closing it.
+                let o = self.offered.lock();
+                let sent = if o.contains(&fd) { send_fd_now(stream, fd) } else { send_frame_now(stream, KIND_FD, &[]) };
+                sent.map_err(|_| "descriptor reply not sent")?;
+            }
+            (KIND_NOTIF, Some(name)) => {
+                self.queue.lock().push((name.clone(), body[1..].to_vec()));
+                self.queued.0 += 1;
+                self.queued.1 += name.len() + body.len() - 1;
+            }
+            (_, None) => return Err("expected an authenticated hello".into()),
+            _ => return Err("unexpected frame (a connection speaks for one agent only)".into()),
+        }
+        Ok(())
     }
 }
 
@@ -936,8 +868,7 @@ pub(crate) fn fuzz_parse_frames(data: &[u8], split: usize, incarnation: u128) ->
 
 /// For `crate::fuzzing` only: a valid hello for `fuzz_parse_frames`'s connection.
 pub(crate) fn fuzz_hello(incarnation: u128, from: &str) -> Vec<u8> {
-    let tag = crate::auth::hello_tag(incarnation, TAG_KIND_LOCAL, incarnation, &[0; 16], &tagged_name(from, 1));
-    framed(KIND_HELLO, &hello_body(incarnation, 1, &[0; 16], tag, from))
+    framed(KIND_HELLO, &hello_body(incarnation, incarnation, 1, &[0; 16], from))
 }
 /// How long after the application's last `notifs` poll the progress thread leaves the local sockets to it.
 const POLL_GRACE_NS: u64 = 2_000_000;

@@ -13,15 +13,13 @@
 //!   region waits only for initiators whose batches may touch it.
 //!
 //! An initiator maps the same object (taken from the target with `pidfd_getfd(2)`, which needs the very ptrace
-//! permission cross-memory attach needs, or, where the kernel refuses that call alone — a container's
-//! seccomp profile — received from the target's control socket with SCM_RIGHTS; in-process peers share the
-//! mapping) and brackets every batch of
-//! copies with [`Attached::enter`]: increment its in-flight count, then check the live flag and the state of
-//! every region the request touches. The target retires a region (or the whole incarnation) by changing the
-//! state first and then waiting, bounded, until every in-flight count is zero. Both sides use sequentially
-//! consistent operations on the two words, so either the initiator sees the retirement or the target sees the
-//! batch and waits for it: once `deregister` or the agent's destruction returns, no batch that passed the gate
-//! is still copying.
+//! permission cross-memory attach needs, or, where the kernel refuses that call alone — a container's seccomp profile —
+//! received from the target's control socket with SCM_RIGHTS; in-process peers share the mapping) and brackets every
+//! batch of copies with [`Attached::enter`]: increment its in-flight count, then check the live flag and the state of
+//! every region the request touches. The target retires a region (or the whole incarnation) by changing the state first
+//! and then waiting, bounded, until every in-flight count is zero. Both sides use sequentially consistent operations on
+//! the two words, so either the initiator sees the retirement or the target sees the batch and waits for it: once
+//! `deregister` or the agent's destruction returns, no batch that passed the gate is still copying.
 //!
 //! Cross-memory attach names the target by pid. To tie each call to this incarnation's address space the
 //! engine makes the first remote iovec of every `process_vm_readv/writev` call a 16-byte access to the gate's
@@ -124,6 +122,11 @@ fn os(what: &str, e: io::Error) -> Error {
     Error::os(Status::Backend, what.to_owned(), e)
 }
 
+/// A syscall's result `r`, or (negative) the OS error as `what` failing.
+fn check(r: libc::c_int, what: &str) -> Result<libc::c_int> {
+    (r >= 0).then_some(r).ok_or_else(|| os(what, io::Error::last_os_error()))
+}
+
 /// A target-side registration's place in the gate: the slot and the state word that is live while it lasts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RegionTicket {
@@ -136,20 +139,14 @@ impl Gate {
     pub fn create(incarnation: u128) -> Result<Gate> {
         // SAFETY: a valid NUL-terminated name; flags are constants.
         let fd = unsafe { libc::memfd_create(c"gixl-gate".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
-        if fd < 0 {
-            return Err(os("memfd_create for the transfer gate", io::Error::last_os_error()));
-        }
         // SAFETY: a fresh descriptor we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let fd = unsafe { OwnedFd::from_raw_fd(check(fd, "memfd_create for the transfer gate")?) };
         // SAFETY: plain syscalls on our descriptor.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), SIZE as libc::off_t) } != 0 {
-            return Err(os("sizing the transfer gate", io::Error::last_os_error()));
-        }
+        check(unsafe { libc::ftruncate(fd.as_raw_fd(), SIZE as libc::off_t) }, "sizing the transfer gate")?;
         // The size can never change, so a peer's mapping never faults (SIGBUS) on a truncated object.
         // SAFETY: as above.
-        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) } != 0 {
-            return Err(os("sealing the transfer gate", io::Error::last_os_error()));
-        }
+        let seal = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) };
+        check(seal, "sealing the transfer gate")?;
         let base = map_random(fd.as_raw_fd())?;
         let mut g = Gate { base, incarnation, fd, regions: Mutex::default(), sentinel: None };
         g.word(OFF_INCARNATION).store(incarnation as u64, Ordering::Relaxed);
@@ -192,21 +189,18 @@ impl Gate {
     pub fn from_fd(fd: OwnedFd, incarnation: u128) -> Result<Gate> {
         let gone =
             || Error::disconnected("the peer's transfer gate does not belong to the incarnation its metadata names");
+        let sealed = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
         // SAFETY: `st` is a valid out-pointer.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // A plain file of exactly SIZE bytes, size-sealed, or its owner could shrink it under our mapping.
+        // SAFETY: plain syscalls on a descriptor we own.
         if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0
             || (st.st_mode & libc::S_IFMT) != libc::S_IFREG
             || st.st_size != SIZE as libc::off_t
+            || unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) }.max(0) & sealed != sealed
         {
             return Err(gone());
         }
-        // The object must be size-sealed, or its owner could shrink it under our mapping.
-        // SAFETY: plain syscall.
-        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-        if seals < 0 || seals & (libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) != libc::F_SEAL_SHRINK | libc::F_SEAL_GROW {
-            return Err(gone());
-        }
-        // A sealed object of exactly SIZE bytes.
         let base = crate::util::map_shared(fd.as_raw_fd(), SIZE, true)
             .map_err(|e| os("mapping the peer's transfer gate", e))?;
         let g = Gate { base, incarnation, fd, regions: Mutex::default(), sentinel: None };
@@ -259,18 +253,15 @@ impl Gate {
     /// Give a new registration a slot. Fails when every slot is taken.
     pub fn register(&self, addr: u64, len: u64) -> Result<RegionTicket> {
         let mut a = self.regions.lock();
-        let slot = match a.free.pop() {
-            Some(s) => s,
-            None if (a.next as usize) < REGION_SLOTS => {
-                a.next += 1;
-                a.next - 1
-            }
-            None => {
-                return Err(Error::backend(format!(
-                    "this agent already holds {REGION_SLOTS} registrations with the UCX engine (the most it can gate)"
-                )))
-            }
-        };
+        if a.free.is_empty() && a.next as usize >= REGION_SLOTS {
+            return Err(Error::backend(format!(
+                "this agent already holds {REGION_SLOTS} registrations with the UCX engine (the most it can gate)"
+            )));
+        }
+        let slot = a.free.pop().unwrap_or_else(|| {
+            a.next += 1;
+            a.next - 1
+        });
         let off = REGION_BASE + slot as usize * REGION_BYTES;
         let state = ((self.word(off).load(Ordering::Relaxed) >> 1) + 1) << 1 | 1;
         self.word(off + 8).store(addr, Ordering::Relaxed);
@@ -293,8 +284,7 @@ impl Gate {
         if flipped.is_empty() {
             return;
         }
-        let want = flipped.iter().fold(0, |m, &slot| m | region_bit(slot));
-        self.drain(limit, want);
+        self.drain(limit, flipped.iter().fold(0, |m, &slot| m | region_bit(slot)));
         self.regions.lock().free.extend(flipped);
     }
 
@@ -339,11 +329,9 @@ impl Gate {
         (self.word(OFF_CLAIMED).load(Ordering::SeqCst) as usize).min(INIT_SLOTS)
     }
 
-    /// Initiator slots with a batch in flight that may touch `want`. An initiator raises `OFF_MASKED` before
-    /// `OFF_COUNT` and lowers it after, so whenever its count says a batch is inside, the masked word names that
-    /// batch's regions; a count above the masked word's is an initiator of an older gixl (one that publishes no
-    /// mask, or one that raised the count first and was stopped between the steps): waited for whatever it
-    /// touches.
+    /// Initiator slots with a batch in flight that may touch `want`. The masked word is raised before the count
+    /// and lowered after (see `Attached::enter`), so it names the regions of every batch the count holds; a count
+    /// above it is an older gixl's (no mask, or the other order, stopped between the steps): waited for anyway.
     fn busy_slots(&self, want: u64) -> usize {
         (0..self.claimed())
             .filter(|&i| {
@@ -361,14 +349,18 @@ impl Gate {
             if self.word(o + OFF_COUNT).load(Ordering::SeqCst) == 0 || self.word(o).load(Ordering::SeqCst) == 0 {
                 continue;
             }
-            let pid = self.word(o + 8).load(Ordering::Relaxed) as i32;
-            let start = self.word(o + 16).load(Ordering::Relaxed);
-            if !crate::util::process_alive_as(pid, start) {
+            if self.owner_dead(o) {
                 self.word(o + OFF_COUNT).store(0, Ordering::SeqCst);
                 self.word(o + OFF_MASKED).store(0, Ordering::SeqCst);
                 self.word(o).store(0, Ordering::SeqCst);
             }
         }
+    }
+
+    /// Whether the process owning the initiator slot at `o` has exited.
+    fn owner_dead(&self, o: usize) -> bool {
+        let pid = self.word(o + 8).load(Ordering::Relaxed) as i32;
+        !crate::util::process_alive_as(pid, self.word(o + 16).load(Ordering::Relaxed))
     }
 
     // ----- initiator side -----
@@ -389,16 +381,13 @@ impl Gate {
             self.word(OFF_CLAIMED).fetch_max(i as u64 + 1, Ordering::SeqCst);
             true
         };
-        if let Some(i) = (0..INIT_SLOTS).find(|&i| take(i, 0)) {
-            return Some((i as u32, token));
-        }
         (0..INIT_SLOTS)
-            .find(|&i| {
-                let o = init_off(i);
-                let owner = self.word(o).load(Ordering::SeqCst);
-                let (p, st) =
-                    (self.word(o + 8).load(Ordering::Relaxed) as i32, self.word(o + 16).load(Ordering::Relaxed));
-                owner != 0 && !crate::util::process_alive_as(p, st) && take(i, owner)
+            .find(|&i| take(i, 0))
+            .or_else(|| {
+                (0..INIT_SLOTS).find(|&i| {
+                    let owner = self.word(init_off(i)).load(Ordering::SeqCst);
+                    owner != 0 && self.owner_dead(init_off(i)) && take(i, owner)
+                })
             })
             .map(|i| (i as u32, token))
     }
