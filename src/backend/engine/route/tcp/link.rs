@@ -129,26 +129,17 @@ impl TcpLink {
     fn went_down(&self, why: String, proven: bool) {
         let s = if proven { Signal::DialFailed { proven } } else { Signal::Broken };
         // The epoch moves under the health's lock, so a concurrent revival sees either all of this or none.
-        self.health.feed(
-            monotonic_ns(),
-            s,
-            || why,
-            || {
-                self.epoch.fetch_add(1, Ordering::AcqRel);
-            },
-        );
+        self.health.feed(monotonic_ns(), s, || why, || _ = self.epoch.fetch_add(1, Ordering::AcqRel));
         self.drop_conns();
     }
 
-    /// Shut down and forget every connection (the control connection leaves the progress thread's set).
+    /// Shut down and forget every connection.
     fn drop_conns(&self) {
         if let Some(c) = self.ctrl.lock().take() {
             let _ = c.stream.shutdown(Shutdown::Both);
-            if let Some(sh) = self.shared.upgrade() {
-                sh.remove_out(c.token);
-            }
         }
-        // Control connections retired by a notification that timed out (see `notif`).
+        // The control connections, and those retired by a notification that timed out (see `notif`), leave
+        // the progress thread's set.
         if let Some(sh) = self.shared.upgrade() {
             sh.remove_outs_of(self as *const TcpLink);
         }
@@ -200,9 +191,7 @@ impl TcpLink {
     pub fn begin(&self) {
         self.touch();
         if self.inflight.fetch_add(1, Ordering::AcqRel) == 0 {
-            if let Some(s) = self.shared.upgrade() {
-                s.wake();
-            }
+            self.shared.upgrade().inspect(|s| s.wake());
         }
     }
 
@@ -228,13 +217,8 @@ impl TcpLink {
         // application does not take notifications, and notifications already handed to this socket must
         // not be thrown away for that (heartbeats catch a partition; a live peer acks window probes).
         net::set_user_timeout(&stream, Duration::ZERO);
-        let conn = Arc::new(CtrlConn {
-            stream,
-            w: Mutex::new(()),
-            token,
-            epoch: self.epoch.load(Ordering::Acquire),
-            retired: AtomicBool::new(false),
-        });
+        let epoch = self.epoch.load(Ordering::Acquire);
+        let conn = Arc::new(CtrlConn { stream, w: Mutex::new(()), token, epoch, retired: AtomicBool::new(false) });
         *self.ctrl.lock() = Some(conn.clone());
         shared.add_out(conn.clone(), Arc::downgrade(self) as Weak<dyn Watched>)?;
         // Death or close may have raced with the dial; they shut down whatever `ctrl` held before.
@@ -291,10 +275,7 @@ impl TcpLink {
                         *self.good.lock() = Some(a);
                         return Ok(s);
                     }
-                    Err(e) => {
-                        proven &= e.1;
-                        last = e;
-                    }
+                    Err(e) => (proven, last) = (proven && e.1, e),
                 }
             }
             if proven || self.closed.load(Ordering::Acquire) {
@@ -319,13 +300,10 @@ impl TcpLink {
         net::tune(&s, if kind == wire::KIND_DATA { self.opts.patience() } else { self.opts.stall() });
         let wait = left.min(self.opts.handshake()).max(Duration::from_millis(1));
         let mut c = [0u8; wire::CHALLENGE_BYTES];
-        let r = s
-            .set_read_timeout(Some(wait))
+        s.set_read_timeout(Some(wait))
             .and_then(|_| s.set_write_timeout(Some(self.opts.stall())))
-            .and_then(|_| net::recv_exact(&s, &mut c, &net::Impatient));
-        if let Err(e) = r {
-            return Err((format!("{a} closed before its challenge (busy, or not a gixl engine): {e}"), false));
-        }
+            .and_then(|_| net::recv_exact(&s, &mut c, &net::Impatient))
+            .map_err(|e| (format!("{a} closed before its challenge (busy, or not a gixl engine): {e}"), false))?;
         let nonce =
             wire::parse_challenge(&c).map_err(|e| (format!("{a} is not the agent we were given: {e}"), true))?;
         let tag = crate::auth::hello_tag(self.secret, kind, self.incarnation, &nonce, &self.me);
@@ -375,10 +353,7 @@ impl TcpLink {
                         if sent > 0 {
                             c.retired.store(true, Ordering::Release);
                             let _ = c.stream.shutdown(Shutdown::Write);
-                            let mut cur = self.ctrl.lock();
-                            if cur.as_ref().is_some_and(|x| Arc::ptr_eq(x, &c)) {
-                                *cur = None;
-                            }
+                            self.ctrl.lock().take_if(|x| Arc::ptr_eq(x, &c));
                         }
                         return Err(Error::backend(format!(
                             "agent '{}' did not take the notification within {wait:?}: its notification queue is \
@@ -430,8 +405,7 @@ impl TcpLink {
             if g.open < self.opts.conns && (g.open == 0 || now >= g.no_dial_until) {
                 g.open += 1;
                 drop(g);
-                let r = self.dial_data();
-                let r = r.and_then(|s| {
+                let r = self.dial_data().and_then(|s| {
                     if self.handshook(epoch) {
                         Ok(s)
                     } else {
@@ -464,7 +438,7 @@ impl TcpLink {
                                 g.no_dial_until = monotonic_ns() + self.opts.timeout.as_nanos() as u64;
                                 continue;
                             }
-                            if self.answering(start) {
+                            if self.ctrl.lock().is_some() && self.heard(start) {
                                 continue;
                             }
                         }
@@ -492,12 +466,6 @@ impl TcpLink {
         self.dial(wire::KIND_DATA)
     }
 
-    /// The peer answers on the control connection, and a request that began at `start` has not waited
-    /// longer than `TcpOpts::patience`.
-    fn answering(&self, start: u64) -> bool {
-        self.ctrl.lock().is_some() && self.heard(start)
-    }
-
     /// The peer answered within the silence bound, and `since` is less than `TcpOpts::patience` ago.
     fn heard(&self, since: u64) -> bool {
         let now = monotonic_ns();
@@ -505,10 +473,16 @@ impl TcpLink {
             && now.saturating_sub(since) < self.opts.patience().as_nanos() as u64
     }
 
+    /// The link is up in `epoch` and not closed.
+    fn current(&self, epoch: u64) -> bool {
+        self.epoch.load(Ordering::Acquire) == epoch
+            && !self.health.down.load(Ordering::Acquire)
+            && !self.closed.load(Ordering::Acquire)
+    }
+
     fn checkin(&self, s: Arc<TcpStream>, epoch: u64, reusable: bool) {
         let mut g = self.data.lock();
-        let current = self.epoch.load(Ordering::Acquire) == epoch;
-        if reusable && current && !self.health.down.load(Ordering::Acquire) && !self.closed.load(Ordering::Acquire) {
+        if reusable && self.current(epoch) {
             g.idle.push(s);
         } else {
             g.open -= 1;
@@ -663,11 +637,7 @@ impl net::Watch for DataWatch<'_> {
     }
 
     fn patient(&self) -> bool {
-        let l = self.link;
-        l.epoch.load(Ordering::Acquire) == self.epoch
-            && !l.health.down.load(Ordering::Acquire)
-            && !l.closed.load(Ordering::Acquire)
-            && l.heard(self.last.get())
+        self.link.current(self.epoch) && self.link.heard(self.last.get())
     }
 }
 

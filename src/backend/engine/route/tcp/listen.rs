@@ -103,13 +103,9 @@ pub fn parse_bind(s: &str) -> Result<SocketAddr> {
     if s.is_empty() {
         return Ok(SocketAddr::from(([0, 0, 0, 0], 0)));
     }
-    if let Ok(a) = s.parse::<SocketAddr>() {
-        return Ok(a);
-    }
-    if let Ok(ip) = s.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>() {
-        return Ok(SocketAddr::new(ip, 0));
-    }
-    Err(Error::invalid_param(format!("'{s}' is not an IP address or IP:port for the TCP listener")))
+    s.parse::<SocketAddr>()
+        .or_else(|_| s.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>().map(|ip| SocketAddr::new(ip, 0)))
+        .map_err(|_| Error::invalid_param(format!("'{s}' is not an IP address or IP:port for the TCP listener")))
 }
 
 /// The addresses to advertise for a listener bound to `bound`: that address if it is specific, else the
@@ -225,11 +221,9 @@ impl TcpShared {
 
     pub(crate) fn add_out(&self, conn: Arc<CtrlConn>, link: Weak<dyn Watched>) -> Result<()> {
         self.out.lock().insert(conn.token, Out { conn: conn.clone(), link, buf: Vec::new() });
-        if let Err(e) = self.reactor.add_input(conn.stream.as_raw_fd(), conn.token) {
+        self.reactor.add_input(conn.stream.as_raw_fd(), conn.token).inspect_err(|_| {
             self.out.lock().remove(&conn.token);
-            return Err(e);
-        }
-        Ok(())
+        })
     }
 
     /// Shut down and forget every control connection registered for `link` (see `add_out`).
@@ -357,13 +351,10 @@ fn read_some(fd: i32, chunk: &mut [u8], buf: &mut Vec<u8>, limit: usize) -> io::
 fn ping(c: &CtrlConn) {
     let Some(_g) = c.w.try_lock() else { return };
     let head = wire::encode_ctrl_head(wire::CTRL_PING, 0);
-    match net::send_now(c.stream.as_raw_fd(), &head) {
-        // A frame must never be left half written: finish a partial one (a five-byte send is only ever
-        // split when the send buffer is full, and then the socket's send timeout bounds this).
-        Ok(n) if n > 0 && n < head.len() => {
-            let _ = net::send_all(&c.stream, &head[n..], &net::Impatient);
-        }
-        _ => {}
+    // A frame must never be left half written: finish a partial one (a five-byte send is only ever split
+    // when the send buffer is full, and then the socket's send timeout bounds this).
+    if let Some(n) = net::send_now(c.stream.as_raw_fd(), &head).ok().filter(|&n| n > 0 && n < head.len()) {
+        let _ = net::send_all(&c.stream, &head[n..], &net::Impatient);
     }
 }
 
@@ -514,8 +505,7 @@ impl TcpProgress {
                 }
                 c.keep_at = now + every;
             }
-            let d = c.keep_at.saturating_sub(now);
-            next = Some(next.map_or(d, |n| n.min(d)));
+            next = next.into_iter().chain(Some(c.keep_at.saturating_sub(now))).min();
         }
         for t in broken {
             self.paused.remove(&t);
@@ -547,16 +537,14 @@ impl TcpProgress {
             let token = self.shared.tokens.token(IN + self.next_in);
             self.next_in = (self.next_in + 1) % (1 << 32);
             if self.shared.reactor.add_input(stream.as_raw_fd(), token).is_ok() {
-                let deadline = monotonic_ns() + self.shared.opts.handshake().as_nanos() as u64;
-                let (src, seq) = (from.ip(), self.next_in);
                 let c = In {
                     stream,
-                    src,
-                    seq,
+                    src: from.ip(),
+                    seq: self.next_in,
                     nonce,
                     buf: Vec::new(),
                     name: None,
-                    deadline,
+                    deadline: monotonic_ns() + self.shared.opts.handshake().as_nanos() as u64,
                     admitted: 0,
                     keep_at: 0,
                     last_rx: 0,
@@ -610,8 +598,7 @@ impl TcpProgress {
         }
         let closed =
             read_some(c.stream.as_raw_fd(), &mut [0u8; 64 * 1024], &mut c.buf, 64 + wire::MAX_NAME).unwrap_or(true);
-        let keep = self.authenticate(token);
-        if closed || !keep {
+        if !self.authenticate(token) || closed {
             self.drop_in(token);
         }
     }
@@ -619,11 +606,8 @@ impl TcpProgress {
     /// Read the HELLO. Returns false to close the connection (silently: a stranger learns nothing).
     fn authenticate(&mut self, token: u64) -> bool {
         let Some(c) = self.inbound.get_mut(&token) else { return false };
-        let (h, used) = match wire::parse_hello(&c.buf) {
-            Ok(Some(x)) => x,
-            Ok(None) => return true,
-            Err(_) => return false,
-        };
+        let Ok(hello) = wire::parse_hello(&c.buf) else { return false };
+        let Some((h, used)) = hello else { return true };
         // The initiator sends nothing more until it has our answer.
         if used != c.buf.len() {
             return false;
@@ -643,10 +627,7 @@ impl TcpProgress {
         if h.kind == wire::KIND_CTRL {
             let ctrl_in = self.inbound.values().filter(|c| c.name.is_some()).count();
             let Some(c) = self.inbound.get_mut(&token) else { return false };
-            if ctrl_in >= MAX_CTRL_IN {
-                return false;
-            }
-            if net::send_now(c.stream.as_raw_fd(), &[wire::ACK]).ok() != Some(1) {
+            if ctrl_in >= MAX_CTRL_IN || net::send_now(c.stream.as_raw_fd(), &[wire::ACK]).ok() != Some(1) {
                 return false;
             }
             net::tune(&c.stream, self.shared.opts.stall());
@@ -658,10 +639,8 @@ impl TcpProgress {
             // Another route's exchange: refused without a taker (that route is off here).
             let shared = self.shared.clone();
             let Some(side) = shared.side.get() else { return false };
-            let Some(c) = self.drop_in(token) else { return false };
-            if net::send_now(c.stream.as_raw_fd(), &[wire::ACK]).ok() != Some(1) {
-                return false;
-            }
+            let acked = |c: &In| net::send_now(c.stream.as_raw_fd(), &[wire::ACK]).ok() == Some(1);
+            let Some(c) = self.drop_in(token).filter(acked) else { return false };
             let _ = c.stream.set_nonblocking(false);
             side(c.stream);
             return true;
@@ -684,19 +663,14 @@ impl TcpProgress {
         let others: usize = self.inbound.iter().filter(|(t, _)| **t != token).map(|(_, c)| c.held()).sum();
         let Some(c) = self.inbound.get_mut(&token) else { return };
         let mut chunk = [0u8; CTRL_CHUNK];
-        let mut closed = false;
-        // Paused: for room in the queue (true) or in the budget (false).
-        let mut pause = None;
         loop {
             let had = c.admitted;
             if !ctrl_frames(c, name, &self.queue, &mut queued) {
-                closed = true;
                 break;
             }
             self.freed |= had > 0 && c.admitted == 0;
             if self.queue.full(queued) {
-                pause = Some(true);
-                break;
+                return self.pause(token, true);
             }
             // What reading on needs: the rest of an admitted frame, else a new frame's length (known once
             // its header is in) or one chunk.
@@ -706,8 +680,7 @@ impl TcpProgress {
                     None => CTRL_CHUNK,
                 };
                 if others + need.max(c.buf.len()) > CTRL_BUDGET {
-                    pause = Some(false);
-                    break;
+                    return self.pause(token, false);
                 }
                 if c.buf.len() >= 4 {
                     c.admitted = need;
@@ -715,27 +688,16 @@ impl TcpProgress {
                 }
             }
             match net::recv_now(c.stream.as_raw_fd(), &mut chunk) {
-                Ok(0) => {
-                    closed = true;
-                    break;
-                }
-                Ok(n) => {
+                Ok(n) if n > 0 => {
                     c.buf.extend_from_slice(&chunk[..n]);
                     c.last_rx = monotonic_ns();
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(_) => {
-                    closed = true;
-                    break;
-                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                _ => break,
             }
         }
-        if closed {
-            // Complete frames were queued above; a partial one (a sender that gave up) is dropped.
-            self.drop_in(token);
-        } else if let Some(queue_full) = pause {
-            self.pause(token, queue_full);
-        }
+        // Closed or broken: complete frames were queued above; a partial one (a sender that gave up) is dropped.
+        self.drop_in(token);
     }
 
     /// Stop reading an authenticated control connection until `resume`. `queue_full`: it waits for the
@@ -780,42 +742,31 @@ impl TcpProgress {
 /// queue has room (`queued` counts what is in it). False when the peer broke the protocol.
 fn ctrl_frames(c: &mut In, name: &str, queue: &NotifQueue, queued: &mut (usize, usize)) -> bool {
     let mut at = 0;
-    let mut ok = true;
-    loop {
-        match wire::parse_ctrl(&c.buf[at..], MAX_NOTIF) {
-            Ok(Some((msg, n))) => {
-                match msg {
-                    CtrlMsg::Ping => {
-                        let pong = wire::encode_ctrl_head(wire::CTRL_PONG, 0);
-                        // The initiator reads its control connection all the time, so this fits;
-                        // if it does not, the initiator is not reading and will time out anyway.
-                        if net::send_now(c.stream.as_raw_fd(), &pong).ok() != Some(pong.len()) {
-                            ok = false;
-                        }
-                    }
-                    CtrlMsg::Notif(m) => {
-                        if queue.full(*queued) {
-                            break;
-                        }
-                        queue.lock().push((name.to_owned(), m.to_vec()));
-                        queued.0 += 1;
-                        queued.1 += name.len() + m.len();
-                    }
-                    CtrlMsg::Pong => ok = false,
-                }
-                at += n;
-                c.admitted = 0;
-                if !ok {
-                    break;
-                }
+    let ok = loop {
+        let Ok(frame) = wire::parse_ctrl(&c.buf[at..], MAX_NOTIF) else { break false };
+        let Some((msg, n)) = frame else { break true };
+        let ok = match msg {
+            CtrlMsg::Ping => {
+                let pong = wire::encode_ctrl_head(wire::CTRL_PONG, 0);
+                // The initiator reads its control connection all the time, so this fits; if it does not, the
+                // initiator is not reading and will time out anyway.
+                net::send_now(c.stream.as_raw_fd(), &pong).ok() == Some(pong.len())
             }
-            Ok(None) => break,
-            Err(_) => {
-                ok = false;
-                break;
+            CtrlMsg::Notif(_) if queue.full(*queued) => break true,
+            CtrlMsg::Notif(m) => {
+                queue.lock().push((name.to_owned(), m.to_vec()));
+                queued.0 += 1;
+                queued.1 += name.len() + m.len();
+                true
             }
+            CtrlMsg::Pong => false,
+        };
+        at += n;
+        c.admitted = 0;
+        if !ok {
+            break false;
         }
-    }
+    };
     c.buf.drain(..at);
     ok
 }

@@ -82,10 +82,8 @@ impl Regions {
             return;
         }
         gone.sort_unstable();
-        let bound = match self.bound_ns.load(Ordering::Relaxed) {
-            0 => Duration::from_secs(1),
-            ns => Duration::from_nanos(ns),
-        };
+        let ns = self.bound_ns.load(Ordering::Relaxed);
+        let bound = if ns == 0 { Duration::from_secs(1) } else { Duration::from_nanos(ns) };
         self.wait_leases(st, bound, |held| held.iter().any(|k| gone.binary_search(k).is_ok()));
     }
 

@@ -20,6 +20,7 @@ use crate::backend::engine::pool::Pinned;
 use crate::backend::XferOp;
 use crate::os::sock::{self as net, iovec};
 use crate::os::Reactor;
+use crate::telemetry::log::warn;
 use crate::util::monotonic_ns;
 
 /// Data connections served at once. When all are taken, a newcomer replaces an idle one (see
@@ -405,38 +406,32 @@ impl DataConn {
                 Phase::StageWait => {}
                 Phase::StageSend => {
                     let Some(st) = self.staged.as_mut() else { return false };
-                    if st.moved(n) {
-                        if !st.finished() {
-                            // The next chunk out of device memory (a bounded device copy on this thread).
-                            if st.load(None).is_err() {
-                                // The reply went out as OK: the connection cannot say so any more.
-                                return false;
-                            }
-                        } else {
-                            self.stage_end(regions, pool);
-                            (self.phase, self.got) = (Phase::Header, 0);
-                        }
+                    let (moved, finished) = (st.moved(n), st.finished());
+                    if moved && finished {
+                        self.stage_end(regions, pool);
+                        (self.phase, self.got) = (Phase::Header, 0);
+                    } else if moved && st.load(None).is_err() {
+                        // The next chunk out of device memory (a bounded device copy on this thread) failed, and
+                        // the reply went out as OK: the connection cannot say so any more.
+                        return false;
                     }
                 }
                 Phase::StageRecv => {
                     let Some(st) = self.staged.as_mut() else { return false };
-                    if st.moved(n) {
-                        // Into device memory (a bounded device copy on this thread).
-                        match st.store() {
-                            Ok(()) if st.finished() => {
-                                self.stage_end(regions, pool);
-                                self.reply_with(wire::REPLY_OK);
-                            }
-                            Ok(()) => st.expect(),
-                            Err(e) => {
-                                crate::telemetry::log::warn(&format!(
-                                    "serving a WRITE into VRAM over TCP failed: {e}; the request is refused"
-                                ));
-                                let rest = st.unstaged();
-                                self.stage_end(regions, pool);
-                                self.deny(rest);
-                            }
+                    // A complete chunk goes into device memory (a bounded device copy on this thread).
+                    match st.moved(n).then(|| st.store()) {
+                        Some(Ok(())) if st.finished() => {
+                            self.stage_end(regions, pool);
+                            self.reply_with(wire::REPLY_OK);
                         }
+                        Some(Ok(())) => st.expect(),
+                        Some(Err(e)) => {
+                            warn(&format!("serving a WRITE into VRAM over TCP failed: {e}; the request is refused"));
+                            let rest = st.unstaged();
+                            self.stage_end(regions, pool);
+                            self.deny(rest);
+                        }
+                        None => {}
                     }
                 }
                 Phase::Recv | Phase::Send => {
@@ -503,21 +498,18 @@ impl DataConn {
     /// still be answered with DENIED.
     fn stage_begin(&mut self, regions: &Regions, pool: &mut Pinned) -> bool {
         let Some(st) = self.staged.as_mut() else { return false };
-        let buf = match crate::device::get().and_then(|d| pool.take(d, st.dev())) {
-            Ok(Some(b)) => b,
+        st.buf = match crate::device::get().and_then(|d| pool.take(d, st.dev())) {
             Ok(None) => return false,
+            Ok(b) => b,
             Err(e) => {
-                crate::telemetry::log::warn(&format!("no staging buffer for VRAM over TCP: {e}"));
+                warn(&format!("no staging buffer for VRAM over TCP: {e}"));
                 return self.stage_refuse(regions, pool);
             }
         };
-        st.buf = Some(buf);
         match st.op {
             XferOp::Read => {
                 if let Err(e) = st.load(Some(&wire::encode_reply(wire::REPLY_OK))) {
-                    crate::telemetry::log::warn(&format!(
-                        "serving a READ from VRAM over TCP failed: {e}; the request is refused"
-                    ));
+                    warn(&format!("serving a READ from VRAM over TCP failed: {e}; the request is refused"));
                     return self.stage_refuse(regions, pool);
                 }
                 self.phase = Phase::StageSend;

@@ -88,25 +88,24 @@ impl Staged {
         self.done = 0;
     }
 
-    fn copies(&self, to_device: bool) -> Vec<(u32, Vec<Copy>)> {
-        let base = self.buf.as_ref().map_or(0, |b| b.buf.ptr());
-        by_device(self.chunk.iter().map(|&(at, addr, len, dev)| {
+    fn copy(&self, to_device: bool) -> Result<()> {
+        let (device, base) = (device::get()?, self.buf.as_ref().map_or(0, |b| b.buf.ptr()));
+        let copies = by_device(self.chunk.iter().map(|&(at, addr, len, dev)| {
             let (dst, src) = if to_device { (addr, base + at) } else { (base + at, addr) };
             (dev, Copy { dst, src, len })
-        }))
+        }));
+        copies.iter().try_for_each(|(d, c)| device.copy(*d, c))
     }
 
     /// READ: stage the next chunk out of device memory, after `head` (the reply) if given.
     pub(crate) fn load(&mut self, head: Option<&[u8]>) -> Result<()> {
         let Some(b) = &self.buf else { return Err(Error::backend("no staging buffer")) };
-        let start = head.map_or(0, |h| h.len());
         if let Some(h) = head {
             // SAFETY: the buffer is ours and larger than the 8-byte reply.
             unsafe { std::ptr::copy_nonoverlapping(h.as_ptr(), b.buf.ptr() as usize as *mut u8, h.len()) };
         }
-        self.next_chunk(start);
-        let device = device::get()?;
-        self.copies(false).iter().try_for_each(|(d, c)| device.copy(*d, c))
+        self.next_chunk(head.map_or(0, |h| h.len()));
+        self.copy(false)
     }
 
     /// WRITE: the next chunk is to come into the buffer.
@@ -116,8 +115,7 @@ impl Staged {
 
     /// WRITE: the chunk is in the buffer; copy it into device memory.
     pub(crate) fn store(&mut self) -> Result<()> {
-        let device = device::get()?;
-        self.copies(true).iter().try_for_each(|(d, c)| device.copy(*d, c))
+        self.copy(true)
     }
 
     /// Send what is left of the chunk.

@@ -27,7 +27,7 @@ use crate::backend::engine::copy::chunks;
 use crate::backend::engine::vram::Staging;
 use crate::backend::engine::vram_regions::RemoteVram;
 use crate::backend::engine::xfer::{Core, Mover, Run};
-use crate::backend::{RegionKey, Seg, XferOp, XferPlan};
+use crate::backend::{Seg, XferOp, XferPlan};
 use crate::device::{self, Copy, Device};
 use crate::mem::MemType;
 use crate::status::{Error, Result, Status};
@@ -52,18 +52,6 @@ pub(crate) fn prep(plan: &XferPlan, link: Arc<TcpLink>) -> Result<TcpVramPlan> {
     Ok(TcpVramPlan { link, device })
 }
 
-/// The target registration a segment lies in, as its metadata names it.
-fn region(keys: &[Option<RegionKey>], s: &Seg) -> (u64, u64) {
-    let k = keys.get(s.rreg as usize).and_then(|k| k.as_ref());
-    if let Some(r) = k.and_then(|k| k.downcast_ref::<RemoteRegion>()) {
-        return (r.addr, r.len);
-    }
-    if let Some(r) = k.and_then(|k| k.downcast_ref::<RemoteVram>()) {
-        return r.tcp_region();
-    }
-    (s.remote, s.len)
-}
-
 /// `chunk` with its local side moved into the staging buffer at `buf`, and the device copies between
 /// that buffer and the chunk's VRAM (direction of `op`), grouped by device.
 fn staged(op: XferOp, chunk: &[Seg], buf: u64) -> (Vec<Seg>, Vec<(u32, Vec<Copy>)>) {
@@ -74,11 +62,8 @@ fn staged(op: XferOp, chunk: &[Seg], buf: u64) -> (Vec<Seg>, Vec<(u32, Vec<Copy>
         off += s.len;
     }
     let copies = by_device(chunk.iter().zip(&segs).map(|(s, t)| {
-        let c = match op {
-            XferOp::Read => Copy { dst: s.local, src: t.local, len: s.len },
-            XferOp::Write => Copy { dst: t.local, src: s.local, len: s.len },
-        };
-        (s.ldev as u32, c)
+        let (dst, src) = if op == XferOp::Read { (s.local, t.local) } else { (t.local, s.local) };
+        (s.ldev as u32, Copy { dst, src, len: s.len })
     }));
     (segs, copies)
 }
@@ -87,8 +72,13 @@ impl Mover for TcpVramPlan {
     /// Move `segs` (one piece of a request) over the link, staging the local side when it is VRAM.
     fn copy(&self, core: &Core, segs: &[Seg], run: &Run) -> Result<()> {
         let op = core.plan.op;
-        let keys = &core.plan.remote_keys;
-        let region = |s: &Seg| region(keys, s);
+        // The target registration a segment lies in, as its metadata names it.
+        let region = |s: &Seg| {
+            let k = core.plan.remote_keys.get(s.rreg as usize).and_then(|k| k.as_ref());
+            k.and_then(|k| k.downcast_ref::<RemoteRegion>().map(|r| (r.addr, r.len)))
+                .or_else(|| k.and_then(|k| k.downcast_ref::<RemoteVram>()).map(|r| r.tcp_region()))
+                .unwrap_or((s.remote, s.len))
+        };
         let stop = || run.abort.load(Ordering::Relaxed);
         let Some(device) = self.device else {
             return self.link.run(op, segs, &region, &stop);
@@ -154,8 +144,7 @@ fn pipeline(chunks: &[Vec<Seg>], bufs: &[u64], first: &Stage<'_>, second: &Stage
         // Unblocks the helper if it waits for a buffer.
         drop(to_first);
         drop(from_first);
-        let h = helper.join().unwrap_or_else(|_| Err(Error::backend("a staging thread panicked")));
-        h.and(r)
+        helper.join().unwrap_or_else(|_| Err(Error::backend("a staging thread panicked"))).and(r)
     })
 }
 
