@@ -112,17 +112,15 @@ impl ConnInfo {
 pub(super) fn parse_conn(b: &[u8]) -> Result<ConnInfo> {
     let mut r = Reader { buf: b, pos: 0 };
     let mut c = ConnInfo::default();
+    let mut seen = Vec::new();
     match r.byte()? {
         CONN_V3 => {
             for id in V3_PARTS {
                 read_part(id, &mut r, &mut c)?;
             }
-            if r.left() != 0 {
-                return Err(Error::mismatch("malformed engine connection info"));
-            }
+            seen.extend(V3_PARTS);
         }
         CONN_V4 => {
-            let mut seen = Vec::new();
             for _ in 0..r.count(MAX_CONN_SECTIONS)? {
                 let id = r.uvar()?;
                 let mut sec = Reader { buf: r.bytes(MAX_SECTION)?, pos: 0 };
@@ -133,11 +131,11 @@ pub(super) fn parse_conn(b: &[u8]) -> Result<ConnInfo> {
                 // A section it does not know is a route or a part of a later release: skipped.
                 read_part(id, &mut sec, &mut c)?;
             }
-            if r.left() != 0 || !seen.contains(&SEC_PROCESS) || !seen.contains(&SEC_SECRET) {
-                return Err(Error::mismatch("malformed engine connection info"));
-            }
         }
         _ => return Err(Error::mismatch("unknown engine connection-info version")),
+    }
+    if r.left() != 0 || !seen.contains(&SEC_PROCESS) || !seen.contains(&SEC_SECRET) {
+        return Err(Error::mismatch("malformed engine connection info"));
     }
     Ok(c)
 }
@@ -150,10 +148,7 @@ fn read_part(id: u64, r: &mut Reader, c: &mut ConnInfo) -> Result<()> {
     match id {
         SEC_PROCESS => read_process(r, c),
         SEC_LOCAL => read_local(r, c),
-        SEC_SECRET => {
-            c.secret = u128::from_le_bytes(r.array()?);
-            Ok(())
-        }
+        SEC_SECRET => r.array().map(|a| c.secret = u128::from_le_bytes(a)),
         SEC_TCP => read_tcp(r, c),
         _ if sides::is_section(id) => {
             c.routes.push((id, r.buf[r.pos..].to_vec()));
@@ -209,9 +204,7 @@ pub(crate) fn fuzz_parse_conn(b: &[u8]) -> bool {
     sides::fuzz(b);
     let _ = sides::read_tickets(&mut Reader { buf: b, pos: 0 });
     let Ok(c) = parse_conn(b) else { return false };
-    for (_, r) in &c.routes {
-        sides::fuzz(r);
-    }
+    c.routes.iter().for_each(|(_, r)| sides::fuzz(r));
     if c.has_local && c.port != 0 {
         // Layout 3 has no route sections: compare the rest.
         let again = parse_conn(&c.encode()).expect("connection info written again does not parse");
@@ -271,8 +264,7 @@ pub(super) fn decode_ticket(b: &[u8]) -> Result<(RegionTicket, Tickets)> {
     let mut r = Reader { buf: b, pos: 0 };
     let slot = u32::try_from(r.uvar()?).map_err(|_| Error::mismatch("bad region slot in metadata"))?;
     let state = r.uvar()?;
-    let t = sides::read_tickets(&mut r)?;
-    Ok((RegionTicket { slot, state }, t))
+    Ok((RegionTicket { slot, state }, sides::read_tickets(&mut r)?))
 }
 
 #[cfg(test)]

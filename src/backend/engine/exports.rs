@@ -59,49 +59,34 @@ impl Shared {
         let mut row = Registered { addr: d.addr, len: d.len, ticket, vram, exports: Vec::new() };
         let bases = row.vram.as_ref().map_or(&[][..], |v| &v.1[..]);
         let r = Registration { mem, addr: d.addr, len: d.len, dev: d.dev, bases, agent: &self.agent };
-        let mut exports = Vec::new();
         for side in self.sides.all() {
             match side.export(&r) {
-                Ok(e) => exports.push(e),
+                Ok(e) => row.exports.push(e),
                 Err(e) => {
-                    row.exports = exports;
                     self.retire(&[&row]);
                     return Err(e);
                 }
             }
         }
-        row.exports = exports;
         let mut sections = Vec::new();
         row.exports.iter().flatten().for_each(|e| e.put_sections(&mut sections));
         let public = public.map_or_else(|| encode_ticket(ticket, &sections), |p| with_sections(p, &sections));
-        let key: RegionKey = Arc::new(row);
-        Ok(LocalRegion { public, key: Some(key) })
+        Ok(LocalRegion { public, key: Some(Arc::new(row)) })
     }
 
     /// Deregister the regions of `keys` (this engine's, from `register`) from every route.
     pub(super) fn deregister(&self, keys: &[Option<&RegionKey>]) {
-        let rows: Vec<&Registered> = keys.iter().flatten().filter_map(|k| k.downcast_ref::<Registered>()).collect();
-        self.retire(&rows);
+        self.retire(&keys.iter().flatten().filter_map(|k| k.downcast_ref::<Registered>()).collect::<Vec<_>>());
     }
 
     /// Each route refuses new work on `rows` at once, then one bounded wait for same-host peers' batches inside
     /// the gate and one for TCP requests being served, however many go; last, VRAM exports are dropped and the
     /// route sides retire theirs.
     fn retire(&self, rows: &[&Registered]) {
-        let tickets: Vec<RegionTicket> = rows.iter().map(|r| r.ticket).collect();
-        self.gate.retire(&tickets, self.tcp_opts.timeout);
-        let ranges: Vec<(u64, u64, Option<u32>)> =
-            rows.iter().map(|r| (r.addr, r.len, r.vram.as_ref().map(|v| v.0))).collect();
-        self.regions.remove(&ranges);
-        for (_, bases) in rows.iter().filter_map(|r| r.vram.as_ref()) {
-            self.vram.unexport_all(&self.ctrl, bases);
-        }
-        for r in rows {
-            for (side, e) in self.sides.all().zip(&r.exports) {
-                if let Some(e) = e {
-                    side.retire(&**e);
-                }
-            }
-        }
+        self.gate.retire(&rows.iter().map(|r| r.ticket).collect::<Vec<_>>(), self.tcp_opts.timeout);
+        self.regions.remove(&rows.iter().map(|r| (r.addr, r.len, r.vram.as_ref().map(|v| v.0))).collect::<Vec<_>>());
+        rows.iter().filter_map(|r| r.vram.as_ref()).for_each(|(_, b)| self.vram.unexport_all(&self.ctrl, b));
+        let exports = rows.iter().flat_map(|r| self.sides.all().zip(&r.exports));
+        exports.for_each(|(side, e)| e.iter().for_each(|e| side.retire(&**e)));
     }
 }

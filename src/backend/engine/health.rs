@@ -103,13 +103,10 @@ impl Liveness {
     /// caller starved of CPU (its pings late) does not take its own delay for the peer's silence.
     pub fn tick(&mut self, now: u64, inflight: usize, last_rx: u64) -> Tick {
         if self.health != Verdict::Up || inflight == 0 {
-            self.next_ping = None;
-            self.asked = None;
+            (self.next_ping, self.asked) = (None, None);
             return Tick::default();
         }
-        if self.asked.is_some_and(|a| last_rx >= a) {
-            self.asked = None;
-        }
+        self.asked = self.asked.filter(|&a| last_rx < a);
         let due = *self.next_ping.get_or_insert(now);
         let ping = now >= due;
         if ping {
@@ -156,12 +153,12 @@ impl Liveness {
     }
 
     fn went_down(&mut self, now: u64) {
-        self.next_ping = None;
-        self.asked = None;
-        if !self.recover {
-            return self.give_up();
+        (self.next_ping, self.asked) = (None, None);
+        if self.recover {
+            self.back_off(now)
+        } else {
+            self.give_up()
         }
-        self.back_off(now);
     }
 
     /// Down until the back-off from `now` is over; the next one twice as long.
@@ -171,8 +168,7 @@ impl Liveness {
     }
 
     fn give_up(&mut self) {
-        self.next_ping = None;
-        self.asked = None;
+        (self.next_ping, self.asked) = (None, None);
         self.health = Verdict::Gone;
     }
 }

@@ -5,13 +5,11 @@
 //! Routes (`route/`, one file each behind `route::Route`), chosen per peer by `router` from its connection info:
 //! - loopback and peers in this process (found in the process's registry of live engines by incarnation id,
 //!   never by connection info): `memcpy`;
-//! - peers in another process on this host: cross-memory attach (`process_vm_readv/writev`), the peer
-//!   identified by pid + start time and watched through a pidfd, notifications over an abstract Unix socket;
-//!   if the kernel denies cross-memory attach (EPERM/ENOSYS: containers, seccomp, Yama), that peer's data
-//!   moves over TCP from then on;
-//! - peers on another host (another boot, pid or network namespace): TCP (see `route::tcp`), with notifications
-//!   and heartbeats on a control connection; or RDMA where both have a port on one fabric (see `route::rdma`:
-//!   queue pairs exchanged over the TCP link, which keeps heartbeats and notifications).
+//! - peers in another process on this host: cross-memory attach (see `route::cma`), the peer identified by pid +
+//!   start time and watched through a pidfd; where the kernel denies it, that peer's data moves over TCP;
+//! - peers on another host (another boot, pid or network namespace): TCP (see `route::tcp`), or RDMA where both
+//!   have a port on one fabric (see `route::rdma`: queue pairs exchanged over the TCP link, which keeps
+//!   heartbeats and notifications).
 //!
 //! Same-host routes copy batch by batch, each batch inside the target incarnation's gate (see `gate`): the
 //! target's live flag and registrations decide, and deregistration and destruction wait for batches inside.
@@ -125,8 +123,7 @@ impl Backend for Engine {
     }
 
     fn deregister_many(&self, _: MemType, regions: &[(Desc, Option<RegionKey>)]) {
-        let keys: Vec<Option<&RegionKey>> = regions.iter().map(|(_, k)| k.as_ref()).collect();
-        self.shared.deregister(&keys);
+        self.shared.deregister(&regions.iter().map(|(_, k)| k.as_ref()).collect::<Vec<_>>());
     }
 
     fn load_remote_region(
@@ -180,8 +177,6 @@ impl Backend for Engine {
             }),
             Target::Local => None,
         };
-        // VRAM to a peer reached over TCP is staged (see `route::tcp::vram`), over RDMA it goes as DRAM does
-        // where the NICs reach every region; same-host VRAM routes are `vram`'s.
         let way = wants.then(|| router::vram_way(&plan, prepared.as_deref())).transpose()?;
         let mover: Option<Box<dyn Mover>> = match way {
             Some(route::VramWay::Staged(link)) => Some(Box::new(route::tcp::vram::prep(&plan, link)?)),
@@ -218,10 +213,9 @@ impl Backend for Engine {
 
 /// What the routes read of a peer region's ticket, DRAM or VRAM (`route::Regions::tickets`).
 fn region_tickets(key: &RegionKey) -> Option<&route::Tickets> {
-    match key.downcast_ref::<RemoteRegion>() {
-        Some(r) => Some(&r.tickets),
-        None => key.downcast_ref::<vram_regions::RemoteVram>().map(|v| &v.tickets),
-    }
+    key.downcast_ref::<RemoteRegion>()
+        .map(|r| &r.tickets)
+        .or_else(|| key.downcast_ref::<vram_regions::RemoteVram>().map(|v| &v.tickets))
 }
 
 #[cfg(test)]

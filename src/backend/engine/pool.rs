@@ -29,30 +29,27 @@ impl Pool {
         Pool { size: size.max(1), q: Arc::default(), threads: Mutex::new(Vec::new()) }
     }
 
-    /// Run `t` on a pool thread (inline once the pool has been shut down, so it still runs).
+    /// Run `t` on a pool thread (inline once the pool has been shut down, so it still runs, or when no thread
+    /// could be started).
     pub fn submit(&self, t: Task) {
-        if self.q.0.lock().stop {
-            t();
-            return;
-        }
-        {
-            let mut threads = self.threads.lock();
-            while threads.len() < self.size {
-                let q = self.q.clone();
-                match std::thread::Builder::new().name("gixl-copy".into()).spawn(move || worker(q)) {
-                    Ok(h) => threads.push(h),
-                    Err(_) => break,
-                }
-            }
-            if threads.is_empty() {
-                drop(threads);
-                t();
-                return;
-            }
+        let stopped = self.q.0.lock().stop;
+        if stopped || !self.started() {
+            return t();
         }
         let (m, cv) = &*self.q;
         m.lock().tasks.push_back(t);
         cv.notify_one();
+    }
+
+    /// Start the threads not running yet; false when none runs.
+    fn started(&self) -> bool {
+        let mut threads = self.threads.lock();
+        while threads.len() < self.size {
+            let q = self.q.clone();
+            let Ok(h) = std::thread::Builder::new().name("gixl-copy".into()).spawn(move || worker(q)) else { break };
+            threads.push(h);
+        }
+        !threads.is_empty()
     }
 
     /// Finish queued tasks, then stop the threads.
@@ -72,18 +69,12 @@ impl Pool {
 fn worker(q: Arc<(Mutex<Queue>, Condvar)>) {
     let (m, cv) = &*q;
     loop {
-        let task = {
-            let mut g = m.lock();
-            loop {
-                if let Some(t) = g.tasks.pop_front() {
-                    break t;
-                }
-                if g.stop {
-                    return;
-                }
-                cv.wait(&mut g);
-            }
-        };
+        let mut g = m.lock();
+        while g.tasks.is_empty() && !g.stop {
+            cv.wait(&mut g);
+        }
+        let Some(task) = g.tasks.pop_front() else { return };
+        drop(g);
         // A task that panics must not take the thread (and the tasks queued behind it) down with it; the
         // engine's tasks record their own panics on their request.
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task));

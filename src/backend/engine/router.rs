@@ -175,11 +175,10 @@ impl EnginePeer {
         let (Some(f), None) = (&self.fallback, self.fallen_back()) else {
             return self.active().copy(job, segs);
         };
-        let r = self.via().copy(job, segs);
-        let Err(e) = &r else { return r };
-        if !copy::cma_denied(e) {
-            return r;
-        }
+        let e = match self.via().copy(job, segs) {
+            Err(e) if copy::cma_denied(&e) => e,
+            r => return r,
+        };
         if self.fall_back() {
             crate::telemetry::log::warn(&format!(
                 "agent '{}': peer '{}' route tcp (fall-back: the kernel denied cross-memory attach: {e}; \

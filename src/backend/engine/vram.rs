@@ -11,14 +11,12 @@
 //! - Another process, its region in DRAM and ours in VRAM: cross-memory attach into a page-locked staging
 //!   buffer and a device copy between the buffer and VRAM.
 //!
-//! Every batch of device copies into or out of another process's VRAM is bracketed as a cross-memory-attach
-//! batch is (`in_peer_gate`): enter the peer's gate (`gate`), check its identity (the exit/exec sentinel in
-//! its gate, one load; else the 16-byte probe, `copy::probe`), copy, check again, leave; so is opening a
-//! peer's allocation. The sentinel needs no ptrace permission, so a peer whose gate and descriptors came
-//! over its control socket stays reachable where the kernel denies cross-memory attach (its DRAM then goes
-//! over TCP: `router::ipc_despite_denial`). A handle of another incarnation, a deregistered region
-//! (NOT_FOUND) or a dead, exec'd or restarted peer (REMOTE_DISCONNECT) is refused before the driver is
-//! called, and deregistration returns only once no batch that passed the gate is still copying.
+//! Every batch of device copies into or out of another process's VRAM, and every opening of a peer's
+//! allocation, is bracketed as a cross-memory-attach batch is (`in_peer_gate`: the peer's gate entered, its
+//! identity checked before and after), so a handle of another incarnation, a deregistered region (NOT_FOUND) or
+//! a dead, exec'd or restarted peer (REMOTE_DISCONNECT) is refused before the driver is called, and
+//! deregistration returns only once no batch that passed the gate is still copying. The identity check needs no
+//! ptrace permission: where the kernel denies cross-memory attach, see `router::ipc_despite_denial`.
 
 use std::os::fd::AsFd;
 use std::sync::atomic::Ordering;
@@ -202,11 +200,7 @@ pub(super) fn prep(shared: &Arc<Shared>, plan: &XferPlan) -> Result<VramPlan> {
         .find_map(|k| k.downcast_ref::<RemoteVram>().map(|r| r.dev).or(Registered::vram_dev(k)));
     // The device whose context runs the copies: the local region's, else (this process) the remote one's,
     // else device 0 (a peer's allocation opened here from DRAM).
-    let dev = match local_dev {
-        Some(d) => d,
-        None if process => 0,
-        None => remote_dev.unwrap_or(0),
-    };
+    let dev = local_dev.or(remote_dev.filter(|_| !process)).unwrap_or(0);
     let used: std::collections::BTreeSet<u32> = plan.segs.iter().map(|s| s.rreg).collect();
     let mut regions = Vec::with_capacity(plan.remote_keys.len());
     let mut gated = Vec::new();
@@ -337,17 +331,11 @@ impl VramPlan {
                 });
                 off += s.len;
             }
+            let device = || self.device.copy(self.dev, &dev_copies);
             match op {
-                XferOp::Read => {
-                    cma(&staged)?;
-                    self.device.copy(self.dev, &dev_copies)?;
-                }
-                XferOp::Write => {
-                    self.device.copy(self.dev, &dev_copies)?;
-                    cma(&staged)?;
-                }
+                XferOp::Read => cma(&staged).and_then(|()| device()),
+                XferOp::Write => device().and_then(|()| cma(&staged)),
             }
-            Ok(())
         };
         copy::chunks(segs, STAGE).iter().try_for_each(|c| flush(c))
     }

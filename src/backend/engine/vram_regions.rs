@@ -85,9 +85,7 @@ impl Vram {
                 }
                 exports.insert(c.base, Exported { export, regions: 0 });
             }
-            if let Some(e) = exports.get_mut(&c.base) {
-                e.regions += 1;
-            }
+            exports.entry(c.base).and_modify(|e| e.regions += 1);
             done.push(c.base);
         }
         let ticket = gate.register(d.addr, d.len).inspect_err(|_| Self::release(ctrl, &mut exports, &done))?;
@@ -118,14 +116,10 @@ impl Vram {
         for b in bases {
             let Some(e) = exports.get_mut(b) else { continue };
             e.regions -= 1;
-            if e.regions > 0 {
-                continue;
-            }
             // The export (and the descriptor it offers) lives until it is withdrawn.
-            if let Some(e) = exports.remove(b) {
-                if let Some(k) = &e.export.keep {
-                    ctrl.withdraw_fd(k.as_raw_fd());
-                }
+            let last = (e.regions == 0).then(|| exports.remove(b)).flatten();
+            if let Some(k) = last.as_ref().and_then(|e| e.export.keep.as_ref()) {
+                ctrl.withdraw_fd(k.as_raw_fd());
             }
         }
     }
@@ -184,6 +178,11 @@ impl RemoteVram {
     pub(super) fn gated(&self) -> (u32, u64, u64, u64) {
         (self.ticket.slot, self.ticket.state, self.addr, self.len)
     }
+
+    /// The registration as the peer's TCP target knows it: (address, length).
+    pub(super) fn tcp_region(&self) -> (u64, u64) {
+        (self.addr, self.len)
+    }
 }
 
 /// A peer's allocation opened in this process (shared by its regions); closed when the last one goes.
@@ -207,8 +206,7 @@ pub(super) fn load_remote(incarnation: u128, desc: &Desc, public: &[u8]) -> Resu
         return Err(Error::mismatch("unknown VRAM region format in metadata"));
     }
     let dev = u32::try_from(r.uvar()?).map_err(|_| bad())?;
-    let slot = u32::try_from(r.uvar()?).map_err(|_| bad())?;
-    let state = r.uvar()?;
+    let ticket = RegionTicket { slot: u32::try_from(r.uvar()?).map_err(|_| bad())?, state: r.uvar()? };
     let n = usize::try_from(r.uvar()?).ok().filter(|&n| (1..=MAX_CHUNKS).contains(&n)).ok_or_else(bad)?;
     let mut chunks: Vec<RemoteChunk> = Vec::with_capacity(n.min(64));
     for _ in 0..n {
@@ -234,22 +232,7 @@ pub(super) fn load_remote(incarnation: u128, desc: &Desc, public: &[u8]) -> Resu
     if r.left() != 0 || desc.addr < lo || !matches!((end, hi), (Some(e), Some(h)) if e <= h) {
         return Err(bad());
     }
-    Ok(Arc::new(RemoteVram {
-        addr: desc.addr,
-        len: desc.len,
-        dev,
-        chunks,
-        ticket: RegionTicket { slot, state },
-        incarnation,
-        tickets,
-    }))
-}
-
-impl RemoteVram {
-    /// The registration as the peer's TCP target knows it: (address, length).
-    pub(super) fn tcp_region(&self) -> (u64, u64) {
-        (self.addr, self.len)
-    }
+    Ok(Arc::new(RemoteVram { addr: desc.addr, len: desc.len, dev, chunks, ticket, incarnation, tickets }))
 }
 
 pub(super) fn open_alloc(

@@ -54,6 +54,7 @@ impl EngineXfer {
 }
 
 /// One post of a request, shared with the copy threads working on it.
+#[derive(Default)]
 pub(super) struct Run {
     state: AtomicI32,
     pending: AtomicUsize,
@@ -67,10 +68,7 @@ pub(super) struct Run {
 
 impl Run {
     fn fail(&self, e: Error) {
-        let mut err = self.err.lock();
-        if err.is_none() {
-            *err = Some((e.status(), e.message().to_owned()));
-        }
+        self.err.lock().get_or_insert_with(|| (e.status(), e.message().to_owned()));
     }
 }
 
@@ -121,19 +119,15 @@ impl Core {
 
     /// Data is complete: send the notification, then publish the outcome.
     fn finish(&self, run: &Run) {
-        if run.err.lock().is_none() {
-            if let Some(msg) = &run.notif {
-                let r = match self.peer() {
-                    None => {
-                        self.shared.queue.lock().push((self.shared.agent.clone(), msg.clone()));
-                        Ok(())
-                    }
-                    Some(p) => p.notify(&self.shared.agent, msg),
-                };
-                if let Err(e) = r {
-                    run.fail(e);
+        if let Some(msg) = run.notif.as_ref().filter(|_| run.err.lock().is_none()) {
+            let r = match self.peer() {
+                None => {
+                    self.shared.queue.lock().push((self.shared.agent.clone(), msg.clone()));
+                    Ok(())
                 }
-            }
+                Some(p) => p.notify(&self.shared.agent, msg),
+            };
+            r.unwrap_or_else(|e| run.fail(e));
         }
         *run.done_at.lock() = Some(Instant::now());
         let state = run.err.lock().as_ref().map_or(Status::Success, |e| e.0);
@@ -152,10 +146,8 @@ impl BackendXfer for EngineXfer {
         if core.shared.closed.load(Ordering::Acquire) {
             return Err(Error::backend("the agent that made this request has been destroyed"));
         }
-        if let Some(p) = core.peer() {
-            if p.disconnected() {
-                return Err(crate::backend::disconnected(&p.name, p));
-            }
+        if let Some(p) = core.peer().filter(|p| p.disconnected()) {
+            return Err(crate::backend::disconnected(&p.name, p));
         }
         let plan = &core.plan;
         let tcp = core.tcp_link();
@@ -172,12 +164,8 @@ impl BackendXfer for EngineXfer {
         let run = Arc::new(Run {
             state: AtomicI32::new(Status::InProg as i32),
             pending: AtomicUsize::new(pieces),
-            abort: AtomicBool::new(false),
-            err: Mutex::new(None),
-            done_at: Mutex::new(None),
-            idle: Condvar::new(),
-            idle_lock: Mutex::new(()),
             notif: notif.map(<[u8]>::to_vec),
+            ..Run::default()
         });
         *self.run.lock() = Some(run.clone());
         if let Some(link) = tcp {
@@ -208,24 +196,18 @@ impl BackendXfer for EngineXfer {
 
     fn status(&self) -> Result<Status> {
         let Some(run) = self.run.lock().clone() else { return Err(Error::new(Status::NotPosted, "not posted")) };
-        let st = Status::from_i32(run.state.load(Ordering::Acquire)).unwrap_or(Status::Unknown);
-        match st {
+        match Status::from_i32(run.state.load(Ordering::Acquire)).unwrap_or(Status::Unknown) {
             Status::Success => Ok(Status::Success),
             Status::InProg => {
                 // A dead peer is reported without waiting for the copy threads to notice it by themselves,
                 // but only once they have stopped: a terminal status means nothing touches the buffers.
-                if let Some(p) = self.core.peer() {
-                    if p.disconnected() {
-                        self.abort();
-                        return Err(crate::backend::disconnected(&p.name, p));
-                    }
+                if let Some(p) = self.core.peer().filter(|p| p.disconnected()) {
+                    self.abort();
+                    return Err(crate::backend::disconnected(&p.name, p));
                 }
                 Ok(Status::InProg)
             }
-            s => {
-                let msg = run.err.lock().as_ref().map(|(_, m)| m.clone()).unwrap_or_default();
-                Err(Error::new(s, msg))
-            }
+            s => Err(Error::new(s, run.err.lock().as_ref().map(|(_, m)| m.clone()).unwrap_or_default())),
         }
     }
 

@@ -59,11 +59,9 @@ impl Cma {
             // Identity is checked inside the call itself: its first iovec is the incarnation's gate (see
             // `copy::cma_batch`), which an exec'd image or a process that took over the pid does not map. (A
             // pidfd poll here would cost a syscall per batch and still miss exec.)
-            let inside = gate.enter(conn::gate_regions(job.keys));
-            if let Err(e) = &inside {
-                gone = e.status() == Status::RemoteDisconnect;
-            }
-            let _inside = inside?;
+            let _inside = gate
+                .enter(conn::gate_regions(job.keys))
+                .inspect_err(|e| gone = e.status() == Status::RemoteDisconnect)?;
             // SAFETY: the caller keeps the local ranges valid.
             unsafe { copy::cma_batch(self.pid, job.op, b, &self.probe, gate.gate.sentinel(), &mut gone) }
         });
@@ -82,14 +80,12 @@ impl Cma {
         }
         let mut s = self.sender.lock();
         if s.is_none() {
-            match Sender::connect(&self.sock, self.incarnation, self.secret, from, self.from_inc) {
-                Ok(c) => *s = Some(c),
-                Err(e) if e.status() == Status::NotAllowed => {
-                    self.local_refused.store(true, Ordering::Release);
-                    return Err(refused());
-                }
-                Err(e) => return Err(e),
+            let c = Sender::connect(&self.sock, self.incarnation, self.secret, from, self.from_inc);
+            if c.as_ref().is_err_and(|e| e.status() == Status::NotAllowed) {
+                self.local_refused.store(true, Ordering::Release);
+                return Err(refused());
             }
+            *s = Some(c?);
         }
         Ok(s)
     }
@@ -119,11 +115,7 @@ impl Route for Cma {
             return Err(Error::disconnected(format!("agent '{}' has exited", self.name)));
         }
         let mut s = self.sender(from)?;
-        let r = s.as_mut().map(|s| s.notif(msg)).unwrap_or(Ok(()));
-        if r.is_err() {
-            *s = None;
-        }
-        r
+        s.as_mut().map_or(Ok(()), |c| c.notif(msg)).inspect_err(|_| *s = None)
     }
     fn link(&self) -> Option<&Arc<TcpLink>> {
         None
