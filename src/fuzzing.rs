@@ -92,7 +92,7 @@ pub fn tcp_wire(data: &[u8]) {
             Ok(Some((h, used))) => {
                 assert!(used <= rest.len());
                 assert_eq!(encode_hello(&h), &rest[..used], "HELLO changed across parse/encode");
-                assert!(h.kind == KIND_CTRL || h.kind == KIND_DATA || h.kind == KIND_RDMA);
+                assert!(h.kind == KIND_CTRL || h.kind == KIND_DATA || KIND_ROUTES.contains(&h.kind));
                 assert!(!h.name.is_empty() && h.name.len() <= MAX_NAME);
                 assert_eq!(parse_hello(&rest[..used - 1]), Ok(None), "a HELLO's prefix is not incomplete");
                 let nonce = [sel; 16];

@@ -542,6 +542,8 @@ fn requests_take_the_port_nearest_the_region_and_another_when_it_fails() {
 #[test]
 fn strangers_on_the_rdma_exchange_get_no_queue_pair_and_break_nothing() {
     use gixl::backend::engine::wire;
+    // The RDMA route's connection kind on the TCP listener (`route/rdma/wire.rs`): a wire byte a stranger knows.
+    const KIND_RDMA: u8 = 3;
     fake_env();
     let mut p = Prefill::start(21);
     let (a, dst) = decode("decode-stranger", &p);
@@ -560,9 +562,9 @@ fn strangers_on_the_rdma_exchange_get_no_queue_pair_and_break_nothing() {
         let mut c = [0u8; wire::CHALLENGE_BYTES];
         s.read_exact(&mut c).unwrap();
         let nonce = wire::parse_challenge(&c).unwrap();
-        let tag = wire::hello_tag(secret, wire::KIND_RDMA, inc, &nonce, "mallory");
+        let tag = wire::hello_tag(secret, KIND_RDMA, inc, &nonce, "mallory");
         s.write_all(&wire::encode_hello(&wire::Hello {
-            kind: wire::KIND_RDMA,
+            kind: KIND_RDMA,
             incarnation: inc,
             tag,
             name: "mallory".into(),

@@ -29,8 +29,6 @@ use crate::mem::MemType;
 use crate::status::{Error, Result, Status};
 pub(crate) use tcp::link::TcpLink;
 pub(crate) use tcp::listen::TcpShared;
-/// The connection kind on which the RDMA route's pairs are exchanged (after the TCP handshake).
-pub(crate) use tcp::wire::KIND_RDMA;
 
 /// How a request touching VRAM reaches its peer (`Route::vram`, `router::vram_way`).
 pub(super) enum VramWay {

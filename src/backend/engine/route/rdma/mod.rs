@@ -12,7 +12,7 @@
 //! - `wire`: the section and the exchange as pure functions.
 //!
 //! The peer's TCP link carries what is not data: the authenticated exchange that connects the pairs (a
-//! `KIND_RDMA` connection, kept open while they live), heartbeats while requests are in flight, and
+//! `wire::KIND` connection on the TCP listener, kept open while they live), heartbeats while requests are in flight, and
 //! notifications, which leave after the request's last completion, so after its data (a WRITE's last chain on
 //! each pair ends with a 1-byte READ, a flush, so the data is in the target's memory by then, see `run`).
 //!
@@ -36,7 +36,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::{Job, Net, Prepared, Reach, Regions, Route, Side, TcpLink, TcpShared, Transport, VramWay, KIND_RDMA};
+use super::{Job, Net, Prepared, Reach, Regions, Route, Side, TcpLink, TcpShared, Transport, VramWay};
 use crate::backend::{Seg, XferOp, XferPlan};
 use crate::status::{Error, Result, Status};
 use crate::verbs::{Completion, Cq, Op, Qp, QpCaps, Sge, WcStatus, Wr};
@@ -223,7 +223,7 @@ impl Net for RdmaNet {
     fn start(&self, transport: Transport, agent: &str, tcp: &TcpShared, patience: Duration) -> Option<Arc<dyn Side>> {
         let side = RdmaSide::start_for(transport, agent)?;
         let s = side.clone();
-        tcp.set_side(Box::new(move |c| s.serve(c, patience)));
+        tcp.set_side(wire::KIND, Box::new(move |c| s.serve(c, patience)));
         Some(side)
     }
     fn read_ticket(&self, sections: &[(u64, &[u8])]) -> Result<Option<Box<dyn Any + Send + Sync>>> {
@@ -315,7 +315,7 @@ impl Rdma {
             return Ok(l);
         }
         let nic = &self.side.ports[path.local].nic;
-        let mut conn = self.link.dial_proven(KIND_RDMA)?;
+        let mut conn = self.link.dial_proven(wire::KIND)?;
         let cq = nic.create_cq(2 * CHAIN as u32)?;
         let qp = nic.create_qp(&cq, &cq, LANE_CAPS)?;
         let io = |e: std::io::Error| self.gone(&format!("queue-pair exchange: {e}"));

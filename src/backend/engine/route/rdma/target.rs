@@ -168,7 +168,7 @@ fn pieces(addr: u64, len: u64, bases: &[u64]) -> Vec<(u64, u64)> {
 
 impl RdmaSide {
     /// The side an engine of `transport` starts: none with `tcp`, or where the host has no usable port (said
-    /// in the log where it was asked for). Its `serve` takes the `KIND_RDMA` connections.
+    /// in the log where it was asked for). Its `serve` takes the TCP listener's connections of its kind (`wire::KIND`).
     pub(crate) fn start_for(transport: Transport, agent: &str) -> Option<Arc<RdmaSide>> {
         match (transport, RdmaSide::start(transport == Transport::Rdma)) {
             (Transport::Tcp, _) => None,

@@ -1,5 +1,5 @@
 //! The RDMA route's bytes, as pure functions: its connection-info section (the engine's ports), its sections
-//! of a region's ticket (the region's keys, see `RdmaKeys`) and the queue-pair exchange on a `KIND_RDMA`
+//! of a region's ticket (the region's keys, see `RdmaKeys`) and the queue-pair exchange on a `KIND`
 //! connection (after the TCP route's authenticated handshake).
 //!
 //! ```text
@@ -19,6 +19,8 @@ use crate::verbs::{LinkLayer, PortInfo, QpAddr};
 
 /// Its connection-info section's id (layout 4, see `conn`).
 pub(crate) const SECTION: u64 = 5;
+/// Its connection kind on the TCP listener (one of `tcp::wire::KIND_ROUTES`): the queue-pair exchange.
+pub(crate) const KIND: u8 = 3;
 
 /// A region ticket's section: the region's RDMA remote keys (u32 each, one per port).
 const TICKET_RKEY: u64 = 1;

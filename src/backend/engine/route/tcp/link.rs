@@ -231,7 +231,7 @@ impl TcpLink {
     }
 
     /// A connection of `kind`, dialled and proven (the target answered for the incarnation we were built
-    /// for): the control connection, or another route's (`KIND_RDMA`'s queue-pair exchange). A failure counts
+    /// for): the control connection, or another route's exchange (`wire::KIND_ROUTES`: RDMA's queue pairs). A failure counts
     /// against the peer's health.
     pub(crate) fn dial_proven(&self, kind: u8) -> Result<TcpStream> {
         self.usable()?;

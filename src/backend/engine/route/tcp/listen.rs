@@ -165,8 +165,8 @@ pub struct TcpShared {
     pub(crate) paused: AtomicBool,
     /// The application took notifications: the progress thread should resume paused connections.
     resume: AtomicBool,
-    /// Who takes authenticated connections of another route's kind (`KIND_RDMA`): set once by the engine.
-    side: std::sync::OnceLock<SideHandler>,
+    /// Who takes authenticated connections of other routes' kinds (`wire::KIND_ROUTES`), by kind.
+    sides: Mutex<Vec<(u8, Arc<SideHandler>)>>,
 }
 
 /// Takes an authenticated connection of another route's kind, its ACK sent, blocking.
@@ -192,9 +192,13 @@ pub struct CtrlConn {
 }
 
 impl TcpShared {
-    /// Hand authenticated `KIND_RDMA` connections to `h` from now on (once; later calls are ignored).
-    pub(crate) fn set_side(&self, h: SideHandler) {
-        let _ = self.side.set(h);
+    /// Hand authenticated connections of `kind` (one of `wire::KIND_ROUTES`) to `h` from now on (once a kind;
+    /// later calls for it are ignored).
+    pub(crate) fn set_side(&self, kind: u8, h: SideHandler) {
+        let mut sides = self.sides.lock();
+        if wire::KIND_ROUTES.contains(&kind) && sides.iter().all(|(k, _)| *k != kind) {
+            sides.push((kind, Arc::new(h)));
+        }
     }
 
     /// The application took notifications: if a control connection waits for room, look again.
@@ -441,7 +445,7 @@ impl TcpProgress {
             next_out: AtomicU64::new(0),
             paused: AtomicBool::new(false),
             resume: AtomicBool::new(false),
-            side: std::sync::OnceLock::new(),
+            sides: Mutex::default(),
         });
         Ok(TcpProgress {
             shared,
@@ -635,10 +639,10 @@ impl TcpProgress {
             c.name = Some(h.name);
             return true;
         }
-        if h.kind == wire::KIND_RDMA {
+        if wire::KIND_ROUTES.contains(&h.kind) {
             // Another route's exchange: refused without a taker (that route is off here).
-            let shared = self.shared.clone();
-            let Some(side) = shared.side.get() else { return false };
+            let side = self.shared.sides.lock().iter().find(|(k, _)| *k == h.kind).map(|(_, s)| s.clone());
+            let Some(side) = side else { return false };
             let acked = |c: &In| net::send_now(c.stream.as_raw_fd(), &[wire::ACK]).ok() == Some(1);
             let Some(c) = self.drop_in(token).filter(acked) else { return false };
             let _ = c.stream.set_nonblocking(false);
@@ -841,6 +845,48 @@ mod tests {
         assert_eq!(ack[0], wire::ACK);
         let pending = p.inbound.values().filter(|c| c.name.is_none()).count();
         assert!(pending <= MAX_PENDING, "{pending} pending");
+    }
+
+    /// Another route's connection kind (`wire::KIND_ROUTES`) goes, once its HELLO proves the secret, to the route
+    /// that took that kind, after the ACK; a kind of that range that no route took is closed without an answer.
+    #[test]
+    fn a_route_kind_goes_to_its_taker_and_one_nobody_took_is_closed() {
+        use std::io::{Read, Write};
+        let (inc, secret) = (0x78u128, 0x4321u128);
+        let mut p = progress(inc, secret);
+        let (tx, rx) = std::sync::mpsc::channel();
+        p.shared.set_side(4, Box::new(move |s| tx.send(s).unwrap()));
+        let to = p.listener.local_addr().unwrap();
+        for (kind, taken) in [(4u8, true), (5, false)] {
+            let mut s = TcpStream::connect(to).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            p.accept();
+            let mut c = [0u8; wire::CHALLENGE_BYTES];
+            s.read_exact(&mut c).unwrap();
+            let nonce = wire::parse_challenge(&c).unwrap();
+            let tag = wire::hello_tag(secret, kind, inc, &nonce, "peer");
+            s.write_all(&wire::encode_hello(&wire::Hello { kind, incarnation: inc, tag, name: "peer".into() }))
+                .unwrap();
+            // Read by the listener once it is in (loopback: at once, or within a few tries).
+            for _ in 0..5000 {
+                let Some(&t) = p.inbound.keys().next() else { break };
+                p.on_in(t);
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            assert!(p.inbound.is_empty(), "kind {kind}: the connection is still the listener's");
+            let mut ack = [0u8; 1];
+            let n = s.read(&mut ack).unwrap_or(0);
+            if taken {
+                assert_eq!((n, ack[0]), (1, wire::ACK), "kind {kind}: acknowledged");
+                assert!(rx.try_recv().is_ok(), "kind {kind}: handed to its route");
+            } else {
+                assert_eq!(n, 0, "kind {kind}: closed without an answer");
+                assert!(rx.try_recv().is_err(), "kind {kind}: handed to nobody");
+            }
+        }
+        // Outside the range, a kind is not a route's to take.
+        p.shared.set_side(wire::KIND_DATA, Box::new(|_| panic!("taken")));
+        assert!(p.shared.sides.lock().iter().all(|(k, _)| *k == 4));
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! nothing about the target's incarnation:
 //! ```text
 //! CHALLENGE = "GIXLTCP2" | nonce (16 random bytes, new per connection)
-//! HELLO     = "GIXLTCP2" | kind u8 (1 control, 2 data, 3 RDMA exchange) | target incarnation u128 | tag u64
+//! HELLO     = "GIXLTCP2" | kind u8 (1 control, 2 data, 3 to 8 another route's exchange) | target incarnation u128 | tag u64
 //!             | name length u16 | initiator agent name (UTF-8, 1..=4096 bytes)
 //! tag       = SipHash-2-4, keyed by the 128-bit secret, of
 //!             "gixl-hello" | kind | target incarnation | nonce | name
@@ -42,8 +42,9 @@ pub const HELLO_MAGIC: &[u8; 8] = b"GIXLTCP2";
 pub const CHALLENGE_BYTES: usize = 24;
 pub const KIND_CTRL: u8 = 1;
 pub const KIND_DATA: u8 = 2;
-/// The RDMA route's queue-pair exchange (see `route::rdma::wire`), handed by the listener to that route.
-pub const KIND_RDMA: u8 = 3;
+/// Other routes' exchanges on this listener, a kind each, handed to the route that took it
+/// (`TcpShared::set_side`; the RDMA route's queue-pair exchange is 3).
+pub const KIND_ROUTES: std::ops::RangeInclusive<u8> = 3..=8;
 /// The target's answer to a good HELLO.
 pub const ACK: u8 = 0xA5;
 /// The target's answer to a HELLO for another incarnation or with a wrong tag, before it closes: the
@@ -122,7 +123,7 @@ pub fn parse_hello(buf: &[u8]) -> Result<Option<(Hello, usize)>, WireError> {
         return Ok(None);
     }
     let kind = buf[8];
-    if kind != KIND_CTRL && kind != KIND_DATA && kind != KIND_RDMA {
+    if kind != KIND_CTRL && kind != KIND_DATA && !KIND_ROUTES.contains(&kind) {
         return Err(WireError("unknown connection kind"));
     }
     let incarnation = u128::from_le_bytes(arr(&buf[9..25]));
