@@ -264,6 +264,8 @@ fn cross_process_read_notify_kill_and_restart() {
         }
     };
     assert_eq!(e.status(), Status::RemoteDisconnect);
+    // It says why (the pidfd saw the exit, or a batch found the incarnation gone), never a bare "disconnected".
+    assert!(!e.message().ends_with("has disconnected"), "{e}");
 
     // Restart under the same name with a different buffer.
     let mut p2 = Prefill::start(size, 9);

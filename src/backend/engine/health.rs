@@ -335,8 +335,15 @@ impl PeerHealth {
         }
     }
 
+    /// Why it is down: what was fed, else what the signals read when asked say (a same-host peer whose exit only
+    /// its pidfd saw, or whose gate closed, was fed nothing).
     pub(crate) fn why(&self) -> Option<String> {
-        self.why.lock().clone()
+        let fed = self.why.lock().clone();
+        fed.or_else(|| match (self.exited.as_ref(), self.gate.as_ref()) {
+            (Some(e), _) if e.load(Ordering::Acquire) => Some("its process exited (its pidfd said so)".into()),
+            (_, Some(g)) if !g.gate.live() => Some("its incarnation ended (its gate closed)".into()),
+            _ => None,
+        })
     }
 }
 
@@ -565,9 +572,11 @@ mod tests {
         let mut revived = false;
         assert!(h.handshake(4400 * MS, || false, || revived = true) && revived);
         assert_eq!(h.verdict(4400 * MS), Verdict::Up);
-        // The process exits: gone, though nothing was fed (the pidfd watch sets the flag it reads).
+        // The process exits: gone, though nothing was fed (the pidfd watch sets the flag it reads), and says so.
+        assert_eq!(h.why(), None);
         exited.store(true, Ordering::Release);
         assert_eq!(h.verdict(4500 * MS), Verdict::Gone);
+        assert_eq!(h.why().as_deref(), Some("its process exited (its pidfd said so)"));
         assert!(h.gone() && h.down_at(u64::MAX));
         // `kill` is final for a name whose process still runs.
         let h = PeerHealth::new(cfg, true, None, None);
