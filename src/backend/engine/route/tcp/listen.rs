@@ -813,24 +813,31 @@ mod tests {
         }
     }
 
+    /// A connection to `p`'s listener that has sent its HELLO of `kind` as `name`, proving `secret`.
+    fn say_hello(p: &mut TcpProgress, secret: u128, kind: u8, name: &str) -> TcpStream {
+        use std::io::{Read, Write};
+        let inc = p.shared.incarnation;
+        let mut s = TcpStream::connect(p.listener.local_addr().unwrap()).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        p.accept();
+        let mut c = [0u8; wire::CHALLENGE_BYTES];
+        s.read_exact(&mut c).unwrap();
+        let nonce = wire::parse_challenge(&c).unwrap();
+        let tag = wire::hello_tag(secret, kind, inc, &nonce, name);
+        s.write_all(&wire::encode_hello(&wire::Hello { kind, incarnation: inc, tag, name: name.into() })).unwrap();
+        s
+    }
+
     /// A real peer's HELLO arrives while the progress thread is busy accepting a stranger's churn from many
     /// source addresses (one pending connection each, every slot full): the eviction that would take the peer's
     /// connection, the oldest, reads it first and authenticates it. It was closed unread.
     #[test]
     fn a_waiting_hello_is_read_before_its_connection_is_evicted() {
-        use std::io::{Read, Write};
+        use std::io::Read;
         let (inc, secret) = (0x77u128, 0x1234u128);
         let mut p = progress(inc, secret);
         let to = p.listener.local_addr().unwrap();
-        let mut real = TcpStream::connect(to).unwrap();
-        real.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        p.accept();
-        let mut c = [0u8; wire::CHALLENGE_BYTES];
-        real.read_exact(&mut c).unwrap();
-        let nonce = wire::parse_challenge(&c).unwrap();
-        let tag = wire::hello_tag(secret, wire::KIND_CTRL, inc, &nonce, "real");
-        let h = wire::Hello { kind: wire::KIND_CTRL, incarnation: inc, tag, name: "real".into() };
-        real.write_all(&wire::encode_hello(&h)).unwrap();
+        let mut real = say_hello(&mut p, secret, wire::KIND_CTRL, "real");
         // Strangers, one connection per source address, taken in bursts as the listener's backlog allows.
         let mut strangers = Vec::new();
         for i in 0..MAX_PENDING as u32 + 8 {
@@ -851,22 +858,13 @@ mod tests {
     /// that took that kind, after the ACK; a kind of that range that no route took is closed without an answer.
     #[test]
     fn a_route_kind_goes_to_its_taker_and_one_nobody_took_is_closed() {
-        use std::io::{Read, Write};
-        let (inc, secret) = (0x78u128, 0x4321u128);
-        let mut p = progress(inc, secret);
+        use std::io::Read;
+        let secret = 0x4321u128;
+        let mut p = progress(0x78, secret);
         let (tx, rx) = std::sync::mpsc::channel();
         p.shared.set_side(4, Box::new(move |s| tx.send(s).unwrap()));
-        let to = p.listener.local_addr().unwrap();
         for (kind, taken) in [(4u8, true), (5, false)] {
-            let mut s = TcpStream::connect(to).unwrap();
-            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-            p.accept();
-            let mut c = [0u8; wire::CHALLENGE_BYTES];
-            s.read_exact(&mut c).unwrap();
-            let nonce = wire::parse_challenge(&c).unwrap();
-            let tag = wire::hello_tag(secret, kind, inc, &nonce, "peer");
-            s.write_all(&wire::encode_hello(&wire::Hello { kind, incarnation: inc, tag, name: "peer".into() }))
-                .unwrap();
+            let mut s = say_hello(&mut p, secret, kind, "peer");
             // Read by the listener once it is in (loopback: at once, or within a few tries).
             for _ in 0..5000 {
                 let Some(&t) = p.inbound.keys().next() else { break };
