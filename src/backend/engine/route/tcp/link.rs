@@ -14,7 +14,7 @@ use parking_lot::{Condvar, Mutex};
 use super::listen::{CtrlConn, TcpOpts, TcpShared, Watched};
 use super::wire::{self, Hello, WireSeg};
 use crate::backend::engine::health::{DialPlan, PeerHealth, Signal, Tick};
-use crate::backend::engine::notif::MAX_NOTIF;
+use crate::backend::engine::notif;
 use crate::backend::{Seg, XferOp};
 use crate::os::sock::{self as net, iovec};
 use crate::status::{Error, Result, Status};
@@ -231,8 +231,8 @@ impl TcpLink {
     }
 
     /// A connection of `kind`, dialled and proven (the target answered for the incarnation we were built
-    /// for): the control connection, or another route's exchange (`wire::KIND_ROUTES`: RDMA's queue pairs). A failure counts
-    /// against the peer's health.
+    /// for): the control connection, or another route's exchange (`wire::KIND_ROUTES`: RDMA's queue pairs). A
+    /// failure counts against the peer's health.
     pub(crate) fn dial_proven(&self, kind: u8) -> Result<TcpStream> {
         self.usable()?;
         let epoch = self.epoch.load(Ordering::Acquire);
@@ -329,10 +329,7 @@ impl TcpLink {
     /// If the frame was left half written, the connection is half-closed (the target drops the partial frame
     /// after queueing everything before it) and the next notification dials a new one.
     pub fn notif(self: &Arc<Self>, msg: &[u8]) -> Result<()> {
-        let n = msg.len();
-        if n > MAX_NOTIF {
-            return Err(Error::invalid_param(format!("notification of {n} bytes exceeds the {MAX_NOTIF}-byte limit")));
-        }
+        notif::check(msg)?;
         let c = self.connect()?;
         let _g = c.w.lock();
         let head = wire::encode_ctrl_head(wire::CTRL_NOTIF, msg.len());
