@@ -27,8 +27,14 @@ pub fn for_batches(
     let mut i = 0;
     while i < segs.len() {
         if segs[i].len > max_bytes {
-            for piece in chunks(&segs[i..=i], max_bytes) {
-                f(&piece)?;
+            // One segment larger than a batch: in pieces (no allocation on this path).
+            let mut s = segs[i];
+            while s.len > 0 {
+                let piece = Seg { len: s.len.min(max_bytes), ..s };
+                f(std::slice::from_ref(&piece))?;
+                s.local += piece.len;
+                s.remote += piece.len;
+                s.len -= piece.len;
             }
             i += 1;
             continue;
