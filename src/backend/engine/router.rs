@@ -59,7 +59,6 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
     // The first network route beside TCP that reaches the peer (`sides::NET`'s order); why not each, for the log.
     let mut not = String::new();
     for (net, side) in s.sides.routes().filter(|_| !addrs.is_empty()) {
-        let Some(side) = side else { continue };
         let health = health(true, None, None);
         let link = || link(&health);
         let to = Reach { agent, section: ci.route(net.section()), same_host, transport: s.transport, link: &link };

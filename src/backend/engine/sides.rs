@@ -16,7 +16,6 @@ use crate::status::Result;
 pub(super) const NET: &[&dyn Net] = &[&RDMA];
 
 /// This engine's target sides, by `NET`'s order, each where its route runs here.
-#[derive(Default)]
 pub(super) struct Sides(Vec<Option<Arc<dyn Side>>>);
 
 impl Sides {
@@ -26,9 +25,9 @@ impl Sides {
         Sides(NET.iter().map(|n| n.start(transport, agent, tcp, patience)).collect())
     }
 
-    /// Every route beside TCP with the side it runs here, if any.
-    pub(super) fn routes(&self) -> impl Iterator<Item = (&'static dyn Net, Option<&Arc<dyn Side>>)> {
-        NET.iter().copied().zip(self.0.iter().map(Option::as_ref).chain(std::iter::repeat(None)))
+    /// Every route beside TCP that runs here, with its side.
+    pub(super) fn routes(&self) -> impl Iterator<Item = (&'static dyn Net, &Arc<dyn Side>)> {
+        NET.iter().copied().zip(&self.0).filter_map(|(n, s)| Some((n, s.as_ref()?)))
     }
 
     /// Every started side, in one order for the engine's life (`exports::Registered` keeps theirs in it).

@@ -12,8 +12,8 @@
 //! - `wire`: the section and the exchange as pure functions.
 //!
 //! The peer's TCP link carries what is not data: the authenticated exchange that connects the pairs (a
-//! `wire::KIND` connection on the TCP listener, kept open while they live), heartbeats while requests are in flight, and
-//! notifications, which leave after the request's last completion, so after its data (a WRITE's last chain on
+//! `wire::KIND` connection on the TCP listener, kept open while they live), heartbeats while requests are in
+//! flight, and notifications, which leave after the request's last completion, so after its data (a WRITE's last chain on
 //! each pair ends with a 1-byte READ, a flush, so the data is in the target's memory by then, see `run`).
 //!
 //! GPU memory goes as host memory does where both sides' NICs reach the regions (registered through a dma-buf of
@@ -55,7 +55,6 @@ pub(crate) struct LocalMrs {
 /// A request's regions as `prepare` found them: each local one's memory regions (by `Seg::lreg`), and each remote
 /// one's RDMA keys (by `Seg::rreg`; one per port of the peer, none where the peer's NIC cannot reach it directly)
 /// and the peer's ports nearest it.
-#[derive(Default)]
 struct Keys {
     local: Vec<Option<LocalMrs>>,
     remote: Vec<Option<RdmaKeys>>,
