@@ -63,7 +63,9 @@ impl Route for InProcess {
     fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {
         let gate = self.gate.as_ref().ok_or_else(|| self.destroyed())?;
         copy::for_batches(segs, usize::MAX, copy::BATCH_BYTES, &mut |b| {
-            job.stopped().map_or(Ok(()), Err)?;
+            if let Some(e) = job.stopped() {
+                return Err(e);
+            }
             let _inside = gate.enter(conn::gate_regions(job.keys))?;
             // SAFETY: local ranges were resolved against this agent's registrations; remote ones are inside
             // registrations the target still holds (the gate), which it cannot drop while we are inside.

@@ -8,8 +8,8 @@
 //! nothing about the target's incarnation:
 //! ```text
 //! CHALLENGE = "GIXLTCP2" | nonce (16 random bytes, new per connection)
-//! HELLO     = "GIXLTCP2" | kind u8 (1 control, 2 data, 3 to 8 another route's exchange) | target incarnation u128 | tag u64
-//!             | name length u16 | initiator agent name (UTF-8, 1..=4096 bytes)
+//! HELLO     = "GIXLTCP2" | kind u8 (1 control, 2 data, 3..=8 other routes' exchanges) | target incarnation u128
+//!             | tag u64 | name length u16 | initiator agent name (UTF-8, 1..=4096 bytes)
 //! tag       = SipHash-2-4, keyed by the 128-bit secret, of
 //!             "gixl-hello" | kind | target incarnation | nonce | name
 //! ```
