@@ -124,6 +124,22 @@ pub fn skip_empty(iov: &[libc::iovec], mut i: usize) -> usize {
     i
 }
 
+/// `f` on the iovecs from `at` cut to at most `max` bytes (the last one shortened for the call, then restored).
+pub fn capped<R>(iov: &mut [libc::iovec], at: usize, max: usize, f: impl FnOnce(&[libc::iovec]) -> R) -> R {
+    let (mut end, mut left) = (at, max);
+    while end < iov.len() && left > iov[end].iov_len {
+        left -= iov[end].iov_len;
+        end += 1;
+    }
+    if end == iov.len() {
+        return f(&iov[at..]);
+    }
+    let full = std::mem::replace(&mut iov[end].iov_len, left);
+    let r = f(&iov[at..=end]);
+    iov[end].iov_len = full;
+    r
+}
+
 /// One non-blocking `readv` into `iov` (at most `IOV_MAX` of them): Ok(0) is end of stream, WouldBlock
 /// when nothing is there.
 ///

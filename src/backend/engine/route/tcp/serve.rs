@@ -3,7 +3,7 @@
 //! socket and the registrations (`sendmsg`/`readv` on iovecs into them, no staging buffer on either side),
 //! device memory staged through page-locked buffers (`stage`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::{IpAddr, Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
@@ -142,6 +142,11 @@ impl Serving {
 /// state and, while its payload moves, a lease on the registrations it names.
 const MIN_LOOPS: usize = 4;
 const MAX_LOOPS: usize = 8;
+/// Bytes a connection moves in one turn of its loop (see `ServeLoop::run`; a staged chunk of device memory
+/// may go over it by one chunk).
+const QUANTUM: usize = 256 << 10;
+/// How often a busy loop looks for connections past their deadline.
+const SWEEP: u64 = 10_000_000;
 
 /// A data connection handed to a serving loop: its id, the socket, and its idle word (see `Served`).
 type Handed = (u64, Arc<TcpStream>, Arc<AtomicU64>);
@@ -155,13 +160,18 @@ struct ServeLoop {
 
 impl ServeLoop {
     /// Runs until the engine closes. `sh` is weak so the loop does not keep the engine alive.
+    ///
+    /// Fair across connections: a connection moves at most `QUANTUM` bytes before the loop looks for new events
+    /// and turns to the next one (it goes to the back of `turns` if it could move more), so a request that
+    /// arrives behind others' large transfers waits for one quantum of the loop's, not for their socket buffers.
     fn run(&self, sh: Weak<Serving>) {
         let mut conns: HashMap<u64, Box<DataConn>> = HashMap::new();
         let mut fired = Vec::new();
         let mut scratch = vec![0u8; 64 * 1024];
         // Staging buffers for requests on device memory, and the connections waiting for one, in order.
         let mut pool = loop_pool();
-        let mut waiting: std::collections::VecDeque<u64> = Default::default();
+        let mut q = Queues::default();
+        let mut swept = 0u64;
         loop {
             let Some(shared) = sh.upgrade() else { return };
             if shared.closed.load(Ordering::Acquire) {
@@ -171,22 +181,40 @@ impl ServeLoop {
                 return;
             }
             let stall = shared.stall.as_nanos() as u64;
-            let now = monotonic_ns();
-            let timeout = conns
-                .values()
-                .map(|c| c.deadline(stall))
-                .map(|d| d.saturating_sub(now).div_ceil(1_000_000).min(i32::MAX as u64) as i32)
-                .min()
-                .unwrap_or(-1);
+            let timeout = if q.turns.is_empty() {
+                let now = monotonic_ns();
+                conns
+                    .values()
+                    .map(|c| c.deadline(stall))
+                    .map(|d| d.saturating_sub(now).div_ceil(1_000_000).min(i32::MAX as u64) as i32)
+                    .min()
+                    .unwrap_or(-1)
+            } else {
+                0
+            };
             drop(shared);
             let ok = self.reactor.wait(timeout, &mut fired);
             let Some(shared) = sh.upgrade() else { return };
             if !ok {
                 return;
             }
-            let close = |conns: &mut HashMap<u64, Box<DataConn>>, id, pool: &mut Pinned| {
-                if let Some(mut c) = conns.remove(&id) {
-                    c.close(&shared, &self.reactor, pool);
+            // Drive one connection: closed when it failed, queued for a staging buffer or for its next turn.
+            let mut drive = |conns: &mut HashMap<u64, Box<DataConn>>, id, pool: &mut Pinned, q: &mut Queues, front| {
+                let Some(c) = conns.get_mut(&id) else { return };
+                if !c.drive(&shared.regions, &mut scratch, pool) {
+                    if let Some(mut c) = conns.remove(&id) {
+                        c.close(&shared, &self.reactor, pool);
+                    }
+                } else if c.phase == Phase::StageWait && !c.queued {
+                    c.queued = true;
+                    if front {
+                        q.waiting.push_front(id);
+                    } else {
+                        q.waiting.push_back(id);
+                    }
+                } else if c.more && !c.turn {
+                    c.turn = true;
+                    q.turns.push_back(id);
                 }
             };
             // Connection ids are the tokens (they never reach `Reactor::WAKE`).
@@ -204,38 +232,56 @@ impl ServeLoop {
                     ready.push(id);
                 }
             }
+            // A connection mid-transfer waits for its turn; the others (a new request, a reply) go now.
             for id in ready {
                 let Some(c) = conns.get_mut(&id) else { continue };
-                if !c.drive(&shared.regions, &mut scratch, &mut pool) {
-                    close(&mut conns, id, &mut pool);
-                } else if c.phase == Phase::StageWait && !c.queued {
-                    c.queued = true;
-                    waiting.push_back(id);
+                if !c.moving() {
+                    drive(&mut conns, id, &mut pool, &mut q, false);
+                } else if !c.turn {
+                    c.turn = true;
+                    q.turns.push_back(id);
                 }
             }
-            // Connections stuck mid-request for longer than the stall bound are given up, and so are those that
-            // have waited `IDLE_DATA` for a request.
-            let stall = shared.stall.as_nanos() as u64;
-            let now = monotonic_ns();
-            let late: Vec<u64> = conns.values().filter(|c| c.deadline(stall) <= now).map(|c| c.id).collect();
-            for id in late {
-                close(&mut conns, id, &mut pool);
+            // One turn: the longest waiting connection moves its next quantum.
+            if let Some(id) = q.turns.pop_front() {
+                if let Some(c) = conns.get_mut(&id) {
+                    c.turn = false;
+                }
+                drive(&mut conns, id, &mut pool, &mut q, false);
             }
             // Buffers given back: the connections waiting for one go on, oldest first.
             while pool.can_take() {
-                let Some(id) = waiting.pop_front() else { break };
+                let Some(id) = q.waiting.pop_front() else { break };
                 let Some(c) = conns.get_mut(&id) else { continue };
                 c.queued = false;
-                if !c.drive(&shared.regions, &mut scratch, &mut pool) {
-                    close(&mut conns, id, &mut pool);
-                } else if c.phase == Phase::StageWait {
-                    c.queued = true;
-                    waiting.push_front(id);
+                drive(&mut conns, id, &mut pool, &mut q, true);
+                if conns.get(&id).is_some_and(|c| c.queued) {
                     break;
+                }
+            }
+            // Connections stuck mid-request for longer than the stall bound are given up, and so are those that
+            // have waited `IDLE_DATA` for a request (looked for before the loop blocks, and at least every
+            // `SWEEP` while it is busy).
+            let now = monotonic_ns();
+            if q.turns.is_empty() || now >= swept + SWEEP {
+                swept = now;
+                let late: Vec<u64> = conns.values().filter(|c| c.deadline(stall) <= now).map(|c| c.id).collect();
+                for id in late {
+                    if let Some(mut c) = conns.remove(&id) {
+                        c.close(&shared, &self.reactor, &mut pool);
+                    }
                 }
             }
         }
     }
+}
+
+/// A serving loop's queues of connections: those waiting for a staging buffer, and those that stopped at their
+/// quantum with more to move, each in order.
+#[derive(Default)]
+struct Queues {
+    waiting: VecDeque<u64>,
+    turns: VecDeque<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -278,6 +324,9 @@ struct DataConn {
     staged: Option<Box<Staged>>,
     /// In its loop's queue of connections waiting for a staging buffer.
     queued: bool,
+    /// The last `drive` stopped at `QUANTUM` with more to move; `turn`: in its loop's queue of turns.
+    more: bool,
+    turn: bool,
     /// Shared with the progress thread (see `Served`): since when it has waited for a request, 0 while busy.
     idle: Arc<AtomicU64>,
 }
@@ -304,6 +353,8 @@ impl DataConn {
             last: monotonic_ns(),
             staged: None,
             queued: false,
+            more: false,
+            turn: false,
             idle,
         }
     }
@@ -311,6 +362,11 @@ impl DataConn {
     /// Waiting for a request: no part of one has arrived.
     fn waiting(&self) -> bool {
         self.phase == Phase::Header && self.got == 0
+    }
+
+    /// A request's payload is on the move: the connection takes turns with the loop's others.
+    fn moving(&self) -> bool {
+        matches!(self.phase, Phase::Send | Phase::Recv | Phase::Drain | Phase::StageSend | Phase::StageRecv)
     }
 
     /// When this connection is closed unless it makes progress: `stall` after its last progress mid-request,
@@ -332,7 +388,14 @@ impl DataConn {
     /// error, or a malformed request).
     fn drive(&mut self, regions: &Regions, scratch: &mut [u8], pool: &mut Pinned) -> bool {
         let fd = self.stream.as_raw_fd();
+        let mut moved = 0usize;
+        self.more = false;
         loop {
+            // Its quantum moved: the loop's other connections come first (it has its turn again after them).
+            if moved >= QUANTUM {
+                self.more = true;
+                return true;
+            }
             if self.phase == Phase::StageWait && !self.stage_begin(regions, pool) {
                 // No buffer free: wait for one (the loop drives this connection again), unless the peer
                 // has gone or we cut it off (then the lease goes now, not when a buffer frees up).
@@ -354,9 +417,13 @@ impl DataConn {
                 // SAFETY: the iovecs point into registrations this connection holds a lease on
                 // (registered memory stays valid while registered, NIXL's contract; deregistration waits
                 // for the lease), or at `self.reply`, which lives in `self`.
-                Phase::Recv => unsafe { net::readv_now(fd, &self.iov[self.at..]) },
+                Phase::Recv => {
+                    net::capped(&mut self.iov, self.at, QUANTUM - moved, |v| unsafe { net::readv_now(fd, v) })
+                }
                 // SAFETY: as above; only read.
-                Phase::Send => unsafe { net::sendmsg_now(fd, &self.iov[self.at..]) },
+                Phase::Send => {
+                    net::capped(&mut self.iov, self.at, QUANTUM - moved, |v| unsafe { net::sendmsg_now(fd, v) })
+                }
             };
             let n = match r {
                 Ok(0) => return false,
@@ -374,6 +441,7 @@ impl DataConn {
             if self.waiting() {
                 self.idle.store(0, Ordering::Release);
             }
+            moved += n;
             self.last = monotonic_ns();
             match self.phase {
                 Phase::Header => {
@@ -556,4 +624,74 @@ fn start_loops(sh: &Arc<Serving>) -> Vec<Arc<ServeLoop>> {
         loops.push(l);
     }
     loops
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::net::TcpListener;
+
+    /// Bytes still to go out for the READ in progress (reply and payload).
+    fn left(c: &DataConn) -> usize {
+        c.iov[c.at..].iter().map(|v| v.iov_len).sum()
+    }
+
+    /// A READ larger than a quantum moves at most `QUANTUM` bytes per drive and says when it stopped there
+    /// with more to move (its loop then turns to its other connections); the bytes arrive whole and in order. A
+    /// 4 KiB READ behind it finishes in one drive.
+    #[test]
+    fn a_large_read_moves_a_quantum_per_drive_and_a_small_one_finishes_in_one() {
+        let mem: Vec<u8> = (0..(1u32 << 20)).map(|i| (i % 251) as u8).collect();
+        let (base, len) = (mem.as_ptr() as u64, mem.len() as u64);
+        let regions = Regions::default();
+        regions.add(base, len, None);
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let server = Arc::new(l.accept().unwrap().0);
+        let mut c = DataConn::new(1, server.clone(), Arc::default());
+        let (mut scratch, mut pool) = (vec![0u8; 64 * 1024], loop_pool());
+        let read = |addr: u64, n: u64| {
+            let mut head = Vec::new();
+            wire::encode_req(XferOp::Read, &[wire::WireSeg { region: base, region_len: len, addr, len: n }], &mut head);
+            head
+        };
+        // The request is there whole before the drive (it counts towards the quantum).
+        let arrived = |s: &TcpStream| while s.peek(&mut [0u8; wire::REQ_HEADER + wire::SEG_BYTES]).unwrap() < 48 {};
+        client.write_all(&read(base, len)).unwrap();
+        arrived(&server);
+        assert!(c.drive(&regions, &mut scratch, &mut pool));
+        assert_eq!(c.phase, Phase::Send);
+        assert!(c.more, "stopped at its quantum, with more to move");
+        let whole = wire::REPLY_BYTES + mem.len();
+        assert_eq!(whole - left(&c), QUANTUM - wire::REQ_HEADER - wire::SEG_BYTES);
+        let reader = std::thread::spawn(move || {
+            let mut got = vec![0u8; whole];
+            client.read_exact(&mut got).unwrap();
+            (client, got)
+        });
+        let mut drives = 1;
+        while c.phase == Phase::Send {
+            let before = left(&c);
+            assert!(c.drive(&regions, &mut scratch, &mut pool));
+            let moved = before - if c.phase == Phase::Send { left(&c) } else { 0 };
+            assert!(moved <= QUANTUM, "one drive moved {moved} bytes");
+            if !c.more && c.phase == Phase::Send {
+                net::wait_writable(server.as_raw_fd(), 1_000_000_000);
+            }
+            drives += 1;
+        }
+        assert!(drives >= mem.len().div_ceil(QUANTUM), "{drives} drives");
+        let (mut client, got) = reader.join().unwrap();
+        assert!(wire::parse_reply(got[..wire::REPLY_BYTES].try_into().unwrap()).unwrap());
+        assert!(got[wire::REPLY_BYTES..] == mem[..], "the bytes arrive whole and in order");
+
+        client.write_all(&read(base + 4096, 4096)).unwrap();
+        arrived(&server);
+        assert!(c.drive(&regions, &mut scratch, &mut pool));
+        assert!(c.waiting() && !c.more, "a 4 KiB READ is done in one drive");
+        let mut got = vec![0u8; wire::REPLY_BYTES + 4096];
+        client.read_exact(&mut got).unwrap();
+        assert!(got[wire::REPLY_BYTES..] == mem[4096..8192]);
+    }
 }
