@@ -3,6 +3,8 @@
 //   tcp_ceiling server IP PORT            serve until killed
 //   tcp_ceiling client IP PORT ITERS      print one JSON line: 64 MiB pulled over 1 and over 4 connections
 //                                         (GB/s, median of ITERS) and a 4 KiB ping-pong round trip (µs)
+//   tcp_ceiling ping IP PORT SECS         print one JSON line: 4 KiB ping-pong round trips (µs) for SECS, one
+//                                         every millisecond (the round trip under whatever else runs then)
 //
 // Protocol: a connection sends 'B' and little-endian u64s n and off, answered with the n bytes at off of the
 // server's 64 MiB buffer; or 'P' followed by 4096-byte pings, each echoed. Large reads go straight into one
@@ -100,7 +102,7 @@ static int cmp(const void *a, const void *b) {
 
 int main(int argc, char **argv) {
     if (argc < 4) {
-        fprintf(stderr, "usage: tcp_ceiling server IP PORT | client IP PORT ITERS\n");
+        fprintf(stderr, "usage: tcp_ceiling server IP PORT | client IP PORT ITERS | ping IP PORT SECS\n");
         return 2;
     }
     int port = atoi(argv[3]);
@@ -121,6 +123,23 @@ int main(int argc, char **argv) {
             pthread_create(&t, NULL, serve, (void *)(intptr_t)fd);
             pthread_detach(t);
         }
+    }
+    if (!strcmp(argv[1], "ping")) {
+        double secs = argc > 4 ? atof(argv[4]) : 1, t_end = now() + secs;
+        int fd = dial(argv[2], port), one = 1, n = 0, cap = (int)(secs * 1000) + 1;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        double *rt = calloc((size_t)cap, sizeof *rt);
+        char ping[PING] = {0};
+        if (!rt || full(fd, "P", 1, 0)) die("ping");
+        while (n < cap && now() < t_end) {
+            double t0 = now();
+            if (full(fd, ping, PING, 0) || full(fd, ping, PING, 1)) die("ping");
+            rt[n++] = (now() - t0) * 1e6;
+            usleep(1000);
+        }
+        qsort(rt, (size_t)n, sizeof *rt, cmp);
+        printf("{\"trips\": %d, \"rtt_median_us\": %.1f, \"rtt_p99_us\": %.1f}\n", n, rt[n / 2], rt[n * 99 / 100]);
+        return 0;
     }
     int iters = argc > 4 ? atoi(argv[4]) : 10;
     if (iters < 1) iters = 1;

@@ -19,7 +19,9 @@ leaves them); everything is deleted at the end. On that one link, in the same ru
   (median, p99); the table shows the median over rounds;
 - fan-in: one target, N = 1, 4, 16, 64 initiator processes, each alternating a 1024 × 16 KiB READ and a
   4 KiB READ for 3 s: aggregate KV GB/s, 4 KiB latency over all of them (median, p99), and failed requests
-  (a false disconnect shows here, with the first error of each initiator that saw one). The initiators share
+  (a false disconnect shows here, with the first error of each initiator that saw one); meanwhile the raw
+  program's 4 KiB ping-pong between the namespaces, one a millisecond (the raw TCP column: what the load
+  leaves of a round trip between two processes). The initiators share
   the cores with the target and poll as the bandwidth rows do (64 processes polling in a tight loop, or even
   every 50 µs, on 2 cores measure their own polling, not the transport);
 - time from killing the target process to the initiator's REMOTE_DISCONNECT, and from cutting the link
@@ -234,13 +236,20 @@ FANIN_SECS = 3
 
 def fanin(impl, n, tmp):
     """One target, `n` initiators (each its own process) alternating a KV READ (1024 × 16 KiB) and a 4 KiB READ
-    for FANIN_SECS: aggregate KV GB/s, 4 KiB latency over all initiators, and failures (false disconnects)."""
+    for FANIN_SECS: aggregate KV GB/s, 4 KiB latency over all initiators, and failures (false disconnects); beside
+    them, the raw program's 4 KiB ping-pong between the two namespaces, one round trip a millisecond (what the
+    machine's load leaves of the round trip)."""
     md = os.path.join(tmp, f"{impl.name}-md-fanin")
     if os.path.exists(md):
         os.remove(md)
     target = impl.peer(0, "target", md)
     inis = []
+    exe = raw_exe(tmp)
+    srv = subprocess.Popen(netns(0, exe, "server", IPS[0], str(RAW_PORT + 1)), text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
+        if next_tagged(srv, time.monotonic() + 30) != "@ready":
+            raise RuntimeError("raw TCP server did not start")
         wait_file(md, target)
         inis = [impl.peer(1, "fanin", md, FANIN_SECS) for _ in range(n)]
         for p in inis:
@@ -249,10 +258,13 @@ def fanin(impl, n, tmp):
         for p in inis:
             p.stdin.write("go\n")
             p.stdin.flush()
+        ping = subprocess.Popen(netns(1, exe, "ping", IPS[0], str(RAW_PORT + 1), str(FANIN_SECS)), text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         res = []
         for p in inis:
             out, _ = p.communicate(timeout=FANIN_SECS * 10 + 120)
             res.append(json.loads(out.strip().splitlines()[-1]))
+        raw = json.loads(ping.communicate(timeout=FANIN_SECS * 10 + 60)[0].strip().splitlines()[-1])
         lat = sorted(float(x) for r in res for x in r["lat_us"])
         return {
             "gbps": sum(r["bytes"] for r in res) / max(r["secs"] for r in res) / 1e9,
@@ -263,8 +275,12 @@ def fanin(impl, n, tmp):
             "failures": {k: sum(r["failures"].get(k, 0) for r in res) for r in res for k in r["failures"]},
             # What the first failure of each initiator that saw one said (distinct messages).
             "errors": sorted({r["first_error"] for r in res if r.get("first_error")}),
+            "raw_rtt_median_us": raw["rtt_median_us"],
+            "raw_rtt_p99_us": raw["rtt_p99_us"],
         }
     finally:
+        srv.kill()
+        srv.wait()
         for p in inis:
             if p.poll() is None:
                 p.kill()
@@ -326,10 +342,17 @@ def next_tagged(proc, deadline):
 RAW_PORT = 7399
 
 
-def raw_tcp(iters, tmp):
-    """The raw TCP ceiling (benches/tcp_ceiling.c, built here with cc): server in the target's namespace."""
+def raw_exe(tmp):
+    """The raw program (benches/tcp_ceiling.c), built here with cc once per run."""
     exe = os.path.join(tmp, "tcp_ceiling")
-    sh("cc", "-O2", "-pthread", "-o", exe, os.path.join(REPO, "benches", "tcp_ceiling.c"))
+    if not os.path.exists(exe):
+        sh("cc", "-O2", "-pthread", "-o", exe, os.path.join(REPO, "benches", "tcp_ceiling.c"))
+    return exe
+
+
+def raw_tcp(iters, tmp):
+    """The raw TCP ceiling: server in the target's namespace."""
+    exe = raw_exe(tmp)
     srv = subprocess.Popen(netns(0, exe, "server", IPS[0], str(RAW_PORT)), text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
@@ -422,7 +445,10 @@ def main():
             r = fan.get((i.name, n))
             cells.append("—" if r is None else f"{r['gbps']:.2f} GB/s; {r['lat_median_us']:.0f} / {r['lat_p99_us']:.0f} µs"
                          + (f"; {r['failed_initiators']} of {n} initiators saw failures" if r["failed_initiators"] else ""))
-        print(f"| fan-in N={n}: KV aggregate; 4 KiB READ median / p99 | " + " | ".join(cells) + " | |")
+        during = [r for (_, m), r in fan.items() if m == n]
+        rtt = (f"ping-pong meanwhile {med([r['raw_rtt_median_us'] for r in during]):.0f} / "
+               f"{med([r['raw_rtt_p99_us'] for r in during]):.0f} µs")
+        print(f"| fan-in N={n}: KV aggregate; 4 KiB READ median / p99 | " + " | ".join(cells) + f" | {rtt} |")
     for fault in ("kill", "link-down"):
         cells = []
         for i in impls:
