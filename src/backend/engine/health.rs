@@ -5,8 +5,10 @@
 //! fake one); and the shared face of that machine a peer's routes feed and read (`PeerHealth`).
 //!
 //! Rules:
-//! - Heartbeats only while requests are in flight: a ping every `ping_every`, and the peer is down when
-//!   nothing (a pong, or data progress) has arrived for `silence`. An idle peer has no timers at all.
+//! - Heartbeats only while requests are in flight and the peer is silent: a ping every `ping_every` once
+//!   nothing (a pong, or data progress) has arrived for `ping_every`, and the peer is down when nothing has
+//!   arrived for `silence`. An idle peer has no timers at all, and a peer whose bytes are flowing is not
+//!   pinged (a target serving many peers is not made to answer each of them eight times a second).
 //! - "Down" is not "dead": a peer that went silent, reset a connection or could not be dialed is retried,
 //!   with back-off between attempts (`backoff_min`, doubling up to `backoff_max`), and is up again after a
 //!   successful handshake, which proves the same incarnation is there. Requests in flight when it went
@@ -107,8 +109,9 @@ impl Liveness {
             return Tick::default();
         }
         self.asked = self.asked.filter(|&a| last_rx < a);
-        let due = *self.next_ping.get_or_insert(now);
-        let ping = now >= due;
+        // Not before `ping_every` of silence: while the peer's bytes arrive, it needs no question.
+        let heard = last_rx.saturating_add(self.cfg.ping_every);
+        let ping = now >= (*self.next_ping.get_or_insert(now)).max(heard);
         if ping {
             self.next_ping = Some(now + self.cfg.ping_every);
             self.asked.get_or_insert(now);
@@ -119,7 +122,7 @@ impl Liveness {
             self.went_down(now);
             return Tick { down: true, ..Tick::default() };
         }
-        let soonest = deadline.min(self.next_ping.unwrap_or(deadline));
+        let soonest = deadline.min(self.next_ping.map_or(deadline, |n| n.max(heard)));
         Tick { ping, down: false, wake_in: Some(soonest - now) }
     }
 
@@ -401,19 +404,28 @@ mod tests {
     #[test]
     fn heartbeats_while_busy_then_silence_is_down_within_the_timeout() {
         let mut l = live();
-        // A request starts at t=0 (its start counts as a sign of life).
+        // A request starts at t=0 (its start counts as a sign of life): the first ping is due 125 ms later.
         let t = l.tick(0, 1, 0);
-        assert!(t.ping && !t.down);
+        assert!(!t.ping && !t.down);
         assert_eq!(t.wake_in, Some(125 * MS));
-        // Pongs keep coming: never down, a ping every 125 ms.
-        let mut pings = 1;
-        for step in 1..=80u64 {
+        // Its bytes keep coming: never down, and never asked.
+        for step in 1..=40u64 {
             let now = step * 25 * MS;
             let t = l.tick(now, 1, now - 10 * MS);
-            assert!(!t.down);
-            pings += t.ping as u32;
+            assert!(!t.down && !t.ping, "pinged at {now} while its bytes arrive");
         }
-        assert_eq!(pings, 17, "2 s of 125 ms pings");
+        // Only pongs come (a slow request, nothing else heard): a ping every 125 ms, each answered in 10 ms.
+        let (mut pings, mut rx) = (0, 1000 * MS - 10 * MS);
+        for step in 41..=80u64 {
+            let now = step * 25 * MS;
+            let t = l.tick(now, 1, rx);
+            assert!(!t.down);
+            if t.ping {
+                pings += 1;
+                rx = now + 10 * MS;
+            }
+        }
+        assert_eq!(pings, 6, "1 s of pings, each due 125 ms after the last answer (150 ms apart on 25 ms ticks)");
         // Then silence from t=2000 ms: down at 2750 ms, not before.
         let last = 2000 * MS;
         let mut at = None;
@@ -439,8 +451,8 @@ mod tests {
     fn a_caller_starved_past_the_bound_pings_before_it_judges() {
         for answers in [true, false] {
             let mut l = live();
-            assert!(l.tick(0, 1, 0).ping);
-            // Answered at 10 ms; the next tick is due at 125 ms but runs at 910 ms.
+            assert!(!l.tick(0, 1, 0).ping);
+            // Heard at 10 ms; the next tick is due at 135 ms but runs at 910 ms.
             let t = l.tick(910 * MS, 1, 10 * MS);
             assert!(t.ping && !t.down, "judged its own delay as the peer's silence");
             assert_eq!(t.wake_in, Some(125 * MS));
@@ -457,7 +469,7 @@ mod tests {
         let mut l = live();
         let hour = 3_600_000 * MS;
         let t = l.tick(hour, 1, hour);
-        assert!(!t.down && t.ping);
+        assert!(!t.down && !t.ping);
         // The same request with a stale last_rx (the race the caller must avoid) is not down at once either:
         // the ping it sends now gets half the silence bound to be answered, and no more.
         let mut l2 = live();
