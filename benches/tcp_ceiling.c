@@ -108,6 +108,9 @@ int main(int argc, char **argv) {
     int port = atoi(argv[3]);
     blob = calloc(1, BULK);
     if (!blob) die("calloc");
+    // Real pages on both sides, as a library's registered memory is: untouched, the server would send from the
+    // kernel's one shared zero page, always in cache.
+    memset(blob, 0x5a, BULK);
     if (!strcmp(argv[1], "server")) {
         struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
         inet_pton(AF_INET, argv[2], &a.sin_addr);

@@ -84,7 +84,7 @@ fn main() {
             // Post `r` and poll it to the end. `polite` (bandwidth and fan-in): the initiator shares the machine's
             // cores with the target (and at fan-in with N others), so it polls as a consumer with other work
             // would, not in a tight loop that takes a core from the transfer: for 100 µs, then after naps from
-            // 50 µs doubling up to a twentieth of the time spent so far (at most 5 % added to a request's time).
+            // 50 µs doubling up to a fiftieth of the time spent so far (at most 2 % added to a request's time).
             // The raw TCP program it is compared with blocks in recv(2). The 4 KiB latency probe and the hammer
             // poll in a tight loop.
             let poll = |r: &XferReq, polite: bool| -> Result<Duration> {
@@ -94,7 +94,7 @@ fn main() {
                 while s == Status::InProg {
                     if polite && t.elapsed() > Duration::from_micros(100) {
                         std::thread::sleep(nap);
-                        nap = (nap * 2).min(t.elapsed() / 20).max(Duration::from_micros(50));
+                        nap = (nap * 2).min(t.elapsed() / 50).max(Duration::from_micros(50));
                     }
                     s = a.xfer_status(r)?;
                 }
