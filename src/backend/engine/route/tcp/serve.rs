@@ -138,7 +138,8 @@ impl Serving {
 /// `MIN_LOOPS` so a peer's default four connections move in parallel, at most `MAX_LOOPS`), not a thread
 /// each: every socket is non-blocking and edge-triggered in the loop's epoll
 /// set, and each connection is a small state machine (header → segment table → payload → reply) that runs
-/// until the socket would block. An idle connection costs nothing; a slow one holds no thread, only its
+/// until the socket would block or it has moved its `QUANTUM` (then the loop's other connections have their
+/// turn, a new request first). An idle connection costs nothing; a slow one holds no thread, only its
 /// state and, while its payload moves, a lease on the registrations it names.
 const MIN_LOOPS: usize = 4;
 const MAX_LOOPS: usize = 8;
