@@ -146,6 +146,8 @@ const MAX_LOOPS: usize = 8;
 /// Bytes a connection moves in one turn of its loop (see `ServeLoop::run`; a staged chunk of device memory
 /// may go over it by one chunk).
 const QUANTUM: usize = 256 << 10;
+/// How long a loop looks for a peer's next request before it sleeps (see `ServeLoop::run`).
+const SPIN_NS: u64 = 50_000;
 /// How often a busy loop looks for connections past their deadline.
 const SWEEP: u64 = 10_000_000;
 
@@ -172,7 +174,7 @@ impl ServeLoop {
         // Staging buffers for requests on device memory, and the connections waiting for one, in order.
         let mut pool = loop_pool();
         let mut q = Queues::default();
-        let mut swept = 0u64;
+        let (mut swept, mut served) = (0u64, 0u64);
         loop {
             let Some(shared) = sh.upgrade() else { return };
             if shared.closed.load(Ordering::Acquire) {
@@ -182,16 +184,23 @@ impl ServeLoop {
                 return;
             }
             let stall = shared.stall.as_nanos() as u64;
-            let timeout = if q.turns.is_empty() {
-                let now = monotonic_ns();
+            let now = monotonic_ns();
+            // Every connection waits for a request and the last one was served a moment ago: look for the next
+            // without sleeping for up to `SPIN_NS` (a peer's next small request arrives within its round trip,
+            // and the wake-up of a sleeping thread is most of one on a VM). Never while payloads move.
+            let spin = q.turns.is_empty() && now < served + SPIN_NS && conns.values().all(|c| c.waiting());
+            let timeout = if !q.turns.is_empty() || spin {
+                if spin {
+                    std::hint::spin_loop();
+                }
+                0
+            } else {
                 conns
                     .values()
                     .map(|c| c.deadline(stall))
                     .map(|d| d.saturating_sub(now).div_ceil(1_000_000).min(i32::MAX as u64) as i32)
                     .min()
                     .unwrap_or(-1)
-            } else {
-                0
             };
             drop(shared);
             let ok = self.reactor.wait(timeout, &mut fired);
@@ -237,6 +246,7 @@ impl ServeLoop {
             for id in ready {
                 let Some(c) = conns.get_mut(&id) else { continue };
                 if !c.moving() {
+                    served = monotonic_ns();
                     drive(&mut conns, id, &mut pool, &mut q, false);
                 } else if !c.turn {
                     c.turn = true;
