@@ -144,7 +144,7 @@ impl Serving {
 const MIN_LOOPS: usize = 4;
 const MAX_LOOPS: usize = 8;
 /// Bytes a connection moves in one turn of its loop (see `ServeLoop::run`; a staged chunk of device memory
-/// may go over it by one chunk). Measured at fan-in N = 16 and 64 (3 alternating runs): 256 KiB cost 15–20 %
+/// may go over it by one chunk). Measured at fan-in N = 16 and 64 (alternating runs): 256 KiB cost 9–21 %
 /// of the aggregate against no quantum at all, 512 KiB nothing beyond the spread, 1 MiB twice 512 KiB's 4 KiB
 /// latency.
 const QUANTUM: usize = 512 << 10;
