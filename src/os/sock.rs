@@ -125,6 +125,7 @@ pub fn skip_empty(iov: &[libc::iovec], mut i: usize) -> usize {
 }
 
 /// `f` on the iovecs from `at` cut to at most `max` bytes (the last one shortened for the call, then restored).
+/// `max` must not be 0 (a call on no bytes would read as an end of stream).
 pub fn capped<R>(iov: &mut [libc::iovec], at: usize, max: usize, f: impl FnOnce(&[libc::iovec]) -> R) -> R {
     let (mut end, mut left) = (at, max);
     while end < iov.len() && left > iov[end].iov_len {
@@ -217,6 +218,19 @@ pub fn readable(fd: RawFd) -> bool {
     // SAFETY: one valid pollfd, no wait.
     let n = unsafe { libc::poll(&mut p, 1, 0) };
     n > 0 && p.revents & libc::POLLIN != 0
+}
+
+/// How long a thread that expects bytes within a round trip looks for them before it sleeps: the wake-up of a
+/// sleeping thread is most of a round trip on a VM whose cores halt when idle.
+pub const LOOK_NS: u64 = 50_000;
+
+/// Look for bytes to read (or an end of stream) for up to `LOOK_NS`, without sleeping; the caller's read then
+/// blocks as usual if none came.
+pub fn look_readable(fd: RawFd) {
+    let t = crate::util::monotonic_ns();
+    while !readable(fd) && crate::util::monotonic_ns() - t < LOOK_NS {
+        std::hint::spin_loop();
+    }
 }
 
 /// Has the connection been shut down (by either side) or failed? Only looks, never waits.

@@ -614,7 +614,7 @@ impl TcpLink {
     /// The target's answer to a request of `bytes`.
     fn reply(&self, s: &TcpStream, watch: &DataWatch<'_>, bytes: u64) -> io::Result<bool> {
         if bytes <= SPIN_BYTES {
-            spin_readable(s.as_raw_fd());
+            net::look_readable(s.as_raw_fd());
         }
         let mut r = [0u8; wire::REPLY_BYTES];
         net::recv_exact(s, &mut r, watch)?;
@@ -622,20 +622,10 @@ impl TcpLink {
     }
 }
 
-/// Wait for the target's answer to a small request by looking, not sleeping, for up to `SPIN_NS`: a reply due
-/// within a round trip is then read without the wake-up of a sleeping thread (tens of µs on a VM whose cores
-/// halt when idle). The request's own thread only, while it is in flight; past the spin the read blocks as
-/// before. A large request's reply comes with its first bytes, and the request takes far longer than a wake-up:
-/// no spin (its thread would take a core from the transfer).
-fn spin_readable(fd: std::os::fd::RawFd) {
-    let t = monotonic_ns();
-    while !net::readable(fd) && monotonic_ns() - t < SPIN_NS {
-        std::hint::spin_loop();
-    }
-}
-
-const SPIN_NS: u64 = 50_000;
-/// Requests up to this size spin for their reply (see `spin_readable`).
+/// Requests up to this size look for their reply before their thread sleeps on it (`net::look_readable`): a
+/// reply due within a round trip is then read without the wake-up of a sleeping thread. A large request's reply
+/// comes with its first bytes, and the request takes far longer than a wake-up: no look (its thread would take a
+/// core from the transfer).
 const SPIN_BYTES: u64 = 64 << 10;
 
 /// One data connection's request in flight: progress on it is a sign of life of the peer, and when its socket

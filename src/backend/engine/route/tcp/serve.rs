@@ -148,8 +148,6 @@ const MAX_LOOPS: usize = 8;
 /// of the aggregate against no quantum at all, 512 KiB nothing beyond the spread, 1 MiB twice 512 KiB's 4 KiB
 /// latency.
 const QUANTUM: usize = 512 << 10;
-/// How long a loop looks for a peer's next request before it sleeps (see `ServeLoop::run`).
-const SPIN_NS: u64 = 50_000;
 /// How often a busy loop looks for connections past their deadline.
 const SWEEP: u64 = 10_000_000;
 
@@ -188,13 +186,13 @@ impl ServeLoop {
             let stall = shared.stall.as_nanos() as u64;
             let now = monotonic_ns();
             // Every connection waits for a request and the last one was served a moment ago: look for the next
-            // without sleeping for up to `SPIN_NS` (a peer's next small request arrives within its round trip,
-            // and the wake-up of a sleeping thread is most of one on a VM). Never while payloads move.
-            let spin = q.turns.is_empty() && now < served + SPIN_NS && conns.values().all(|c| c.waiting());
-            let timeout = if !q.turns.is_empty() || spin {
-                if spin {
-                    std::hint::spin_loop();
-                }
+            // without sleeping for up to `net::LOOK_NS` (a peer's next small request arrives within its round
+            // trip). Never while payloads move.
+            let look = q.turns.is_empty() && now < served + net::LOOK_NS && conns.values().all(|c| c.waiting());
+            if look {
+                std::hint::spin_loop();
+            }
+            let timeout = if look || !q.turns.is_empty() {
                 0
             } else {
                 conns
@@ -673,14 +671,15 @@ mod tests {
             head
         };
         // The request is there whole before the drive (it counts towards the quantum).
-        let arrived = |s: &TcpStream| while s.peek(&mut [0u8; wire::REQ_HEADER + wire::SEG_BYTES]).unwrap() < 48 {};
+        const REQ: usize = wire::REQ_HEADER + wire::SEG_BYTES;
+        let arrived = |s: &TcpStream| while s.peek(&mut [0u8; REQ]).unwrap() < REQ {};
         client.write_all(&read(base, len)).unwrap();
         arrived(&server);
         assert!(c.drive(&regions, &mut scratch, &mut pool));
         assert_eq!(c.phase, Phase::Send);
         let whole = wire::REPLY_BYTES + mem.len();
         // The request's header and segment table count towards the quantum.
-        assert!(whole - left(&c) <= QUANTUM - wire::REQ_HEADER - wire::SEG_BYTES);
+        assert!(whole - left(&c) <= QUANTUM - REQ);
         let reader = std::thread::spawn(move || {
             let mut got = vec![0u8; whole];
             client.read_exact(&mut got).unwrap();
