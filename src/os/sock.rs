@@ -80,6 +80,15 @@ pub unsafe fn send_iovecs(fd: RawFd, iov: &mut [libc::iovec], w: &dyn Watch) -> 
 /// # Safety
 /// Every iovec must describe memory writable for the duration of the call and not otherwise in use.
 pub unsafe fn recv_iovecs(fd: RawFd, iov: &mut [libc::iovec], w: &dyn Watch) -> io::Result<()> {
+    // SAFETY: the caller's guarantee.
+    unsafe { recv_each(fd, iov, w, |_| {}) }
+}
+
+/// The loop of `recv_iovecs`, calling `read(n)` after each read of `n` bytes.
+///
+/// # Safety
+/// As `recv_iovecs`.
+unsafe fn recv_each(fd: RawFd, iov: &mut [libc::iovec], w: &dyn Watch, mut read: impl FnMut(usize)) -> io::Result<()> {
     let mut i = skip_empty(iov, 0);
     while i < iov.len() {
         let n = (iov.len() - i).min(IOV_MAX);
@@ -97,6 +106,7 @@ pub unsafe fn recv_iovecs(fd: RawFd, iov: &mut [libc::iovec], w: &dyn Watch) -> 
         }
         w.progress();
         i = advance(iov, i, r as usize);
+        read(r as usize);
     }
     Ok(())
 }
@@ -127,37 +137,18 @@ pub unsafe fn recv_iovecs_marked(fd: RawFd, iov: &mut [libc::iovec], w: &dyn Wat
         // SAFETY: the caller's guarantee.
         return unsafe { recv_iovecs(fd, iov, w) };
     }
-    let mut left = left;
-    let mut i = skip_empty(iov, 0);
-    let mut marked = true;
-    let r = loop {
-        if i >= iov.len() {
-            break Ok(());
-        }
-        if marked && left < 2 * RECV_MARK {
-            marked = !set_rcvlowat(fd, 1);
-        }
-        let n = (iov.len() - i).min(IOV_MAX);
-        // SAFETY: `n` valid iovecs; the caller guarantees the memory is writable.
-        let r = unsafe { libc::readv(fd, iov[i..].as_ptr(), n as i32) };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted || (timed_out(&e) && w.patient()) {
-                continue;
+    let (mut left, mut marked) = (left, true);
+    // SAFETY: the caller's guarantee.
+    let r = unsafe {
+        recv_each(fd, iov, w, |n| {
+            left -= n;
+            // Fewer than two marks to come: the mark goes (see above). And a read returns at least the mark
+            // unless it timed out (or was given fewer bytes by `IOV_MAX`): the mark goes too, so a wake-up the
+            // kernel did not give costs one timeout, never one per read.
+            if marked && (left < 2 * RECV_MARK || n < RECV_MARK) {
+                marked = !set_rcvlowat(fd, 1);
             }
-            break Err(e);
-        }
-        if r == 0 {
-            break Err(io::ErrorKind::UnexpectedEof.into());
-        }
-        w.progress();
-        left -= r as usize;
-        i = advance(iov, i, r as usize);
-        // A read returns at least the mark unless it timed out (or was given fewer bytes): the mark goes, so a
-        // wake-up the kernel did not give costs one timeout, never one per read.
-        if marked && (r as usize) < RECV_MARK {
-            marked = !set_rcvlowat(fd, 1);
-        }
+        })
     };
     if marked {
         set_rcvlowat(fd, 1);
