@@ -125,9 +125,9 @@ pub const RECV_MARK: usize = 256 << 10;
 /// call still lacks. A read that copied `x < RECV_MARK` bytes already there and sleeps for the rest wakes only
 /// once `RECV_MARK` more have come, so at least that much must still be on its way: `left - x > RECV_MARK` when
 /// `left >= 2 * RECV_MARK`. (With the mark kept down to the last one, a 64 MiB READ waited out the socket's
-/// 5 s timeout twice in 2,000 pieces.) And the mark is raised only while the receive buffer holds four marks
-/// or more: the kernel then leaves the window alone (it clamps the window to the mark when the buffer must grow
-/// for it), so the sender can always send the mark the reader waits for.
+/// 5 s timeout three times in about 3,500 pieces.) And the mark is raised only while the receive buffer holds
+/// four marks or more: the kernel then leaves the window alone (it clamps the window to the mark when the buffer
+/// must grow for it), so the sender can always send the mark the reader waits for.
 ///
 /// # Safety
 /// As `recv_iovecs`.

@@ -637,7 +637,7 @@ const SPIN_BYTES: u64 = 64 << 10;
 
 /// READ payloads from this size on are read with a raised low-water mark (`net::recv_iovecs_marked`: a wake-up per
 /// 256 KiB, not per packet). Measured on a veth link on 2 cores, alternating builds: a 64 MiB READ (16 MiB pieces)
-/// at 89 % of the raw program's rate against 81–85 % without (two runs of 16 rounds). Used on every piece
+/// at 89 and 91 % of the raw program's rate against 80 and 86 % without (two runs of 16 rounds). Used on every piece
 /// (the fan-in's 4 MiB KV pieces too), it made the 4 KiB READ's p99 at fan-in N = 16 and 64 1.5–2× worse for
 /// no gain in the fan-in aggregate: while a reader waits for its mark the kernel ACKs at once (the initiator
 /// sent 1.9× the segments per 64 MiB), work that a loaded machine pays for in everyone's latency. So only pieces
