@@ -158,33 +158,27 @@ pub unsafe fn recv_iovecs_marked(fd: RawFd, iov: &mut [libc::iovec], w: &dyn Wat
 
 /// The socket's receive buffer in bytes (0 if it cannot be read).
 fn rcvbuf(fd: RawFd) -> usize {
-    let mut v: libc::c_int = 0;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: reading an int option into a local of the right size.
-    let r = unsafe {
-        libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, (&mut v as *mut libc::c_int).cast(), &mut len)
-    };
-    if r == 0 {
-        v.max(0) as usize
-    } else {
-        0
-    }
+    get_int(fd, libc::SOL_SOCKET, libc::SO_RCVBUF).map_or(0, |v| v.max(0) as usize)
 }
 
 /// Set the socket's receive low-water mark; false if it could not be.
 fn set_rcvlowat(fd: RawFd, bytes: usize) -> bool {
-    let v = bytes.min(i32::MAX as usize) as libc::c_int;
-    // SAFETY: setting an int option on a socket the caller owns.
-    let r = unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_RCVLOWAT,
-            (&v as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as u32,
-        )
-    };
-    r == 0
+    set_int(fd, libc::SOL_SOCKET, libc::SO_RCVLOWAT, bytes.min(i32::MAX as usize) as i32)
+}
+
+/// Set an int socket option; false if the kernel refused it.
+pub(crate) fn set_int(fd: RawFd, level: i32, opt: i32, v: i32) -> bool {
+    // SAFETY: an int option, passed with its size, on a descriptor the caller owns (an invalid one is EBADF).
+    unsafe { libc::setsockopt(fd, level, opt, (&v as *const i32).cast(), std::mem::size_of::<i32>() as u32) == 0 }
+}
+
+/// Read an int socket option; None if it cannot be read.
+fn get_int(fd: RawFd, level: i32, opt: i32) -> Option<i32> {
+    let mut v: i32 = 0;
+    let mut len = std::mem::size_of::<i32>() as libc::socklen_t;
+    // SAFETY: the option is written into a local int whose size is passed.
+    let r = unsafe { libc::getsockopt(fd, level, opt, (&mut v as *mut i32).cast(), &mut len) };
+    (r == 0).then_some(v)
 }
 
 /// Drop `n` bytes from the front of `iov[i..]`; returns the new first non-empty index.
@@ -333,10 +327,8 @@ pub fn hung_up(fd: RawFd) -> bool {
 pub fn tune(s: &TcpStream, user_timeout: Duration) {
     let _ = s.set_nodelay(true);
     let fd = s.as_raw_fd();
-    let set = |level: i32, opt: i32, v: i32| {
-        // SAFETY: setting an int option on a socket we own; failures are ignored (best effort).
-        unsafe { libc::setsockopt(fd, level, opt, (&v as *const i32).cast(), std::mem::size_of::<i32>() as u32) };
-    };
+    // Failures are ignored (best effort).
+    let set = |level: i32, opt: i32, v: i32| _ = set_int(fd, level, opt, v);
     set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1);
     set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 60);
     set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 10);
@@ -346,17 +338,8 @@ pub fn tune(s: &TcpStream, user_timeout: Duration) {
 
 /// Set TCP_USER_TIMEOUT (zero: the kernel's default, no limit beyond retransmissions).
 pub fn set_user_timeout(s: &TcpStream, t: Duration) {
-    let v = t.as_millis().min(i32::MAX as u128) as i32;
-    // SAFETY: setting an int option on a socket we own; failure is harmless (best effort).
-    unsafe {
-        libc::setsockopt(
-            s.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_USER_TIMEOUT,
-            (&v as *const i32).cast(),
-            std::mem::size_of::<i32>() as u32,
-        )
-    };
+    // Failure is harmless (best effort).
+    set_int(s.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, t.as_millis().min(i32::MAX as u128) as i32);
 }
 
 /// Wait up to `ns` for room in `fd`'s send buffer (or an error on it). False on timeout.
@@ -468,10 +451,8 @@ mod tests {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (b, _) = l.accept().unwrap();
-        let v: libc::c_int = (4 * RECV_MARK) as libc::c_int;
         for opt in [libc::SO_RCVBUFFORCE, libc::SO_RCVBUF] {
-            // SAFETY: an int option on a socket we own.
-            unsafe { libc::setsockopt(b.as_raw_fd(), libc::SOL_SOCKET, opt, (&v as *const libc::c_int).cast(), 4) };
+            set_int(b.as_raw_fd(), libc::SOL_SOCKET, opt, (4 * RECV_MARK) as i32);
             if rcvbuf(b.as_raw_fd()) >= 4 * RECV_MARK {
                 return Some((a, b));
             }
@@ -530,19 +511,7 @@ mod tests {
         }
         drop(t.join().unwrap());
         // The mark is down again: a single byte wakes the reader.
-        let mut lowat: libc::c_int = 0;
-        let mut len = 4 as libc::socklen_t;
-        // SAFETY: reading an int option into a local.
-        unsafe {
-            libc::getsockopt(
-                b.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVLOWAT,
-                (&mut lowat as *mut libc::c_int).cast(),
-                &mut len,
-            )
-        };
-        assert_eq!(lowat, 1);
+        assert_eq!(get_int(b.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVLOWAT), Some(1));
     }
 
     /// The case the rule of two marks is for: a read that finds part of its mark already there and sleeps for

@@ -239,17 +239,8 @@ impl Conn {
     /// TCP_NODELAY (stock Garage) writes a response's headers and body separately, and Nagle holds the body
     /// until the headers are acknowledged: without this each small response waits ~40 ms.
     fn quickack(&self) {
-        let one: libc::c_int = 1;
-        // SAFETY: a valid socket, an int option of the right size; failure only loses the optimisation.
-        unsafe {
-            libc::setsockopt(
-                self.stream.tcp().as_raw_fd(),
-                libc::IPPROTO_TCP,
-                libc::TCP_QUICKACK,
-                (&one as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
+        // Failure only loses the optimisation.
+        crate::os::sock::set_int(self.stream.tcp().as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_QUICKACK, 1);
     }
 
     pub fn fd(&self) -> RawFd {
