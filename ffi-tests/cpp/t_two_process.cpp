@@ -208,12 +208,17 @@ driverMain() {
     CHECK(spawn(p2, 21), "P2 (same name) started");
     fill(local.data(), kLen, 14);
     CHECK_ST(NIXL_ERR_REMOTE_DISCONNECT, t::wait(D, write_old, D.postXferReq(write_old)));
+    // NIXL's gtest error_handling: the request's status after a failed post is that failure, not NOT_POSTED.
+    CHECK_ST(NIXL_ERR_REMOTE_DISCONNECT, D.getXferStatus(write_old));
     CHECK_ST(NIXL_ERR_NOT_ALLOWED, D.loadRemoteMD(p2.md, name));
     CHECK_ST(NIXL_SUCCESS, D.invalidateRemoteMD(kPeer));
     CHECK_ST(NIXL_ERR_NOT_FOUND, D.postXferReq(write_old));
     CHECK_ST(NIXL_SUCCESS, D.loadRemoteMD(p2.md, name));
     CHECK_ST(NIXL_ERR_NOT_FOUND, D.postXferReq(write_old));
     CHECK_ST(NIXL_ERR_NOT_FOUND, D.postXferReq(read_old));
+    // A post refused as stale leaves each request's status as its last post left it.
+    CHECK_ST(NIXL_ERR_REMOTE_DISCONNECT, D.getXferStatus(write_old));
+    CHECK_ST(NIXL_SUCCESS, D.getXferStatus(read_old));
     nixlXferReqH *r_bad = nullptr;
     CHECK_ST(NIXL_ERR_NOT_FOUND, D.makeXferReq(NIXL_WRITE, hl, {0}, hr_old, {0}, r_bad));
     CHECK(verify(p2, 21), "no byte of P2's buffer changed through the old handles");

@@ -12,6 +12,7 @@ legitimately differs; cells where NIXL crashes are ``gixl_only``.
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
@@ -114,3 +115,54 @@ def test_fault_cell(cell, peers, impl, monkeypatch):
     assert re.fullmatch(exp, text), f"\noutcome:  {text}\nexpected: {exp}\ninfo: {outcome.info}"
     if cell.startswith("prefill_restart[same_va"):
         assert outcome.info["same_va"] is True  # the restarted prefill really reused the address
+
+
+def test_status_after_a_post_the_disconnect_failed(peers):
+    """NIXL's gtest error_handling (XferFailRestore): once a post failed with REMOTE_DISCONNECT, the request's
+    status is that failure, never NOT_POSTED -- for a handle that completed before the kill and for one that
+    was never posted before it. (A post refused before the engine is asked, a stale incarnation's NOT_FOUND,
+    leaves the status as it was: test_fault_cell's prefill_restart cells.)"""
+    P, D = peers("prefill"), peers("decode")
+    pname = fm._name("prefill")
+    P.send("init", name=pname, size=fm.SMALL, fill="1")
+    D.send("init", name=fm._name("decode"), size=fm.SMALL, fill="9")
+    p, d = P.recv(), D.recv()
+    name = D.add_remote(md=p["md"])
+    local = D.prep(side="", rows=fm._rows(d["addr"]))
+    remote = D.prep(side=name, rows=fm._rows(p["addr"]))
+    w = D.make(op="WRITE", lh=local, lidx=[0], rh=remote, ridx=[1])
+    assert fm._fmt(fm._post_wait(D, w)) == "DONE"
+    fresh = D.make(op="WRITE", lh=local, lidx=[1], rh=remote, ridx=[2])
+    never = D.make(op="WRITE", lh=local, lidx=[2], rh=remote, ridx=[3])
+    P.kill()
+
+    def post_then_state(xid):
+        """The post's exception (None if it was accepted), then the state check_xfer_state gives after it."""
+        try:
+            D.post(xid=xid)
+            posted = None
+        except fm.PeerError as exc:
+            posted = fm.short(exc.exc)
+        try:
+            state = fm._fmt(D.wait(xid=xid, timeout=5.0))
+        except fm.PeerError as exc:
+            state = fm.short(exc.exc)
+        return posted, state
+
+    deadline = time.monotonic() + 10
+    while True:
+        posted, state = post_then_state(w)
+        if posted is not None or state != "DONE" or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert (posted, state) in {(RD, RD), (None, RD)}, (posted, state)
+    # A handle never posted before the kill: the post fails, and its status says why.
+    assert post_then_state(fresh) == (RD, RD)
+    # The peer restarts and is loaded again: a post of an old handle is refused before the engine is asked
+    # (stale incarnation), and leaves the status as it was: the disconnect, or never posted.
+    P2 = peers("prefill2")
+    p2 = P2.init(name=pname, size=fm.SMALL, fill="7")
+    D.remove_remote(name=name)
+    D.add_remote(md=p2["md"])
+    assert post_then_state(fresh) == ("NotFound", RD)
+    assert post_then_state(never) == ("NotFound", "NotPosted")

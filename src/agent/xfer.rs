@@ -724,13 +724,22 @@ impl Agent {
     pub fn post_xfer_req(&self, req: &XferReq, notif: NotifUpdate) -> Result<Status> {
         let x = &*req.0;
         self.own(x)?;
-        if let Err(e) = self.gate(x) {
-            self.inner.tele.error(e.status());
-            return Err(e);
-        }
+        let gate = self.gate(x);
         let mut st = x.st.lock();
         if st.released {
             return Err(Error::invalid_param("transfer request was released"));
+        }
+        if let Err(e) = gate {
+            self.inner.tele.error(e.status());
+            // As NIXL: a post that failed on the peer's disconnect leaves that failure as the request's status
+            // (NIXL's engine records it; the stale incarnation's NOT_FOUND is refused before and records nothing).
+            if e.status() == Status::RemoteDisconnect {
+                if st.last == Some(Status::InProg) {
+                    x.bx.abort();
+                }
+                st.last = Some(Status::RemoteDisconnect);
+            }
+            return Err(e);
         }
         if st.last == Some(Status::InProg) {
             let now = x.bx.status();
