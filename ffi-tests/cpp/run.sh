@@ -14,7 +14,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 lib_dir="$(cd "$1" && pwd)" || exit 2
 inc_dir="$(cd "$2" && pwd)" || exit 2
 build="${CPP_BUILD_DIR:-$here/build}"
-tests="${CPP_TESTS:-t_api t_outparams t_example t_two_process t_etcd}"
+tests="${CPP_TESTS:-t_api t_outparams t_example t_two_process t_etcd t_parity}"
 libname="${CPP_LIBNAME:-gixl}"
 [ -e "$inc_dir/nixl.h" ] || { echo "error: $inc_dir/nixl.h not found" >&2; exit 2; }
 oracle="${CPP_ORACLE:-gixl}"

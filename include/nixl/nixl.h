@@ -128,13 +128,16 @@ public:
     releaseXferReq(nixlXferReqH *req_hndl) const;
 
     nixl_status_t
-    prepMemView(const nixl_remote_dlist_t &remote_buffs, void *&mvh, const nixl_opt_args_t *extra_params = nullptr)
-        const;
+    prepMemView(const nixl_remote_dlist_t &remote_buffs,
+                nixlMemViewH &mvh,
+                const nixl_opt_args_t *extra_params = nullptr) const;
     nixl_status_t
-    prepMemView(const nixl_xfer_dlist_t &local_buffs, void *&mvh, const nixl_opt_args_t *extra_params = nullptr)
-        const;
-    nixl_status_t
-    releaseMemView(void *mvh) const;
+    prepMemView(const nixl_local_dlist_t &local_buffs,
+                nixlMemViewH &mvh,
+                const nixl_opt_args_t *extra_params = nullptr) const;
+    // As NIXL: no status (a handle this agent did not make, or already released, is ignored).
+    void
+    releaseMemView(nixlMemViewH mvh) const;
 
     nixl_status_t
     releasedDlistH(nixlDlistH *dlist_hndl) const;
@@ -777,8 +780,9 @@ nixlAgent::releaseXferReq(nixlXferReqH *req_hndl) const {
 }
 
 inline nixl_status_t
-nixlAgent::prepMemView(const nixl_remote_dlist_t &remote_buffs, void *&mvh, const nixl_opt_args_t *extra_params)
-    const {
+nixlAgent::prepMemView(const nixl_remote_dlist_t &remote_buffs,
+                       nixlMemViewH &mvh,
+                       const nixl_opt_args_t *extra_params) const {
     gixl_detail::RemoteList l;
     gixl_detail::OptArgs o;
     GIXL_TRY(gixl_detail::toC(remote_buffs, l));
@@ -792,8 +796,9 @@ nixlAgent::prepMemView(const nixl_remote_dlist_t &remote_buffs, void *&mvh, cons
 }
 
 inline nixl_status_t
-nixlAgent::prepMemView(const nixl_xfer_dlist_t &local_buffs, void *&mvh, const nixl_opt_args_t *extra_params)
-    const {
+nixlAgent::prepMemView(const nixl_local_dlist_t &local_buffs,
+                       nixlMemViewH &mvh,
+                       const nixl_opt_args_t *extra_params) const {
     gixl_detail::XferList l;
     gixl_detail::OptArgs o;
     GIXL_TRY(gixl_detail::toC(local_buffs, l));
@@ -806,13 +811,16 @@ nixlAgent::prepMemView(const nixl_xfer_dlist_t &local_buffs, void *&mvh, const n
     return NIXL_SUCCESS;
 }
 
-inline nixl_status_t
-nixlAgent::releaseMemView(void *mvh) const {
+inline void
+nixlAgent::releaseMemView(nixlMemViewH mvh) const {
     auto v = static_cast<nixl_capi_mem_view_t>(mvh);
-    GIXL_TRY(gixl_detail::status(nixl_capi_release_mem_view(data->agent, v)));
-    std::lock_guard<std::mutex> g(data->mu);
-    data->views.erase(v);
-    return NIXL_SUCCESS;
+    {
+        std::lock_guard<std::mutex> g(data->mu);
+        if (data->views.erase(v) == 0) {
+            return; // not made by this agent, or released already
+        }
+    }
+    nixl_capi_release_mem_view(data->agent, v);
 }
 
 inline nixl_status_t

@@ -115,6 +115,7 @@ statusStr(const nixl_status_t &status);
 } // namespace nixlEnumStrings
 
 using nixl_backend_t = std::string;
+using nixl_telemetry_plugin_t = std::string;
 // Binary data (may hold NUL bytes); not text.
 using nixl_blob_t = std::string;
 using nixl_mem_list_t = std::vector<nixl_mem_t>;
@@ -160,6 +161,9 @@ struct nixlAgentOptionalArgs {
     nixl_blob_t customParam;
 };
 using nixl_opt_args_t = nixlAgentOptionalArgs;
+
+// A prepared memory view (prepMemView), opaque to its user.
+using nixlMemViewH = void *;
 
 using chrono_point_t = std::chrono::steady_clock::time_point;
 using chrono_period_us_t = std::chrono::microseconds;
