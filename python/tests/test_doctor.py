@@ -55,7 +55,7 @@ def test_doctor_json_names_every_route(installed):
     r = _run(["-m", "gixl", "doctor", "--json"])
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
-    assert rep["versions"]["nixl_api"] == "1.5.1"
+    assert rep["versions"]["nixl_api"] == "1.5.2"
     assert set(rep["routes"]) == {"in_process", "cma", "tcp", "rdma", "cuda"}
     assert rep["routes"]["in_process"]["works"] is True
     assert isinstance(rep["routes"]["rdma"]["gpu_direct"]["peer_memory_module"], bool)
@@ -130,6 +130,38 @@ def test_route_choice_is_logged_through_python_logging(installed):
     assert r.returncode == 0, r.stderr
     assert "('nixl.gixl', 'INFO', \"agent 'log-a': peer 'log-b'" in r.stdout, r.stdout
     assert "route in-process" in r.stdout, r.stdout
+
+
+def test_route_line_once_per_peer_incarnation(installed):
+    """Ray adds the peer on every fetch and removes it after: the route is said at INFO once per incarnation
+    (NIXL says nothing at all); a new incarnation under the same name is said again."""
+    code = (
+        "import logging, numpy as np\n"
+        "import nixl._api as api\n"
+        "seen = []\n"
+        "class H(logging.Handler):\n"
+        "    def emit(self, rec): seen.append((rec.levelname, rec.getMessage()))\n"
+        "logging.getLogger('nixl').addHandler(H())\n"
+        "logging.getLogger('nixl').setLevel(logging.INFO)\n"
+        "a = api.nixl_agent('once-a')\n"
+        "x = np.zeros(4096, dtype=np.uint8)\n"
+        "def peer():\n"
+        "    b = api.nixl_agent('once-b')\n"
+        "    b.register_memory([(x.ctypes.data, 4096, 0, '')], 'DRAM')\n"
+        "    return b\n"
+        "b = peer()\n"
+        "for _ in range(5):\n"
+        "    a.add_remote_agent(b.get_agent_metadata())\n"
+        "    a.remove_remote_agent('once-b')\n"
+        "del b\n"
+        "b = peer()\n"
+        "a.add_remote_agent(b.get_agent_metadata())\n"
+        "lines = [m for lv, m in seen if lv in ('INFO', 'WARNING') and \"peer 'once-b'\" in m]\n"
+        "print(len(lines), len({m.split('incarnation ')[1][:32] for m in lines}))\n"
+    )
+    r = _run(["-c", code])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1].split() == ["2", "2"], r.stdout
 
 
 def test_no_conflict_warning_when_gixl_is_alone(installed):

@@ -7,6 +7,7 @@
 //! on (`EnginePeer::label`).
 
 use std::any::Any;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 
@@ -27,6 +28,7 @@ use crate::backend::{Seg, Target, XferPlan};
 use crate::mem::MemType;
 use crate::os::sentinel;
 use crate::status::{Error, Result, Status};
+use crate::telemetry::log::{self, Level};
 
 /// The peer `agent` of incarnation `incarnation`, as its connection info `ci` and this host say it is reached.
 pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInfo) -> Result<EnginePeer> {
@@ -48,6 +50,7 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
     let said = |route: &str, why: &str| {
         format!("agent '{}': peer '{agent}' (incarnation {incarnation:032x}) route {route} ({why})", s.agent)
     };
+    let say = |level, line: String| s.said.say(agent, incarnation, level, &line);
     let peer = |kind, fallback, on_fallback, health| EnginePeer {
         name: agent.to_owned(),
         incarnation,
@@ -64,7 +67,7 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
         let to = Reach { agent, section: ci.route(net.section()), same_host, transport: s.transport, link: &link };
         match net.open(side, &to) {
             Ok((route, why)) => {
-                crate::telemetry::log::info(&said(net.name(), &why));
+                say(Level::Info, said(net.name(), &why));
                 return Ok(peer(PeerKind::Net(route), None, false, health));
             }
             Err(no) => not += &format!("; not {}: {no}", net.name()),
@@ -83,7 +86,7 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
             (true, true, _) => "GIXL_TRANSPORT=tcp",
         };
         // With why not each route beside TCP this side runs (never a silent fallback).
-        crate::telemetry::log::info(&said("tcp", &format!("{why}{not}")));
+        say(Level::Info, said("tcp", &format!("{why}{not}")));
         let health = health(true, None, None);
         return Ok(peer(PeerKind::Net(Box::new(Tcp { link: link(&health) })), None, false, health));
     }
@@ -127,13 +130,44 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
     };
     let peer = peer(kind, fallback, denial.is_some(), health);
     match &denial {
-        None => crate::telemetry::log::info(&said(peer.label(), "same host")),
-        Some(why) => crate::telemetry::log::warn(&said(
-            "tcp",
-            &format!("fall-back: the kernel denied cross-memory attach: {why}; `python -m gixl doctor` says why"),
-        )),
+        None => say(Level::Info, said(peer.label(), "same host")),
+        Some(why) => say(
+            Level::Warn,
+            said(
+                "tcp",
+                &format!("fall-back: the kernel denied cross-memory attach: {why}; `python -m gixl doctor` says why"),
+            ),
+        ),
     }
     Ok(peer)
+}
+
+/// The route lines said so far, by peer incarnation. A peer loaded again under the same incarnation (Ray adds its
+/// peer on every fetch and removes it after) is said at DEBUG unless its route or its reason changed; bounded:
+/// past `SAID_MAX` peers it forgets them all at once, and each says its line once more.
+#[derive(Default)]
+pub(super) struct Said(Mutex<HashMap<(String, u128), String>>);
+
+const SAID_MAX: usize = 4096;
+
+impl Said {
+    fn say(&self, agent: &str, incarnation: u128, level: Level, line: &str) {
+        log::log(self.level(agent, incarnation, level, line), line);
+    }
+
+    /// `level` the first time `line` is said of this peer incarnation, DEBUG when it says the same again.
+    fn level(&self, agent: &str, incarnation: u128, level: Level, line: &str) -> Level {
+        let mut said = self.0.lock();
+        let key = (agent.to_owned(), incarnation);
+        if said.get(&key).is_some_and(|l| l == line) {
+            return Level::Debug;
+        }
+        if said.len() >= SAID_MAX {
+            said.clear();
+        }
+        said.insert(key, line.to_owned());
+        level
+    }
 }
 
 /// How `plan` (touching VRAM) reaches its peer; `prepared`: what its route found for it (`Route::prepare`).
@@ -234,4 +268,35 @@ impl EnginePeer {
 pub(super) fn ipc_despite_denial(gate: &Option<Arc<Attached>>, remote_is_vram: bool) -> bool {
     remote_is_vram
         && gate.as_ref().is_some_and(|g| matches!(sentinel::read(g.gate.sentinel()), sentinel::Word::Alive(_)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_route_line_is_said_once_per_peer_incarnation_unless_it_changes() {
+        let said = Said::default();
+        let line = "agent 'a': peer 'p' (incarnation 1) route tcp (another host)";
+        assert_eq!(said.level("p", 1, Level::Info, line), Level::Info);
+        for _ in 0..3 {
+            assert_eq!(said.level("p", 1, Level::Info, line), Level::Debug, "loaded again: nothing new");
+        }
+        assert_eq!(said.level("p", 2, Level::Info, line), Level::Info, "a new incarnation is said");
+        let changed = "agent 'a': peer 'p' (incarnation 1) route tcp (fall-back: denied)";
+        assert_eq!(said.level("p", 1, Level::Warn, changed), Level::Warn, "a changed route is said");
+        assert_eq!(said.level("p", 1, Level::Warn, changed), Level::Debug);
+    }
+
+    #[test]
+    fn the_memory_of_route_lines_is_bounded() {
+        let said = Said::default();
+        for i in 0..(SAID_MAX as u128 + 10) {
+            said.level("p", i, Level::Info, "line");
+            assert!(said.0.lock().len() <= SAID_MAX);
+        }
+        // Forgotten all at once past the bound: a peer says its line once more, then is quiet again.
+        assert_eq!(said.level("p", 0, Level::Info, "line"), Level::Info);
+        assert_eq!(said.level("p", 0, Level::Info, "line"), Level::Debug);
+    }
 }

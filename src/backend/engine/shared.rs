@@ -21,6 +21,7 @@ use super::pool::Pool;
 use super::route::tcp::listen::{self, TcpOpts, TcpSetup};
 use super::route::tcp::regions::Regions;
 pub(super) use super::route::Transport;
+use super::router::Said;
 use super::sides::Sides;
 use super::vram_regions::Vram;
 use crate::backend::BackendInit;
@@ -67,6 +68,8 @@ pub(super) struct Shared {
     pub(super) proofs: Mutex<HashMap<gate::Owner, Weak<Proof>>>,
     /// Its routes' target sides (an RDMA port's domains and regions, ...), each where it runs here.
     pub(super) sides: Sides,
+    /// The route line said for each peer incarnation loaded so far (see `router::Said`).
+    pub(super) said: Said,
 }
 
 /// A backend parameter, else an environment variable.
@@ -150,6 +153,7 @@ impl Shared {
             vram: Default::default(),
             proofs: Mutex::default(),
             sides,
+            said: Said::default(),
         });
         registry().lock().insert(init.incarnation, Arc::downgrade(&shared));
         Ok(shared)
