@@ -4,7 +4,8 @@
 # In a fresh virtualenv that first has nixl-cu12==1.5.1 (NVIDIA's wheel, from PyPI or pip's cache):
 #   1. NIXL works; gixl's wheel is installed on top: `import nixl` warns, naming nixl-cu12 and the command;
 #   2. the one-command swap it prints (`pip uninstall -y nixl-cu12 && pip install --force-reinstall
-#      --no-deps gixl`) leaves gixl alone: no warning, nixl and nixl_cu12 are gixl's, a transfer works;
+#      --no-deps gixl`) leaves gixl alone: no warning, nixl and nixl_cu12 are gixl's, a transfer works, and
+#      pip takes gixl for `nixl==1.5.2` (what vLLM 0.34 pins);
 #   3. `pip uninstall -y gixl` is clean: no nixl/, nixl_cu12/, nixl_cu13/, gixl/ left in site-packages;
 #   4. back to NIXL: `pip install nixl-cu12==1.5.1` works again as before.
 set -euo pipefail
@@ -56,6 +57,12 @@ echo "swap-test: 2. the one-command swap to gixl"
 "$v/python" -c "import nixl_cu12._api as x, nixl._api as y; assert x is y, 'nixl_cu12 is not gixl'"
 "$v/python" -c "$check" >/dev/null
 echo "  gixl alone: no warning, nixl_cu12._api is nixl._api (gixl), a transfer works"
+# vLLM 0.34 pins nixl == 1.5.2: gixl's record of the distribution `nixl` satisfies it, so pip keeps gixl
+# (--no-index: nothing is fetched; pip fails if it would have to install anything).
+"$v/python" -c "import importlib.metadata as m; v = m.version('nixl'); assert v == '1.5.2', v"
+"$v/pip" install --no-index --no-deps "nixl==1.5.2" | grep -q "Requirement already satisfied" \
+    || { echo "pip does not take gixl for nixl==1.5.2"; exit 1; }
+echo "  nixl==1.5.2 (vLLM 0.34's pin) is satisfied by gixl"
 
 echo "swap-test: 3. pip uninstall gixl is clean"
 "$v/pip" uninstall -q -y gixl

@@ -50,7 +50,7 @@ pub use util::test_skip;
 pub const DEFAULT_COMM_PORT: u16 = 8888;
 
 /// The NIXL API level this library implements; also the Python distribution's version.
-pub const NIXL_API_VERSION: &str = "1.5.1";
+pub const NIXL_API_VERSION: &str = "1.5.2";
 
 /// This library's own version.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

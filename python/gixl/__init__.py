@@ -7,7 +7,7 @@ The user-facing Python API is the NIXL-compatible ``nixl`` package
 
 from __future__ import annotations
 
-__version__ = "1.5.1"
+__version__ = "1.5.2"
 
 __all__ = ["__version__", "native_available", "native"]
 

@@ -28,6 +28,6 @@ if _bindings.__name__ == "nixl._bindings":  # gixl's native layer (not the devel
 try:
     from gixl import __version__  # noqa: F401
 except Exception:  # pragma: no cover - gixl package always ships with nixl
-    __version__ = "1.5.1"
+    __version__ = "1.5.2"
 
 __all__ = list(_api.__all__)

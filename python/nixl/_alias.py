@@ -19,5 +19,5 @@ def install(name: str, namespace: dict) -> None:
         namespace[sub] = module
     for attr in _api.__all__:
         namespace[attr] = getattr(_api, attr)
-    namespace["__version__"] = getattr(nixl, "__version__", "1.5.1")
+    namespace["__version__"] = getattr(nixl, "__version__", "1.5.2")
     namespace["__all__"] = list(_api.__all__)

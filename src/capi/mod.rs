@@ -215,7 +215,7 @@ pub extern "C" fn gixl_last_nixl_status() -> i32 {
     boundary::last_nixl_status()
 }
 
-/// gixl: this library's version, e.g. "1.5.1" (also the NIXL API level it implements). Static storage.
+/// gixl: this library's version, e.g. "1.5.2" (also the NIXL API level it implements). Static storage.
 #[no_mangle]
 pub extern "C" fn gixl_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()

@@ -578,7 +578,7 @@ mod tests {
     fn host_report_names_every_route() {
         let r = report(None);
         for k in
-            ["\"in_process\"", "\"cma\"", "\"tcp\"", "\"rdma\"", "\"gpu_direct\"", "\"cuda\"", "\"nixl_api\":\"1.5.1\""]
+            ["\"in_process\"", "\"cma\"", "\"tcp\"", "\"rdma\"", "\"gpu_direct\"", "\"cuda\"", "\"nixl_api\":\"1.5.2\""]
         {
             assert!(r.contains(k), "{k} missing from {r}");
         }
