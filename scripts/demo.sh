@@ -59,8 +59,9 @@ if [ "$venv" = gixl ]; then
         say ".venv/gixl ready"
     fi
     echo "demo.sh: building gixl's wheel from this checkout into .venv/gixl (a few minutes the first time)" >&2
-    # The venv's own maturin builds it (no isolated build environment to download).
-    .venv/gixl/bin/pip install -q --force-reinstall --no-deps --no-build-isolation .
+    # The venv's own maturin builds it (no isolated build environment to download); the build backend runs
+    # `maturin` from PATH, so the venv's bin comes first.
+    PATH="$root/.venv/gixl/bin:$PATH" .venv/gixl/bin/pip install -q --force-reinstall --no-deps --no-build-isolation .
     say "gixl built and installed"
 else
     if [ ! -x .venv/nixl/bin/python ] || ! .venv/nixl/bin/python -c 'import numpy, nixl_cu12._api' 2>/dev/null; then
