@@ -469,7 +469,8 @@ fn summary(f: &Facts) -> J {
             "same host",
             "cma",
             format!(
-                "cross-memory attach, one copy by the kernel, no socket; {} (else tcp)",
+                "cross-memory attach, one copy by the kernel, no socket; {} (tcp for a peer in another pid \
+                 namespace or one the kernel refuses, said in the log)",
                 f.cma_why.last().map_or("", String::as_str)
             ),
         )
@@ -523,7 +524,10 @@ fn summary(f: &Facts) -> J {
         devices.push(dev("RDMA NIC".to_owned(), false, format!("{listed}; {}", f.rdma_why)));
     }
     let bind = std::env::var("GIXL_TCP_ADDR").unwrap_or_default();
-    let addrs: Vec<String> = crate::os::sock::interface_addrs().iter().map(|a| a.to_string()).collect();
+    // As the TCP listener advertises them when it is not given an address: IPv4, loopback last.
+    let mut v4: Vec<_> = crate::os::sock::interface_addrs().into_iter().filter(|ip| ip.is_ipv4()).collect();
+    v4.sort_by_key(|ip| ip.is_loopback());
+    let addrs: Vec<String> = v4.iter().map(|a| a.to_string()).collect();
     devices.push(dev(
         "TCP".to_owned(),
         true,
@@ -540,7 +544,7 @@ fn summary(f: &Facts) -> J {
         (Ok("fake"), _) => dev("GPU".into(), true, "the fake device layer (GIXL_FAKE_DEVICE=1, for tests)".into()),
         (Ok(kind), _) => dev("GPU".into(), true, format!("through the {kind} driver (libcuda loadable)")),
         (Err(e), Ok(())) => dev("GPU".into(), false, format!("libcuda loads, but: {e}")),
-        (Err(e), Err(l)) => dev("GPU".into(), false, format!("libcuda not loadable ({l}): {e}")),
+        (Err(e), Err(_)) => dev("GPU".into(), false, format!("no GPU driver here: {e}")),
     });
     if f.vram.is_ok() && !f.ports.is_empty() {
         devices.push(dev(
