@@ -13,6 +13,7 @@ incarnation and carries on. It prints what happened and the bandwidth.
 import argparse
 import importlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -59,6 +60,18 @@ def start_prefill(impl, gen):
     return p, bytes.fromhex(md), int(addr)
 
 
+def status(e):
+    """The NIXL status behind an exception: nixlRemoteDisconnectError -> NIXL_ERR_REMOTE_DISCONNECT."""
+    m = re.fullmatch(r"nixl(\w+)Error", type(e).__name__)
+    if not m:
+        return type(e).__name__
+    return "NIXL_ERR_" + re.sub(r"(?<!^)(?=[A-Z])", "_", m.group(1)).upper()
+
+
+def ms(t):
+    return f"{1e3 * (time.perf_counter() - t):.2f} ms"
+
+
 def wait_notif(p, tag, timeout=5.0):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -94,10 +107,14 @@ def decode(impl):
             agent.release_xfer_handle(h)
         return total, secs
 
+    t_start = time.perf_counter()
     print(f"[decode] implementation: {impl}")
+    t = time.perf_counter()
     p, md, addr = start_prefill(impl, 1)
+    print(f"[demo] prefill started: its metadata in hand after {ms(t)}")
+    t = time.perf_counter()
     name = agent.add_remote_agent(md)
-    print(f"[decode] loaded metadata of {name!r} ({len(md)} bytes)")
+    print(f"[decode] loaded metadata of {name!r} ({len(md)} bytes) in {ms(t)}")
     remote = agent.prep_xfer_dlist("prefill", np.array([[addr, BLOCK, 0, BLOCK, BLOCKS]], dtype=np.uint64), "DRAM")
     nbytes, secs = run_requests(remote, 1, 8, "req")
     print(f"[decode] 8 requests x {PER_REQ} random 16 KiB blocks READ and verified: "
@@ -109,7 +126,7 @@ def decode(impl):
     old = agent.make_prepped_xfer("READ", local, idx, remote, idx, b"after-kill")
     p.send_signal(signal.SIGKILL)
     p.wait()
-    print("[demo] prefill SIGKILLed")
+    print("[demo] prefill SIGKILLed, a request to it in hand")
     t = time.perf_counter()
     try:
         state = agent.transfer(old)
@@ -117,33 +134,38 @@ def decode(impl):
             state = agent.check_xfer_state(old)
         print(f"[decode] transfer to the dead peer ended {state} (unexpected)")
     except Exception as e:  # nixlRemoteDisconnectError on both implementations
-        print(f"[decode] transfer to the dead peer: {type(e).__name__} after {1e3 * (time.perf_counter() - t):.2f} ms")
+        print(f"[decode] transfer to the dead peer refused: {status(e)} ({type(e).__name__}) after {ms(t)}")
 
+    t = time.perf_counter()
     p, md, addr = start_prefill(impl, 2)
-    print("[demo] prefill restarted under the same name (new incarnation, new buffer)")
+    print(f"[demo] prefill restarted under the same name (new incarnation, new buffer) in {ms(t)}")
+    t = time.perf_counter()
     try:
         agent.add_remote_agent(md)
-        print("[decode] re-add without remove: accepted")
+        print(f"[decode] re-add without remove: accepted in {ms(t)}")
     except Exception as e:
-        print(f"[decode] re-add without remove: {type(e).__name__} (the old incarnation is still loaded)")
+        print(f"[decode] re-add without remove refused: {status(e)} after {ms(t)} (the old incarnation is still loaded)")
+    t = time.perf_counter()
     agent.remove_remote_agent("prefill")
     agent.add_remote_agent(md)
-    print("[decode] removed the old incarnation and loaded the new one")
+    print(f"[decode] removed the old incarnation and loaded the new one in {ms(t)}")
+    t = time.perf_counter()
     try:
         agent.transfer(old)
         print("[decode] old handle: posted (unexpected)")
     except Exception as e:
-        print(f"[decode] old handle: {type(e).__name__} (stale: built against the dead incarnation)")
+        print(f"[decode] old handle refused: {status(e)} ({type(e).__name__}) after {ms(t)}: "
+              "it was built against the dead incarnation")
     agent.release_xfer_handle(old)
     agent.release_dlist_handle(remote)
     remote = agent.prep_xfer_dlist("prefill", np.array([[addr, BLOCK, 0, BLOCK, BLOCKS]], dtype=np.uint64), "DRAM")
     nbytes, secs = run_requests(remote, 2, 8, "again")
-    print(f"[decode] recovered: 8 more requests READ from the new prefill and verified: "
+    print(f"[decode] new incarnation served: 8 more requests READ from the new prefill and verified: "
           f"{nbytes / secs / 1e9:.2f} GB/s")
     print(f"[prefill] {wait_notif(p, 'again-7')}")
     p.kill()
     p.wait()
-    print("[demo] done")
+    print(f"[demo] done in {1e3 * (time.perf_counter() - t_start):.0f} ms")
 
 
 def main():

@@ -8,8 +8,8 @@
    Test-only files (declared under `#[cfg(test)]`) and test-only lines are left out.
 3. No route imports another: a file under `engine/route/<name>` imports nothing under another route's name
    (the router is the one place that knows more than one route).
-4. The README's tree of the engine (Layout) lists every file of the engine once, each importing only files
-   listed below it.
+4. The tree of the engine in docs/architecture.md (Layout) lists every file of the engine once, each importing
+   only files listed below it.
 
 Exit 1 when a check fails.
 
@@ -221,11 +221,12 @@ def unit_of_file(rel: str) -> str:
 
 
 def readme_order(g) -> bool:
-    """The README's engine tree names each engine file once, in an order where every import points down."""
-    text = (SRC.parent / "README.md").read_text()
+    """The engine tree of docs/architecture.md names each engine file once, in an order where every import points
+    down."""
+    text = (SRC.parent / "docs" / "architecture.md").read_text()
     m = re.search(r"The default engine \(`src/backend/engine/`\).*?```\n(.*?)```", text, re.S)
     if not m:
-        print("module-cycles: README has no tree of the engine's files")
+        print("module-cycles: docs/architecture.md has no tree of the engine's files")
         return False
     listed = [line.split()[0] for line in m.group(1).splitlines() if line.strip() and not line[0].isspace()]
     names = [unit_of_file(f) for f in listed]
@@ -233,16 +234,16 @@ def readme_order(g) -> bool:
     files = {unit_of_file(f.relative_to(base).as_posix()) for f in base.rglob("*.rs") if not test_only(f)}
     ok = True
     if sorted(names) != sorted(files):
-        print(f"module-cycles: README's engine tree lists {sorted(names)}, the engine has {sorted(files)}")
+        print(f"module-cycles: docs/architecture.md's engine tree lists {sorted(names)}, the engine has {sorted(files)}")
         ok = False
     at = {n: i for i, n in enumerate(names)}
     for a in sorted(g):
         for b in sorted(g[a]):
             if a in at and b in at and at[b] < at[a]:
-                print(f"module-cycles: README's engine tree lists {b} above {a}, which imports it")
+                print(f"module-cycles: docs/architecture.md's engine tree lists {b} above {a}, which imports it")
                 ok = False
     if ok:
-        print("module-cycles: README's engine tree: every file, every import pointing down")
+        print("module-cycles: docs/architecture.md's engine tree: every file, every import pointing down")
     return ok
 
 

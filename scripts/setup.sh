@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# scripts/setup.sh — install everything the demo and the tests need, on a fresh Debian machine or this one.
+# scripts/setup.sh — install everything the tests need (scripts/test-all.sh runs it; the demo, scripts/demo.sh,
+# installs only its own part), on a fresh Debian machine or this one.
 # Idempotent: a second run only checks. Needs: a Rust toolchain (cargo), python3 ≥ 3.10, and root for apt.
 #
 #   .venv/gixl   gixl installed from this checkout (`pip install .`), plus pytest, numpy, mypy
@@ -44,9 +45,10 @@ if ((${#apt_missing[@]})); then
 fi
 
 py=${PYTHON:-python3}
-if [ ! -x .venv/nixl/bin/python ]; then
+# scripts/demo.sh may have made either venv with less in it (what the demo needs): complete it.
+if [ ! -x .venv/nixl/bin/python ] || ! .venv/nixl/bin/python -c "import pytest, numpy, nixl_cu12._api" 2>/dev/null; then
     echo "setup: .venv/nixl (nixl-cu12==1.5.1, the reference implementation)"
-    "$py" -m venv .venv/nixl
+    [ -x .venv/nixl/bin/python ] || "$py" -m venv .venv/nixl
     .venv/nixl/bin/pip install -q pytest numpy
     .venv/nixl/bin/pip install -q --no-deps nixl-cu12==1.5.1
     took ".venv/nixl ready"
@@ -57,9 +59,9 @@ for v in .venv/nixl .venv/gixl; do
         $v/bin/pip install -q boto3
     fi
 done
-if [ ! -x .venv/gixl/bin/python ]; then
+if [ ! -x .venv/gixl/bin/python ] || ! .venv/gixl/bin/python -c "import pytest, numpy, mypy, maturin, boto3" 2>/dev/null; then
     echo "setup: .venv/gixl"
-    "$py" -m venv .venv/gixl
+    [ -x .venv/gixl/bin/python ] || "$py" -m venv .venv/gixl
     .venv/gixl/bin/pip install -q pytest numpy mypy maturin boto3
     took ".venv/gixl ready"
 fi

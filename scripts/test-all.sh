@@ -10,7 +10,7 @@
 # against gixl and against NIXL (including the fault matrix and hostile-input tests); the typed stubs
 # (mypy.stubtest); the two-process demo; the C tests under valgrind; a short soak; the Python extension's
 # exports; replacing NVIDIA's nixl-cu12 with gixl in a fresh virtualenv and back (scripts/swap-test.sh);
-# and that no must-run test skipped on CI. Ends with passed / failed / skipped per suite.
+# the documentation's relative links (scripts/check-links.py); and that no must-run test skipped on CI. Ends with passed / failed / skipped per suite.
 #
 # Skips: a Rust test that cannot run here calls tests/common::skip, which appends a line to $GIXL_SKIP_LOG;
 # pytest and the C runner count their own. With CI=true, a skip in the must-run set (network namespaces,
@@ -250,6 +250,9 @@ vllm_sequence() {
     diff -u "$out/nixl.txt" "$out/gixl.txt" && echo "$(wc -l <"$out/gixl.txt") lines, identical"
 }
 valgrind_c() { scripts/valgrind.sh; }
+# Every relative link and #anchor in README.md and docs/*.md resolves; the checker first proves it fails on
+# planted broken links.
+docs_links() { python3 scripts/check-links.py --self-test && python3 scripts/check-links.py; }
 soak_quick() { GIXL_TEST_INSTALLED=1 timeout 300 .venv/gixl/bin/python python/tests/soak.py --quick; }
 
 echo "setup took ${SECONDS} s"
@@ -275,6 +278,7 @@ step "C tests under valgrind (memcheck)" valgrind_c
 step "soak: 1000 cycles, 20 peer restarts, RSS and fds flat" soak_quick
 step "Python extension exports no C ABI" py_exports
 step "NIXL -> gixl swap and back in a fresh virtualenv" scripts/swap-test.sh
+step "documentation links (README.md, docs/)" docs_links
 step "must-run tests ran (fails on CI=true if any skipped)" must_run
 
 echo

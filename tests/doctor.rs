@@ -137,6 +137,10 @@ fn doctor_same_host() {
     let cma_works = j.contains("\"cma\":{\"works\":true");
     assert_eq!(field(p, "route"), if cma_works { "cma" } else { "tcp-after-cma-denied" }, "{p}");
     assert!(p.contains("\"gb_per_s\":"), "the READ probe ran: {p}");
+    // The summary leads: the route per kind of peer agrees with the details.
+    let s = &j[j.find("\"summary\":").expect("a summary")..j.find("\"routes\":{").expect("details")];
+    let same_host = &s[s.find("\"peer\":\"same host\"").expect("same host")..];
+    assert_eq!(field(same_host, "route"), if cma_works { "cma" } else { "tcp" }, "{s}");
 }
 
 #[test]

@@ -3,7 +3,7 @@
  *
  * Written for gixl (names and signatures follow NIXL's public C++ API so that programs written for it
  * compile unchanged). Header-only: everything is implemented in these headers over gixl's C ABI
- * (gixl.h, libgixl.so / libnixl_capi.so). See README.md, section "C++".
+ * (gixl.h, libgixl.so / libnixl_capi.so). See docs/drop-in.md, section "C++".
  */
 #ifndef _NIXL_TYPES_H
 #define _NIXL_TYPES_H

@@ -1,5 +1,9 @@
 """``gixl doctor``: which routes work on this host and to a given peer, which one gixl picks and why.
 
+The human report opens with a summary, the answer to "why is my transfer slow, why is it not using my NIC":
+the route each kind of peer gets (same process, same host, other host, VRAM) and each device (RDMA ports,
+TCP, GPU, io_uring) with whether gixl uses it and why; the details follow.
+
 ``python -m gixl doctor [--json] [--peer-md FILE | --peer NAME@HOST:PORT]``
 
 * ``--peer-md FILE``: a peer's metadata (``nixl_agent.get_agent_metadata()`` written to a file);
@@ -37,10 +41,31 @@ def _yes(ok: Any) -> str:
     return "yes" if ok else "NO"
 
 
+def _summary(r: dict) -> list:
+    """The first lines: the route each kind of peer gets and each device, used or not, with why."""
+    s = r.get("summary") or {"routes": [], "devices": []}
+    rows = [(x["peer"], x["route"], x["why"]) for x in s["routes"]]
+    rows += [(d["device"], "used" if d["used"] else "NOT used", d["why"]) for d in s["devices"]]
+    p = r.get("peer")
+    if p is not None:
+        if not p.get("ok"):
+            rows.append(("this peer", "FAILED", f"at {p.get('stage', '?')}: {p.get('error', '')}"))
+        else:
+            pr = p["read_probe"]
+            speed = f"READ {pr['gb_per_s']:.2f} GB/s" if "gb_per_s" in pr else f"READ probe: {pr.get('error') or pr.get('skipped')}"
+            rows.append((f"peer {p['name']}", p["route"], f"{p['why']}; {speed}"))
+    w1 = max((len(a) for a, _, _ in rows), default=0)
+    w2 = max((len(b) for _, b, _ in rows), default=0)
+    out = ["gixl doctor: the route to each kind of peer and each device, used or not, and why (details below)"]
+    out += [f"  {a:<{w1}}  {b:<{w2}}  {c}" for a, b, c in rows]
+    return out
+
+
 def render(r: dict) -> str:
-    """The report for people."""
+    """The report for people: the summary (a dozen lines), then the details."""
     v, h, routes = r["versions"], r["host"], r["routes"]
-    out = [
+    out = _summary(r) + ["details:"]
+    out += [
         f"gixl {v['gixl']} (NIXL API {v['nixl_api']}; features: {', '.join(v['features']) or 'none'})",
         f"host {h['hostname']}, kernel {h['kernel']}, pid {h['pid']}, uid {h['uid']}",
         f"  namespaces: {h['pid_ns']} {h['net_ns']}",

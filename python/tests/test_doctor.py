@@ -64,6 +64,35 @@ def test_doctor_json_names_every_route(installed):
     assert human.returncode == 0 and "routes on this host:" in human.stdout and "cma " in human.stdout
 
 
+def test_doctor_opens_with_the_route_per_peer_kind_and_each_device(installed):
+    """The answer to "why is my transfer slow / not using my NIC" comes first, in about a dozen lines: the
+    route each kind of peer gets and each device, used or not, with why; the details after."""
+    rep = json.loads(_run(["-m", "gixl", "doctor", "--json"]).stdout)
+    s = rep["summary"]
+    assert [x["peer"] for x in s["routes"]] == ["same process", "same host", "other host", "VRAM"], s
+    assert s["routes"][0]["route"] == "in-process"
+    same_host = s["routes"][1]
+    assert same_host["route"] == ("cma" if rep["routes"]["cma"]["works"] else "tcp"), same_host
+    devices = {d["device"]: d for d in s["devices"]}
+    assert {"TCP", "GPU", "io_uring"} <= set(devices), devices
+    assert any(d.startswith("RDMA") for d in devices), "each NIC port, or that there is none: " + str(devices)
+    assert all(d["why"] for d in s["devices"]) and all(x["why"] for x in s["routes"])
+    assert devices["GPU"]["used"] is rep["routes"]["cuda"]["works"]
+    assert devices["io_uring"]["used"] is True or "thread pool" in devices["io_uring"]["why"]
+    # Without a NIC on this fabric, the other host is reached over TCP and the summary says why.
+    if not rep["routes"]["rdma"]["works"]:
+        assert s["routes"][2]["route"] == "tcp" and rep["routes"]["rdma"]["why"] in s["routes"][2]["why"]
+    lines = _run(["-m", "gixl", "doctor"]).stdout.splitlines()
+    assert lines[0].startswith("gixl doctor: the route to each kind of peer"), lines[:3]
+    head = lines[: lines.index("details:")]
+    assert 6 <= len(head) <= 14, head
+    for want in ("same process", "same host", "other host", "VRAM", "TCP", "GPU", "io_uring"):
+        assert any(line.strip().startswith(want) for line in head), (want, head)
+    fake = _run(["-m", "gixl", "doctor"], env={**os.environ, "GIXL_FAKE_DEVICE": "1"}).stdout.splitlines()
+    gpu = next(line for line in fake if line.strip().startswith("GPU"))
+    assert " used " in gpu and "fake device" in gpu, gpu
+
+
 def test_doctor_says_whether_vram_works(installed):
     """The wheel has the `cuda` feature: with the fake device layer VRAM works; without a driver (or with one)
     the report says so, never that VRAM is unsupported by design."""
@@ -105,6 +134,8 @@ def test_doctor_with_a_peer_by_file_and_by_listener(installed, tmp_path):
         assert r.returncode == 0, r.stdout + r.stderr
         assert f"peer listener 127.0.0.1:{port}: reachable" in r.stdout, r.stdout
         assert "peer doctor-peer incarnation" in r.stdout and "READ of 1048576 bytes" in r.stdout, r.stdout
+        head = r.stdout[: r.stdout.index("details:")]
+        assert "peer doctor-peer " in head and " GB/s" in head, "the peer's route and speed lead: " + r.stdout
         bad = _run(["-m", "gixl", "doctor", "--peer", f"nobody-here@127.0.0.1:{_free_port()}"])
         assert bad.returncode == 1 and "FAILED" in bad.stdout, bad.stdout + bad.stderr
     finally:

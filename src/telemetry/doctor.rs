@@ -1,5 +1,7 @@
 //! `gixl doctor`: which routes work on this host and, given a peer, to that peer; which one gixl picks and
-//! why; versions; the agents of this process with their loaded peers. The report is JSON (C:
+//! why; versions; the agents of this process with their loaded peers. It opens with a summary (`summary`):
+//! the route each kind of peer gets and each device (NIC ports, TCP, GPU, io_uring) with why it is or is
+//! not used, the answer to "why is my transfer slow, why is it not using my NIC". The report is JSON (C:
 //! `gixl_doctor`, Python: `gixl.doctor()`; `python -m gixl doctor` prints it for people).
 
 use std::fmt::Write as _;
@@ -299,7 +301,7 @@ pub fn report(peer: Option<PeerTarget>) -> String {
                 ("works", J::Bool(rdma_works)),
                 ("devices", J::Arr(rdma.iter().map(|d| J::s(d.clone())).collect())),
                 ("ports", J::Arr(rdma_ports)),
-                ("why", J::s(rdma_why)),
+                ("why", J::s(rdma_why.clone())),
                 (
                     "gpu_direct",
                     J::Obj(vec![
@@ -364,6 +366,21 @@ pub fn report(peer: Option<PeerTarget>) -> String {
     } else {
         pick
     };
+    let summary = summary(&Facts {
+        transport: &transport,
+        cma_ok,
+        cma_why: &cma_why,
+        rdma_works,
+        rdma_why: &rdma_why,
+        rdma_devices: &rdma,
+        ports: fabric.as_ref().map_or(Vec::new(), |(_, ports)| {
+            ports.iter().map(|p| (format!("{}:{} {:?}", p.device, p.port, p.link), p.active)).collect()
+        }),
+        vram: device.as_ref().map(|d| d.kind()).map_err(|e| e.message().to_owned()),
+        libcuda: cuda.clone(),
+        peer_memory,
+        io_uring: crate::backend::posix::io_uring_available().map_err(|e| e.to_string()),
+    });
     let peer_j = peer.map(|p| peer_report(p, cma_ok, uid));
     let mut top = vec![
         (
@@ -400,6 +417,7 @@ pub fn report(peer: Option<PeerTarget>) -> String {
                 ("net_ns", J::s(netns)),
             ]),
         ),
+        ("summary", summary),
         ("transport", J::s(transport)),
         ("routes", routes),
         ("route_choice", J::s(pick)),
@@ -411,6 +429,142 @@ pub fn report(peer: Option<PeerTarget>) -> String {
     let mut o = String::new();
     J::Obj(top).write(&mut o);
     o
+}
+
+/// What the summary is made from: the host's findings, already gathered by `report`.
+struct Facts<'a> {
+    transport: &'a str,
+    cma_ok: bool,
+    cma_why: &'a [String],
+    rdma_works: bool,
+    rdma_why: &'a str,
+    rdma_devices: &'a [String],
+    /// The RDMA ports the verbs layer sees ("dev:port link") and whether each is active.
+    ports: Vec<(String, bool)>,
+    /// The device layer ("cuda", "fake"), or why VRAM registration fails.
+    vram: Result<&'static str, String>,
+    libcuda: Result<(), String>,
+    peer_memory: bool,
+    io_uring: Result<(), String>,
+}
+
+/// The answer to "why is my transfer slow, why is it not using my NIC", first in the report: the route each
+/// kind of peer gets (`routes`: peer, route, why) and each device with whether gixl uses it (`devices`:
+/// device, used, why). Everything in it is also in the details (`routes`, `route_choice`).
+fn summary(f: &Facts) -> J {
+    let route = |peer: &str, route: &str, why: String| {
+        J::Obj(vec![("peer", J::s(peer)), ("route", J::s(route)), ("why", J::s(why))])
+    };
+    let forced_tcp = f.transport == "tcp";
+    let rdma_here = f.rdma_works && !forced_tcp;
+    let conns = std::env::var("GIXL_TCP_CONNS").unwrap_or_else(|_| "4".into());
+    let tcp_why = format!("{conns} data connections per peer (GIXL_TCP_CONNS)");
+    let mut routes = vec![route("same process", "in-process", "memcpy between agents of this process".to_owned())];
+    routes.push(if forced_tcp {
+        route("same host", "tcp", format!("GIXL_TRANSPORT=tcp asks for TCP to every peer; {tcp_why}"))
+    } else if f.transport == "rdma" && f.rdma_works {
+        route("same host", "rdma", "GIXL_TRANSPORT=rdma: peers with a port on this fabric (tcp for the others)".into())
+    } else if f.cma_ok {
+        route(
+            "same host",
+            "cma",
+            format!(
+                "cross-memory attach, one copy by the kernel, no socket; {} (tcp for a peer in another pid \
+                 namespace or one the kernel refuses, said in the log)",
+                f.cma_why.last().map_or("", String::as_str)
+            ),
+        )
+    } else {
+        route("same host", "tcp", format!("cross-memory attach is denied here: {}", f.cma_why.join("; ")))
+    });
+    routes.push(if forced_tcp {
+        route("other host", "tcp", format!("GIXL_TRANSPORT=tcp; {tcp_why}"))
+    } else if rdma_here {
+        route("other host", "rdma", format!("{} (tcp for peers without a port on this fabric)", f.rdma_why))
+    } else {
+        route("other host", "tcp", format!("{}; {tcp_why}", f.rdma_why))
+    });
+    routes.push(match &f.vram {
+        Ok(kind) => route(
+            "VRAM",
+            "device copies / IPC handles / staged",
+            format!(
+                "{} device layer: device copies in a process, CUDA IPC handles on this host, {} to other hosts",
+                kind,
+                if rdma_here {
+                    "the NIC straight to GPU memory over RDMA where it reaches it (dma-buf or peer memory), else staged"
+                } else {
+                    "staged through pinned host buffers over TCP"
+                }
+            ),
+        ),
+        Err(e) => route("VRAM", "none", format!("VRAM registration fails here: {e}")),
+    });
+    let dev = |device: String, used: bool, why: String| {
+        J::Obj(vec![("device", J::s(device)), ("used", J::Bool(used)), ("why", J::s(why))])
+    };
+    let mut devices = Vec::new();
+    for (port, active) in &f.ports {
+        let used = rdma_here && *active;
+        let why = if !*active {
+            "the port is down".to_owned()
+        } else if forced_tcp {
+            "GIXL_TRANSPORT=tcp".to_owned()
+        } else {
+            f.rdma_why.to_owned()
+        };
+        devices.push(dev(format!("RDMA port {port}"), used, why));
+    }
+    if f.ports.is_empty() {
+        let listed = if f.rdma_devices.is_empty() {
+            "none in /sys/class/infiniband".to_owned()
+        } else {
+            format!("{} in /sys/class/infiniband", f.rdma_devices.join(", "))
+        };
+        devices.push(dev("RDMA NIC".to_owned(), false, format!("{listed}; {}", f.rdma_why)));
+    }
+    let bind = std::env::var("GIXL_TCP_ADDR").unwrap_or_default();
+    // As the TCP listener advertises them when it is not given an address: IPv4, loopback last.
+    let mut v4: Vec<_> = crate::os::sock::interface_addrs().into_iter().filter(|ip| ip.is_ipv4()).collect();
+    v4.sort_by_key(|ip| ip.is_loopback());
+    let addrs: Vec<String> = v4.iter().map(|a| a.to_string()).collect();
+    devices.push(dev(
+        "TCP".to_owned(),
+        true,
+        if bind.is_empty() {
+            format!(
+                "listens on every IPv4 interface and advertises each: {} (GIXL_TCP_ADDR picks one)",
+                if addrs.is_empty() { "none found".to_owned() } else { addrs.join(", ") }
+            )
+        } else {
+            format!("GIXL_TCP_ADDR={bind}: only that address is advertised")
+        },
+    ));
+    devices.push(match (&f.vram, &f.libcuda) {
+        (Ok("fake"), _) => dev("GPU".into(), true, "the fake device layer (GIXL_FAKE_DEVICE=1, for tests)".into()),
+        (Ok(kind), _) => dev("GPU".into(), true, format!("through the {kind} driver (libcuda loadable)")),
+        (Err(e), Ok(())) => dev("GPU".into(), false, format!("libcuda loads, but: {e}")),
+        (Err(e), Err(_)) => dev("GPU".into(), false, format!("no GPU driver here: {e}")),
+    });
+    if f.vram.is_ok() && !f.ports.is_empty() {
+        devices.push(dev(
+            "GPUDirect RDMA".into(),
+            rdma_here,
+            format!(
+                "per region: dma-buf, else peer memory (module {}), else staged; the log says which",
+                if f.peer_memory { "loaded" } else { "not loaded" }
+            ),
+        ));
+    }
+    devices.push(match &f.io_uring {
+        Ok(()) => dev("io_uring".into(), true, "the POSIX (file) backend's I/O goes through it".into()),
+        Err(e) => dev(
+            "io_uring".into(),
+            false,
+            format!("unavailable ({e}): the POSIX backend uses a thread pool of pread/pwrite"),
+        ),
+    });
+    J::Obj(vec![("routes", J::Arr(routes)), ("devices", J::Arr(devices))])
 }
 
 fn err_j(stage: &str, e: impl std::fmt::Display) -> J {
@@ -582,5 +736,18 @@ mod tests {
         {
             assert!(r.contains(k), "{k} missing from {r}");
         }
+    }
+
+    #[test]
+    fn summary_comes_first_with_each_peer_kind_and_device() {
+        let r = report(None);
+        let s = r.find("\"summary\":{\"routes\":[").expect("a summary");
+        assert!(s < r.find("\"routes\":{\"in_process\"").expect("the details"), "summary before details: {r}");
+        for k in
+            ["same process", "same host", "other host", "VRAM", "\"device\":\"TCP\"", "\"device\":\"GPU\"", "io_uring"]
+        {
+            assert!(r.contains(k), "{k} missing from the summary: {r}");
+        }
+        assert!(r.contains("RDMA"), "the NICs (or their absence) are in the summary: {r}");
     }
 }

@@ -71,6 +71,12 @@ pub struct Posix {
     queue: Arc<Queue>,
 }
 
+/// Whether this kernel gives the POSIX backend an io_uring (what `gixl doctor` reports); `Err` says why not,
+/// and the backend then runs its I/O on a thread pool.
+pub fn io_uring_available() -> std::io::Result<()> {
+    uring::Ring::new(8, 8).map(drop)
+}
+
 impl Posix {
     fn new(init: BackendInit) -> Result<Posix> {
         Self::with_ring(init, uring::Ring::new)
