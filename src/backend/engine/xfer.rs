@@ -3,6 +3,7 @@
 //! for the copy threads or a TCP peer's data connections, copies by the peer's route, and completion
 //! (the notification strictly after the data, then the status).
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -64,11 +65,32 @@ pub(super) struct Run {
     idle: Condvar,
     idle_lock: Mutex<()>,
     notif: Option<Vec<u8>>,
+    /// Pieces for the copy threads that none has taken yet. A poll of the request takes one and copies it
+    /// itself (`EngineXfer::status`): a caller spinning on the status (nixlbench, NIXL's examples) then moves
+    /// data instead of taking a core from the copy threads, as NIXL's UCX progresses in the polling thread.
+    queued: Mutex<VecDeque<Vec<Seg>>>,
 }
 
 impl Run {
     fn fail(&self, e: Error) {
         self.err.lock().get_or_insert_with(|| (e.status(), e.message().to_owned()));
+    }
+
+    /// Copy one piece of `core`'s request (skipped once aborted); the last piece finishes the request.
+    fn piece(&self, core: &Core, segs: &[Seg]) {
+        if !self.abort.load(Ordering::Relaxed) {
+            core.guarded_copy(segs, self);
+        }
+        if self.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
+            core.finish(self);
+        }
+    }
+
+    /// Copy the next piece no copy thread has taken; false when there is none.
+    fn take_piece(&self, core: &Core) -> bool {
+        let Some(segs) = self.queued.lock().pop_front() else { return false };
+        self.piece(core, &segs);
+        true
     }
 }
 
@@ -179,16 +201,21 @@ impl BackendXfer for EngineXfer {
         // About equal bytes each, segments split where needed.
         let parts = copy::chunks(&plan.segs, plan.total_bytes.div_ceil(pieces as u64).max(1));
         run.pending.store(parts.len(), Ordering::Release);
-        let pool = if tcp.is_some() { &core.shared.tcp_pool } else { &core.shared.pool };
-        for part in parts {
-            let (core, run) = (core.clone(), run.clone());
-            pool.submit(Box::new(move || {
-                if !run.abort.load(Ordering::Relaxed) {
-                    core.guarded_copy(&part, &run);
-                }
-                if run.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
-                    core.finish(&run);
-                }
+        if tcp.is_some() {
+            // Over TCP a piece waits on sockets: only the TCP workers take them, never a polling caller.
+            for part in parts {
+                let (c, run) = (core.clone(), run.clone());
+                core.shared.tcp_pool.submit(Box::new(move || run.piece(&c, &part)));
+            }
+            return Ok(Status::InProg);
+        }
+        // A copy thread per piece takes the next one still queued, if a poll has not taken it already.
+        let n = parts.len();
+        *run.queued.lock() = parts.into();
+        for _ in 0..n {
+            let (c, run) = (core.clone(), run.clone());
+            core.shared.pool.submit(Box::new(move || {
+                run.take_piece(&c);
             }));
         }
         Ok(Status::InProg)
@@ -204,6 +231,10 @@ impl BackendXfer for EngineXfer {
                 if let Some(p) = self.core.peer().filter(|p| p.disconnected()) {
                     self.abort();
                     return Err(crate::backend::disconnected(&p.name, p));
+                }
+                // The caller polls: it copies one piece no copy thread has taken yet, then answers for it.
+                if run.take_piece(&self.core) && run.state.load(Ordering::Acquire) != Status::InProg as i32 {
+                    return self.status();
                 }
                 Ok(Status::InProg)
             }
@@ -287,5 +318,64 @@ mod tests {
         assert_eq!(st.as_ref().err().map(|e| e.status()), Some(Status::RemoteDisconnect), "{st:?}");
         assert_eq!(run.pending.load(Ordering::Acquire), 0, "a copy thread still works on a terminal request");
         assert_ne!(run.state.load(Ordering::Acquire), Status::InProg as i32);
+    }
+
+    /// A caller polling the status moves the pieces no copy thread has taken: with every copy thread held
+    /// busy, polls alone complete a split request, byte-exact, and the copy threads find nothing left after.
+    #[test]
+    fn polls_copy_the_pieces_no_copy_thread_took() {
+        const SIZE: usize = 16 << 20;
+        let init = |name: &str| BackendInit {
+            agent_name: name.into(),
+            incarnation: crate::util::random_u128(),
+            params: [("num_threads".to_owned(), "2".to_owned())].into_iter().collect(),
+            num_workers: 0,
+        };
+        let a = Engine::new(init("poll-A")).unwrap();
+        let bi = init("poll-B");
+        let binc = bi.incarnation;
+        let b = Engine::new(bi).unwrap();
+        let src: Vec<u8> = (0..SIZE).map(|i| (i * 7 + i / 4096) as u8).collect();
+        let dst = vec![0u8; SIZE];
+        let rd = RegDesc { desc: Desc::new(dst.as_ptr() as u64, SIZE as u64, 0), meta: vec![] };
+        let lr = b.register(MemType::Dram, &rd).unwrap();
+        let peer = a.load_peer("poll-B", binc, &b.conn_info()).unwrap();
+        let key = a.load_remote_region(&peer, MemType::Dram, &rd.desc, &lr.public).unwrap();
+        let plan = write_plan(src.as_ptr() as u64, dst.as_ptr() as u64, SIZE as u64, &peer, key);
+        let x = EngineXfer {
+            core: Arc::new(Core { shared: a.shared.clone(), plan, mover: None, prepared: None }),
+            run: Mutex::new(None),
+        };
+        // Both copy threads wait behind a gate until the request is complete.
+        let gate = Arc::new((Mutex::new(false), Condvar::new()));
+        let started = Arc::new(AtomicUsize::new(0));
+        for _ in 0..2 {
+            let (gate, started) = (gate.clone(), started.clone());
+            a.shared.pool.submit(Box::new(move || {
+                started.fetch_add(1, Ordering::AcqRel);
+                let mut open = gate.0.lock();
+                while !*open {
+                    gate.1.wait(&mut open);
+                }
+            }));
+        }
+        while started.load(Ordering::Acquire) < 2 {
+            std::thread::yield_now();
+        }
+        assert_eq!(x.post(None).unwrap(), Status::InProg);
+        let queued = x.run.lock().clone().unwrap().queued.lock().len();
+        assert_eq!(queued, 2, "the request was split for the two copy threads");
+        let mut polls = 0;
+        while x.status().unwrap() == Status::InProg {
+            polls += 1;
+            assert!(polls <= queued, "each poll copies a piece: {polls} polls and still in progress");
+        }
+        assert_eq!(dst, src, "the polls moved every byte");
+        *gate.0.lock() = true;
+        gate.1.notify_all();
+        // The copy threads' tasks for this request find its queue empty and leave it as it is.
+        a.shared.pool.shutdown();
+        assert_eq!(x.status().unwrap(), Status::Success);
+        assert_eq!(dst, src);
     }
 }
