@@ -7,7 +7,6 @@
 //! on (`EnginePeer::label`).
 
 use std::any::Any;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 
@@ -28,7 +27,7 @@ use crate::backend::{Seg, Target, XferPlan};
 use crate::mem::MemType;
 use crate::os::sentinel;
 use crate::status::{Error, Result, Status};
-use crate::telemetry::log::{self, Level};
+use crate::telemetry::log::Level;
 
 /// The peer `agent` of incarnation `incarnation`, as its connection info `ci` and this host say it is reached.
 pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInfo) -> Result<EnginePeer> {
@@ -142,34 +141,6 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
     Ok(peer)
 }
 
-/// The route lines said so far, by peer incarnation. A peer loaded again under the same incarnation (Ray adds its
-/// peer on every fetch and removes it after) is said at DEBUG unless its route or its reason changed; bounded:
-/// past `SAID_MAX` peers it forgets them all at once, and each says its line once more.
-#[derive(Default)]
-pub(super) struct Said(Mutex<HashMap<(String, u128), String>>);
-
-const SAID_MAX: usize = 4096;
-
-impl Said {
-    fn say(&self, agent: &str, incarnation: u128, level: Level, line: &str) {
-        log::log(self.level(agent, incarnation, level, line), line);
-    }
-
-    /// `level` the first time `line` is said of this peer incarnation, DEBUG when it says the same again.
-    fn level(&self, agent: &str, incarnation: u128, level: Level, line: &str) -> Level {
-        let mut said = self.0.lock();
-        let key = (agent.to_owned(), incarnation);
-        if said.get(&key).is_some_and(|l| l == line) {
-            return Level::Debug;
-        }
-        if said.len() >= SAID_MAX {
-            said.clear();
-        }
-        said.insert(key, line.to_owned());
-        level
-    }
-}
-
 /// How `plan` (touching VRAM) reaches its peer; `prepared`: what its route found for it (`Route::prepare`).
 pub(super) fn vram_way(plan: &XferPlan, prepared: Option<&(dyn Any + Send + Sync)>) -> Result<VramWay> {
     let Target::Remote(p) = &plan.target else { return Ok(VramWay::Local) };
@@ -268,35 +239,4 @@ impl EnginePeer {
 pub(super) fn ipc_despite_denial(gate: &Option<Arc<Attached>>, remote_is_vram: bool) -> bool {
     remote_is_vram
         && gate.as_ref().is_some_and(|g| matches!(sentinel::read(g.gate.sentinel()), sentinel::Word::Alive(_)))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_route_line_is_said_once_per_peer_incarnation_unless_it_changes() {
-        let said = Said::default();
-        let line = "agent 'a': peer 'p' (incarnation 1) route tcp (another host)";
-        assert_eq!(said.level("p", 1, Level::Info, line), Level::Info);
-        for _ in 0..3 {
-            assert_eq!(said.level("p", 1, Level::Info, line), Level::Debug, "loaded again: nothing new");
-        }
-        assert_eq!(said.level("p", 2, Level::Info, line), Level::Info, "a new incarnation is said");
-        let changed = "agent 'a': peer 'p' (incarnation 1) route tcp (fall-back: denied)";
-        assert_eq!(said.level("p", 1, Level::Warn, changed), Level::Warn, "a changed route is said");
-        assert_eq!(said.level("p", 1, Level::Warn, changed), Level::Debug);
-    }
-
-    #[test]
-    fn the_memory_of_route_lines_is_bounded() {
-        let said = Said::default();
-        for i in 0..(SAID_MAX as u128 + 10) {
-            said.level("p", i, Level::Info, "line");
-            assert!(said.0.lock().len() <= SAID_MAX);
-        }
-        // Forgotten all at once past the bound: a peer says its line once more, then is quiet again.
-        assert_eq!(said.level("p", 0, Level::Info, "line"), Level::Info);
-        assert_eq!(said.level("p", 0, Level::Info, "line"), Level::Debug);
-    }
 }

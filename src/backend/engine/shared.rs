@@ -21,7 +21,6 @@ use super::pool::Pool;
 use super::route::tcp::listen::{self, TcpOpts, TcpSetup};
 use super::route::tcp::regions::Regions;
 pub(super) use super::route::Transport;
-use super::router::Said;
 use super::sides::Sides;
 use super::vram_regions::Vram;
 use crate::backend::BackendInit;
@@ -70,6 +69,40 @@ pub(super) struct Shared {
     pub(super) sides: Sides,
     /// The route line said for each peer incarnation loaded so far (see `router::Said`).
     pub(super) said: Said,
+}
+
+/// The route lines said so far, by peer incarnation. A peer loaded again under the same incarnation (Ray adds its
+/// peer on every fetch and removes it after) is said at DEBUG unless its route or its reason changed; bounded:
+/// past `SAID_MAX` peers it forgets them all at once, and each says its line once more.
+#[derive(Default)]
+pub(super) struct Said(Mutex<HashMap<(String, u128), String>>);
+
+const SAID_MAX: usize = 4096;
+
+impl Said {
+    pub(super) fn say(&self, agent: &str, incarnation: u128, level: crate::telemetry::log::Level, line: &str) {
+        crate::telemetry::log::log(self.level(agent, incarnation, level, line), line);
+    }
+
+    /// `level` the first time `line` is said of this peer incarnation, DEBUG when it says the same again.
+    fn level(
+        &self,
+        agent: &str,
+        incarnation: u128,
+        level: crate::telemetry::log::Level,
+        line: &str,
+    ) -> crate::telemetry::log::Level {
+        let mut said = self.0.lock();
+        let key = (agent.to_owned(), incarnation);
+        if said.get(&key).is_some_and(|l| l == line) {
+            return crate::telemetry::log::Level::Debug;
+        }
+        if said.len() >= SAID_MAX {
+            said.clear();
+        }
+        said.insert(key, line.to_owned());
+        level
+    }
 }
 
 /// A backend parameter, else an environment variable.
@@ -323,5 +356,37 @@ pub(super) fn take_peer_fd(
             format!("the kernel refused pidfd_getfd, and the peer's control socket did not send the descriptor: {e}"),
             refused,
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::telemetry::log::Level;
+
+    #[test]
+    fn a_route_line_is_said_once_per_peer_incarnation_unless_it_changes() {
+        let said = Said::default();
+        let line = "agent 'a': peer 'p' (incarnation 1) route tcp (another host)";
+        assert_eq!(said.level("p", 1, Level::Info, line), Level::Info);
+        for _ in 0..3 {
+            assert_eq!(said.level("p", 1, Level::Info, line), Level::Debug, "loaded again: nothing new");
+        }
+        assert_eq!(said.level("p", 2, Level::Info, line), Level::Info, "a new incarnation is said");
+        let changed = "agent 'a': peer 'p' (incarnation 1) route tcp (fall-back: denied)";
+        assert_eq!(said.level("p", 1, Level::Warn, changed), Level::Warn, "a changed route is said");
+        assert_eq!(said.level("p", 1, Level::Warn, changed), Level::Debug);
+    }
+
+    #[test]
+    fn the_memory_of_route_lines_is_bounded() {
+        let said = Said::default();
+        for i in 0..(SAID_MAX as u128 + 10) {
+            said.level("p", i, Level::Info, "line");
+            assert!(said.0.lock().len() <= SAID_MAX);
+        }
+        // Forgotten all at once past the bound: a peer says its line once more, then is quiet again.
+        assert_eq!(said.level("p", 0, Level::Info, "line"), Level::Info);
+        assert_eq!(said.level("p", 0, Level::Info, "line"), Level::Debug);
     }
 }
