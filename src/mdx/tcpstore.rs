@@ -489,11 +489,12 @@ impl Worker {
 
     fn fetch(&mut self, name: &str, key: &str, until: Instant) -> std::result::Result<(), String> {
         let Some(blob) = self.client.get(key)? else { return self.wait_for(name, key, until) };
-        let loaded = self.host.load(&blob).map_err(|e| e.to_string())?;
-        if loaded != name {
-            return Err(format!("the metadata under {key} is agent '{loaded}'s"));
+        // Another agent's metadata under this name's key is refused before anything is loaded.
+        let claimed = crate::md::AgentMd::peek_name(&blob).map_err(|e| e.to_string())?;
+        if claimed != name {
+            return Err(format!("the metadata under {key} is agent '{claimed}'s; not loaded"));
         }
-        Ok(())
+        self.host.load(&blob).map(|_| ()).map_err(|e| e.to_string())
     }
 
     /// The key is not there yet: wait for it on a connection of its own until `until`, then fetch again.
