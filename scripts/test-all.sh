@@ -171,8 +171,8 @@ must_run() {
     # pytest's own skips (-rs lines) of the Python etcd, TCPStore and Garage (OBJ) tests count too, and the
     # C++ TCPStore test's skip (no torch for its master).
     local py
-    py=$({ grep -hE '^SKIPPED \[[0-9]+\] .*(test_etcd|test_obj|test_tcpstore)' "$logs"/py-gixl.log
-        grep -hE '^SKIPPED \[[0-9]+\] .*(test_obj.*\[garage\]|test_tcpstore)' "$logs"/py-nixl.log
+    py=$({ grep -hE '^SKIPPED \[[0-9]+\] .*(test_etcd|test_obj|test_tcpstore.*no torch)' "$logs"/py-gixl.log
+        grep -hE '^SKIPPED \[[0-9]+\] .*(test_obj.*\[garage\]|test_tcpstore.*no torch)' "$logs"/py-nixl.log
         grep -hE '^skip t_tcpstore' "$logs"/cpp-gixl.log "$logs"/cpp-nixl.log; } 2>/dev/null)
     [ -n "$py" ] && must=$(printf '%s\n%s' "$must" "$py")
     [ -n "$must" ] && printf 'must-run tests skipped:\n%s\n' "$must"

@@ -22,14 +22,20 @@ from helpers import addr, pattern, wait_done, wait_until
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The master: print the port, then answer each line of keys on stdin with which of them the store holds (torch's
-# own client's view, "1"/"0" each), until stdin closes (so it never outlives the test run).
+# own client's view, "1"/"0" each), or store a value ("set KEY HEX"), until stdin closes (so it never outlives the
+# test run).
 _MASTER = """
 import sys, datetime
 import torch.distributed as d
 s = d.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
 print(s.port, flush=True)
 for line in sys.stdin:
-    print(" ".join(str(int(s.check([k]))) for k in line.split()), flush=True)
+    words = line.split()
+    if words[:1] == ["set"]:  # set KEY HEX: store a value, as any torch client would
+        s.set(words[1], bytes.fromhex(words[2]))
+        print("ok", flush=True)
+    else:
+        print(" ".join(str(int(s.check([k]))) for k in words), flush=True)
 """
 
 
@@ -75,6 +81,11 @@ class Store:
         self.proc.stdin.write(" ".join(keys) + "\n")
         self.proc.stdin.flush()
         return [x == "1" for x in self.proc.stdout.readline().split()]
+
+    def set(self, key: str, value: bytes) -> None:
+        self.proc.stdin.write(f"set {key} {value.hex()}\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == "ok"
 
 
 @pytest.fixture
@@ -127,7 +138,9 @@ def test_invalidate_local_removes_the_remote_view(store_env, make_agent):
     a.send_partial_agent_metadata(descs, True, ["UCX"], label="blocks")
     b.fetch_remote_metadata(a.name)
     wait_until(lambda: b.check_remote_metadata(a.name), timeout=15, what="metadata fetched from the TCPStore")
-    assert store_env.present(key("metadata", a.name), key("blocks", a.name)) == [True, True]
+    # The sends are queued: the labelled one may land after the fetch has read the first.
+    wait_until(lambda: store_env.present(key("metadata", a.name), key("blocks", a.name)) == [True, True],
+               timeout=15, interval=0.05, what="both keys set")
     a.invalidate_local_metadata()
     # Every key the agent set is deleted, the labelled one too.
     wait_until(lambda: store_env.present(key("metadata", a.name), key("blocks", a.name)) == [False, False],
@@ -155,6 +168,43 @@ def test_a_fetch_waits_for_an_agent_not_yet_published(store_env, make_agent):
     assert time.monotonic() - t < 5
     assert not b.check_remote_metadata("nobody-" + a.name)
     assert b.check_remote_metadata(a.name, b.get_xfer_descs([(addr(buf), 128, 0)], "DRAM"))
+
+
+def test_a_fetch_gives_up_after_the_timeout(store_env, make_agent, monkeypatch):
+    """NIXL_TCPSTORE_TIMEOUT_MS bounds how long a fetch waits: published later than that, nothing is loaded."""
+    monkeypatch.setenv("NIXL_TCPSTORE_TIMEOUT_MS", "1000")
+    a = make_agent("tg")
+    b = make_agent("th")
+    b.fetch_remote_metadata(a.name)
+    time.sleep(2.0)
+    a.send_local_metadata()
+    wait_until(lambda: store_env.present(key("metadata", a.name)) == [True], timeout=10, interval=0.1,
+               what="published")
+    time.sleep(1.0)
+    assert not b.check_remote_metadata(a.name)
+
+
+@pytest.mark.gixl_only
+def test_another_agents_metadata_under_a_name_is_not_loaded(store_env, make_agent):
+    """A value under one agent's key that is another agent's metadata (a stale or hostile writer) is refused
+    before it is loaded: neither name is loaded. (NIXL 1.5.1 loads it, then logs the mismatch.)"""
+    a = make_agent("tv")
+    other = make_agent("tu")
+    store_env.set(key("metadata", a.name), other.get_agent_metadata())
+    b = make_agent("tt")
+    b.fetch_remote_metadata(a.name)
+    time.sleep(1.0)
+    assert not b.check_remote_metadata(a.name)
+    assert not b.check_remote_metadata(other.name)
+    # The real one, published over it, loads. (A's set and B's read go through two agents' queues: a read that
+    # still finds the other agent's blob is refused again, so fetch until the real one is read.)
+    a.send_local_metadata()
+    deadline = time.monotonic() + 15
+    while not b.check_remote_metadata(a.name):
+        assert time.monotonic() < deadline, "the real metadata was not loaded"
+        b.fetch_remote_metadata(a.name)
+        time.sleep(0.2)
+    assert not b.check_remote_metadata(other.name)
 
 
 def test_partial_metadata_needs_a_label(store_env, bind, make_agent):
