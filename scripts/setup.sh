@@ -5,6 +5,10 @@
 #
 #   .venv/gixl   gixl installed from this checkout (`pip install .`), plus pytest, numpy, mypy
 #   .venv/nixl   the real NVIDIA NIXL 1.5.1 (nixl-cu12, CPU/UCX is enough), the oracle the tests compare with
+#   .venv/torch  torch 2.15.0 from PyPI, test-only: the torch.distributed.TCPStore master of the TCPStore tests
+#                (python/tests/test_tcpstore.py, ffi-tests/cpp/t_tcpstore.cpp). PyPI has no CPU-only torch for
+#                x86-64 and `import torch` needs the CUDA libraries it depends on, so this is the whole thing:
+#                about 3 GB downloaded, 5.3 GB on disk, under 2 minutes here; once per machine.
 #   garage       Garage 2.5.0, the S3 server of the OBJ backend's tests, built once per machine into
 #                ~/.cache/gixl/garage-2.5.0-lmdb: only the LMDB metadata engine, against Debian's libsodium and
 #                libzstd, at opt-level 1 (about 8 minutes on 2 cores, half of a default build; the benchmark
@@ -64,6 +68,15 @@ if [ ! -x .venv/gixl/bin/python ] || ! .venv/gixl/bin/python -c "import pytest, 
     [ -x .venv/gixl/bin/python ] || "$py" -m venv .venv/gixl
     .venv/gixl/bin/pip install -q pytest numpy mypy maturin boto3
     took ".venv/gixl ready"
+fi
+if [ ! -e .venv/torch/.ready ]; then
+    echo "setup: .venv/torch (torch 2.15.0, test-only: the TCPStore master)"
+    rm -rf .venv/torch
+    "$py" -m venv .venv/torch
+    .venv/torch/bin/pip install -q torch==2.15.0 numpy
+    .venv/torch/bin/python -c "import torch.distributed as d; assert d.is_available()"
+    touch .venv/torch/.ready
+    took ".venv/torch ready"
 fi
 garage_root="$HOME/.cache/gixl/garage-2.5.0-lmdb"
 if [ -z "${GIXL_GARAGE:-}" ] && [ ! -x "$garage_root/bin/garage" ]; then

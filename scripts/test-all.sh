@@ -14,7 +14,7 @@
 #
 # Skips: a Rust test that cannot run here calls tests/common::skip, which appends a line to $GIXL_SKIP_LOG;
 # pytest and the C runner count their own. With CI=true, a skip in the must-run set (network namespaces,
-# etcd, the CMA fall-back, io_uring, the Prometheus scrape) fails the run.
+# etcd, the CMA fall-back, io_uring, the Prometheus scrape, the TCPStore tests' torch master) fails the run.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -168,17 +168,19 @@ py_exports() {
 must_run() {
     local must
     must=$(grep -E '^SKIPPED: .* \[(netns|etcd|cma|io_uring|prometheus)\]: ' "$GIXL_SKIP_LOG")
-    # pytest's own skips (-rs lines) of the Python etcd and Garage (OBJ) tests count too.
+    # pytest's own skips (-rs lines) of the Python etcd, TCPStore and Garage (OBJ) tests count too, and the
+    # C++ TCPStore test's skip (no torch for its master).
     local py
-    py=$({ grep -hE '^SKIPPED \[[0-9]+\] .*(test_etcd|test_obj)' "$logs"/py-gixl.log
-        grep -hE '^SKIPPED \[[0-9]+\] .*test_obj.*\[garage\]' "$logs"/py-nixl.log; } 2>/dev/null)
+    py=$({ grep -hE '^SKIPPED \[[0-9]+\] .*(test_etcd|test_obj|test_tcpstore.*no torch)' "$logs"/py-gixl.log
+        grep -hE '^SKIPPED \[[0-9]+\] .*(test_obj.*\[garage\]|test_tcpstore.*no torch)' "$logs"/py-nixl.log
+        grep -hE '^skip t_tcpstore' "$logs"/cpp-gixl.log "$logs"/cpp-nixl.log; } 2>/dev/null)
     [ -n "$py" ] && must=$(printf '%s\n%s' "$must" "$py")
     [ -n "$must" ] && printf 'must-run tests skipped:\n%s\n' "$must"
     if [ "${CI:-}" = "true" ] && [ -n "$must" ]; then
-        echo "CI=true: these tests must run here (root, Linux, etcd, io_uring, garage); failing"
+        echo "CI=true: these tests must run here (root, Linux, etcd, io_uring, garage, torch); failing"
         return 1
     fi
-    echo "must-run set (netns, etcd, cma, io_uring, prometheus, garage): $(grep -c . <<<"${must}") skipped"
+    echo "must-run set (netns, etcd, cma, io_uring, prometheus, garage, tcpstore): $(grep -c . <<<"${must}") skipped"
 }
 header() { scripts/check-header.sh; }
 capi_exports() {

@@ -8,13 +8,16 @@
 #                        only declare, with NIXL 1.5.1's layouts) and link libnixl.so, libnixl_build.so and
 #                        libserdes.so, so the same programs run against NIXL's C++ library. Checks of gixl's
 #                        improvements are skipped; leak detection is off (NIXL and UCX leak at exit).
+#   GIXL_TORCH_PYTHON=py the Python with torch that t_tcpstore starts its TCPStore master with (default: the
+#                        checkout's .venv/torch, made by scripts/setup.sh; t_tcpstore skips without one).
 set -u
 [ $# -eq 2 ] || { echo "usage: $0 LIB_DIR INCLUDE_DIR" >&2; exit 2; }
 here="$(cd "$(dirname "$0")" && pwd)"
 lib_dir="$(cd "$1" && pwd)" || exit 2
 inc_dir="$(cd "$2" && pwd)" || exit 2
 build="${CPP_BUILD_DIR:-$here/build}"
-tests="${CPP_TESTS:-t_api t_outparams t_example t_two_process t_etcd t_parity}"
+tests="${CPP_TESTS:-t_api t_outparams t_example t_two_process t_etcd t_tcpstore t_parity}"
+export GIXL_TORCH_PYTHON="${GIXL_TORCH_PYTHON:-$(cd "$here/../.." && pwd)/.venv/torch/bin/python}"
 libname="${CPP_LIBNAME:-gixl}"
 [ -e "$inc_dir/nixl.h" ] || { echo "error: $inc_dir/nixl.h not found" >&2; exit 2; }
 oracle="${CPP_ORACLE:-gixl}"

@@ -703,12 +703,12 @@ impl Agent {
         b.be.gen_notif(&Target::Remote(peer), msg)
     }
 
-    // ----- metadata exchange through a listener or etcd -----
+    // ----- metadata exchange through a listener, etcd or a TCPStore -----
     //
     // Each of these checks its arguments and builds the metadata now, returns, and leaves the I/O to a
-    // background thread, which logs failures (NIXL's contract). `ip` empty means the metadata store (etcd);
-    // otherwise the peer's listener at `ip:port`. An `ip` that is not an address is logged and ignored, as
-    // NIXL does.
+    // background thread, which logs failures (NIXL's contract). `ip` empty means the metadata store (etcd or a
+    // TCPStore); otherwise the peer's listener at `ip:port`. An `ip` that is not an address is logged and
+    // ignored, as NIXL does.
 
     /// The port this agent's metadata listener is bound to (`listen_port` 0 picks a free one), if it has one.
     pub fn listen_port(&self) -> Option<u16> {
@@ -719,14 +719,14 @@ impl Agent {
         self.mdx.as_deref().ok_or_else(|| Error::invalid_param("metadata exchange is not available on this agent view"))
     }
 
-    /// Publish this agent's full metadata to the listener at `ip:port`, or to etcd under `metadata`.
+    /// Publish this agent's full metadata to the listener at `ip:port`, or to the store under `metadata`.
     pub fn send_local_md(&self, ip: &str, port: u16) -> Result<()> {
         let m = self.exchange()?;
         let Some(route) = m.route(ip, port)? else { return Ok(()) };
         m.send(route, "", self.local_md()?)
     }
 
-    /// Publish metadata for some registered descriptors (see `local_partial_md`). Through etcd a `label` is
+    /// Publish metadata for some registered descriptors (see `local_partial_md`). Through a store a `label` is
     /// required; a peer ignores it.
     pub fn send_local_partial_md(
         &self,
@@ -740,14 +740,17 @@ impl Agent {
         let m = self.exchange()?;
         let Some(route) = m.route(ip, port)? else { return Ok(()) };
         if matches!(route, crate::mdx::Route::Store) && label.is_empty() {
-            return Err(Error::invalid_param("metadata label is required for etcd send of local partial metadata"));
+            let store = m.store_name().unwrap_or("etcd");
+            return Err(Error::invalid_param(format!(
+                "metadata label is required for {store} send of local partial metadata"
+            )));
         }
         m.send(route, label, self.local_partial_md(descs, include_conn, hints)?)
     }
 
-    /// Ask the listener at `ip:port` for its agent's metadata, or read `remote`'s from etcd (under `label`,
-    /// default `metadata`), and load it when it arrives; poll with `check_remote_md`. Through etcd the peer
-    /// is then watched and invalidated when its keys are deleted.
+    /// Ask the listener at `ip:port` for its agent's metadata, or read `remote`'s from the store (under
+    /// `label`, default `metadata`), and load it when it arrives; poll with `check_remote_md`. Through etcd the
+    /// peer is then watched and invalidated when its keys are deleted; a TCPStore has no watch.
     pub fn fetch_remote_md(&self, remote: &str, ip: &str, port: u16, label: &str) -> Result<()> {
         if remote.is_empty() {
             return Err(Error::invalid_param("remote agent name is empty"));
@@ -760,8 +763,8 @@ impl Agent {
         m.fetch(route, remote, label)
     }
 
-    /// Tell the listener at `ip:port` to invalidate this agent, or delete this agent's keys from etcd (its
-    /// watchers then invalidate it).
+    /// Tell the listener at `ip:port` to invalidate this agent, or delete this agent's keys from the store
+    /// (etcd's watchers then invalidate it; a TCPStore's readers keep what they loaded).
     pub fn invalidate_local_md(&self, ip: &str, port: u16) -> Result<()> {
         let m = self.exchange()?;
         let Some(route) = m.route(ip, port)? else { return Ok(()) };

@@ -3,9 +3,9 @@
 //!
 //! Routing follows NIXL: with a peer address the exchange is peer-to-peer (see `p2p`; gixl's own framed
 //! protocol, see `wire`); without one it goes through etcd when `NIXL_ETCD_ENDPOINTS` is set (see `etcd`),
-//! and is INVALID_PARAM otherwise. (`NIXL_TCPSTORE_ENDPOINT`, NIXL's other store, is recognised but not
-//! implemented: NOT_SUPPORTED.) Every operation returns at once; the I/O happens on background threads and
-//! its failures are logged to stderr, as NIXL does.
+//! or through a torch.distributed TCPStore when `NIXL_TCPSTORE_ENDPOINT` is set (see `tcpstore`; the two are
+//! mutually exclusive), and is INVALID_PARAM otherwise. Every operation returns at once; the I/O happens on
+//! background threads and its failures are logged to stderr, as NIXL does.
 //!
 //! Differences from NIXL, on purpose: fetching needs no listener on the fetching side (the reply comes back
 //! on the request's connection), and nothing polls: threads sleep until a socket or a request wakes them.
@@ -16,6 +16,7 @@ mod etcd;
 mod http;
 pub(crate) mod json;
 mod p2p;
+mod tcpstore;
 pub mod wire;
 
 use std::net::{IpAddr, SocketAddr};
@@ -26,6 +27,7 @@ use parking_lot::Mutex;
 use crate::status::{Error, Result};
 use etcd::Etcd;
 use p2p::P2p;
+use tcpstore::TcpStore;
 
 /// A warning from a background thread, where there is no caller to return an error to (through
 /// `telemetry::log`: stderr for C users, Python's `logging` in the wheel).
@@ -62,12 +64,11 @@ pub(crate) struct Mdx {
     /// Started on first use when there is no listener.
     outbound: Mutex<Option<Arc<P2p>>>,
     etcd: Option<Etcd>,
-    tcpstore: bool,
+    tcpstore: Option<TcpStore>,
 }
 
 /// NIXL's checks of its TCPStore settings, made when an agent is created: `host:port` with a port from 1 to
-/// 65535, and the two timeouts (milliseconds) whole numbers. gixl does not implement the store itself (a route
-/// through it is NOT_SUPPORTED), but refuses what NIXL refuses.
+/// 65535, and the two timeouts (milliseconds) whole numbers.
 fn check_tcpstore(endpoint: &str) -> Result<()> {
     let bad = |why: String| Err(Error::invalid_param(why));
     let Some((_, port)) = endpoint.rsplit_once(':').filter(|(h, p)| !h.is_empty() && !p.is_empty()) else {
@@ -121,7 +122,11 @@ impl Mdx {
             Some(eps) => Some(Etcd::start(&eps, env("NIXL_ETCD_NAMESPACE")?, host.clone())?),
             None => None,
         };
-        Ok(Mdx { host, listener, outbound: Mutex::new(None), etcd, tcpstore: tcpstore.is_some() })
+        let tcpstore = match tcpstore {
+            Some(ep) => Some(TcpStore::start(ep.trim(), host.clone())?),
+            None => None,
+        };
+        Ok(Mdx { host, listener, outbound: Mutex::new(None), etcd, tcpstore })
     }
 
     pub fn listen_port(&self) -> Option<u16> {
@@ -140,16 +145,12 @@ impl Mdx {
                 }
             };
         }
-        if self.etcd.is_some() {
+        if self.etcd.is_some() || self.tcpstore.is_some() {
             return Ok(Some(Route::Store));
         }
-        if self.tcpstore {
-            return Err(Error::not_supported(
-                "NIXL_TCPSTORE_ENDPOINT is set, but gixl implements only etcd as a metadata store",
-            ));
-        }
         Err(Error::invalid_param(
-            "no peer address provided and no centralized store configured (set NIXL_ETCD_ENDPOINTS)",
+            "no peer address provided and no centralized store configured (set NIXL_ETCD_ENDPOINTS or \
+             NIXL_TCPSTORE_ENDPOINT)",
         ))
     }
 
@@ -166,23 +167,43 @@ impl Mdx {
         Ok(p)
     }
 
-    fn store(&self) -> Result<&Etcd> {
-        self.etcd.as_ref().ok_or_else(|| Error::invalid_param("no metadata store configured"))
+    fn store(&self) -> Result<Store<'_>> {
+        match (&self.etcd, &self.tcpstore) {
+            (Some(e), _) => Ok(Store::Etcd(e)),
+            (None, Some(t)) => Ok(Store::TcpStore(t)),
+            (None, None) => Err(Error::invalid_param("no metadata store configured")),
+        }
     }
 
-    /// Publish metadata: LOAD to a peer, or a put under `label` (default "metadata") in etcd.
+    /// The store's name as NIXL's messages give it ("etcd", "TCPStore"), if one is configured.
+    pub fn store_name(&self) -> Option<&'static str> {
+        self.store().ok().map(|s| match s {
+            Store::Etcd(_) => "etcd",
+            Store::TcpStore(_) => "TCPStore",
+        })
+    }
+
+    /// Publish metadata: LOAD to a peer, or under `label` (default "metadata") in the store.
     pub fn send(&self, route: Route, label: &str, md: Vec<u8>) -> Result<()> {
+        let label = if label.is_empty() { etcd::DEFAULT_LABEL } else { label };
         match route {
             Route::Peer(to) => self.p2p()?.send(to, wire::encode(&wire::Msg::Load(&md))),
-            Route::Store => self.store()?.send(if label.is_empty() { etcd::DEFAULT_LABEL } else { label }, md),
+            Route::Store => match self.store()? {
+                Store::Etcd(e) => e.send(label, md),
+                Store::TcpStore(t) => t.send(label, md),
+            },
         }
         Ok(())
     }
 
     pub fn fetch(&self, route: Route, name: &str, label: &str) -> Result<()> {
+        let label = if label.is_empty() { etcd::DEFAULT_LABEL } else { label };
         match route {
             Route::Peer(to) => self.p2p()?.send(to, wire::encode(&wire::Msg::Send(name))),
-            Route::Store => self.store()?.fetch(name, if label.is_empty() { etcd::DEFAULT_LABEL } else { label }),
+            Route::Store => match self.store()? {
+                Store::Etcd(e) => e.fetch(name, label),
+                Store::TcpStore(t) => t.fetch(name, label),
+            },
         }
         Ok(())
     }
@@ -190,7 +211,10 @@ impl Mdx {
     pub fn invalidate_local(&self, route: Route) -> Result<()> {
         match route {
             Route::Peer(to) => self.p2p()?.send(to, wire::encode(&wire::Msg::Invl(&self.host.name()))),
-            Route::Store => self.store()?.invalidate_local(),
+            Route::Store => match self.store()? {
+                Store::Etcd(e) => e.invalidate_local(),
+                Store::TcpStore(t) => t.invalidate_local(),
+            },
         }
         Ok(())
     }
@@ -213,7 +237,16 @@ impl Mdx {
         if let Some(e) = &self.etcd {
             e.shutdown();
         }
+        if let Some(t) = &self.tcpstore {
+            t.shutdown();
+        }
     }
+}
+
+/// The metadata store configured (at most one).
+enum Store<'a> {
+    Etcd(&'a Etcd),
+    TcpStore(&'a TcpStore),
 }
 
 #[cfg(test)]
