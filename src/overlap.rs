@@ -143,25 +143,19 @@ impl Footprint {
             }
             let k = (space, access);
             if last == usize::MAX || keys[last] != k {
-                last = match keys.iter().position(|x| *x == k) {
-                    Some(i) if keys.len() <= 8 => i,
-                    _ if keys.len() < 8 => {
-                        keys.push(k);
-                        lists.push(Vec::new());
-                        keys.len() - 1
+                // A few spaces (the usual: one or two devices) by a scan; many (a request over many devices or
+                // files) by a map, from the ninth on.
+                let found = if index.is_empty() { keys.iter().position(|x| *x == k) } else { index.get(&k).copied() };
+                last = found.unwrap_or_else(|| {
+                    keys.push(k);
+                    lists.push(Vec::new());
+                    if !index.is_empty() {
+                        index.insert(k, keys.len() - 1);
+                    } else if keys.len() > 8 {
+                        index.extend(keys.iter().enumerate().map(|(i, k)| (*k, i)));
                     }
-                    _ => {
-                        // Many spaces (a request over many devices or files): a map from here on.
-                        if index.is_empty() {
-                            index.extend(keys.iter().enumerate().map(|(i, k)| (*k, i)));
-                        }
-                        *index.entry(k).or_insert_with(|| {
-                            keys.push(k);
-                            lists.push(Vec::new());
-                            keys.len() - 1
-                        })
-                    }
-                };
+                    keys.len() - 1
+                });
             }
             lists[last].push((start, start.saturating_add(len)));
         }
@@ -532,6 +526,14 @@ mod tests {
         assert_eq!(f.ranges(S, Write), &[(0, 15), (100, 125)]);
         assert!(f.ranges(T, Read).is_empty(), "an empty piece touches nothing");
         assert_eq!(f.parts.len(), 1);
+        // Many spaces (20 devices, pieces interleaved): each keeps its own ranges.
+        let dev = |d: u64| Space { dev: d, ..S };
+        let f = Footprint::build((0..200u64).map(|i| (dev(i % 20), Write, (i / 20) * 100, 10)));
+        assert_eq!(f.parts.len(), 20);
+        for d in 0..20 {
+            let want: Vec<Range> = (0..10u64).map(|k| (k * 100, k * 100 + 10)).collect();
+            assert_eq!(f.ranges(dev(d), Write), &want[..], "device {d}");
+        }
     }
 
     /// The rule: write against read or write, read against write; adjacent ranges never; other spaces never.
@@ -569,8 +571,8 @@ mod tests {
         t.insert(1, &fp(&[(S, Read, 0, 4096), (T, Write, 0, 4096)]), "WRITE");
         let any = |f: &Footprint| t.first_conflict(f, |_, _| true).map(|c| c.other);
         assert_eq!(any(&fp(&[(S, Read, 0, 4096), (T, Write, 8192, 4096)])), None, "a second WRITE of it");
-        assert_eq!(any(&fp(&[(S, Write, 4096, 4096), (T, Read, 0, 4096)])), None, "a READ into the next block");
-        assert_eq!(any(&fp(&[(S, Write, 2048, 4096), (T, Read, 0, 4096)])), Some(1), "a READ into the same one");
+        assert_eq!(any(&fp(&[(S, Write, 4096, 4096), (T, Read, 8192, 4096)])), None, "a READ into the next block");
+        assert_eq!(any(&fp(&[(S, Write, 2048, 4096), (T, Read, 8192, 4096)])), Some(1), "a READ into the same one");
     }
 
     /// Merged runs against a brute-force check over random claims, with removals: same answer (whether there is
