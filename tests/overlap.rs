@@ -156,9 +156,9 @@ fn the_environment_variable_switches_it_on() {
         (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned())
     };
     let (ok, out) = run("refuse");
-    assert!(ok && out.contains("@refused NOT_ALLOWED"), "{out}");
+    assert!(ok && out.contains("@refused NIXL_ERR_NOT_ALLOWED"), "{out}");
     let (ok, out) = run("sometimes");
-    assert!(ok && out.contains("@create INVALID_PARAM"), "{out}");
+    assert!(ok && out.contains("@create NIXL_ERR_INVALID_PARAM"), "{out}");
 }
 
 #[test]
