@@ -14,6 +14,7 @@
 //! Run: `cargo bench --bench overlap` (about a minute).
 
 use std::hint::black_box;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gixl::overlap::{Access, Footprint, Mode, Space, Table};
@@ -166,15 +167,15 @@ fn footprint() {
 
 fn table() {
     for n in [1_000usize, 100_000, 1_000_000] {
-        let mine = Footprint::build(pieces(n, 0, 7));
-        let theirs = Footprint::build(pieces(n, 1, 9));
+        let mine = Arc::new(Footprint::build(pieces(n, 0, 7)));
+        let theirs = Arc::new(Footprint::build(pieces(n, 1, 9)));
         let mut t: Table<()> = Table::default();
-        t.insert(1, &theirs, ());
+        t.insert(1, theirs.clone(), ());
         let reps = if n >= 1_000_000 { 3 } else { 20 };
         let d = timed(reps, || {
             let c = t.first_conflict(&mine, |_, _| true);
             assert!(c.is_none());
-            t.insert(2, &mine, ());
+            t.insert(2, mine.clone(), ());
             t.remove(2);
         });
         println!(
@@ -185,25 +186,29 @@ fn table() {
         );
     }
     // Empty table: what a post pays when nothing else is in flight in its spaces.
-    let mine = Footprint::build(pieces(N, 0, 7));
+    let mine = Arc::new(Footprint::build(pieces(N, 0, 7)));
     let mut t: Table<()> = Table::default();
     let d = per_op(|| {
         black_box(t.first_conflict(&mine, |_, _| true));
-        t.insert(2, &mine, ());
+        t.insert(2, mine.clone(), ());
         t.remove(2);
     });
     println!("check+insert+remove of {N} pieces, table empty: {:.3} µs", d / 1e3);
     // 16 others in flight, every one spread over the same span as this one (their bounds all meet it), none
     // touching its bytes: every range is compared.
     let at = |i: u64, k: u64| (32 * i + 1 + k) * 128;
-    let mine = Footprint::build((0..N as u64).map(|i| (space(1), Access::Write, 32 * i * 128, 64)));
+    let mine = Arc::new(Footprint::build((0..N as u64).map(|i| (space(1), Access::Write, 32 * i * 128, 64))));
     let mut t: Table<()> = Table::default();
     for k in 0..16u64 {
-        t.insert(10 + k, &Footprint::build((0..N as u64).map(|i| (space(1), Access::Write, at(i, k), 64))), ());
+        t.insert(
+            10 + k,
+            Arc::new(Footprint::build((0..N as u64).map(|i| (space(1), Access::Write, at(i, k), 64)))),
+            (),
+        );
     }
     let d = per_op(|| {
         assert!(t.first_conflict(&mine, |_, _| true).is_none());
-        t.insert(2, &mine, ());
+        t.insert(2, mine.clone(), ());
         t.remove(2);
     });
     println!(

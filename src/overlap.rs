@@ -13,9 +13,9 @@
 //! descriptors write one byte twice is a request, not a race between two, and is left alone).
 //!
 //! The table keeps, per (space, access), *runs*: sorted arrays of ranges. A posted request's footprint goes in
-//! as runs of its own (shared, not copied: O(1)); runs are merged as in the logarithmic method (a run is merged
-//! with the next smaller one while that one is at least half its size), so a space holds O(log K) runs for K
-//! ranges in flight and every range is copied O(log K) times in all. A check walks each run once with a
+//! as runs of its own (shared, not copied: O(1)); runs are merged as in the logarithmic method (two runs of
+//! the same size class, 2^k to 2^(k+1) - 1 ranges, are merged into one), so a space holds at most 1 + log2 K
+//! runs for K ranges in flight and every range is copied O(log K) times in all. A check walks each run once with a
 //! galloping search from where the previous range stopped: O(n log K) compares per run in the worst case, and
 //! nothing at all for a run whose bounds the footprint does not meet. A request that leaves the table is
 //! dropped at once from a run of its own; in a merged run its ranges are skipped until they are half of it,
@@ -164,7 +164,7 @@ impl Footprint {
             .zip(lists)
             .map(|((space, access), mut v)| {
                 if !v.windows(2).all(|w| w[0].0 <= w[1].0) {
-                    v.sort_unstable();
+                    v.sort_unstable_by_key(|r| r.0);
                 }
                 Part { space, access, ranges: merge_sorted(v).into() }
             })
@@ -376,9 +376,33 @@ fn many(iv: Vec<Iv>, ids: Vec<(u64, usize)>) -> Run {
     Run::Many { iv, maxend, ids, dead: 0 }
 }
 
-/// A claim: where its ranges are, and the caller's payload.
+/// The size class of a run of `len` ranges: 1 + floor(log2(len)).
+fn class(len: usize) -> u32 {
+    usize::BITS - len.leading_zeros()
+}
+
+/// The logarithmic method as a binary counter: while two runs share a size class, merge them (the smallest
+/// such pair first). Then the runs of a space have distinct classes (at most 1 + log2 K runs for K ranges), and
+/// a range is copied once per class it climbs. A run of its own that leaves again costs nothing: a request
+/// posted and completed while the others stay is never merged unless its class is taken.
+fn settle(runs: &mut Vec<Run>) {
+    loop {
+        runs.sort_unstable_by_key(|r| std::cmp::Reverse(r.len()));
+        let Some(i) = (1..runs.len()).rev().find(|&i| class(runs[i].len()) == class(runs[i - 1].len())) else {
+            return;
+        };
+        let b = runs.remove(i);
+        let a = runs.remove(i - 1);
+        let m = merge_runs(a, b);
+        if m.len() > 0 {
+            runs.push(m);
+        }
+    }
+}
+
+/// A claim: its footprint (where its ranges are), and the caller's payload.
 struct Claim<T> {
-    keys: Vec<(Space, Access)>,
+    fp: Arc<Footprint>,
     payload: T,
 }
 
@@ -408,6 +432,10 @@ impl<T> Table<T> {
         self.claims.get(&id).map(|c| &c.payload)
     }
 
+    pub fn footprint(&self, id: u64) -> Option<&Footprint> {
+        self.claims.get(&id).map(|c| &*c.fp)
+    }
+
     /// The first place where `fp` collides with a claim that `ok(id, payload)` accepts (the caller skips, say,
     /// claims it knows to be finished, or those of the same initiator): writing what a claim reads or writes,
     /// or reading what a claim writes.
@@ -433,34 +461,23 @@ impl<T> Table<T> {
         None
     }
 
-    /// Put `fp` in the table as claim `id` (an id already there is replaced).
-    pub fn insert(&mut self, id: u64, fp: &Footprint, payload: T) {
+    /// Put `fp` in the table as claim `id` (an id already there is replaced). O(1) while no run of its spaces
+    /// is of the size class of its ranges; merges otherwise (see `settle`).
+    pub fn insert(&mut self, id: u64, fp: Arc<Footprint>, payload: T) {
         self.remove(id);
-        let mut keys = Vec::with_capacity(fp.parts.len());
         for p in &fp.parts {
-            let k = (p.space, p.access);
-            keys.push(k);
-            let runs = self.runs.entry(k).or_default();
+            let runs = self.runs.entry((p.space, p.access)).or_default();
             runs.push(Run::One { id, ranges: p.ranges.clone() });
-            // The logarithmic method: each run at least twice the size of the next.
-            while runs.len() >= 2 && runs[runs.len() - 2].len() <= 2 * runs[runs.len() - 1].len() {
-                let (b, a) = (runs.pop(), runs.pop());
-                if let (Some(a), Some(b)) = (a, b) {
-                    let m = merge_runs(a, b);
-                    if m.len() > 0 {
-                        runs.push(m);
-                    }
-                }
-            }
+            settle(runs);
         }
-        self.claims.insert(id, Claim { keys, payload });
+        self.claims.insert(id, Claim { fp, payload });
     }
 
     /// Take claim `id` out of the table; its payload, if it was there.
     pub fn remove(&mut self, id: u64) -> Option<T> {
         let c = self.claims.remove(&id)?;
-        for k in &c.keys {
-            let Some(runs) = self.runs.get_mut(k) else { continue };
+        for p in &c.fp.parts {
+            let Some(runs) = self.runs.get_mut(&(p.space, p.access)) else { continue };
             let mut i = 0;
             while i < runs.len() {
                 let gone = match &mut runs[i] {
@@ -477,17 +494,16 @@ impl<T> Table<T> {
                     let mut live = Vec::new();
                     let ids = if matches!(r, Run::Many { .. }) { r.live_ivs(&mut live) } else { Vec::new() };
                     if !live.is_empty() {
-                        // Rewritten without the claims gone; it may now be smaller than a run after it.
+                        // Rewritten without the claims gone; it may now share a size class with another.
                         runs.push(many(live, ids));
-                        runs.sort_by_key(|r| std::cmp::Reverse(r.len()));
+                        settle(runs);
+                        i = 0;
                     }
                     continue;
                 }
                 i += 1;
             }
-            if runs.is_empty() {
-                self.runs.remove(k);
-            }
+            // An empty list stays, so a space's next request allocates nothing.
         }
         Some(c.payload)
     }
@@ -540,7 +556,7 @@ mod tests {
     #[test]
     fn the_conflict_rule() {
         let mut t: Table<()> = Table::default();
-        t.insert(1, &fp(&[(S, Write, 0, 100), (T, Read, 1000, 100)]), ());
+        t.insert(1, Arc::new(fp(&[(S, Write, 0, 100), (T, Read, 1000, 100)])), ());
         let hit = |t: &Table<()>, f: &Footprint| t.first_conflict(f, |_, _| true);
         // Same local range twice, both writing.
         let c = hit(&t, &fp(&[(S, Write, 50, 100)])).unwrap();
@@ -560,7 +576,7 @@ mod tests {
         // Gone from the table: none.
         assert!(t.remove(1).is_some());
         assert_eq!(hit(&t, &fp(&[(S, Write, 0, 100)])), None);
-        assert!(t.is_empty() && t.runs.is_empty());
+        assert!(t.is_empty() && t.runs.values().all(Vec::is_empty));
     }
 
     /// A READ and a WRITE from one local buffer: READ writes local memory, WRITE reads it; they conflict only
@@ -568,7 +584,7 @@ mod tests {
     #[test]
     fn read_and_write_from_one_buffer() {
         let mut t: Table<&str> = Table::default();
-        t.insert(1, &fp(&[(S, Read, 0, 4096), (T, Write, 0, 4096)]), "WRITE");
+        t.insert(1, Arc::new(fp(&[(S, Read, 0, 4096), (T, Write, 0, 4096)])), "WRITE");
         let any = |f: &Footprint| t.first_conflict(f, |_, _| true).map(|c| c.other);
         assert_eq!(any(&fp(&[(S, Read, 0, 4096), (T, Write, 8192, 4096)])), None, "a second WRITE of it");
         assert_eq!(any(&fp(&[(S, Write, 4096, 4096), (T, Read, 8192, 4096)])), None, "a READ into the next block");
@@ -608,7 +624,7 @@ mod tests {
             } else {
                 misses += 1;
             }
-            t.insert(id, &f, ());
+            t.insert(id, Arc::new(f), ());
             live.insert(id, pieces.iter().map(|&(_, a, s, l)| (a, s, s + l)).collect());
             if rnd(3) != 0 {
                 let gone = *live.keys().nth(rnd(live.len() as u64) as usize).unwrap();
@@ -616,7 +632,7 @@ mod tests {
                 t.remove(gone);
             }
             let k: usize = live.values().map(Vec::len).sum::<usize>().max(2);
-            let bound = 2 * (usize::BITS - k.leading_zeros()) as usize + 2;
+            let bound = class(k) as usize + 1;
             assert!(t.runs_of(S, Read) <= bound && t.runs_of(S, Write) <= bound, "too many runs for {k} ranges");
         }
         assert!(hits > 50 && misses > 50, "{hits} conflicts, {misses} none: the cases must cover both");

@@ -23,8 +23,6 @@ pub(crate) struct Claim {
     /// The peer it moves to or from ("" for loopback).
     peer: Arc<str>,
     notif: Option<Vec<u8>>,
-    /// Its footprint, to name its ranges.
-    foot: Footprint,
     /// To see whether the engine has finished it when nobody has asked.
     bx: Arc<dyn BackendXfer>,
 }
@@ -43,7 +41,7 @@ pub(crate) struct Req<'a> {
     pub id: u64,
     pub op: XferOp,
     pub peer: &'a Arc<str>,
-    pub foot: &'a Footprint,
+    pub foot: &'a Arc<Footprint>,
     pub bx: &'a Arc<dyn BackendXfer>,
 }
 
@@ -66,18 +64,18 @@ impl Checker {
         (local_mem, remote_mem): (MemType, MemType),
         remote_owner: u128,
         segs: &[crate::backend::Seg],
-    ) -> Footprint {
+    ) -> Arc<Footprint> {
         let (la, ra) = match op {
             XferOp::Read => (Access::Write, Access::Read),
             XferOp::Write => (Access::Read, Access::Write),
         };
         let local = |dev| Space { owner: self.me, mem: local_mem as u8, dev };
         let remote = |dev| Space { owner: remote_owner, mem: remote_mem as u8, dev };
-        Footprint::build(
+        Arc::new(Footprint::build(
             segs.iter()
                 .map(|s| (local(s.ldev), la, s.local, s.len))
                 .chain(segs.iter().map(|s| (remote(s.rdev), ra, s.remote, s.len))),
-        )
+        ))
     }
 
     /// Check `r` before it is posted with `notif`, and put it in the table. Err (NOT_ALLOWED, nothing in the
@@ -98,8 +96,10 @@ impl Checker {
         };
         if let Some(c) = found {
             self.counts.initiator.fetch_add(1, Ordering::Relaxed);
-            let other =
-                t.payload(c.other).map(|o| self.describe(c.other, o.op, &o.peer, o.notif.as_deref(), &o.foot, &c));
+            let other = t
+                .payload(c.other)
+                .zip(t.footprint(c.other))
+                .map(|(o, fp)| self.describe(c.other, o.op, &o.peer, o.notif.as_deref(), fp, &c));
             let mine = self.describe(r.id, r.op, r.peer, notif, r.foot, &c);
             let space = self.space_name(c.space, r.peer);
             let msg = format!(
@@ -117,14 +117,8 @@ impl Checker {
             }
             crate::telemetry::log::warn(&msg);
         }
-        let claim = Claim {
-            op: r.op,
-            peer: r.peer.clone(),
-            notif: notif.map(<[u8]>::to_vec),
-            foot: r.foot.clone(),
-            bx: r.bx.clone(),
-        };
-        t.insert(r.id, r.foot, claim);
+        let claim = Claim { op: r.op, peer: r.peer.clone(), notif: notif.map(<[u8]>::to_vec), bx: r.bx.clone() };
+        t.insert(r.id, r.foot.clone(), claim);
         Ok(())
     }
 

@@ -366,7 +366,7 @@ struct Xfer {
     target: Target,
     bx: Arc<dyn BackendXfer>,
     /// While the overlap check is on (see `overlap`): the checker, this request's id and footprint.
-    check: Option<(Arc<Checker>, u64, Footprint)>,
+    check: Option<(Arc<Checker>, u64, Arc<Footprint>)>,
     op: XferOp,
     /// The peer's name ("" for loopback), for the overlap check's messages.
     peer: Arc<str>,

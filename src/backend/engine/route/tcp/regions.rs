@@ -212,7 +212,7 @@ fn check_overlap(
             c.theirs.verb()
         ));
     }
-    table.insert(conn, &fp, (who.clone(), op));
+    table.insert(conn, Arc::new(fp), (who.clone(), op));
 }
 
 impl Regions {}
