@@ -215,6 +215,12 @@ fn table() {
         "check+insert+remove of {N} pieces, 16 requests of {N} pieces in flight across the same span: {:.3} µs",
         d / 1e3
     );
+    let check = per_op(|| assert!(t.first_conflict(&mine, |_, _| true).is_none()));
+    let put = per_op(|| {
+        t.insert(2, mine.clone(), ());
+        t.remove(2);
+    });
+    println!("  of which the check {:.3} µs, insert+remove {:.3} µs", check / 1e3, put / 1e3);
 }
 
 /// Median ns per call of `f` over batches.
