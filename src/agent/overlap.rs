@@ -40,7 +40,8 @@ pub(crate) struct Checker {
 pub(crate) struct Req<'a> {
     pub id: u64,
     pub op: XferOp,
-    pub peer: &'a Arc<str>,
+    /// The peer's name ("" for loopback).
+    pub peer: &'a str,
     pub foot: &'a Arc<Footprint>,
     pub bx: &'a Arc<dyn BackendXfer>,
 }
@@ -117,7 +118,7 @@ impl Checker {
             }
             crate::telemetry::log::warn(&msg);
         }
-        let claim = Claim { op: r.op, peer: r.peer.clone(), notif: notif.map(<[u8]>::to_vec), bx: r.bx.clone() };
+        let claim = Claim { op: r.op, peer: Arc::from(r.peer), notif: notif.map(<[u8]>::to_vec), bx: r.bx.clone() };
         t.insert(r.id, r.foot.clone(), claim);
         Ok(())
     }

@@ -368,8 +368,6 @@ struct Xfer {
     /// While the overlap check is on (see `overlap`): the checker, this request's id and footprint.
     check: Option<(Arc<Checker>, u64, Arc<Footprint>)>,
     op: XferOp,
-    /// The peer's name ("" for loopback), for the overlap check's messages.
-    peer: Arc<str>,
     desc_count: u64,
     total_bytes: u64,
     /// READ (telemetry counts it as received bytes) or WRITE (sent).
@@ -646,7 +644,6 @@ impl Agent {
             let owner = remote_ra.as_ref().map_or(self.inner.incarnation, |ra| ra.incarnation);
             (ck.clone(), ck.id(), ck.footprint(op, (l.mem, r.mem), owner, &segs))
         });
-        let peer: Arc<str> = remote_ra.as_ref().map_or_else(|| Arc::from(""), |ra| Arc::from(ra.name.as_str()));
         let plan = XferPlan {
             op,
             local_mem: l.mem,
@@ -666,7 +663,6 @@ impl Agent {
             bx,
             check,
             op,
-            peer,
             desc_count,
             total_bytes: total,
             read: op == XferOp::Read,
@@ -779,7 +775,8 @@ impl Agent {
         }
         // The overlap check: one branch while it is off.
         if let Some((ck, id, foot)) = &x.check {
-            let r = Req { id: *id, op: x.op, peer: &x.peer, foot, bx: &x.bx };
+            let peer = x.remote.as_ref().map_or("", |ra| ra.name.as_str());
+            let r = Req { id: *id, op: x.op, peer, foot, bx: &x.bx };
             if let Err(e) = ck.admit(&r, st.notif.as_deref()) {
                 drop(st);
                 self.inner.tele.error(e.status());
