@@ -417,3 +417,24 @@ pub(super) fn render(rows: &[Row], peers: bool) -> String {
     }
     o
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The overlap check's counter is exported once the check is on for the agent, by side; not before.
+    #[test]
+    fn overlap_conflicts_are_exported_by_side_once_the_check_is_on() {
+        let s = Series::new("a", Vec::new(), None);
+        let text = render(&[s.row("agent=\"a\"".into(), true)], true);
+        assert!(!text.contains("gixl_overlap_conflicts_total"), "{text}");
+        let c = Arc::new(crate::overlap::Counts::default());
+        c.initiator.store(3, Ordering::Relaxed);
+        c.target.store(2, Ordering::Relaxed);
+        let _ = s.overlaps.set(c);
+        let text = render(&[s.row("agent=\"a\"".into(), true)], true);
+        assert!(text.contains("# TYPE gixl_overlap_conflicts_total counter"), "{text}");
+        assert!(text.contains("gixl_overlap_conflicts_total{agent=\"a\",side=\"initiator\"} 3\n"), "{text}");
+        assert!(text.contains("gixl_overlap_conflicts_total{agent=\"a\",side=\"target\"} 2\n"), "{text}");
+    }
+}
