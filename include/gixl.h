@@ -222,6 +222,14 @@ nixl_capi_status_t nixl_capi_create_configured_agent(const char *name,
                                                      const nixl_capi_agent_config_t *cfg,
                                                      nixl_capi_agent_t *agent);
 
+// gixl only: `nixl_capi_create_configured_agent` with gixl's overlap check switched on: `check_overlap` is
+// `"off"`, `"warn"` or `"refuse"` (NULL is off; anything else is INVALID_PARAM). `GIXL_CHECK_OVERLAP`, when
+// set, overrides it. See docs/overlap-check.md.
+nixl_capi_status_t gixl_create_configured_agent_checked(const char *name,
+                                                        const nixl_capi_agent_config_t *cfg,
+                                                        const char *check_overlap,
+                                                        nixl_capi_agent_t *agent);
+
 // Destroys an agent. Handles it made stay valid handles but are refused by other agents; requests made
 // against its peers are refused from now on.
 nixl_capi_status_t nixl_capi_destroy_agent(nixl_capi_agent_t agent);

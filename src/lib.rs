@@ -30,6 +30,7 @@ pub mod md;
 pub(crate) mod mdx;
 pub mod mem;
 pub(crate) mod os;
+pub mod overlap;
 pub mod status;
 pub mod telemetry;
 pub(crate) mod util;

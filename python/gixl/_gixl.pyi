@@ -356,6 +356,8 @@ class nixlAgentConfig:
     pthrDelay: int
     lthrDelay: int
     etcdWatchTimeout: datetime.timedelta
+    gixlCheckOverlap: str
+    """gixl only: the overlap check, "off", "warn" or "refuse" (GIXL_CHECK_OVERLAP overrides it)."""
 
 @final
 class nixlXferTelemetry:

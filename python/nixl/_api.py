@@ -261,6 +261,10 @@ class nixl_agent_config:
         backends: backends to create with the agent (missing plugins are skipped).
         sync_mode: a ``nixl_thread_sync_t``; ``None`` picks STRICT when the
             listener is enabled and NONE otherwise.
+        check_overlap: gixl only (keyword): ``"warn"`` or ``"refuse"`` switches on
+            gixl's check of transfers in flight on the same bytes (see gixl's
+            docs/overlap-check.md); ``None`` (default) leaves it to
+            ``GIXL_CHECK_OVERLAP``, off when unset.
     """
 
     def __init__(
@@ -272,7 +276,16 @@ class nixl_agent_config:
         num_threads: int = 0,
         backends: list[str] = ["UCX"],  # noqa: B006 - part of the public signature
         sync_mode: Optional[nixl_thread_sync_t] = None,
+        *,
+        check_overlap: Optional[str] = None,
     ):
+        if check_overlap is not None and (
+            not isinstance(check_overlap, str)
+            or check_overlap.strip().lower() not in ("off", "warn", "refuse")
+        ):
+            raise ValueError(
+                f"check_overlap must be 'off', 'warn' or 'refuse' (got {check_overlap!r})"
+            )
         if sync_mode is not None and not isinstance(sync_mode, nixl_thread_sync_t):
             raise TypeError(
                 f"sync_mode must be a nixl_thread_sync_t (got {type(sync_mode).__name__!r})"
@@ -284,6 +297,7 @@ class nixl_agent_config:
         self.capture_telemetry = capture_telemetry
         self.num_threads = num_threads
         self.sync_mode = sync_mode
+        self.check_overlap = check_overlap
 
 
 # Which init parameter carries ``num_threads`` for each multi-threaded plugin.
@@ -337,6 +351,9 @@ class nixl_agent:
         cfg.pthrDelay = 0
         cfg.lthrDelay = 100000
         cfg.captureTelemetry = nixl_conf.capture_telemetry
+        check_overlap = getattr(nixl_conf, "check_overlap", None)
+        if check_overlap is not None:
+            cfg.gixlCheckOverlap = check_overlap
 
         # Looked up at call time on purpose (tests monkeypatch it).
         self.agent = nixlBind.nixlAgent(bind_name, cfg)

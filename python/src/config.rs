@@ -32,6 +32,8 @@ pub struct AgentConfig {
     pub etcd_watch_timeout: Duration,
     /// Only settable through the legacy constructor; None lets gixl choose.
     pub num_workers: Option<u32>,
+    /// gixl's overlap check (`gixlCheckOverlap`: "off", "warn" or "refuse"; `GIXL_CHECK_OVERLAP` overrides).
+    pub check_overlap: gixl::overlap::Mode,
 }
 
 impl Default for AgentConfig {
@@ -47,6 +49,7 @@ impl Default for AgentConfig {
             lthr_delay: d.lthr_delay_us,
             etcd_watch_timeout: Duration::from_secs(5),
             num_workers: None,
+            check_overlap: d.check_overlap,
         }
     }
 }
@@ -68,6 +71,7 @@ impl AgentConfig {
             pthr_delay_us: self.pthr_delay,
             lthr_delay_us: self.lthr_delay,
             capture_telemetry: self.capture_telemetry,
+            check_overlap: self.check_overlap,
             ..gixl::AgentConfig::default()
         })
     }
@@ -147,6 +151,22 @@ impl AgentConfig {
     #[getter]
     fn get_syncMode(&self) -> ThreadSyncT {
         ThreadSyncT::new_value(self.sync_mode)
+    }
+
+    /// gixl only: the overlap check, "off" (default), "warn" or "refuse" (see docs/overlap-check.md).
+    #[getter]
+    fn get_gixlCheckOverlap(&self) -> &'static str {
+        self.check_overlap.name()
+    }
+
+    #[setter]
+    fn set_gixlCheckOverlap(&mut self, v: &str) -> PyResult<()> {
+        self.check_overlap = gixl::overlap::Mode::parse(v).ok_or_else(|| {
+            pyo3::exceptions::PyValueError::new_err(format!(
+                "gixlCheckOverlap must be 'off', 'warn' or 'refuse' (got {v:?})"
+            ))
+        })?;
+        Ok(())
     }
 
     #[setter]

@@ -251,8 +251,8 @@ def test_agent_method_signatures(api, method):
     assert _params(getattr(api.nixl_agent, method)) == expected
 
 
-def test_agent_config_signature(api):
-    assert _params(api.nixl_agent_config.__init__) == [
+def test_agent_config_signature(api, impl):
+    nixl = [
         ("enable_prog_thread", True, "pos"),
         ("enable_listen_thread", False, "pos"),
         ("listen_port", 8888, "pos"),
@@ -261,6 +261,9 @@ def test_agent_config_signature(api):
         ("backends", ["UCX"], "pos"),
         ("sync_mode", None, "pos"),
     ]
+    # gixl adds one option after NIXL's, keyword only (the overlap check, docs/overlap-check.md).
+    gixl_only = [("check_overlap", None, "kw")] if impl == "gixl" else []
+    assert _params(api.nixl_agent_config.__init__) == nixl + gixl_only
 
 
 # --------------------------------------------------------------------------- handle classes

@@ -29,6 +29,8 @@ pub struct FakeState {
     pub abortable: AtomicBool,
     pub peers: Mutex<Vec<Arc<FakePeer>>>,
     pub posts: AtomicU32,
+    /// Per transfer made, in order: set to finish that one alone.
+    pub done: Mutex<Vec<Arc<AtomicBool>>>,
 }
 
 pub struct Fake {
@@ -52,6 +54,13 @@ struct FakeXfer {
     st: Arc<FakeState>,
     posted: AtomicBool,
     aborted: AtomicBool,
+    done: Arc<AtomicBool>,
+}
+
+impl FakeXfer {
+    fn finished(&self) -> bool {
+        self.st.complete.load(Ordering::Acquire) || self.done.load(Ordering::Acquire)
+    }
 }
 
 impl BackendXfer for FakeXfer {
@@ -60,13 +69,14 @@ impl BackendXfer for FakeXfer {
         self.st.events.lock().push(Event::Post { notif: notif.map(<[u8]>::to_vec) });
         self.posted.store(true, Ordering::Release);
         self.aborted.store(false, Ordering::Release);
-        Ok(if self.st.complete.load(Ordering::Acquire) { Status::Success } else { Status::InProg })
+        self.done.store(false, Ordering::Release);
+        Ok(if self.finished() { Status::Success } else { Status::InProg })
     }
     fn status(&self) -> Result<Status> {
         if self.aborted.load(Ordering::Acquire) {
             return Err(Error::new(Status::Canceled, "aborted"));
         }
-        Ok(if self.st.complete.load(Ordering::Acquire) { Status::Success } else { Status::InProg })
+        Ok(if self.finished() { Status::Success } else { Status::InProg })
     }
     fn abort(&self) -> bool {
         self.st.events.lock().push(Event::Abort);
@@ -100,7 +110,14 @@ impl Backend for Fake {
         Ok(p)
     }
     fn prep_xfer(&self, _plan: XferPlan) -> Result<Box<dyn BackendXfer>> {
-        Ok(Box::new(FakeXfer { st: self.st.clone(), posted: AtomicBool::new(false), aborted: AtomicBool::new(false) }))
+        let done = Arc::new(AtomicBool::new(false));
+        self.st.done.lock().push(done.clone());
+        Ok(Box::new(FakeXfer {
+            st: self.st.clone(),
+            posted: AtomicBool::new(false),
+            aborted: AtomicBool::new(false),
+            done,
+        }))
     }
     fn notifs(&self, _out: &mut Vec<(String, Vec<u8>)>) -> Result<()> {
         Ok(())
@@ -273,5 +290,152 @@ mod tests {
         p.register_mem(&third, &[]).unwrap();
         d.load_remote_md(&p.local_partial_md(&third, false, &[]).unwrap()).unwrap();
         d.check_remote_md("prefill", &third.trim()).unwrap();
+    }
+
+    // ----- the overlap check (`GIXL_CHECK_OVERLAP`, `crate::overlap`) -----
+
+    const BUF: u64 = 0x10000;
+
+    /// Two fake agents with the check in `mode`, and 64 KiB registered on each at `BUF`.
+    fn checked(mode: crate::overlap::Mode) -> (Agent, Arc<FakeState>, Agent) {
+        let cfg = AgentConfig { check_overlap: mode, ..Default::default() };
+        let (d, st) = fake_agent("decode", cfg.clone());
+        let (p, _) = fake_agent("prefill", cfg);
+        let more = RegDList::with_descs(
+            MemType::Dram,
+            vec![RegDesc { desc: Desc::new(BUF + 4096, 60 << 10, 0), meta: vec![] }],
+        );
+        d.register_mem(&more, &[]).unwrap();
+        p.register_mem(&more, &[]).unwrap();
+        d.load_remote_md(&p.local_md().unwrap()).unwrap();
+        (d, st, p)
+    }
+
+    /// A request of `op` moving `(local offset, remote offset, len)` pieces, with notification `notif`.
+    fn req(d: &Agent, op: XferOp, pieces: &[(u64, u64, u64)], notif: &str) -> crate::XferReq {
+        let l = XferDList::with_descs(MemType::Dram, pieces.iter().map(|p| Desc::new(BUF + p.0, p.2, 0)).collect());
+        let r = XferDList::with_descs(MemType::Dram, pieces.iter().map(|p| Desc::new(BUF + p.1, p.2, 0)).collect());
+        let opts = XferOpts { notif: Some(notif.as_bytes().to_vec()), ..Default::default() };
+        d.create_xfer_req(op, &l, &r, "prefill", &opts).unwrap()
+    }
+
+    fn post(d: &Agent, r: &crate::XferReq) -> Result<Status> {
+        d.post_xfer_req(r, NotifUpdate::Keep)
+    }
+
+    /// The same local range twice (two READs into one block): `warn` lets the second go and counts it.
+    #[test]
+    fn overlap_warn_counts_the_same_local_range_twice() {
+        let (d, _st, _p) = checked(crate::overlap::Mode::Warn);
+        let a = req(&d, XferOp::Read, &[(0, 0, 4096)], "a");
+        let b = req(&d, XferOp::Read, &[(2048, 8192, 2048)], "b");
+        assert_eq!(post(&d, &a).unwrap(), Status::InProg);
+        assert_eq!(post(&d, &b).unwrap(), Status::InProg);
+        assert_eq!(d.overlap_counts(), (1, 0));
+    }
+
+    /// `refuse`: the second post fails with NOT_ALLOWED naming the first, moves nothing (the backend never sees
+    /// it), and the first goes on; once the first has finished, the second is allowed.
+    #[test]
+    fn overlap_refuse_fails_the_second_post_and_leaves_the_first() {
+        let (d, st, _p) = checked(crate::overlap::Mode::Refuse);
+        let a = req(&d, XferOp::Read, &[(0, 0, 4096)], "first");
+        let b = req(&d, XferOp::Read, &[(4000, 8192, 96)], "second");
+        assert_eq!(post(&d, &a).unwrap(), Status::InProg);
+        let posts = st.posts.load(Ordering::Relaxed);
+        let e = post(&d, &b).unwrap_err();
+        assert_eq!(e.status(), Status::NotAllowed);
+        let m = e.to_string();
+        for want in ["\"first\"", "\"second\"", "READ from 'prefill'", "[0x10fa0, 0x11000)", "refused"] {
+            assert!(m.contains(want), "{want} missing from: {m}");
+        }
+        assert_eq!(st.posts.load(Ordering::Relaxed), posts, "the refused post reached the backend");
+        assert_eq!(d.xfer_status(&b).unwrap_err().status(), Status::NotPosted);
+        assert_eq!(d.xfer_status(&a).unwrap(), Status::InProg);
+        st.done.lock()[0].store(true, Ordering::Release);
+        assert_eq!(d.xfer_status(&a).unwrap(), Status::Success);
+        assert_eq!(post(&d, &b).unwrap(), Status::InProg, "after completion: no conflict");
+        assert_eq!(d.overlap_counts(), (1, 0));
+    }
+
+    /// Adjacent ranges never conflict; nor do two WRITEs from one local buffer (both read it); a READ into the
+    /// buffer a WRITE sends from does, where they meet only.
+    #[test]
+    fn overlap_adjacent_and_read_write_from_one_buffer() {
+        let (d, _st, _p) = checked(crate::overlap::Mode::Refuse);
+        let w = req(&d, XferOp::Write, &[(0, 0, 4096)], "w");
+        assert_eq!(post(&d, &w).unwrap(), Status::InProg);
+        let w2 = req(&d, XferOp::Write, &[(0, 4096, 4096)], "w2");
+        assert_eq!(post(&d, &w2).unwrap(), Status::InProg, "a second WRITE of the same local block");
+        let next = req(&d, XferOp::Read, &[(4096, 16384, 4096)], "next");
+        assert_eq!(post(&d, &next).unwrap(), Status::InProg, "a READ into the adjacent block");
+        let into = req(&d, XferOp::Read, &[(4095, 32768, 1)], "into");
+        assert_eq!(post(&d, &into).unwrap_err().status(), Status::NotAllowed, "a READ into the block sent");
+        // Remote side: a READ of what a WRITE writes there.
+        let back = req(&d, XferOp::Read, &[(40960, 4096 + 100, 10)], "back");
+        assert_eq!(post(&d, &back).unwrap_err().status(), Status::NotAllowed);
+        assert_eq!(d.overlap_counts(), (2, 0));
+    }
+
+    /// A request the engine has finished leaves the table even if nobody polled it; one released or dropped
+    /// leaves at once; a re-post of a finished handle is checked again.
+    #[test]
+    fn overlap_table_follows_completion_release_drop_and_repost() {
+        let (d, st, _p) = checked(crate::overlap::Mode::Refuse);
+        let a = req(&d, XferOp::Read, &[(0, 0, 4096)], "a");
+        let b = req(&d, XferOp::Read, &[(0, 4096, 4096)], "b");
+        assert_eq!(post(&d, &a).unwrap(), Status::InProg);
+        st.done.lock()[0].store(true, Ordering::Release);
+        assert_eq!(post(&d, &b).unwrap(), Status::InProg, "a finished (unpolled): no conflict");
+        // Re-posting a finished handle is checked again: now b holds the block.
+        assert_eq!(post(&d, &a).unwrap_err().status(), Status::NotAllowed);
+        st.abortable.store(true, Ordering::Release);
+        d.release_xfer_req(&b).unwrap();
+        assert_eq!(post(&d, &a).unwrap(), Status::InProg, "b released");
+        let c = req(&d, XferOp::Write, &[(0, 8192, 4096)], "c");
+        assert_eq!(post(&d, &c).unwrap_err().status(), Status::NotAllowed);
+        drop(a);
+        assert_eq!(post(&d, &c).unwrap(), Status::InProg, "a dropped");
+    }
+
+    /// Across threads: of two conflicting posts racing, exactly one goes through under `refuse`.
+    #[test]
+    fn overlap_check_holds_across_threads() {
+        let (d, st, _p) = checked(crate::overlap::Mode::Refuse);
+        let d = Arc::new(d);
+        for round in 0..200u64 {
+            let reqs: Vec<_> = (0..2).map(|i| req(&d, XferOp::Read, &[(i * 8, 0, 4000)], "t")).collect();
+            let go = Arc::new(std::sync::Barrier::new(2));
+            let threads: Vec<_> = reqs
+                .iter()
+                .map(|r| {
+                    let (d, r, go) = (d.clone(), r.clone(), go.clone());
+                    std::thread::spawn(move || {
+                        go.wait();
+                        d.post_xfer_req(&r, NotifUpdate::Keep).map_err(|e| e.status())
+                    })
+                })
+                .collect();
+            let got: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+            let ok = got.iter().filter(|g| **g == Ok(Status::InProg)).count();
+            let refused = got.iter().filter(|g| **g == Err(Status::NotAllowed)).count();
+            assert_eq!((ok, refused), (1, 1), "round {round}: {got:?}");
+            for done in st.done.lock().iter() {
+                done.store(true, Ordering::Release);
+            }
+        }
+        assert_eq!(d.overlap_counts(), (200, 0));
+    }
+
+    /// Off (the default): nothing is tracked, nothing refused.
+    #[test]
+    fn overlap_check_off_tracks_nothing() {
+        let (d, _st, _p) = checked(crate::overlap::Mode::Off);
+        let a = req(&d, XferOp::Read, &[(0, 0, 4096)], "a");
+        let b = req(&d, XferOp::Read, &[(0, 0, 4096)], "b");
+        assert_eq!(post(&d, &a).unwrap(), Status::InProg);
+        assert_eq!(post(&d, &b).unwrap(), Status::InProg);
+        assert_eq!(d.overlap_counts(), (0, 0));
+        assert!(d.inner.overlap.is_none());
     }
 }

@@ -7,6 +7,7 @@
 
 #[cfg(test)]
 mod harness;
+mod overlap;
 mod section;
 mod xfer;
 
@@ -61,6 +62,9 @@ pub struct AgentConfig {
     /// be loaded without calling `invalidate_remote_md` first. Off by default (NIXL 1.5). Also switched on by
     /// the environment variable `GIXL_INVALIDATE_ON_DISCONNECT=1`.
     pub invalidate_on_disconnect: bool,
+    /// The overlap check (see `crate::overlap`): off (default), `Warn` or `Refuse`. The environment variable
+    /// `GIXL_CHECK_OVERLAP=off|warn|refuse`, when set, overrides it.
+    pub check_overlap: crate::overlap::Mode,
 }
 
 impl Default for AgentConfig {
@@ -75,6 +79,7 @@ impl Default for AgentConfig {
             lthr_delay_us: 100_000,
             capture_telemetry: false,
             invalidate_on_disconnect: false,
+            check_overlap: crate::overlap::Mode::Off,
         }
     }
 }
@@ -148,6 +153,10 @@ pub(crate) struct Inner {
     pub regs: RwLock<HashMap<(BackendId, MemType), Section<LocalEntry>>>,
     pub remotes: RwLock<HashMap<String, Arc<RemoteAgent>>>,
     pub closing: AtomicBool,
+    /// The overlap check, while it is on.
+    pub(crate) overlap: Option<Arc<overlap::Checker>>,
+    /// Conflicts it has seen (also those of this agent's TCP target), for telemetry.
+    pub overlaps: Arc<crate::overlap::Counts>,
 }
 
 impl Agent {
@@ -161,6 +170,9 @@ impl Agent {
         if env_flag("GIXL_INVALIDATE_ON_DISCONNECT") == Some(true) {
             cfg.invalidate_on_disconnect = true;
         }
+        if let Some(mode) = crate::overlap::Mode::from_env()? {
+            cfg.check_overlap = mode;
+        }
         let telemetry = match crate::config::flag("NIXL_TELEMETRY_ENABLE")? {
             Some(on) => on,
             None => cfg.capture_telemetry,
@@ -168,6 +180,12 @@ impl Agent {
         let listen = cfg.listen_thread.then_some(cfg.listen_port);
         let incarnation = crate::util::random_u128();
         let tele = crate::telemetry::Telemetry::new(name, incarnation, telemetry)?;
+        let overlaps = Arc::new(crate::overlap::Counts::default());
+        let overlap = (cfg.check_overlap != crate::overlap::Mode::Off)
+            .then(|| Arc::new(overlap::Checker::new(cfg.check_overlap, incarnation, overlaps.clone())));
+        if overlap.is_some() {
+            tele.set_overlap_source(overlaps.clone());
+        }
         let inner = Arc::new(Inner {
             name: name.to_owned(),
             incarnation,
@@ -178,6 +196,8 @@ impl Agent {
             regs: RwLock::new(HashMap::new()),
             remotes: RwLock::new(HashMap::new()),
             closing: AtomicBool::new(false),
+            overlap,
+            overlaps,
         });
         let weak = Arc::downgrade(&inner);
         inner.tele.set_peer_source(Arc::new(move || {
@@ -208,6 +228,12 @@ impl Agent {
         self.inner.telemetry
     }
 
+    /// Conflicts the overlap check has seen: (by this agent's posts, by its TCP target among the pieces of
+    /// different initiators). Both stay 0 while the check is off.
+    pub fn overlap_counts(&self) -> (u64, u64) {
+        self.inner.overlaps.get()
+    }
+
     // ----- plugins and backends -----
 
     pub fn available_plugins(&self) -> Vec<String> {
@@ -233,6 +259,7 @@ impl Agent {
             incarnation: self.inner.incarnation,
             params: params.clone(),
             num_workers: self.inner.cfg.num_workers,
+            overlap: self.inner.overlap.as_ref().map(|_| self.inner.overlaps.clone()),
         })?;
         let caps = be.caps();
         if caps.remote && !caps.notif {

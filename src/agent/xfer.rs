@@ -12,10 +12,12 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 
+use super::overlap::{Checker, Req};
 use super::section::Section;
 use super::{Agent, BackendId, BackendSlot, RemoteAgent};
 use crate::backend::{BackendXfer, RegionKey, Seg, Target, XferOp, XferPlan};
 use crate::mem::{Desc, MemType, XferDList};
+use crate::overlap::Footprint;
 use crate::status::{Error, Result, Status};
 
 #[derive(Clone)]
@@ -362,7 +364,10 @@ struct Xfer {
     slot: Arc<BackendSlot>,
     remote: Option<Arc<RemoteAgent>>,
     target: Target,
-    bx: Box<dyn BackendXfer>,
+    bx: Arc<dyn BackendXfer>,
+    /// While the overlap check is on (see `overlap`): the checker, this request's id and footprint.
+    check: Option<(Arc<Checker>, u64, Arc<Footprint>)>,
+    op: XferOp,
     desc_count: u64,
     total_bytes: u64,
     /// READ (telemetry counts it as received bytes) or WRITE (sent).
@@ -378,6 +383,21 @@ struct XferState {
     post_start: Option<Instant>,
     start_time_us: u64,
     post_duration_us: u64,
+}
+
+impl Xfer {
+    /// Out of the overlap check's table (terminal status, release, drop); nothing while the check is off.
+    fn leave_check(&self) {
+        if let Some((ck, id, _)) = &self.check {
+            ck.leave(*id);
+        }
+    }
+}
+
+impl Drop for Xfer {
+    fn drop(&mut self) {
+        self.leave_check();
+    }
 }
 
 impl std::fmt::Debug for XferReq {
@@ -619,6 +639,11 @@ impl Agent {
             _ => (Target::Local, None),
         };
         let desc_count = reported.unwrap_or(segs.len() as u64);
+        // The overlap check's footprint, only while it is on (O(n log n), once per request).
+        let check = self.inner.overlap.as_ref().map(|ck| {
+            let owner = remote_ra.as_ref().map_or(self.inner.incarnation, |ra| ra.incarnation);
+            (ck.clone(), ck.id(), ck.footprint(op, (l.mem, r.mem), owner, &segs))
+        });
         let plan = XferPlan {
             op,
             local_mem: l.mem,
@@ -629,13 +654,15 @@ impl Agent {
             target: target.clone(),
             total_bytes: total,
         };
-        let bx = slot.be.prep_xfer(plan)?;
+        let bx = Arc::from(slot.be.prep_xfer(plan)?);
         Ok(XferReq(Arc::new(Xfer {
             owner: self.inner.incarnation,
             slot,
             remote: remote_ra,
             target,
             bx,
+            check,
+            op,
             desc_count,
             total_bytes: total,
             read: op == XferOp::Read,
@@ -755,10 +782,23 @@ impl Agent {
         if st.notif.is_some() && !x.slot.caps.notif {
             return Err(Error::backend(format!("backend {} cannot send notifications", x.slot.name)));
         }
+        // The overlap check: one branch while it is off.
+        if let Some((ck, id, foot)) = &x.check {
+            let peer = x.remote.as_ref().map_or("", |ra| ra.name.as_str());
+            let r = Req { id: *id, op: x.op, peer, foot, bx: &x.bx };
+            if let Err(e) = ck.admit(&r, st.notif.as_deref()) {
+                drop(st);
+                self.inner.tele.error(e.status());
+                return Err(e);
+            }
+        }
         let t0 = Instant::now();
         st.post_start = Some(t0);
         st.start_time_us = crate::util::monotonic_us();
         let res = x.bx.post(st.notif.as_deref());
+        if !matches!(res, Ok(Status::InProg)) {
+            x.leave_check();
+        }
         st.post_duration_us = ceil_us(t0.elapsed());
         st.last = Some(match &res {
             Ok(s) => *s,
@@ -806,6 +846,7 @@ impl Agent {
                 if let Err(e) = self.gate(x) {
                     // The peer is gone or replaced: stop touching its memory and report why.
                     x.bx.abort();
+                    x.leave_check();
                     st.last = Some(e.status());
                     self.inner.tele.error(e.status());
                     return Err(e);
@@ -815,6 +856,9 @@ impl Agent {
                     Ok(s) => *s,
                     Err(e) => e.status(),
                 });
+                if !matches!(res, Ok(Status::InProg)) {
+                    x.leave_check();
+                }
                 drop(st);
                 if !matches!(res, Ok(Status::InProg)) {
                     self.telemetry_after(x, &res, true);
@@ -844,6 +888,7 @@ impl Agent {
             return Err(Error::new(Status::RepostActive, "transfer is in progress and cannot be aborted"));
         }
         st.released = true;
+        x.leave_check();
         Ok(())
     }
 

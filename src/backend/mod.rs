@@ -40,6 +40,9 @@ pub struct BackendInit {
     pub incarnation: u128,
     pub params: Params,
     pub num_workers: u32,
+    /// Where a target that serves requests itself (TCP) counts the conflicts it sees between initiators, while
+    /// the agent's overlap check is on (`crate::overlap`); None while it is off.
+    pub overlap: Option<Arc<crate::overlap::Counts>>,
 }
 
 /// A registered local region as the backend returns it.

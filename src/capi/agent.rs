@@ -62,24 +62,55 @@ pub extern "C" fn nixl_capi_create_configured_agent(
         let name = str_arg(name, "name")?;
         // SAFETY: `cfg` is not NULL and points to a caller-owned config struct; read by value.
         let c = unsafe { cfg.read_unaligned() };
-        let listen_port = u16::try_from(c.listen_port)
-            .map_err(|_| Fail::invalid(format!("listen_port {} is not a TCP port", c.listen_port)))?;
-        let sync_mode = u32::try_from(c.thread_sync)
-            .ok()
-            .and_then(|v| SyncMode::from_u32(v).ok())
-            .ok_or_else(|| Fail::invalid(format!("unknown thread_sync {}", c.thread_sync)))?;
-        let cfg = AgentConfig {
-            prog_thread: c.enable_prog_thread,
-            listen_thread: c.enable_listen_thread,
-            listen_port,
-            sync_mode,
-            pthr_delay_us: c.pthr_delay_us,
-            lthr_delay_us: c.lthr_delay_us,
-            capture_telemetry: c.capture_telemetry,
-            ..AgentConfig::default()
+        new_agent(name, core_config(&c)?, agent)
+    }
+}
+
+/// gixl only: `nixl_capi_create_configured_agent` with gixl's overlap check switched on: `check_overlap` is
+/// `"off"`, `"warn"` or `"refuse"` (NULL is off; anything else is INVALID_PARAM). `GIXL_CHECK_OVERLAP`, when
+/// set, overrides it. See docs/overlap-check.md.
+#[no_mangle]
+pub extern "C" fn gixl_create_configured_agent_checked(
+    name: *const c_char,
+    cfg: *const nixl_capi_agent_config_t,
+    check_overlap: *const c_char,
+    agent: *mut nixl_capi_agent_t,
+) -> CapiStatus {
+    ffi! {
+        nonnull(cfg, agent);
+        let name = str_arg(name, "name")?;
+        let mode = if check_overlap.is_null() {
+            crate::overlap::Mode::Off
+        } else {
+            let m = str_arg(check_overlap, "check_overlap")?;
+            crate::overlap::Mode::parse(m)
+                .ok_or_else(|| Fail::invalid(format!("check_overlap {m:?} is not one of off, warn, refuse")))?
         };
+        // SAFETY: `cfg` is not NULL and points to a caller-owned config struct; read by value.
+        let c = unsafe { cfg.read_unaligned() };
+        let cfg = AgentConfig { check_overlap: mode, ..core_config(&c)? };
         new_agent(name, cfg, agent)
     }
+}
+
+/// The core's configuration for a C config struct (`num_workers` is ignored, as by NIXL's C API).
+fn core_config(c: &nixl_capi_agent_config_t) -> Result<AgentConfig, Fail> {
+    let listen_port = u16::try_from(c.listen_port)
+        .map_err(|_| Fail::invalid(format!("listen_port {} is not a TCP port", c.listen_port)))?;
+    let sync_mode = u32::try_from(c.thread_sync)
+        .ok()
+        .and_then(|v| SyncMode::from_u32(v).ok())
+        .ok_or_else(|| Fail::invalid(format!("unknown thread_sync {}", c.thread_sync)))?;
+    Ok(AgentConfig {
+        prog_thread: c.enable_prog_thread,
+        listen_thread: c.enable_listen_thread,
+        listen_port,
+        sync_mode,
+        pthr_delay_us: c.pthr_delay_us,
+        lthr_delay_us: c.lthr_delay_us,
+        capture_telemetry: c.capture_telemetry,
+        ..AgentConfig::default()
+    })
 }
 
 fn new_agent(name: &str, cfg: AgentConfig, out: *mut nixl_capi_agent_t) -> Result<nixl_capi_status_t, Fail> {
@@ -393,6 +424,35 @@ pub(crate) mod tests {
     use super::super::*;
     use super::*;
     use crate::status::Status;
+
+    /// gixl's C switch for the overlap check: a mode the agent then has, NULL for off, a bad word refused.
+    #[test]
+    fn overlap_check_through_the_c_api() {
+        let cfg = nixl_capi_agent_config_t {
+            enable_prog_thread: true,
+            enable_listen_thread: false,
+            listen_port: 0,
+            thread_sync: 0,
+            num_workers: 1,
+            pthr_delay_us: 0,
+            lthr_delay_us: 100_000,
+            capture_telemetry: false,
+        };
+        if std::env::var_os("GIXL_CHECK_OVERLAP").is_some() {
+            return;
+        }
+        for (mode, want) in [(Some(c"refuse"), crate::overlap::Mode::Refuse), (None, crate::overlap::Mode::Off)] {
+            let mut a = std::ptr::null_mut();
+            let m = mode.map_or(std::ptr::null(), |m| m.as_ptr());
+            assert_eq!(gixl_create_configured_agent_checked(c"c-ov".as_ptr(), &cfg, m, &mut a), NIXL_CAPI_SUCCESS);
+            assert_eq!(AGENTS.get(a, "agent").unwrap().agent.config().check_overlap, want);
+            assert_eq!(nixl_capi_destroy_agent(a), NIXL_CAPI_SUCCESS);
+        }
+        let mut a = std::ptr::null_mut();
+        let st = gixl_create_configured_agent_checked(c"c-ov".as_ptr(), &cfg, c"often".as_ptr(), &mut a);
+        assert_eq!(st, NIXL_CAPI_ERROR_INVALID_PARAM);
+        assert!(a.is_null());
+    }
 
     pub fn agent(name: &CStr) -> nixl_capi_agent_t {
         let mut a = std::ptr::null_mut();

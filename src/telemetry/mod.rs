@@ -20,7 +20,8 @@
 //! status `agent_err_<status>`. gixl's own series (Prometheus only): every loaded peer with its incarnation
 //! and the route its data takes (`gixl_peer_info`), whether it is connected (`gixl_peer_connected`),
 //! disconnects seen (`gixl_peer_disconnects_total`) and requests refused because they were built against
-//! an invalidated or replaced peer (`gixl_stale_handle_refusals_total`).
+//! an invalidated or replaced peer (`gixl_stale_handle_refusals_total`); while the overlap check is on, the
+//! conflicts it found (`gixl_overlap_conflicts_total{side="initiator"|"target"}`, see `crate::overlap`).
 
 pub mod doctor;
 pub mod file;
@@ -201,6 +202,13 @@ impl Telemetry {
     }
 
     /// How to list this agent's peers (for the exporter and `gixl doctor`).
+    /// Where the overlap check counts its conflicts (`gixl_overlap_conflicts_total`), once it is on.
+    pub fn set_overlap_source(&self, c: Arc<crate::overlap::Counts>) {
+        if let Some(s) = &self.series {
+            let _ = s.overlaps.set(c);
+        }
+    }
+
     pub fn set_peer_source(&self, f: PeerSource) {
         if let Some(s) = &self.series {
             let _ = s.peers.set(f.clone());

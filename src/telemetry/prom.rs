@@ -71,6 +71,8 @@ pub struct Series {
     bounds: Vec<f64>,
     pub(super) disconnects: Mutex<HashMap<String, (u64, u128)>>,
     pub(super) peers: OnceLock<PeerSource>,
+    /// The overlap check's counts, while it is on.
+    pub(super) overlaps: OnceLock<Arc<crate::overlap::Counts>>,
 }
 
 impl Series {
@@ -85,6 +87,7 @@ impl Series {
             bounds,
             disconnects: Mutex::new(HashMap::new()),
             peers: OnceLock::new(),
+            overlaps: OnceLock::new(),
         }
     }
 
@@ -125,6 +128,7 @@ impl Series {
         if peers {
             r.peers = self.peers.get().map(|f| f()).unwrap_or_default();
             r.disconnects = self.disconnects.lock().iter().map(|(p, (n, _))| (p.clone(), *n)).collect();
+            r.overlaps = self.overlaps.get().map(|c| c.get());
         }
         r
     }
@@ -141,6 +145,8 @@ pub(super) struct Row {
     stale: u64,
     peers: Vec<PeerRow>,
     disconnects: Vec<(String, u64)>,
+    /// The overlap check's (initiator, target) conflicts, while it is on.
+    overlaps: Option<(u64, u64)>,
 }
 
 impl Row {
@@ -157,6 +163,7 @@ impl Row {
             stale: get(l.stale()),
             peers: Vec::new(),
             disconnects: Vec::new(),
+            overlaps: None,
         }
     }
 }
@@ -384,6 +391,21 @@ pub(super) fn render(rows: &[Row], peers: bool) -> String {
                 let _ = writeln!(o, "gixl_peer_disconnects_total{{{},peer=\"{}\"}} {n}", r.labels, esc(peer));
             }
         }
+        if rows.iter().any(|r| r.overlaps.is_some()) {
+            let _ = writeln!(
+                o,
+                "# HELP gixl_overlap_conflicts_total Transfers found touching bytes another in-flight transfer \
+                 writes (or writing bytes it reads), by this agent's posts (initiator) or among the pieces its TCP \
+                 target serves for different initiators (target); counted while GIXL_CHECK_OVERLAP is on\n\
+                 # TYPE gixl_overlap_conflicts_total counter"
+            );
+            for r in rows {
+                if let Some((i, t)) = r.overlaps {
+                    let _ = writeln!(o, "gixl_overlap_conflicts_total{{{},side=\"initiator\"}} {i}", r.labels);
+                    let _ = writeln!(o, "gixl_overlap_conflicts_total{{{},side=\"target\"}} {t}", r.labels);
+                }
+            }
+        }
     }
     let _ = writeln!(
         o,
@@ -394,4 +416,25 @@ pub(super) fn render(rows: &[Row], peers: bool) -> String {
         let _ = writeln!(o, "gixl_stale_handle_refusals_total{{{}}} {}", r.labels, r.stale);
     }
     o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The overlap check's counter is exported once the check is on for the agent, by side; not before.
+    #[test]
+    fn overlap_conflicts_are_exported_by_side_once_the_check_is_on() {
+        let s = Series::new("a", Vec::new(), None);
+        let text = render(&[s.row("agent=\"a\"".into(), true)], true);
+        assert!(!text.contains("gixl_overlap_conflicts_total"), "{text}");
+        let c = Arc::new(crate::overlap::Counts::default());
+        c.initiator.store(3, Ordering::Relaxed);
+        c.target.store(2, Ordering::Relaxed);
+        let _ = s.overlaps.set(c);
+        let text = render(&[s.row("agent=\"a\"".into(), true)], true);
+        assert!(text.contains("# TYPE gixl_overlap_conflicts_total counter"), "{text}");
+        assert!(text.contains("gixl_overlap_conflicts_total{agent=\"a\",side=\"initiator\"} 3\n"), "{text}");
+        assert!(text.contains("gixl_overlap_conflicts_total{agent=\"a\",side=\"target\"} 2\n"), "{text}");
+    }
 }

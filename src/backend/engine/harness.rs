@@ -211,6 +211,7 @@ fn engine(threads: usize) -> Engine {
         incarnation: crate::util::random_u128(),
         params: [("num_threads".to_owned(), threads.to_string())].into_iter().collect(),
         num_workers: 0,
+        overlap: None,
     })
     .unwrap()
 }

@@ -149,6 +149,9 @@ impl Shared {
         let bind = listen::parse_bind(&setting(&init, "tcp_addr", "GIXL_TCP_ADDR").unwrap_or_default())?;
         let secret = crate::util::random_u128();
         let regions: Arc<Regions> = Arc::default();
+        if let Some(counts) = &init.overlap {
+            regions.set_overlap(counts.clone());
+        }
         let queue: Arc<NotifQueue> = Arc::default();
         let ctrl = Ctrl::start(
             init.incarnation,

@@ -877,6 +877,7 @@ mod tests {
             incarnation: 1,
             params: params(&[("bucket", "b"), ("endpoint_override", "http://127.0.0.1:9")]),
             num_workers: 0,
+            overlap: None,
         };
         let obj = new_obj(init).unwrap();
         let key = obj.register(MemType::Obj, &RegDesc { desc: Desc::new(0, 0, 7), meta: b"k".to_vec() }).unwrap().key;

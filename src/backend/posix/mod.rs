@@ -475,7 +475,13 @@ mod tests {
     }
 
     fn posix(kv: &[(&str, &str)]) -> Result<Posix> {
-        Posix::new(BackendInit { agent_name: "t".into(), incarnation: 1, params: params(kv), num_workers: 0 })
+        Posix::new(BackendInit {
+            agent_name: "t".into(),
+            incarnation: 1,
+            params: params(kv),
+            num_workers: 0,
+            overlap: None,
+        })
     }
 
     /// The thread pool always; io_uring when this kernel allows it.
@@ -594,6 +600,7 @@ mod tests {
             incarnation: 1,
             params: params(kv),
             num_workers: 2,
+            overlap: None,
         };
         let refuse = |_, _| Err(std::io::Error::from_raw_os_error(libc::EPERM));
         let b = Posix::with_ring(init(&[]), refuse).unwrap();

@@ -651,7 +651,7 @@ impl TcpProgress {
         }
         // A data connection leaves the epoll set for its own thread.
         let Some(c) = self.drop_in(token) else { return false };
-        self.shared.serve.hand(c.stream, c.src);
+        self.shared.serve.hand(c.stream, c.src, Arc::from(h.name.as_str()));
         true
     }
 

@@ -10,6 +10,8 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 
 use super::wire::{self, RegionTable, WireSeg};
+use crate::backend::XferOp;
+use crate::overlap::{Access, Counts, Footprint, Space, Table};
 
 /// The registrations a target serves, and the leases its serving threads hold on them.
 ///
@@ -27,6 +29,9 @@ pub struct Regions {
     /// Disconnect timeout in ns: how long `remove` waits before cutting the holders off (0: not set yet,
     /// use one second).
     bound_ns: AtomicU64,
+    /// The overlap check's counts while it is on in this process's agent: then every request served is
+    /// checked against the others being served for other initiators (see `lease`).
+    overlap: std::sync::OnceLock<Arc<Counts>>,
 }
 
 #[derive(Default)]
@@ -38,12 +43,20 @@ struct RegionState {
     /// Serving connection id → the ranges its current request holds, and its socket (to cut it off).
     leases: HashMap<u64, Held>,
     closed: bool,
+    /// While the overlap check is on: the byte ranges each connection's request touches, with its initiator
+    /// and operation.
+    inflight: Table<(Arc<str>, XferOp)>,
 }
 
 /// The ranges one serving connection's request holds, and its socket.
 type Held = (Vec<(u64, u64)>, Weak<TcpStream>);
 
 impl Regions {
+    /// Switch the overlap check on for the requests this target serves, counting conflicts in `counts`.
+    pub fn set_overlap(&self, counts: Arc<Counts>) {
+        let _ = self.overlap.set(counts);
+    }
+
     pub fn set_bound(&self, d: Duration) {
         self.bound_ns.store(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
     }
@@ -128,8 +141,14 @@ impl Regions {
 
     /// Check `segs` and lease the ranges they name for connection `conn` until `release(conn)`. Refused
     /// when some segment lies outside every registration, when the request mixes host and device
-    /// registrations, or when the engine is closing.
-    pub fn lease(&self, conn: u64, stream: &Arc<TcpStream>, segs: &[WireSeg]) -> Leased {
+    /// registrations, or when the engine is closing. `by`: the operation and the initiator's agent name.
+    ///
+    /// While the overlap check is on, the request's bytes are also checked against those of the requests being
+    /// served for *other* initiators (an initiator's own requests are its own check's business): a WRITE
+    /// onto bytes another initiator's request reads or writes, or a READ of bytes another's WRITE is writing,
+    /// is logged and counted. The request is served all the same: the target cannot tell which of the two the
+    /// application meant, and refusing would fail a request the initiator believes is correct.
+    pub fn lease(&self, conn: u64, stream: &Arc<TcpStream>, segs: &[WireSeg], by: (XferOp, &Arc<str>)) -> Leased {
         let mut st = self.st.lock();
         if st.closed || !wire::segs_allowed(&st.table, segs) {
             return Leased::Refused;
@@ -142,6 +161,9 @@ impl Regions {
         } else {
             return Leased::Refused;
         };
+        if let Some(counts) = self.overlap.get() {
+            check_overlap(&mut st.inflight, counts, conn, segs, &leased, by);
+        }
         let mut ranges: Vec<(u64, u64)> = segs.iter().map(|s| (s.region, s.region_len)).collect();
         ranges.sort_unstable();
         ranges.dedup();
@@ -151,10 +173,49 @@ impl Regions {
 
     /// Connection `conn` no longer touches the memory it leased.
     pub fn release(&self, conn: u64) {
-        self.st.lock().leases.remove(&conn);
+        let mut st = self.st.lock();
+        st.leases.remove(&conn);
+        st.inflight.remove(conn);
+        drop(st);
         self.released.notify_all();
     }
 }
+
+/// The target's overlap check of one request being leased (see `Regions::lease`): logged and counted, then
+/// the request joins the table until its lease is released.
+fn check_overlap(
+    table: &mut Table<(Arc<str>, XferOp)>,
+    counts: &Counts,
+    conn: u64,
+    segs: &[WireSeg],
+    leased: &Leased,
+    (op, who): (XferOp, &Arc<str>),
+) {
+    let access = if op == XferOp::Write { Access::Write } else { Access::Read };
+    let space = |i: usize| match leased {
+        Leased::Device(devs) => Space { owner: 0, mem: crate::mem::MemType::Vram as u8, dev: devs[i] as u64 },
+        _ => Space { owner: 0, mem: crate::mem::MemType::Dram as u8, dev: 0 },
+    };
+    let fp = Footprint::build(segs.iter().enumerate().map(|(i, s)| (space(i), access, s.addr, s.len)));
+    if let Some(c) = table.first_conflict(&fp, |_, (peer, _)| peer != who) {
+        counts.target.fetch_add(1, Ordering::Relaxed);
+        let (peer, their_op) = table.payload(c.other).cloned().unwrap_or_else(|| (Arc::from("?"), op));
+        let name = |o: XferOp| if o == XferOp::Write { "WRITE" } else { "READ" };
+        crate::telemetry::log::warn(&format!(
+            "overlap check (TCP target): a {} from '{who}' {} bytes [{:#x}, {:#x}) that a {} from '{peer}' being served \
+             {}; NIXL orders neither, so the result is whichever lands last (GIXL_CHECK_OVERLAP is on here)",
+            name(op),
+            if op == XferOp::Write { "writes" } else { "reads" },
+            c.range.0,
+            c.range.1,
+            name(their_op),
+            c.theirs.verb()
+        ));
+    }
+    table.insert(conn, Arc::new(fp), (who.clone(), op));
+}
+
+impl Regions {}
 
 /// What `Regions::lease` decided.
 #[derive(Debug, PartialEq, Eq)]
@@ -179,23 +240,55 @@ mod tests {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let s = Arc::new(TcpStream::connect(l.local_addr().unwrap()).unwrap());
         let seg = |region, addr| WireSeg { region, region_len: 0x1000, addr, len: 16 };
-        assert_eq!(r.lease(1, &s, &[seg(0x1000, 0x1000)]), Leased::Host);
+        let me: Arc<str> = Arc::from("me");
+        let by = (XferOp::Write, &me);
+        assert_eq!(r.lease(1, &s, &[seg(0x1000, 0x1000)], by), Leased::Host);
         r.release(1);
         let two = [seg(0x10_0000, 0x10_0010), seg(0x10_0000, 0x10_0100)];
-        assert_eq!(r.lease(1, &s, &two), Leased::Device(vec![3, 3]));
+        assert_eq!(r.lease(1, &s, &two, by), Leased::Device(vec![3, 3]));
         r.release(1);
-        assert_eq!(r.lease(1, &s, &[seg(0x1000, 0x1000), seg(0x10_0000, 0x10_0000)]), Leased::Refused);
+        assert_eq!(r.lease(1, &s, &[seg(0x1000, 0x1000), seg(0x10_0000, 0x10_0000)], by), Leased::Refused);
         // Deregistered: refused; the same range registered again as host memory is host memory.
         r.remove(&[(0x10_0000, 0x1000, Some(0))]);
-        assert_eq!(r.lease(1, &s, &[seg(0x10_0000, 0x10_0000)]), Leased::Refused);
+        assert_eq!(r.lease(1, &s, &[seg(0x10_0000, 0x10_0000)], by), Leased::Refused);
         r.add(0x10_0000, 0x1000, None);
-        assert_eq!(r.lease(1, &s, &[seg(0x10_0000, 0x10_0000)]), Leased::Host);
+        assert_eq!(r.lease(1, &s, &[seg(0x10_0000, 0x10_0000)], by), Leased::Host);
         r.release(1);
         // Two VRAM registrations of one range: the first removal leaves it device memory.
         r.remove(&[(0x10_0000, 0x1000, None)]);
         r.add(0x10_0000, 0x1000, Some(2));
         r.add(0x10_0000, 0x1000, Some(2));
         r.remove(&[(0x10_0000, 0x1000, Some(0))]);
-        assert_eq!(r.lease(1, &s, &[seg(0x10_0000, 0x10_0000)]), Leased::Device(vec![2]));
+        assert_eq!(r.lease(1, &s, &[seg(0x10_0000, 0x10_0000)], by), Leased::Device(vec![2]));
+    }
+
+    /// With the overlap check on, a request that writes bytes another initiator's request being served reads or
+    /// writes is counted; the same initiator's, adjacent bytes, two readers, and a released lease are not.
+    #[test]
+    fn the_target_counts_overlaps_between_initiators() {
+        let r = Regions::default();
+        let counts = Arc::new(Counts::default());
+        r.set_overlap(counts.clone());
+        r.add(0x1000, 0x1000, None);
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = Arc::new(TcpStream::connect(l.local_addr().unwrap()).unwrap());
+        let seg = |addr, len| WireSeg { region: 0x1000, region_len: 0x1000, addr, len };
+        let (a, b): (Arc<str>, Arc<str>) = (Arc::from("a"), Arc::from("b"));
+        let (w, rd) = (XferOp::Write, XferOp::Read);
+        assert_eq!(r.lease(1, &s, &[seg(0x1000, 0x100)], (w, &a)), Leased::Host);
+        assert_eq!(r.lease(2, &s, &[seg(0x1080, 0x100)], (w, &a)), Leased::Host);
+        assert_eq!(counts.get(), (0, 0), "the same initiator: its own check's business");
+        assert_eq!(r.lease(3, &s, &[seg(0x1200, 0x100)], (w, &b)), Leased::Host);
+        assert_eq!(counts.get(), (0, 0), "other bytes");
+        assert_eq!(r.lease(4, &s, &[seg(0x10ff, 0x1)], (rd, &b)), Leased::Host);
+        assert_eq!(counts.get(), (0, 1), "reading what another initiator writes");
+        r.release(1);
+        r.release(2);
+        r.release(4);
+        assert_eq!(r.lease(5, &s, &[seg(0x1000, 0x100)], (rd, &b)), Leased::Host);
+        assert_eq!(r.lease(6, &s, &[seg(0x1000, 0x100)], (rd, &a)), Leased::Host);
+        assert_eq!(counts.get(), (0, 1), "released leases and two readers");
+        assert_eq!(r.lease(7, &s, &[seg(0x1100, 0x100), seg(0x10f0, 0x20)], (w, &a)), Leased::Host);
+        assert_eq!(counts.get(), (0, 2), "a WRITE onto what another initiator reads");
     }
 }

@@ -81,7 +81,7 @@ impl Serving {
     }
 
     /// Hand an authenticated data connection to a serving loop (started on first use).
-    pub fn hand(self: &Arc<Self>, stream: TcpStream, src: IpAddr) {
+    pub fn hand(self: &Arc<Self>, stream: TcpStream, src: IpAddr, peer: Arc<str>) {
         if self.nserving.load(Ordering::Acquire) >= MAX_SERVING && !self.make_room() {
             return;
         }
@@ -100,7 +100,7 @@ impl Serving {
         self.serving.lock().insert(id, Served { src, stream: Arc::downgrade(&stream), idle: idle.clone() });
         self.nserving.fetch_add(1, Ordering::AcqRel);
         let l = &loops[id as usize % loops.len()];
-        l.inbox.lock().push((id, stream, idle));
+        l.inbox.lock().push((id, stream, idle, peer));
         l.reactor.wake();
     }
 
@@ -151,8 +151,9 @@ const QUANTUM: usize = 512 << 10;
 /// How often a busy loop looks for connections past their deadline.
 const SWEEP: u64 = 10_000_000;
 
-/// A data connection handed to a serving loop: its id, the socket, and its idle word (see `Served`).
-type Handed = (u64, Arc<TcpStream>, Arc<AtomicU64>);
+/// A data connection handed to a serving loop: its id, the socket, its idle word (see `Served`) and the
+/// initiator's agent name (from its authenticated hello).
+type Handed = (u64, Arc<TcpStream>, Arc<AtomicU64>, Arc<str>);
 
 struct ServeLoop {
     reactor: Reactor,
@@ -230,7 +231,7 @@ impl ServeLoop {
             // Connection ids are the tokens (they never reach `Reactor::WAKE`).
             let mut ready: Vec<u64> = fired.iter().map(|e| e.0).collect();
             if ready.contains(&Reactor::WAKE) {
-                for (id, stream, idle) in self.inbox.lock().drain(..) {
+                for (id, stream, idle, peer) in self.inbox.lock().drain(..) {
                     let edge = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET) as u32;
                     let fd = stream.as_raw_fd();
                     if self.reactor.add(fd, id, edge).is_err() {
@@ -238,7 +239,7 @@ impl ServeLoop {
                         shared.nserving.fetch_sub(1, Ordering::AcqRel);
                         continue;
                     }
-                    conns.insert(id, Box::new(DataConn::new(id, stream, idle)));
+                    conns.insert(id, Box::new(DataConn::new(id, stream, idle, peer)));
                     ready.push(id);
                 }
             }
@@ -346,6 +347,8 @@ struct DataConn {
     cap: usize,
     /// Shared with the progress thread (see `Served`): since when it has waited for a request, 0 while busy.
     idle: Arc<AtomicU64>,
+    /// The initiator's agent name (the overlap check tells initiators apart by it).
+    peer: Arc<str>,
 }
 
 // SAFETY: the iovecs point into registered memory leased by this connection, or at `reply` (re-pointed
@@ -353,7 +356,7 @@ struct DataConn {
 unsafe impl Send for DataConn {}
 
 impl DataConn {
-    fn new(id: u64, stream: Arc<TcpStream>, idle: Arc<AtomicU64>) -> DataConn {
+    fn new(id: u64, stream: Arc<TcpStream>, idle: Arc<AtomicU64>, peer: Arc<str>) -> DataConn {
         DataConn {
             id,
             stream,
@@ -374,6 +377,7 @@ impl DataConn {
             turn: false,
             cap: QUANTUM,
             idle,
+            peer,
         }
     }
 
@@ -538,7 +542,7 @@ impl DataConn {
         let Ok(segs) = wire::parse_segs(&self.table, &h) else { return false };
         self.iov.clear();
         self.at = 0;
-        match regions.lease(self.id, &self.stream, &segs) {
+        match regions.lease(self.id, &self.stream, &segs, (h.op, &self.peer)) {
             Leased::Refused => self.deny(if h.op == XferOp::Write { h.total } else { 0 }),
             Leased::Device(devs) => {
                 self.leased = true;
@@ -663,7 +667,7 @@ mod tests {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let mut client = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let server = Arc::new(l.accept().unwrap().0);
-        let mut c = DataConn::new(1, server.clone(), Arc::default());
+        let mut c = DataConn::new(1, server.clone(), Arc::default(), Arc::from("t"));
         let (mut scratch, mut pool) = (vec![0u8; 64 * 1024], loop_pool());
         let read = |addr: u64, n: u64| {
             let mut head = Vec::new();
