@@ -264,6 +264,8 @@ static int driver_main(void)
      * reach P2, which is checked below with peer_verify. */
     ft_fill(local, LEN, 14);
     CHECK_ST(-2, nixl_capi_post_xfer_req(d, write_old, NULL));
+    /* The failed post is the request's status now (it completed before): an error, not SUCCESS. */
+    CHECK_ST(-2, nixl_capi_get_xfer_status(d, write_old));
     CHECK_ST(-2, nixl_capi_gen_notif(d, PEER_NAME, "to-the-dead", 11, NULL));
     /* ... and in NIXL 1.5 the failure does not invalidate the cached metadata. */
     CHECK_ST(0, nixl_capi_check_remote_md(d, PEER_NAME, NULL));
@@ -280,6 +282,9 @@ static int driver_main(void)
     ft_fill(local, LEN, 13);
     CHECK_ST(-6, nixl_capi_post_xfer_req(d, write_old, NULL));
     CHECK_ST(-6, nixl_capi_post_xfer_req(d, read_old, NULL));
+    /* A post refused as stale leaves the status as the last post left it. */
+    CHECK_ST(-2, nixl_capi_get_xfer_status(d, write_old));
+    CHECK_ST(0, nixl_capi_get_xfer_status(d, read_old));
     int64_t du, em;
     nixl_capi_cost_t cm;
     CHECK_ST(-6, nixl_capi_estimate_xfer_cost(d, write_old, NULL, &du, &em, &cm));
