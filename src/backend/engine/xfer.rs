@@ -331,6 +331,7 @@ mod tests {
             incarnation: crate::util::random_u128(),
             params: [("num_threads".to_owned(), "2".to_owned())].into_iter().collect(),
             num_workers: 0,
+            overlap: None,
         };
         let a = Engine::new(init("poll-A")).unwrap();
         let bi = init("poll-B");
