@@ -274,33 +274,41 @@ mod tests {
     use crate::mem::{Desc, MemType, RegDesc};
     use std::time::Duration;
 
-    /// A disconnect reported by `status` is terminal only once no copy thread works on the request any more,
-    /// and a request whose target is destroyed mid-copy leaves nothing running.
-    #[test]
-    fn terminal_status_only_after_workers_stop() {
-        const SIZE: usize = 256 << 20;
-        let init = |name: &str| BackendInit {
-            agent_name: name.into(),
+    /// Engines `{prefix}-A` and `{prefix}-B` (two copy threads each) and a WRITE of `src` from A into `dst`,
+    /// registered at B, not posted yet.
+    fn write_between_engines(prefix: &str, src: &[u8], dst: &[u8]) -> (Engine, Engine, EngineXfer) {
+        let init = |name: String| BackendInit {
+            agent_name: name,
             incarnation: crate::util::random_u128(),
             params: [("num_threads".to_owned(), "2".to_owned())].into_iter().collect(),
             num_workers: 0,
             overlap: None,
         };
-        let a = Engine::new(init("ct-A")).unwrap();
-        let bi = init("ct-B");
+        let a = Engine::new(init(format!("{prefix}-A"))).unwrap();
+        let bi = init(format!("{prefix}-B"));
         let binc = bi.incarnation;
         let b = Engine::new(bi).unwrap();
-        let src = vec![1u8; SIZE];
-        let dst = vec![0u8; SIZE];
-        let rd = RegDesc { desc: Desc::new(dst.as_ptr() as u64, SIZE as u64, 0), meta: vec![] };
+        let len = dst.len() as u64;
+        let rd = RegDesc { desc: Desc::new(dst.as_ptr() as u64, len, 0), meta: vec![] };
         let lr = b.register(MemType::Dram, &rd).unwrap();
-        let peer = a.load_peer("ct-B", binc, &b.conn_info()).unwrap();
+        let peer = a.load_peer(&format!("{prefix}-B"), binc, &b.conn_info()).unwrap();
         let key = a.load_remote_region(&peer, MemType::Dram, &rd.desc, &lr.public).unwrap();
-        let plan = write_plan(src.as_ptr() as u64, dst.as_ptr() as u64, SIZE as u64, &peer, key);
+        let plan = write_plan(src.as_ptr() as u64, dst.as_ptr() as u64, len, &peer, key);
         let x = EngineXfer {
             core: Arc::new(Core { shared: a.shared.clone(), plan, mover: None, prepared: None }),
             run: Mutex::new(None),
         };
+        (a, b, x)
+    }
+
+    /// A disconnect reported by `status` is terminal only once no copy thread works on the request any more,
+    /// and a request whose target is destroyed mid-copy leaves nothing running.
+    #[test]
+    fn terminal_status_only_after_workers_stop() {
+        const SIZE: usize = 256 << 20;
+        let src = vec![1u8; SIZE];
+        let dst = vec![0u8; SIZE];
+        let (a, b, x) = write_between_engines("ct", &src, &dst);
         assert_eq!(x.post(None).unwrap(), Status::InProg);
         let probe = (dst.as_ptr() as usize + SIZE / 2 + (8 << 20)) as *const u8;
         // SAFETY: `dst` lives to the end of the test; volatile because a copy thread writes it.
@@ -326,28 +334,9 @@ mod tests {
     #[test]
     fn polls_copy_the_pieces_no_copy_thread_took() {
         const SIZE: usize = 16 << 20;
-        let init = |name: &str| BackendInit {
-            agent_name: name.into(),
-            incarnation: crate::util::random_u128(),
-            params: [("num_threads".to_owned(), "2".to_owned())].into_iter().collect(),
-            num_workers: 0,
-            overlap: None,
-        };
-        let a = Engine::new(init("poll-A")).unwrap();
-        let bi = init("poll-B");
-        let binc = bi.incarnation;
-        let b = Engine::new(bi).unwrap();
         let src: Vec<u8> = (0..SIZE).map(|i| (i * 7 + i / 4096) as u8).collect();
         let dst = vec![0u8; SIZE];
-        let rd = RegDesc { desc: Desc::new(dst.as_ptr() as u64, SIZE as u64, 0), meta: vec![] };
-        let lr = b.register(MemType::Dram, &rd).unwrap();
-        let peer = a.load_peer("poll-B", binc, &b.conn_info()).unwrap();
-        let key = a.load_remote_region(&peer, MemType::Dram, &rd.desc, &lr.public).unwrap();
-        let plan = write_plan(src.as_ptr() as u64, dst.as_ptr() as u64, SIZE as u64, &peer, key);
-        let x = EngineXfer {
-            core: Arc::new(Core { shared: a.shared.clone(), plan, mover: None, prepared: None }),
-            run: Mutex::new(None),
-        };
+        let (a, _b, x) = write_between_engines("poll", &src, &dst);
         // Both copy threads wait behind a gate until the request is complete.
         let gate = Arc::new((Mutex::new(false), Condvar::new()));
         let started = Arc::new(AtomicUsize::new(0));
