@@ -143,15 +143,20 @@ def test_doctor_with_a_peer_by_file_and_by_listener(installed, tmp_path):
         peer.wait(timeout=30)
 
 
+# The start of a child program that records every record of NIXL's loggers as (logger, level, message) in `seen`.
+_LOG_CAPTURE = (
+    "import logging, numpy as np\n"
+    "import nixl._api as api\n"
+    "seen = []\n"
+    "class H(logging.Handler):\n"
+    "    def emit(self, rec): seen.append((rec.name, rec.levelname, rec.getMessage()))\n"
+    "logging.getLogger('nixl').addHandler(H())\n"
+)
+
+
 def test_route_choice_is_logged_through_python_logging(installed):
     code = (
-        "import logging, numpy as np\n"
-        "import nixl._api as api\n"
-        "seen = []\n"
-        "class H(logging.Handler):\n"
-        "    def emit(self, rec): seen.append((rec.name, rec.levelname, rec.getMessage()))\n"
-        "logging.getLogger('nixl').addHandler(H())\n"
-        "a, b = api.nixl_agent('log-a'), api.nixl_agent('log-b')\n"
+        _LOG_CAPTURE + "a, b = api.nixl_agent('log-a'), api.nixl_agent('log-b')\n"
         "x = np.zeros(4096, dtype=np.uint8)\n"
         "b.register_memory([(x.ctypes.data, 4096, 0, '')], 'DRAM')\n"
         "a.add_remote_agent(b.get_agent_metadata())\n"
@@ -167,13 +172,7 @@ def test_route_line_once_per_peer_incarnation(installed):
     """Ray adds the peer on every fetch and removes it after: the route is said at INFO once per incarnation
     (NIXL says nothing at all); a new incarnation under the same name is said again."""
     code = (
-        "import logging, numpy as np\n"
-        "import nixl._api as api\n"
-        "seen = []\n"
-        "class H(logging.Handler):\n"
-        "    def emit(self, rec): seen.append((rec.levelname, rec.getMessage()))\n"
-        "logging.getLogger('nixl').addHandler(H())\n"
-        "logging.getLogger('nixl').setLevel(logging.INFO)\n"
+        _LOG_CAPTURE + "logging.getLogger('nixl').setLevel(logging.INFO)\n"
         "a = api.nixl_agent('once-a')\n"
         "x = np.zeros(4096, dtype=np.uint8)\n"
         "def peer():\n"
@@ -187,7 +186,7 @@ def test_route_line_once_per_peer_incarnation(installed):
         "del b\n"
         "b = peer()\n"
         "a.add_remote_agent(b.get_agent_metadata())\n"
-        "lines = [m for lv, m in seen if lv in ('INFO', 'WARNING') and \"peer 'once-b'\" in m]\n"
+        "lines = [m for _, lv, m in seen if lv in ('INFO', 'WARNING') and \"peer 'once-b'\" in m]\n"
         "print(len(lines), len({m.split('incarnation ')[1][:32] for m in lines}))\n"
     )
     r = _run(["-c", code])
