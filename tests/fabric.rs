@@ -162,6 +162,23 @@ fn a_provider_without_rma_fails_at_getinfo() {
     }
 }
 
+/// `gixl doctor` names the library, its devices, and the self-tests this process ran.
+#[test]
+fn the_doctor_shows_the_library_its_devices_and_the_self_tests() {
+    if setup("fabric doctor").is_none() {
+        return;
+    }
+    let t = selftest::run_provider("shm", None, LIMIT);
+    assert!(t.passed(), "{t}");
+    let r = gixl::telemetry::doctor::report(None);
+    let at = r.find("\"libfabric\":{").expect(&r);
+    let lf = &r[at..];
+    let lf = &lf[..lf.find("\"cuda\":").unwrap_or(lf.len())];
+    assert!(lf.contains("\"found\":true") && lf.contains("libfabric.so.1") && lf.contains("\"version\":\"1."), "{lf}");
+    assert!(lf.contains("\"shm/shm\"") && lf.contains("\"tcp;ofi_rxm/lo\""), "{lf}");
+    assert!(lf.contains("{\"device\":\"shm/shm\",\"passed\":true"), "{lf}");
+}
+
 /// `udp;ofi_rxd`: the rxd utility gives udp reliable RDM endpoints and one-sided RMA (emulated over
 /// datagrams), and it passes.
 #[test]

@@ -92,6 +92,37 @@ impl SelfTest {
     }
 }
 
+/// A self-test's result as this process keeps it for `gixl doctor`: the device, passed or not, the step that
+/// failed and why, and the milliseconds it took.
+#[derive(Clone, Debug)]
+pub struct Record {
+    pub device: String,
+    pub passed: bool,
+    pub step: Option<&'static str>,
+    pub error: Option<String>,
+    pub ms: f64,
+}
+
+static RECORDS: parking_lot::Mutex<Vec<Record>> = parking_lot::Mutex::new(Vec::new());
+
+/// The last self-test of each device this process ran, in the order first run.
+pub fn records() -> Vec<Record> {
+    RECORDS.lock().clone()
+}
+
+fn record(t: &SelfTest) {
+    let (passed, step, error, d) = match &t.outcome {
+        Outcome::Passed { cost } => (true, None, None, *cost),
+        Outcome::Failed { step, error, after } => (false, Some(step.name()), Some(error.to_string()), *after),
+    };
+    let r = Record { device: format!("{}/{}", t.provider, t.domain), passed, step, error, ms: d.as_secs_f64() * 1e3 };
+    let mut all = RECORDS.lock();
+    match all.iter_mut().find(|o| o.device == r.device) {
+        Some(o) => *o = r,
+        None => all.push(r),
+    }
+}
+
 impl std::fmt::Display for SelfTest {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match &self.outcome {
@@ -115,8 +146,18 @@ impl std::fmt::Display for SelfTest {
     }
 }
 
-/// The first device of `provider` (libfabric's name: `tcp`, `shm`, `efa`…), optionally on `domain`, tested.
+/// The first device of `provider` (libfabric's full name: `tcp;ofi_rxm`, `shm`, `efa`…), optionally on
+/// `domain`, tested (and recorded for `gixl doctor`).
 pub fn run_provider(provider: &str, domain: Option<&str>, limit: Duration) -> SelfTest {
+    let t = provider_test(provider, domain, limit);
+    // `run` recorded it where a device was found; before that, the failure is recorded here.
+    if matches!(t.outcome, Outcome::Failed { step: Step::Library | Step::Info, .. }) {
+        record(&t);
+    }
+    t
+}
+
+fn provider_test(provider: &str, domain: Option<&str>, limit: Duration) -> SelfTest {
     let t0 = Instant::now();
     let failed = |step, error| SelfTest {
         provider: provider.to_owned(),
@@ -142,8 +183,14 @@ pub fn run_provider(provider: &str, domain: Option<&str>, limit: Duration) -> Se
     }
 }
 
-/// Tests `dev`, waiting at most `limit`.
+/// Tests `dev`, waiting at most `limit` (and records the result for `gixl doctor`).
 pub fn run(dev: &Device, limit: Duration) -> SelfTest {
+    let t = run_device(dev, limit);
+    record(&t);
+    t
+}
+
+fn run_device(dev: &Device, limit: Duration) -> SelfTest {
     let t0 = Instant::now();
     let step = Arc::new(AtomicU8::new(Step::Fabric as u8));
     let (tx, rx) = mpsc::channel();
