@@ -126,10 +126,12 @@ def test_libfabric_is_the_engine_under_nixls_plugin_name(make_agent):
     assert set(params) == {"num_threads", "split_batch_size"} and set(mems) == {"DRAM_SEG", "VRAM_SEG"}
     src = np.arange(4096, dtype=np.uint8)
     dst = np.zeros(4096, dtype=np.uint8)
-    a.register_memory(dst)
-    b.register_memory(src)
-    assert a.add_remote_agent(b.get_agent_metadata()) == b.name
-    h = a.initialize_xfer("READ", a.get_xfer_descs(dst), a.get_xfer_descs(src), b.name)
+    a.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
+    b.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
+    assert a.add_remote_agent(b.get_agent_metadata()) == b.name.encode()
+    local = a.get_xfer_descs([(dst.ctypes.data, dst.nbytes, 0)], "DRAM")
+    remote = a.get_xfer_descs([(src.ctypes.data, src.nbytes, 0)], "DRAM")
+    h = a.initialize_xfer("READ", local, remote, b.name)
     assert a.transfer(h) in ("PROC", "DONE")
     for _ in range(2000):
         if a.check_xfer_state(h) == "DONE":
