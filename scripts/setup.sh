@@ -17,6 +17,11 @@
 #                NOT installed: the `rdma` feature's tests check gixl's bindings against the header and open the
 #                library by path. Installed system-wide, it would change the oracle: NIXL 1.5.1's bundled UCX loads
 #                the system libibverbs, which brings a second libnl, and NIXL then segfaults at exit.
+#   libfabric    Debian's libfabric 1.17 (library, headers, fi_info/fi_pingpong) and what it loads (rdma-core's
+#                libibverbs, librdmacm and libefa, libnl, libpsm2, libpsm-infinipath) unpacked into
+#                ~/.cache/gixl/libfabric and NOT installed, for the same reason: gixl opens it by path
+#                (GIXL_LIBFABRIC) in the processes that use it, with LD_LIBRARY_PATH set to its folders there only
+#                (docs/libfabric.md).
 #
 # Each phase prints how long it took, so a slow CI machine shows where its time went.
 set -euo pipefail
@@ -97,6 +102,22 @@ if [ ! -e "$rdma_core/usr/include/infiniband/verbs.h" ]; then
     for d in "$debs"/*.deb; do dpkg -x "$d" "$rdma_core"; done
     rm -rf "$debs"
     took "rdma-core unpacked"
+fi
+libfabric="$HOME/.cache/gixl/libfabric"
+if [ ! -e "$libfabric/usr/include/rdma/fabric.h" ] || [ ! -e "$libfabric/usr/bin/fi_info" ]; then
+    echo "setup: libfabric unpacked into $libfabric (not installed)"
+    debs=$(mktemp -d)
+    pkgs=(libfabric1 libfabric-dev libfabric-bin libibverbs1 ibverbs-providers librdmacm1 libnl-3-200
+        libnl-route-3-200 libpsm2-2 libpsm-infinipath1)
+    (cd "$debs" && { apt-get download "${pkgs[@]}" >/dev/null 2>&1 ||
+        { apt-get update -qq && apt-get download "${pkgs[@]}" >/dev/null; }; })
+    for d in "$debs"/*.deb; do dpkg -x "$d" "$libfabric"; done
+    rm -rf "$debs"
+    # Debian points libpsm_infinipath.so.1 at /usr/lib/libpsm1 with update-alternatives; unpacked, a link does.
+    ln -sf ../libpsm1/libpsm_infinipath.so.1.16 "$libfabric/usr/lib/x86_64-linux-gnu/libpsm_infinipath.so.1"
+    lf_path="$libfabric/usr/lib/x86_64-linux-gnu:$libfabric/lib/x86_64-linux-gnu"
+    LD_LIBRARY_PATH="$lf_path" "$libfabric/usr/bin/fi_info" -l >/dev/null
+    took "libfabric unpacked"
 fi
 # Always reinstall gixl itself so the venv matches the checkout.
 echo "setup: pip install . (builds the gixl wheel)"

@@ -167,7 +167,7 @@ py_exports() {
 # On CI (root, Linux) the tests that need namespaces, etcd, another uid or io_uring must have run.
 must_run() {
     local must
-    must=$(grep -E '^SKIPPED: .* \[(netns|etcd|cma|io_uring|prometheus)\]: ' "$GIXL_SKIP_LOG")
+    must=$(grep -E '^SKIPPED: .* \[(netns|etcd|cma|io_uring|prometheus|libfabric)\]: ' "$GIXL_SKIP_LOG")
     # pytest's own skips (-rs lines) of the Python etcd, TCPStore and Garage (OBJ) tests count too, and the
     # C++ TCPStore test's skip (no torch for its master).
     local py
@@ -180,7 +180,7 @@ must_run() {
         echo "CI=true: these tests must run here (root, Linux, etcd, io_uring, garage, torch); failing"
         return 1
     fi
-    echo "must-run set (netns, etcd, cma, io_uring, prometheus, garage, tcpstore): $(grep -c . <<<"${must}") skipped"
+    echo "must-run set (netns, etcd, cma, io_uring, prometheus, libfabric, garage, tcpstore): $(grep -c . <<<"${must}") skipped"
 }
 header() { scripts/check-header.sh; }
 capi_exports() {

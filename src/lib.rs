@@ -24,6 +24,8 @@ pub(crate) mod config;
 /// The GPU driver behind a trait: the real one (`cuda` feature) and a fake for tests.
 #[doc(hidden)]
 pub mod device;
+/// libfabric, opened at run time: gixl's bindings, safe wrappers and the devices' self-test.
+pub mod fabric;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod md;

@@ -84,6 +84,12 @@ def render(r: dict) -> str:
     out.append(f"  rdma        {_yes(rd['works'])}  devices: {', '.join(rd['devices']) or 'none'}; {rd['why']}")
     gd = rd["gpu_direct"]
     out.append(f"              GPU memory: peer-memory module {_yes(gd['peer_memory_module'])}; {gd['how']}")
+    lf = routes["libfabric"]
+    found = f"{lf['library']} (libfabric {lf['version']})" if lf["found"] else f"not found ({lf['library']})"
+    out.append(f"  libfabric   {_yes(lf['works'])}  {found}; devices: {', '.join(lf['devices']) or 'none'}; {lf['why']}")
+    for t in lf["self_tests"]:
+        res = "passed" if t["passed"] else f"FAILED at {t['step']}: {t['error']}"
+        out.append(f"              self-test {t['device']}: {res} ({t['ms']} ms)")
     cu = routes["cuda"]
     out.append(f"  cuda        {_yes(cu['works'])}  libcuda {cu['libcuda']}; {cu['why']}")
     out.append(f"transport {r['transport']}: {r['route_choice']}")

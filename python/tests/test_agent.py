@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import conftest
@@ -108,6 +110,35 @@ def test_default_config_reaches_bindings(api, bind, capture_agent_ctor):
 def test_empty_agent_name(api):
     with pytest.raises(ValueError):
         api.nixl_agent("")
+
+
+@pytest.mark.gixl_only
+def test_libfabric_is_the_engine_under_nixls_plugin_name(make_agent):
+    """LIBFABRIC, the backend Ray picks on EFA nodes, is gixl's engine under NIXL's plugin name (its options
+    as NIXL's plugin source declares them; the oracle's own plugin does not load here: it needs CUDA and
+    libfabric). Two agents that both ask for it transfer over the engine's routes."""
+    import numpy as np
+
+    a = make_agent("lf-a", backends=["LIBFABRIC"])
+    b = make_agent("lf-b", backends=["LIBFABRIC"])
+    assert "LIBFABRIC" in a.get_plugin_list() and list(a.backends) == ["LIBFABRIC"]
+    params, mems = a.get_plugin_params("LIBFABRIC"), a.get_plugin_mem_types("LIBFABRIC")
+    assert set(params) == {"num_threads", "split_batch_size"} and set(mems) == {"DRAM_SEG", "VRAM_SEG"}
+    src = np.arange(4096, dtype=np.uint8)
+    dst = np.zeros(4096, dtype=np.uint8)
+    a.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
+    b.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
+    assert a.add_remote_agent(b.get_agent_metadata()) == b.name.encode()
+    local = a.get_xfer_descs([(dst.ctypes.data, dst.nbytes, 0)], "DRAM")
+    remote = a.get_xfer_descs([(src.ctypes.data, src.nbytes, 0)], "DRAM")
+    h = a.initialize_xfer("READ", local, remote, b.name)
+    assert a.transfer(h) in ("PROC", "DONE")
+    for _ in range(2000):
+        if a.check_xfer_state(h) == "DONE":
+            break
+        time.sleep(0.005)
+    assert a.check_xfer_state(h) == "DONE" and (dst == src).all()
+    a.release_xfer_handle(h)
 
 
 def test_agent_attributes(make_agent, bind):

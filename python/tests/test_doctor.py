@@ -56,12 +56,33 @@ def test_doctor_json_names_every_route(installed):
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
     assert rep["versions"]["nixl_api"] == "1.5.2"
-    assert set(rep["routes"]) == {"in_process", "cma", "tcp", "rdma", "cuda"}
+    assert set(rep["routes"]) == {"in_process", "cma", "tcp", "rdma", "libfabric", "cuda"}
     assert rep["routes"]["in_process"]["works"] is True
     assert isinstance(rep["routes"]["rdma"]["gpu_direct"]["peer_memory_module"], bool)
     assert "capi" not in rep["versions"]["features"], "the extension is built without the C ABI"
     human = _run(["-m", "gixl", "doctor"])
     assert human.returncode == 0 and "routes on this host:" in human.stdout and "cma " in human.stdout
+    lf = rep["routes"]["libfabric"]
+    assert lf["works"] is False and isinstance(lf["found"], bool) and "libfabric " in human.stdout
+
+
+def test_doctor_lists_libfabric_devices(installed):
+    """With the libfabric that scripts/setup.sh unpacks (opened by path, its folders on LD_LIBRARY_PATH in
+    this process only), the report says where it was found and lists its shm and tcp devices."""
+    root = os.path.expanduser("~/.cache/gixl/libfabric")
+    lib = os.path.join(root, "usr/lib/x86_64-linux-gnu")
+    if not os.path.exists(os.path.join(lib, "libfabric.so.1")):
+        pytest.skip("no libfabric under ~/.cache/gixl/libfabric (scripts/setup.sh unpacks it)")
+    env = {
+        **os.environ,
+        "GIXL_LIBFABRIC": os.path.join(lib, "libfabric.so.1"),
+        "LD_LIBRARY_PATH": f"{lib}:{os.path.join(root, 'lib/x86_64-linux-gnu')}",
+    }
+    r = _run(["-m", "gixl", "doctor", "--json"], env=env)
+    assert r.returncode == 0, r.stderr
+    lf = json.loads(r.stdout)["routes"]["libfabric"]
+    assert lf["found"] is True and lf["library"] == env["GIXL_LIBFABRIC"], lf
+    assert "shm/shm" in lf["devices"] and "tcp;ofi_rxm/lo" in lf["devices"], lf
 
 
 def test_doctor_opens_with_the_route_per_peer_kind_and_each_device(installed):

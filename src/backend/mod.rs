@@ -224,6 +224,15 @@ fn ucx_defaults() -> Params {
         .collect()
 }
 
+/// NIXL's LIBFABRIC plugin options (its source's names and defaults; nixl-cu12 1.5.1's plugin does not load
+/// without CUDA and libfabric, so they were not read from it).
+fn libfabric_defaults() -> Params {
+    [("num_threads", "0"), ("split_batch_size", "1024")]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
 /// Every plugin built into this library, sorted by name like NIXL's plugin directory listing.
 pub fn plugins() -> &'static [Plugin] {
     PLUGINS
@@ -234,6 +243,13 @@ pub fn plugin(name: &str) -> Result<&'static Plugin> {
 }
 
 static PLUGINS: &[Plugin] = &[
+    Plugin {
+        name: "LIBFABRIC",
+        // As NIXL's LIBFABRIC plugin reports. The engine under another name (engine::create_libfabric).
+        mems: &[MemType::Dram, MemType::Vram],
+        defaults: libfabric_defaults,
+        create: engine::create_libfabric,
+    },
     #[cfg(feature = "obj")]
     Plugin { name: "OBJ", mems: &[MemType::Dram, MemType::Obj], defaults: obj::default_params, create: obj::create },
     Plugin {

@@ -208,6 +208,47 @@ fn libcuda() -> Result<(), String> {
     Ok(())
 }
 
+/// libfabric: found or not (where from, or why not), its devices (provider/domain) and the self-tests this
+/// process ran. No route uses it yet, so `works` is false.
+fn libfabric_j() -> J {
+    let lib = crate::fabric::sys::lib();
+    let (found, library, version) = match &lib {
+        Ok(l) => (true, l.path.clone(), format!("{}.{}", l.version().0, l.version().1)),
+        Err(e) => (false, e.message().to_owned(), String::new()),
+    };
+    let devices = match lib.and_then(|_| crate::fabric::devices(None, None)) {
+        Ok(v) => v.iter().map(|d| J::s(format!("{}/{}", d.provider(), d.domain()))).collect(),
+        Err(_) => Vec::new(),
+    };
+    let tests = crate::fabric::selftest::records()
+        .into_iter()
+        .map(|r| {
+            J::Obj(vec![
+                ("device", J::s(r.device)),
+                ("passed", J::Bool(r.passed)),
+                ("ms", J::Num((r.ms * 10.0).round() / 10.0)),
+                ("step", r.step.map_or(J::Null, J::s)),
+                ("error", r.error.map_or(J::Null, J::s)),
+            ])
+        })
+        .collect();
+    J::Obj(vec![
+        ("works", J::Bool(false)),
+        ("found", J::Bool(found)),
+        ("library", J::s(library)),
+        ("version", J::s(version)),
+        ("devices", J::Arr(devices)),
+        ("self_tests", J::Arr(tests)),
+        (
+            "why",
+            J::s(
+                "no route uses libfabric yet: its devices are listed and can be self-tested (a one-sided WRITE and \
+                 READ between two endpoints of this process); GIXL_LIBFABRIC names the library",
+            ),
+        ),
+    ])
+}
+
 fn kernel() -> String {
     read("/proc/sys/kernel/osrelease").unwrap_or_default()
 }
@@ -282,6 +323,7 @@ pub fn report(peer: Option<PeerTarget>) -> String {
         Ok(_) => (false, "no active RDMA port: peers go over TCP".to_owned()),
         Err(e) => (false, format!("{}: peers go over TCP", e.message())),
     };
+    let libfabric = libfabric_j();
     // NVIDIA's peer-memory module (or its older out-of-tree name): what a plain registration of device memory
     // needs where dma-buf is not available.
     let peer_memory = ["/sys/module/nvidia_peermem", "/sys/module/nv_peer_mem"].iter().any(|p| Path::new(p).exists());
@@ -319,6 +361,7 @@ pub fn report(peer: Option<PeerTarget>) -> String {
                 ),
             ]),
         ),
+        ("libfabric", libfabric),
         (
             "cuda",
             J::Obj(vec![
@@ -731,9 +774,16 @@ mod tests {
     #[test]
     fn host_report_names_every_route() {
         let r = report(None);
-        for k in
-            ["\"in_process\"", "\"cma\"", "\"tcp\"", "\"rdma\"", "\"gpu_direct\"", "\"cuda\"", "\"nixl_api\":\"1.5.2\""]
-        {
+        for k in [
+            "\"in_process\"",
+            "\"cma\"",
+            "\"tcp\"",
+            "\"rdma\"",
+            "\"gpu_direct\"",
+            "\"libfabric\"",
+            "\"cuda\"",
+            "\"nixl_api\":\"1.5.2\"",
+        ] {
             assert!(r.contains(k), "{k} missing from {r}");
         }
     }

@@ -84,13 +84,26 @@ pub fn create(init: BackendInit) -> Result<Arc<dyn Backend>> {
     Ok(Arc::new(Engine::new(init)?))
 }
 
+/// The same engine under NIXL's `LIBFABRIC` plugin name (what Ray asks for on EFA nodes): its peers are
+/// reached over the engine's routes (in-process, CMA, TCP, RDMA); no libfabric route exists yet
+/// (docs/libfabric.md). NIXL's LIBFABRIC parameters are accepted and, but for `num_threads`, ignored.
+pub fn create_libfabric(init: BackendInit) -> Result<Arc<dyn Backend>> {
+    Ok(Arc::new(Engine::named(init, "LIBFABRIC")?))
+}
+
 pub struct Engine {
     shared: Arc<Shared>,
+    /// The plugin name it was created under ("UCX" or "LIBFABRIC"): its metadata section's name.
+    name: &'static str,
 }
 
 impl Engine {
     fn new(init: BackendInit) -> Result<Engine> {
-        Ok(Engine { shared: Shared::start(init)? })
+        Engine::named(init, "UCX")
+    }
+
+    fn named(init: BackendInit, name: &'static str) -> Result<Engine> {
+        Ok(Engine { shared: Shared::start(init)?, name })
     }
 }
 
@@ -102,7 +115,7 @@ impl Drop for Engine {
 
 impl Backend for Engine {
     fn name(&self) -> &'static str {
-        "UCX"
+        self.name
     }
 
     fn caps(&self) -> Caps {
@@ -332,6 +345,43 @@ mod tests {
             assert!(dst == src);
             a.invalidate_remote_md("v4-target").unwrap();
         }
+    }
+
+    /// Two agents that both ask for LIBFABRIC (as Ray does on both ends) talk over the engine's routes, the
+    /// section in their metadata named LIBFABRIC; an agent with only UCX has no backend in common with them (loading their metadata fails).
+    #[test]
+    fn the_libfabric_name_is_the_engine() {
+        let b = Agent::new("lf-target", AgentConfig::default()).unwrap();
+        b.create_backend("LIBFABRIC", &Params::new()).unwrap();
+        let a = Agent::new("lf-initiator", AgentConfig::default()).unwrap();
+        let p: Params = [("num_threads", "2"), ("split_batch_size", "512")]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+        a.create_backend("LIBFABRIC", &p).unwrap();
+        let src: Vec<u8> = (0..1 << 16).map(|i| (i % 251) as u8).collect();
+        let dst = vec![0u8; 1 << 16];
+        reg(&b, &src);
+        reg(&a, &dst);
+        let md = b.local_md().unwrap();
+        assert_eq!(AgentMd::decode(&md).unwrap().conns[0].0, "LIBFABRIC");
+        a.load_remote_md(&md).unwrap();
+        let r = a
+            .create_xfer_req(
+                XferOp::Read,
+                &xl(&dst, 0, 1 << 16),
+                &xl(&src, 0, 1 << 16),
+                "lf-target",
+                &XferOpts::default(),
+            )
+            .unwrap();
+        a.post_xfer_req(&r, NotifUpdate::Keep).unwrap();
+        assert_eq!(wait(&a, &r, Duration::from_secs(10)).unwrap(), Status::Success);
+        assert!(dst == src);
+        let u = Agent::new("lf-ucx-only", AgentConfig::default()).unwrap();
+        u.create_backend("UCX", &Params::new()).unwrap();
+        let e = u.load_remote_md(&md).unwrap_err();
+        assert!(e.message().contains("no backend in common"), "{e}");
     }
 
     // ----- the TCP route between two agents of this process (`transport=tcp`) -----
