@@ -88,7 +88,15 @@ pub fn create(init: BackendInit) -> Result<Arc<dyn Backend>> {
 /// reached over the engine's routes (in-process, CMA, TCP, RDMA); no libfabric route exists yet
 /// (docs/libfabric.md). NIXL's LIBFABRIC parameters are accepted and, but for `num_threads`, ignored.
 pub fn create_libfabric(init: BackendInit) -> Result<Arc<dyn Backend>> {
-    Ok(Arc::new(Engine::named(init, "LIBFABRIC")?))
+    let agent = init.agent_name.clone();
+    let engine = Engine::named(init, "LIBFABRIC")?;
+    // Never a silent fallback: whoever asked for a fabric is told that no libfabric route carries its data.
+    crate::telemetry::log::warn(&format!(
+        "agent '{agent}': backend LIBFABRIC is gixl's engine under NIXL's plugin name; gixl has no libfabric route \
+         yet, so peers on other hosts go over TCP (RDMA where its port reaches them); `python -m gixl doctor` says \
+         what this host has (docs/libfabric.md)"
+    ));
+    Ok(Arc::new(engine))
 }
 
 pub struct Engine {
