@@ -308,7 +308,7 @@ mod tests {
         const SIZE: usize = 256 << 20;
         let src = vec![1u8; SIZE];
         let dst = vec![0u8; SIZE];
-        let (a, b, x) = write_between_engines("ct", &src, &dst);
+        let (_a, b, x) = write_between_engines("ct", &src, &dst);
         assert_eq!(x.post(None).unwrap(), Status::InProg);
         let probe = (dst.as_ptr() as usize + SIZE / 2 + (8 << 20)) as *const u8;
         // SAFETY: `dst` lives to the end of the test; volatile because a copy thread writes it.
