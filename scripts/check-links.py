@@ -26,8 +26,8 @@ REFDEF = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+.*)?$")
 FENCE = re.compile(r"^\s{0,3}(```|~~~)")
 
 
-def prose_lines(text):
-    """(line number, line) outside fenced code, with inline code spans blanked."""
+def outside_fences(text):
+    """(line number, line) of the lines outside fenced code blocks."""
     fence = None
     for n, line in enumerate(text.split("\n"), 1):
         m = FENCE.match(line)
@@ -38,7 +38,13 @@ def prose_lines(text):
                 fence = None
             continue
         if fence is None:
-            yield n, re.sub(r"(`+)(.+?)\1", lambda c: " " * len(c.group(0)), line)
+            yield n, line
+
+
+def prose_lines(text):
+    """(line number, line) outside fenced code, with inline code spans blanked."""
+    for n, line in outside_fences(text):
+        yield n, re.sub(r"(`+)(.+?)\1", lambda c: " " * len(c.group(0)), line)
 
 
 def slug(heading):
@@ -52,17 +58,7 @@ def slug(heading):
 
 def anchors(path):
     seen, out = {}, set()
-    fence = None
-    for line in path.read_text(encoding="utf-8").split("\n"):
-        m = FENCE.match(line)
-        if m:
-            if fence is None:
-                fence = m.group(1)
-            elif m.group(1) == fence:
-                fence = None
-            continue
-        if fence is not None:
-            continue
+    for _, line in outside_fences(path.read_text(encoding="utf-8")):
         h = re.match(r"^\s{0,3}#{1,6}\s+(.*?)\s*#*\s*$", line)
         if h:
             s = slug(h.group(1))
