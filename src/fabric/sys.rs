@@ -17,6 +17,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::mem::{offset_of, size_of};
 use std::sync::{Arc, OnceLock};
 
+use crate::os::dl::fn_ptr;
 use crate::status::{Error, Result};
 
 /// `FI_VERSION(1, 17)`: the API gixl asks for.
@@ -511,38 +512,10 @@ pub fn lib() -> Result<Arc<Lib>> {
     LIB.get_or_init(|| open().map(Arc::new)).clone().map_err(Error::not_supported)
 }
 
-/// A symbol's address as the function pointer type `F`.
-///
-/// # Safety
-/// `p` is a function whose C signature `F` spells.
-unsafe fn fn_ptr<F: Copy>(p: *mut c_void) -> F {
-    const { assert!(size_of::<F>() == size_of::<*mut c_void>()) };
-    // SAFETY: same size (checked above); the caller vouches for the signature.
-    unsafe { std::mem::transmute_copy(&p) }
-}
-
 /// `GIXL_LIBFABRIC` (a path), else `libfabric.so.1` from the system's library path.
 fn open() -> std::result::Result<Lib, String> {
-    let name = std::env::var("GIXL_LIBFABRIC").ok().filter(|p| !p.is_empty()).unwrap_or("libfabric.so.1".into());
-    let c = std::ffi::CString::new(name.clone()).map_err(|_| format!("GIXL_LIBFABRIC={name:?} holds a NUL byte"))?;
-    // SAFETY: a NUL-terminated name; RTLD_LOCAL keeps its symbols out of the global namespace.
-    let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-    if h.is_null() {
-        // SAFETY: dlerror returns a NUL-terminated string or NULL.
-        let why = unsafe { libc::dlerror() };
-        // SAFETY: as above, not NULL.
-        let why = if why.is_null() { String::new() } else { unsafe { CStr::from_ptr(why) }.to_string_lossy().into() };
-        return Err(format!("{name} is not installed (libfabric), or does not load: {why}"));
-    }
-    let sym = |s: &CStr| {
-        // SAFETY: a live handle (never closed) and a NUL-terminated name.
-        let p = unsafe { libc::dlsym(h, s.as_ptr()) };
-        if p.is_null() {
-            Err(format!("{name} has no {}", s.to_string_lossy()))
-        } else {
-            Ok(p)
-        }
-    };
+    let dl = crate::os::dl::open("GIXL_LIBFABRIC", "libfabric.so.1", "libfabric")?;
+    let sym = |s: &CStr| dl.sym(s);
     // SAFETY: each symbol is libfabric's exported function of that name (its default version), whose C
     // signature the field's type spells (fabric.h, fi_errno.h).
     unsafe {
@@ -553,7 +526,7 @@ fn open() -> std::result::Result<Lib, String> {
             fabric: fn_ptr(sym(c"fi_fabric")?),
             strerror: fn_ptr(sym(c"fi_strerror")?),
             version: fn_ptr(sym(c"fi_version")?),
-            path: name,
+            path: dl.name.clone(),
         })
     }
 }

@@ -25,6 +25,7 @@ use super::{
     Completion, Cq, Fabric, LinkLayer, Mr, Nic, Op, PortEvent, PortInfo, Qp, QpAddr, QpCaps, Sge, WcKind, WcStatus, Wr,
 };
 use super::{LOCAL_WRITE, REMOTE_READ, REMOTE_WRITE};
+use crate::os::dl::fn_ptr;
 use crate::status::{Error, Result, Status};
 
 /// `struct ibv_port_attr` fields read (offsets), and its size.
@@ -339,38 +340,10 @@ pub fn load() -> Result<Arc<dyn Fabric>> {
     Ok(Arc::new(f))
 }
 
-/// A symbol's address as the function pointer type `F`.
-///
-/// # Safety
-/// `p` is a function whose C signature `F` spells.
-unsafe fn fn_ptr<F: Copy>(p: *mut c_void) -> F {
-    const { assert!(std::mem::size_of::<F>() == std::mem::size_of::<*mut c_void>()) };
-    // SAFETY: same size (checked above); the caller vouches for the signature.
-    unsafe { std::mem::transmute_copy(&p) }
-}
-
 /// `GIXL_LIBIBVERBS` (a path), else `libibverbs.so.1` from the system's library path.
 fn open_lib() -> std::result::Result<Lib, String> {
-    let name = std::env::var("GIXL_LIBIBVERBS").ok().filter(|p| !p.is_empty()).unwrap_or("libibverbs.so.1".into());
-    let c = std::ffi::CString::new(name.clone()).map_err(|_| format!("GIXL_LIBIBVERBS={name:?} holds a NUL byte"))?;
-    // SAFETY: a NUL-terminated name; RTLD_LOCAL keeps its symbols out of the global namespace.
-    let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-    if h.is_null() {
-        // SAFETY: dlerror returns a NUL-terminated string or NULL.
-        let why = unsafe { libc::dlerror() };
-        // SAFETY: as above, not NULL.
-        let why = if why.is_null() { String::new() } else { unsafe { CStr::from_ptr(why) }.to_string_lossy().into() };
-        return Err(format!("{name} is not installed (rdma-core), or does not load: {why}"));
-    }
-    let sym = |name: &CStr| {
-        // SAFETY: a live handle (never closed) and a NUL-terminated name.
-        let p = unsafe { libc::dlsym(h, name.as_ptr()) };
-        if p.is_null() {
-            Err(format!("libibverbs.so.1 has no {}", name.to_string_lossy()))
-        } else {
-            Ok(p)
-        }
-    };
+    let dl = crate::os::dl::open("GIXL_LIBIBVERBS", "libibverbs.so.1", "rdma-core")?;
+    let sym = |s: &CStr| dl.sym(s);
     // SAFETY: each symbol is rdma-core's exported function of that name, whose C signature the field's type
     // spells (verbs.h).
     unsafe {
