@@ -33,8 +33,21 @@ def doctor(peer_md: Optional[bytes] = None, peer: Optional[str] = None) -> dict:
         host, _, port = hostport.rpartition(":")
         if not name or not host or not port.isdigit():
             raise ValueError(f"--peer wants NAME@HOST:PORT, got {peer!r}")
-        return json.loads(_gixl._doctor(peer_name=name, peer_ip=host, peer_port=int(port)))
-    return json.loads(_gixl._doctor(peer_md=peer_md))
+        r = json.loads(_gixl._doctor(peer_name=name, peer_ip=host, peer_port=int(port)))
+    else:
+        r = json.loads(_gixl._doctor(peer_md=peer_md))
+    r["python"] = _python()
+    return r
+
+
+def _python() -> dict:
+    """Who answers ``import nixl`` here, and NVIDIA's NIXL distributions installed beside gixl."""
+    try:
+        from nixl._nvidia import beside
+
+        return beside()
+    except Exception as e:  # NVIDIA's nixl answers (GIXL_NIXL=off), or none does
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def _yes(ok: Any) -> str:
@@ -93,6 +106,13 @@ def render(r: dict) -> str:
     cu = routes["cuda"]
     out.append(f"  cuda        {_yes(cu['works'])}  libcuda {cu['libcuda']}; {cu['why']}")
     out.append(f"transport {r['transport']}: {r['route_choice']}")
+    py = r.get("python") or {}
+    if "nixl_is" in py:
+        nv = ", ".join(py["nvidia"]) or "none"
+        ep = ", ".join(py["nixl_ep"]) or "none"
+        out.append(f"python: import nixl is {py['nixl_is']}; NVIDIA's NIXL beside it: {nv}; nixl_ep: {ep}")
+    elif py:
+        out.append(f"python: import nixl fails or is not gixl's: {py['error']}")
     if r["agents"]:
         out.append("agents in this process:")
         for a in r["agents"]:

@@ -215,9 +215,11 @@ def test_route_line_once_per_peer_incarnation(installed):
     assert r.stdout.splitlines()[-1].split() == ["2", "2"], r.stdout
 
 
-def test_no_conflict_warning_when_gixl_is_alone(installed):
-    r = _run(["-W", "error::RuntimeWarning", "-c", "import nixl; from nixl._conflict import nvidia_distributions as n; print(n())"])
-    if r.returncode != 0 and "NIXL" in r.stderr:
-        pytest.fail("gixl warns about NVIDIA's NIXL in an environment without it: " + r.stderr[-500:])
+def test_doctor_says_who_answers_import_nixl(installed):
+    r = _run(["-W", "error", "-m", "gixl", "doctor", "--json"])
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "[]"
+    py = json.loads(r.stdout)["python"]
+    assert py["nixl_is"].endswith(os.path.join("gixl", "_nixl", "__init__.py")), py
+    assert py["nvidia"] == [] and py["nixl_ep"] == [], py  # this interpreter has none of NVIDIA's wheels
+    r = _run(["-m", "gixl", "doctor"])
+    assert "python: import nixl is " in r.stdout, r.stdout

@@ -3,11 +3,12 @@
 This package takes the place of NIXL's ``nixl`` package: ``nixl._api``,
 ``nixl._bindings``, ``nixl._utils`` and ``nixl.logging`` are provided by gixl,
 and the main ``nixl._api`` classes are also available at the top level.
+Installed, its files are ``gixl/_nixl/`` and it is imported under the name
+``nixl`` by the finder of ``_gixl_nixl.py`` (see python/README.md).
 """
 
 from . import _utils, logging  # noqa: F401  (no native code needed)
 from . import _bindings  # noqa: F401
-from ._conflict import check_conflicts as _check_conflicts
 from . import _api  # noqa: F401
 from ._api import (  # noqa: F401
     DEFAULT_COMM_PORT,
@@ -23,7 +24,6 @@ if _bindings.__name__ == "nixl._bindings":  # gixl's native layer (not the devel
     from gixl import _gixl as _native
 
     logging.install_native_sink(_native)
-    _check_conflicts()
 
 try:
     from gixl import __version__  # noqa: F401

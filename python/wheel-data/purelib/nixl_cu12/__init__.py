@@ -1,1 +1,0 @@
-../../../aliases/nixl_cu12/__init__.py

@@ -1,1 +1,0 @@
-../../../aliases/nixl_cu13/__init__.py
