@@ -43,6 +43,7 @@ fn child_entry() {
     match std::env::var("GIXL_CHILD").as_deref() {
         Ok("doc-target") => child_target(),
         Ok("doctor") => child_doctor(),
+        Ok("doctor-alone") => println!("\n@json {}", gixl::telemetry::doctor::report(None)),
         _ => {}
     }
 }
@@ -169,4 +170,36 @@ fn doctor_with_cma_denied() {
     let why = field(p, "why");
     assert!(why.contains("uid is 0, ours 65534") && why.contains("fell back to TCP"), "{why}");
     assert!(p.contains("\"gb_per_s\":"), "the READ succeeded over TCP: {p}");
+}
+
+/// Over the fake RDMA fabric with one device that answers no one-sided request: the doctor runs each port's
+/// self-test, shows both results (the failed step and why), and uses only the port that passed.
+#[test]
+fn doctor_shows_each_rdma_ports_self_test_and_uses_only_those_that_passed() {
+    let exe = std::env::current_exe().unwrap();
+    let dir = std::env::temp_dir().join(format!("gixl-doctor-fv-{}", std::process::id()));
+    let out = cmd(&exe, None, "doctor-alone", &dir.join("unused"))
+        .env("GIXL_FAKE_VERBS", "2")
+        .env("GIXL_FAKE_VERBS_DIR", &dir)
+        .env("GIXL_FAKE_VERBS_NO_RMA", "fake1")
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let json = stdout.lines().find_map(|l| l.find("@json ").map(|i| &l[i + 6..])).expect("no report");
+    let rdma = &json[json.find("\"rdma\":").unwrap()..];
+    let tests = &rdma[rdma.find("\"self_tests\":").unwrap()..];
+    let tests = &tests[..tests.find(']').unwrap()];
+    assert!(tests.contains("\"device\":\"fake0:1 (fake)\",\"passed\":true"), "{tests}");
+    assert!(tests.contains("\"device\":\"fake1:1 (fake)\",\"passed\":false"), "{tests}");
+    assert!(tests.contains("\"step\":\"write\"") && tests.contains("RemoteOp"), "{tests}");
+    let summary = &json[json.find("\"summary\":").unwrap()..];
+    assert!(summary.contains("\"device\":\"RDMA port fake0:1 Ethernet\",\"used\":true"), "{summary}");
+    assert!(summary.contains("\"device\":\"RDMA port fake1:1 Ethernet\",\"used\":false"), "{summary}");
+    // The failure was also one WARN line naming the port, the step and the fallback.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let warned = stderr.lines().filter(|l| l.contains("RDMA port self-test: fake1:1 (fake): failed at write")).count();
+    assert_eq!(warned, 1, "{stderr}");
+    assert!(stderr.contains("peers it would reach go over TCP"), "{stderr}");
 }

@@ -105,6 +105,12 @@ fn child_cmd(s: &mut ChildState, w: &[&str]) -> std::result::Result<String, Stri
             Ok(format!("{} {addr}", s.bufs.len() - 1))
         }
         "md" => a.local_md().map(|m| hex(&m)).map_err(st),
+        // The RDMA ports' self-tests this process ran: `device passed|failed@step`, comma-separated.
+        "selftests" => Ok(gixl::verbs::selftest::records()
+            .iter()
+            .map(|r| format!("{} {}", r.device, r.step.map_or("passed".to_owned(), |s| format!("failed@{s}"))))
+            .collect::<Vec<_>>()
+            .join(",")),
         // route PEER: the route telemetry and doctor name for a loaded peer.
         "route" => Ok(gixl::telemetry::live_agents()
             .into_iter()
@@ -788,6 +794,42 @@ fn rdma_across_hosts_over_the_fake_fabric_fails_within_the_bound_and_recovers() 
 /// disconnect timeouts (3 s) while the two cores and the target's serving loops are saturated: none sees a
 /// failure, since a peer that answers heartbeats is slow, not dead. Then the target is frozen (SIGSTOP) while
 /// they all READ: every one of them gets REMOTE_DISCONNECT within the bound.
+#[test]
+fn an_rdma_port_that_fails_its_self_test_is_not_used_and_its_peers_go_over_tcp() {
+    let _g = SERIAL.lock();
+    let Some(net) = Net::new("q", 2) else { return };
+    let dir = std::env::temp_dir().join(format!("gixl-netns-rdma-st-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ok = vec![("GIXL_FAKE_VERBS", "1".to_owned()), ("GIXL_FAKE_VERBS_DIR", dir.display().to_string())];
+    let mut broken = ok.clone();
+    // This process's fake NIC answers no one-sided request: its self-test fails at the WRITE.
+    broken.push(("GIXL_FAKE_VERBS_NO_RMA", "fake0".to_owned()));
+    let size = 4 << 20;
+    for (tenv, ienv, route) in [(&ok, &ok, "rdma"), (&broken, &ok, "tcp"), (&ok, &broken, "tcp")] {
+        let mut target = Proc::start(&net, 0, "prefill", false, tenv);
+        let mut ini = Proc::start(&net, 1, "decode", false, ienv);
+        // Creating agents tests nothing yet.
+        assert_eq!(target.cmd("selftests"), "");
+        let (tb, taddr) = target.reg(size, 3);
+        let (ib, _) = ini.reg(size, 0);
+        let md = target.cmd("md");
+        ini.cmd(&format!("load {md}"));
+        assert_eq!(ini.cmd("route prefill"), route, "target {tenv:?}, initiator {ienv:?}");
+        ini.cmd(&format!("xfer read {ib} prefill {taddr} {size} 16 -"));
+        assert_eq!(ini.cmd(&format!("sum {ib}")), (3 * size as u64).to_string());
+        let (wb, _) = ini.reg(size, 7);
+        ini.cmd(&format!("xfer write {wb} prefill {taddr} {size} 1 -"));
+        assert_eq!(target.cmd(&format!("sum {tb}")), (7 * size as u64).to_string());
+        // Each side tested its port once (the target when it first advertised it, the initiator when it first
+        // looked for a path), and the broken one names the step.
+        let want = |env: &Vec<(&str, String)>| if env.len() == 3 { "fake0:1 failed@write" } else { "fake0:1 passed" };
+        assert_eq!(target.cmd("selftests"), want(tenv));
+        assert_eq!(ini.cmd("selftests"), want(ienv));
+        drop(ini);
+        drop(target);
+    }
+}
+
 #[test]
 fn sixty_four_busy_initiators_see_no_false_disconnect_and_a_frozen_target_is_still_caught() {
     let _g = SERIAL.lock();

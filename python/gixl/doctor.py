@@ -95,6 +95,9 @@ def render(r: dict) -> str:
     out.append(f"  tcp         {_yes(routes['tcp']['works'])}  {routes['tcp']['why']}")
     rd = routes["rdma"]
     out.append(f"  rdma        {_yes(rd['works'])}  devices: {', '.join(rd['devices']) or 'none'}; {rd['why']}")
+    for t in rd.get("self_tests", []):
+        res = "passed" if t["passed"] else f"FAILED at {t['step']}: {t['error']}"
+        out.append(f"              self-test {t['device']}: {res} ({t['ms']} ms)")
     gd = rd["gpu_direct"]
     out.append(f"              GPU memory: peer-memory module {_yes(gd['peer_memory_module'])}; {gd['how']}")
     lf = routes["libfabric"]

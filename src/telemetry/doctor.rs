@@ -222,15 +222,7 @@ fn libfabric_j() -> J {
     };
     let tests = crate::fabric::selftest::records()
         .into_iter()
-        .map(|r| {
-            J::Obj(vec![
-                ("device", J::s(r.device)),
-                ("passed", J::Bool(r.passed)),
-                ("ms", J::Num((r.ms * 10.0).round() / 10.0)),
-                ("step", r.step.map_or(J::Null, J::s)),
-                ("error", r.error.map_or(J::Null, J::s)),
-            ])
-        })
+        .map(|r| self_test_j(r.device, r.passed, r.ms, r.step, r.error))
         .collect();
     J::Obj(vec![
         ("works", J::Bool(false)),
@@ -246,6 +238,17 @@ fn libfabric_j() -> J {
                  READ between two endpoints of this process); GIXL_LIBFABRIC names the library",
             ),
         ),
+    ])
+}
+
+/// One device's self-test for the report.
+fn self_test_j(device: String, passed: bool, ms: f64, step: Option<&'static str>, error: Option<String>) -> J {
+    J::Obj(vec![
+        ("device", J::s(device)),
+        ("passed", J::Bool(passed)),
+        ("ms", J::Num((ms * 10.0).round() / 10.0)),
+        ("step", step.map_or(J::Null, J::s)),
+        ("error", error.map_or(J::Null, J::s)),
     ])
 }
 
@@ -290,7 +293,7 @@ pub fn report(peer: Option<PeerTarget>) -> String {
         })
         .collect();
     let transport = std::env::var("GIXL_TRANSPORT").unwrap_or_else(|_| "auto".into());
-    // The RDMA route runs where the fabric has an active port and a data path (today the fake fabric only).
+    // The RDMA route runs where the fabric has an active port that passed its self-test.
     let fabric = crate::verbs::fabric().and_then(|f| Ok((f.name(), f.ports()?)));
     let rdma_ports: Vec<J> = fabric.as_ref().map_or(Vec::new(), |(_, ports)| {
         ports
@@ -308,21 +311,42 @@ pub fn report(peer: Option<PeerTarget>) -> String {
             })
             .collect()
     });
+    // Each active port's self-test (run now where this process has not run it yet): only a port that passed
+    // is used.
+    let rdma_tests: Vec<crate::verbs::selftest::Record> = crate::verbs::fabric()
+        .and_then(|f| {
+            Ok(f.ports()?
+                .iter()
+                .filter(|p| p.active)
+                .map(|p| (*crate::verbs::selftest::cached(&*f, p)).clone())
+                .collect())
+        })
+        .unwrap_or_default();
+    let passed = rdma_tests.iter().filter(|t| t.passed).count();
+    let port_tests: Vec<(String, bool, String)> =
+        rdma_tests.iter().map(|r| (r.device.clone(), r.passed, r.to_string())).collect();
     let (rdma_works, rdma_why) = match &fabric {
-        Ok(("fake", ports)) if ports.iter().any(|p| p.active) => (
-            true,
-            "the fake RDMA fabric (GIXL_FAKE_VERBS, for tests): peers with a port on it are reached over RDMA"
-                .to_owned(),
-        ),
-        Ok((_, ports)) if ports.iter().any(|p| p.active) => (
-            false,
-            "rdma-core sees these ports; gixl's rdma-core data path has not run on a NIC yet, so peers go over TCP \
-             unless GIXL_TRANSPORT=rdma asks for it"
-                .to_owned(),
-        ),
+        Ok((name, ports)) if ports.iter().any(|p| p.active) => {
+            let what = if *name == "fake" { "the fake RDMA fabric (GIXL_FAKE_VERBS, for tests)" } else { "rdma-core" };
+            match passed {
+                0 => (false, format!("{what}: no port passed its self-test: peers go over TCP")),
+                n => (
+                    true,
+                    format!(
+                        "{what}: {n} of {} active port(s) passed their self-tests: peers with a port on their fabric \
+                         (another host; this one with GIXL_TRANSPORT=rdma) are reached over RDMA",
+                        rdma_tests.len()
+                    ),
+                ),
+            }
+        }
         Ok(_) => (false, "no active RDMA port: peers go over TCP".to_owned()),
         Err(e) => (false, format!("{}: peers go over TCP", e.message())),
     };
+    let rdma_tests: Vec<J> = rdma_tests
+        .into_iter()
+        .map(|r| self_test_j(format!("{} ({})", r.device, r.fabric), r.passed, r.ms, r.step, r.error))
+        .collect();
     let libfabric = libfabric_j();
     // NVIDIA's peer-memory module (or its older out-of-tree name): what a plain registration of device memory
     // needs where dma-buf is not available.
@@ -343,6 +367,7 @@ pub fn report(peer: Option<PeerTarget>) -> String {
                 ("works", J::Bool(rdma_works)),
                 ("devices", J::Arr(rdma.iter().map(|d| J::s(d.clone())).collect())),
                 ("ports", J::Arr(rdma_ports)),
+                ("self_tests", J::Arr(rdma_tests)),
                 ("why", J::s(rdma_why.clone())),
                 (
                     "gpu_direct",
@@ -417,7 +442,14 @@ pub fn report(peer: Option<PeerTarget>) -> String {
         rdma_why: &rdma_why,
         rdma_devices: &rdma,
         ports: fabric.as_ref().map_or(Vec::new(), |(_, ports)| {
-            ports.iter().map(|p| (format!("{}:{} {:?}", p.device, p.port, p.link), p.active)).collect()
+            ports
+                .iter()
+                .map(|p| {
+                    let name = format!("{}:{}", p.device, p.port);
+                    let test = port_tests.iter().find(|t| t.0 == name).map(|t| (t.1, t.2.clone()));
+                    (format!("{name} {:?}", p.link), p.active, test)
+                })
+                .collect()
         }),
         vram: device.as_ref().map(|d| d.kind()).map_err(|e| e.message().to_owned()),
         libcuda: cuda.clone(),
@@ -482,14 +514,18 @@ struct Facts<'a> {
     rdma_works: bool,
     rdma_why: &'a str,
     rdma_devices: &'a [String],
-    /// The RDMA ports the verbs layer sees ("dev:port link") and whether each is active.
-    ports: Vec<(String, bool)>,
+    /// The RDMA ports the verbs layer sees ("dev:port link"), whether each is active, and its self-test (passed,
+    /// what it said) where it ran.
+    ports: Vec<(String, bool, Option<PortTest>)>,
     /// The device layer ("cuda", "fake"), or why VRAM registration fails.
     vram: Result<&'static str, String>,
     libcuda: Result<(), String>,
     peer_memory: bool,
     io_uring: Result<(), String>,
 }
+
+/// A port's self-test for the summary: passed, and what it said.
+type PortTest = (bool, String);
 
 /// The answer to "why is my transfer slow, why is it not using my NIC", first in the report: the route each
 /// kind of peer gets (`routes`: peer, route, why) and each device with whether gixl uses it (`devices`:
@@ -547,14 +583,20 @@ fn summary(f: &Facts) -> J {
         J::Obj(vec![("device", J::s(device)), ("used", J::Bool(used)), ("why", J::s(why))])
     };
     let mut devices = Vec::new();
-    for (port, active) in &f.ports {
-        let used = rdma_here && *active;
+    for (port, active, test) in &f.ports {
+        let forced = f.transport == "rdma";
+        let used = rdma_here && *active && (forced || test.as_ref().is_some_and(|t| t.0));
         let why = if !*active {
             "the port is down".to_owned()
         } else if forced_tcp {
             "GIXL_TRANSPORT=tcp".to_owned()
         } else {
-            f.rdma_why.to_owned()
+            match test {
+                Some((true, said)) => format!("self-test {said}"),
+                Some((false, said)) if forced => format!("GIXL_TRANSPORT=rdma uses it although its self-test {said}"),
+                Some((false, said)) => format!("self-test {said}: peers it would reach go over TCP"),
+                None => f.rdma_why.to_owned(),
+            }
         };
         devices.push(dev(format!("RDMA port {port}"), used, why));
     }

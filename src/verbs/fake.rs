@@ -19,6 +19,9 @@
 //! [`fail_port`]) fails the oldest outstanding request with `RetryExceeded`; every other outstanding or later
 //! request completes `Flushed`; a completion queue that overflows fails its next poll.
 //!
+//! `GIXL_FAKE_VERBS_NO_RMA=fake1,…` makes the listed devices answer every READ and WRITE served with
+//! `RemoteOp`, as a NIC that cannot do one-sided operations would: the device self-test's failing case.
+//!
 //! Keys: a region's key is `index << 8 | variant` from a per-endpoint table that hands the lowest free index
 //! out again, the variant byte advancing on each reuse as mlx5's does; `GIXL_FAKE_VERBS_REUSE_KEYS=1` keeps
 //! the variant at 0, so a new region gets exactly the key value of the one deregistered before it: the case
@@ -66,7 +69,9 @@ pub fn from_env() -> Result<Option<Arc<dyn Fabric>>> {
         _ => std::env::temp_dir().join(format!("gixl-fake-verbs-{}", unsafe { libc::getuid() })),
     };
     let reuse = std::env::var("GIXL_FAKE_VERBS_REUSE_KEYS").is_ok_and(|v| v.trim() == "1");
-    Ok(Some(Arc::new(FakeFabric::new(n, dir, reuse))))
+    let no_rma = std::env::var("GIXL_FAKE_VERBS_NO_RMA").unwrap_or_default();
+    let no_rma = no_rma.split(',').filter_map(|d| d.trim().strip_prefix("fake")?.parse().ok()).collect();
+    Ok(Some(Arc::new(FakeFabric::new(n, dir, reuse).without_rma(no_rma))))
 }
 
 /// `devices` fake devices whose endpoints live under `dir`.
@@ -74,11 +79,19 @@ pub struct FakeFabric {
     devices: u32,
     dir: PathBuf,
     reuse_keys: bool,
+    /// Devices whose endpoints fail every READ and WRITE they serve.
+    no_rma: Vec<u32>,
 }
 
 impl FakeFabric {
     pub fn new(devices: u32, dir: PathBuf, reuse_keys: bool) -> FakeFabric {
-        FakeFabric { devices: devices.min(MAX_DEVICES), dir, reuse_keys }
+        FakeFabric { devices: devices.min(MAX_DEVICES), dir, reuse_keys, no_rma: Vec::new() }
+    }
+
+    /// The devices `devs` (by number) answer every READ and WRITE they serve with `RemoteOp`.
+    pub fn without_rma(mut self, devs: Vec<u32>) -> FakeFabric {
+        self.no_rma = devs;
+        self
     }
 
     fn endpoint(&self, dev: u32) -> Result<Arc<Endpoint>> {
@@ -87,7 +100,7 @@ impl FakeFabric {
         if let Some(ep) = all.get(&key).and_then(Weak::upgrade) {
             return Ok(ep);
         }
-        let ep = Endpoint::start(&self.dir, dev, self.reuse_keys)?;
+        let ep = Endpoint::start(&self.dir, dev, self.reuse_keys, self.no_rma.contains(&dev))?;
         all.insert(key, Arc::downgrade(&ep));
         Ok(ep)
     }
@@ -185,6 +198,8 @@ struct Endpoint {
     gid: [u8; 16],
     path: PathBuf,
     reuse_keys: bool,
+    /// Every READ and WRITE served fails (`GIXL_FAKE_VERBS_NO_RMA`).
+    no_rma: bool,
     keys: Mutex<Keys>,
     qps: Mutex<HashMap<u32, Weak<QpInner>>>,
     next_qpn: AtomicU32,
@@ -192,7 +207,7 @@ struct Endpoint {
 }
 
 impl Endpoint {
-    fn start(dir: &Path, dev: u32, reuse_keys: bool) -> Result<Arc<Endpoint>> {
+    fn start(dir: &Path, dev: u32, reuse_keys: bool, no_rma: bool) -> Result<Arc<Endpoint>> {
         std::fs::create_dir_all(dir)
             .map_err(|e| Error::backend(format!("fake verbs: cannot create {}: {e}", dir.display())))?;
         let r = crate::util::random_u128().to_le_bytes();
@@ -211,6 +226,7 @@ impl Endpoint {
             gid,
             path,
             reuse_keys,
+            no_rma,
             keys: Mutex::new(Keys::default()),
             qps: Mutex::new(HashMap::new()),
             next_qpn: AtomicU32::new(0x100),
@@ -781,6 +797,7 @@ fn respond(mut s: UnixStream, ep: Weak<Endpoint>) {
     let from_qpn = u32::from_le_bytes(hello[20..24].try_into().unwrap_or_default());
     let to_qpn = u32::from_le_bytes(hello[24..28].try_into().unwrap_or_default());
     let Some(qp) = ep.upgrade().and_then(|e| e.qps.lock().get(&to_qpn).and_then(Weak::upgrade)) else { return };
+    let no_rma = ep.upgrade().is_some_and(|e| e.no_rma);
     // Wait until our pair is connected to that one (both sides connect at about the same time).
     {
         let deadline = Instant::now() + BIND_WAIT;
@@ -817,6 +834,7 @@ fn respond(mut s: UnixStream, ep: Weak<Endpoint>) {
             }
         }
         let status = match kind {
+            1 | 2 if no_rma => ST_REM_OP,
             1 => {
                 let mut out = vec![0u8; len as usize];
                 let ok = qp.pd.with(key, addr, len, REMOTE_READ, |h| {

@@ -18,6 +18,7 @@
 //!   every later one completes as flushed, as RC hardware does.
 
 pub mod fake;
+pub mod selftest;
 #[cfg(feature = "rdma")]
 pub mod sys;
 

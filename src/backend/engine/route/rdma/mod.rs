@@ -236,14 +236,19 @@ impl Net for RdmaNet {
         to: &Reach<'_>,
     ) -> std::result::Result<(Box<dyn Route>, String), &'static str> {
         let side = (side.clone() as Arc<dyn Any + Send + Sync>).downcast::<RdmaSide>().map_err(|_| "not its side")?;
-        let ports = wire::decode_ports(to.section.ok_or("it advertises no RDMA port")?);
-        let ports = ports.ok_or("its RDMA section is malformed")?;
+        let section = to.section.ok_or("it advertises no RDMA port")?;
+        let ports = wire::decode_ports(section).ok_or("its RDMA section is malformed")?;
         if to.same_host && to.transport != Transport::Rdma {
             return Err("same host");
         }
-        let paths = side.paths_to(&ports);
+        let paths = side.paths_to(&ports, wire::decode_trusted(section));
         if paths.is_empty() {
-            return Err("no port of the peer on our fabric");
+            // With no self-test in the way, would there be one? Then say which side's test stopped it.
+            return Err(match (side.trusted(), wire::decode_trusted(section)) {
+                (0, _) => "our RDMA ports failed their self-tests (see the warning)",
+                (_, 0) => "its RDMA ports failed their self-tests",
+                _ => "no port of the peer on our fabric",
+            });
         }
         let said = format!("{} path(s) from {}", paths.len(), side.label());
         Ok((Box::new(Rdma::new((to.link)(), side, to.agent, &paths)), said))

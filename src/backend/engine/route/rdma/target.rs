@@ -45,6 +45,10 @@ pub(crate) enum Place {
 pub(crate) struct RdmaSide {
     /// Every active port, opened, each with its own protection domain (in the order the section lists them).
     pub(crate) ports: Vec<PortSide>,
+    /// The fabric they are on, for their self-tests (`verbs::selftest`).
+    fabric: Arc<dyn verbs::Fabric>,
+    /// `GIXL_TRANSPORT=rdma`: the ports are used whatever their self-tests say.
+    pub(crate) forced: bool,
     /// Exchange connections being served (each holds its pairs): shut down when the engine goes.
     conns: Mutex<Vec<TcpStream>>,
     /// Wakes the thread that reads the NICs' own events (`watch`), to end it.
@@ -106,8 +110,11 @@ impl Export for RdmaExport {
 }
 
 impl Side for RdmaSide {
+    /// Every port, and which of them passed their self-tests (run here, once per process, the first time this
+    /// engine advertises them): peers take only those.
     fn section(&self) -> (u64, Vec<u8>) {
-        (wire::SECTION, wire::encode_ports(&self.ports.iter().map(|p| p.port).collect::<Vec<_>>()))
+        let ports: Vec<Port> = self.ports.iter().map(|p| p.port).collect();
+        (wire::SECTION, wire::encode_ports_trusted(&ports, self.trusted()))
     }
 
     /// Host memory: a memory region on every port (an error fails the registration). GPU memory: reached by the
@@ -187,20 +194,15 @@ impl RdmaSide {
     }
 
     /// This engine's ports: every active one of the fabric (`verbs::fabric`). None, with the reason, where
-    /// there is none (no library, no device, no active port): peers are then reached over TCP. rdma-core's
-    /// data path has not run on a NIC yet, so a real fabric is taken only when asked for (`asked`:
-    /// `GIXL_TRANSPORT=rdma`); the fake one whenever it is configured.
+    /// there is none (no library, no device, no active port): peers are then reached over TCP. A port is used
+    /// only once its self-test passed in this process (`trusted`), unless asked for (`asked`:
+    /// `GIXL_TRANSPORT=rdma`); opening the ports tests nothing yet (agent creation does not wait for it).
     pub(crate) fn start(asked: bool) -> std::result::Result<Arc<RdmaSide>, String> {
         Self::start_on(verbs::fabric().map_err(|e| e.message().to_owned())?, asked)
     }
 
     /// `start` on `fabric`.
     fn start_on(fabric: Arc<dyn verbs::Fabric>, asked: bool) -> std::result::Result<Arc<RdmaSide>, String> {
-        if fabric.name() != "fake" && !asked {
-            return Err(
-                "gixl's rdma-core data path has not run on a NIC yet: used only with GIXL_TRANSPORT=rdma".into()
-            );
-        }
         let all = fabric.ports().map_err(|e| e.message().to_owned())?;
         let mut ports = Vec::new();
         for p in all.iter().filter(|p| p.active).take(wire::MAX_PORTS) {
@@ -223,7 +225,7 @@ impl RdmaSide {
             return Err(format!("no usable active port among {} RDMA ports", all.len()));
         }
         let stop = crate::os::eventfd(false).map_err(|e| e.message().to_owned())?;
-        let side = Arc::new(RdmaSide { ports, conns: Mutex::default(), stop });
+        let side = Arc::new(RdmaSide { ports, fabric, forced: asked, conns: Mutex::default(), stop });
         let weak = Arc::downgrade(&side);
         std::thread::Builder::new()
             .name("gixl-rdma-ev".into())
@@ -242,14 +244,26 @@ impl RdmaSide {
         names.join(", ")
     }
 
-    /// The paths to a peer with `remote` ports: each of our ports paired with a port of the peer it reaches
-    /// (spread over the peer's ports), as (our index, its index). Empty: no common fabric.
-    pub(crate) fn paths_to(&self, remote: &[Port]) -> Vec<(usize, usize)> {
+    /// The ports whose self-tests passed (a mask by port index; every port when forced). The first call runs
+    /// the tests not run yet in this process (`verbs::selftest::cached`: one WARN line for a port that fails).
+    pub(crate) fn trusted(&self) -> u32 {
+        (self.ports.iter().enumerate())
+            .filter(|(_, p)| self.forced || verbs::selftest::cached(&*self.fabric, p.nic.port()).passed)
+            .fold(0, |m, (i, _)| m | 1 << i)
+    }
+
+    /// The paths to a peer with `remote` ports of which `theirs` passed their self-tests (a mask): each of our
+    /// ports that passed paired with such a port of the peer it reaches (spread over the peer's ports), as (our
+    /// index, its index); every port on both sides when forced. Empty: no common fabric.
+    pub(crate) fn paths_to(&self, remote: &[Port], theirs: u32) -> Vec<(usize, usize)> {
+        let (ours, theirs) = if self.forced { (u32::MAX, u32::MAX) } else { (self.trusted(), theirs) };
         self.ports
             .iter()
             .enumerate()
+            .filter(|&(i, _)| ours & 1 << i != 0)
             .filter_map(|(i, p)| {
-                let reach: Vec<usize> = (0..remote.len()).filter(|&j| p.port.reaches(&remote[j])).collect();
+                let reach: Vec<usize> =
+                    (0..remote.len()).filter(|&j| theirs & 1 << j != 0 && p.port.reaches(&remote[j])).collect();
                 (!reach.is_empty()).then(|| (i, reach[i % reach.len()]))
             })
             .collect()
@@ -375,7 +389,9 @@ impl RdmaSide {
             return;
         }
         let Some((port, theirs)) = wire::decode_offer(&offer) else { return };
-        let Some(side) = self.ports.get(port as usize) else {
+        // A port that failed its self-test takes no pair (peers that read our section never offer one).
+        let trusted = (port as usize) < self.ports.len() && (self.forced || self.trusted() & 1 << port != 0);
+        let Some(side) = self.ports.get(port as usize).filter(|_| trusted) else {
             let _ = s.write_all(&[wire::ANSWER_REFUSED]);
             return;
         };
@@ -486,6 +502,30 @@ mod tests {
         assert!(!side.ports[0].down.load(Ordering::Acquire));
         side.close();
         drop(side);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn only_ports_that_passed_their_self_tests_are_advertised_as_trusted_and_taken() {
+        let dir = std::env::temp_dir().join(format!("gixl-rdma-st-{}", std::process::id()));
+        let fabric = FakeFabric::new(2, dir.clone(), false).without_rma(vec![1]);
+        let side = RdmaSide::start_on(Arc::new(fabric), false).unwrap();
+        let (_, section) = Side::section(&*side);
+        let ports = wire::decode_ports(&section).unwrap();
+        assert_eq!(ports.len(), 2, "every port is listed");
+        assert_eq!(wire::decode_trusted(&section), 0b01, "fake1 failed its self-test");
+        // A peer with the same two ports: paths only between ports both sides trust.
+        assert_eq!(side.paths_to(&ports, 0b11), vec![(0, 0)]);
+        assert_eq!(side.paths_to(&ports, 0b10), vec![(0, 1)], "our fake0 to their only trusted port");
+        assert_eq!(side.paths_to(&ports, 0), vec![], "they trust none");
+        // Sections of releases before the self-tests say nothing: every port counts as trusted.
+        assert_eq!(wire::decode_trusted(&wire::encode_ports(&ports)), u32::MAX);
+        side.close();
+        // Forced (GIXL_TRANSPORT=rdma): every port, whatever the tests said.
+        let forced = RdmaSide::start_on(Arc::new(FakeFabric::new(2, dir.clone(), false).without_rma(vec![1])), true);
+        let forced = forced.unwrap();
+        assert_eq!(forced.paths_to(&ports, 0b01).len(), 2);
+        forced.close();
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -145,6 +145,21 @@ pub(crate) fn encode_ports(ports: &[Port]) -> Vec<u8> {
     out
 }
 
+/// `encode_ports`, then which of them passed their self-tests (`trusted`, a mask by index, 4 bytes LE): a
+/// release that reads only the ports skips it.
+pub(crate) fn encode_ports_trusted(ports: &[Port], trusted: u32) -> Vec<u8> {
+    let mut out = encode_ports(ports);
+    out.extend_from_slice(&trusted.to_le_bytes());
+    out
+}
+
+/// Which ports of a section passed their self-tests (a mask by index): every one where the section does not
+/// say (a release before the self-tests, which advertised a real port only when forced).
+pub(crate) fn decode_trusted(b: &[u8]) -> u32 {
+    let n = b.first().map_or(0, |&n| n as usize);
+    b.get(1 + n * 19..1 + n * 19 + 4).and_then(|m| m.try_into().ok()).map_or(u32::MAX, u32::from_le_bytes)
+}
+
 /// The ports of a section; bytes after them (a later release's fields) are skipped.
 pub(crate) fn decode_ports(b: &[u8]) -> Option<Vec<Port>> {
     let n = *b.first()? as usize;
