@@ -177,10 +177,10 @@ must_run() {
     [ -n "$py" ] && must=$(printf '%s\n%s' "$must" "$py")
     [ -n "$must" ] && printf 'must-run tests skipped:\n%s\n' "$must"
     if [ "${CI:-}" = "true" ] && [ -n "$must" ]; then
-        echo "CI=true: these tests must run here (root, Linux, etcd, io_uring, garage, torch); failing"
+        echo "CI=true: these tests must run here (root, Linux, etcd, io_uring, loop devices, garage, torch); failing"
         return 1
     fi
-    echo "must-run set (netns, etcd, cma, io_uring, prometheus, libfabric, garage, tcpstore): $(grep -c . <<<"${must}") skipped"
+    echo "must-run set (netns, etcd, cma, io_uring, prometheus, libfabric, loopdev, garage, tcpstore): $(grep -c . <<<"${must}") skipped"
 }
 header() { scripts/check-header.sh; }
 capi_exports() {

@@ -30,7 +30,7 @@
 //! path-mode registration (`"rw:/path"` in metaInfo, opened by the backend), registered buffers and fixed
 //! files. The backend never opens or closes the caller's file descriptors.
 
-mod io;
+pub(crate) mod io;
 mod threads;
 mod uring;
 
@@ -78,7 +78,7 @@ pub fn io_uring_available() -> std::io::Result<()> {
 }
 
 impl Posix {
-    fn new(init: BackendInit) -> Result<Posix> {
+    pub(crate) fn new(init: BackendInit) -> Result<Posix> {
         Self::with_ring(init, uring::Ring::new)
     }
 
@@ -105,6 +105,35 @@ impl Posix {
             Queue::Uring(_) => "io_uring",
             Queue::Threads(_) => "threads",
         }
+    }
+
+    /// `prep_xfer`, with the request's own type (the GDS backends run DRAM ↔ FILE through it).
+    pub(crate) fn prep(&self, plan: XferPlan) -> Result<PosixXfer> {
+        super::check_storage_plan("POSIX", "its own files", MemType::File, &plan)?;
+        let files = plan
+            .remote_keys
+            .iter()
+            .map(|k| k.clone().and_then(|k| (k as Arc<dyn Any + Send + Sync>).downcast::<FileReg>().ok()))
+            .collect::<Option<Vec<Arc<FileReg>>>>()
+            .ok_or_else(|| {
+                Error::invalid_param("POSIX: a FILE region of this request was not registered with this backend")
+            })?;
+        let read = plan.op == XferOp::Read;
+        let mut ops = Vec::with_capacity(plan.segs.len());
+        for seg in &plan.segs {
+            let f = files
+                .get(seg.rreg as usize)
+                .ok_or_else(|| Error::invalid_param("POSIX: segment refers to an unknown FILE region"))?;
+            f.check(read, seg)?;
+            cut(seg, f, &mut ops);
+        }
+        let work = Arc::new(Work { read, ops });
+        Ok(PosixXfer { queue: self.queue.clone(), work, files, run: Mutex::new(None) })
+    }
+
+    /// The queue that runs this backend's file I/O (the GDS backends' staged path shares it).
+    pub(crate) fn queue(&self) -> &Arc<Queue> {
+        &self.queue
     }
 }
 
@@ -134,26 +163,7 @@ impl Backend for Posix {
     }
 
     fn prep_xfer(&self, plan: XferPlan) -> Result<Box<dyn BackendXfer>> {
-        super::check_storage_plan("POSIX", "its own files", MemType::File, &plan)?;
-        let files = plan
-            .remote_keys
-            .iter()
-            .map(|k| k.clone().and_then(|k| (k as Arc<dyn Any + Send + Sync>).downcast::<FileReg>().ok()))
-            .collect::<Option<Vec<Arc<FileReg>>>>()
-            .ok_or_else(|| {
-                Error::invalid_param("POSIX: a FILE region of this request was not registered with this backend")
-            })?;
-        let read = plan.op == XferOp::Read;
-        let mut ops = Vec::with_capacity(plan.segs.len());
-        for seg in &plan.segs {
-            let f = files
-                .get(seg.rreg as usize)
-                .ok_or_else(|| Error::invalid_param("POSIX: segment refers to an unknown FILE region"))?;
-            f.check(read, seg)?;
-            cut(seg, f, &mut ops);
-        }
-        let work = Arc::new(Work { read, ops });
-        Ok(Box::new(PosixXfer { queue: self.queue.clone(), work, files, run: Mutex::new(None) }))
+        Ok(Box::new(self.prep(plan)?))
     }
 
     /// For each descriptor, `stat` of the path in its metaInfo: `size`, `mode` and `mtime` (seconds) as
@@ -251,26 +261,26 @@ fn parse_u32(key: &str, v: &str) -> Result<u32> {
 
 /// What registration learned about a FILE region's file descriptor.
 #[derive(Debug)]
-struct FileReg {
-    fd: RawFd,
+pub(crate) struct FileReg {
+    pub(crate) fd: RawFd,
     /// Identity of the open file, to notice the fd being closed and reused for another file.
     dev: u64,
     ino: u64,
     readable: bool,
     writable: bool,
     /// Set when the fd is open with `O_DIRECT`.
-    direct: Option<DioAlign>,
+    pub(crate) direct: Option<DioAlign>,
 }
 
 /// `O_DIRECT` alignment: buffer addresses to `mem`, file offsets and lengths to `off`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct DioAlign {
-    mem: u64,
-    off: u64,
+pub(crate) struct DioAlign {
+    pub(crate) mem: u64,
+    pub(crate) off: u64,
 }
 
 impl FileReg {
-    fn probe(dev: u64) -> Result<FileReg> {
+    pub(crate) fn probe(dev: u64) -> Result<FileReg> {
         let fd = RawFd::try_from(dev)
             .map_err(|_| Error::invalid_param(format!("FILE devId {dev} is not a file descriptor")))?;
         // SAFETY: F_GETFL only reads descriptor flags; an fd that is not open gives EBADF.
@@ -300,7 +310,7 @@ impl FileReg {
     }
 
     /// Can segment `s` be done on this file as prepped?
-    fn check(&self, read: bool, s: &Seg) -> Result<()> {
+    pub(crate) fn check(&self, read: bool, s: &Seg) -> Result<()> {
         let fd = self.fd;
         if read && !self.readable {
             return Err(Error::invalid_param(format!("POSIX: fd {fd} is open write-only; a READ needs to read it")));
@@ -327,8 +337,16 @@ impl FileReg {
         Ok(())
     }
 
+    /// A registration record for tests of other modules: fd `fd`, readable and writable, `O_DIRECT` with
+    /// (memory, offset) alignment `direct`.
+    #[cfg(test)]
+    pub(crate) fn fake(fd: RawFd, direct: Option<(u64, u64)>) -> FileReg {
+        let direct = direct.map(|(mem, off)| DioAlign { mem, off });
+        FileReg { fd, dev: 0, ino: 0, readable: true, writable: true, direct }
+    }
+
     /// Is the fd still open on the file that was registered?
-    fn check_open(&self) -> Result<()> {
+    pub(crate) fn check_open(&self) -> Result<()> {
         let fd = self.fd;
         let st = fstat(fd).map_err(|e| match e.raw_os_error() {
             Some(libc::EBADF) => {
@@ -370,13 +388,13 @@ fn dio_align(fd: RawFd) -> DioAlign {
 
 // ----- requests -----
 
-enum Queue {
+pub(crate) enum Queue {
     Uring(uring::Ring),
     Threads(threads::Pool),
 }
 
 impl Queue {
-    fn start(&self, work: &Arc<Work>) -> Arc<Run> {
+    pub(crate) fn start(&self, work: &Arc<Work>) -> Arc<Run> {
         match self {
             Queue::Uring(r) => {
                 let run = Run::new(work.clone(), work.ops.len());
@@ -391,7 +409,7 @@ impl Queue {
         }
     }
 
-    fn abort(&self, run: &Run) {
+    pub(crate) fn abort(&self, run: &Run) {
         run.abort();
         if let Queue::Uring(r) = self {
             // The driver drops the run's queued I/Os when it next looks at the backlog.
@@ -400,12 +418,19 @@ impl Queue {
     }
 }
 
-struct PosixXfer {
+pub(crate) struct PosixXfer {
     queue: Arc<Queue>,
     work: Arc<Work>,
     /// The FILE regions this request touches, checked on every post.
     files: Vec<Arc<FileReg>>,
     run: Mutex<Option<Arc<Run>>>,
+}
+
+impl PosixXfer {
+    /// The run of the last post, while one exists (what a deregistration waits for).
+    pub(crate) fn current_run(&self) -> Option<Arc<Run>> {
+        self.run.lock().clone()
+    }
 }
 
 impl BackendXfer for PosixXfer {
