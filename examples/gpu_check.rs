@@ -649,8 +649,7 @@ fn gds_cases(dev: u32, iters: usize) -> usize {
     let order = shuffled(BLOCKS);
     let scattered: Vec<(u64, u64, u64)> =
         (0..BLOCKS).map(|i| ((i * BLOCK) as u64, (order[i] * 2 * BLOCK) as u64, BLOCK as u64)).collect();
-    let shapes: [(&str, Vec<(u64, u64, u64)>); 2] =
-        [("1 × 64 MiB", vec![(0, 0, BULK as u64)]), ("1024 × 16 KiB", scattered)];
+    let shapes = [("1 × 64 MiB", vec![(0u64, 0u64, BULK as u64)]), ("1024 × 16 KiB", scattered)];
     let host = vec![0u8; BULK + 4096];
     let h = (host.as_ptr() as u64).div_ceil(4096) * 4096;
     for plugin in ["GDS", "GDS_MT"] {

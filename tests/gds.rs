@@ -164,9 +164,12 @@ impl Drop for Ext4 {
     }
 }
 
+/// (VRAM offset, file offset, length) of one descriptor pair.
+type Piece = (u64, u64, u64);
+
 /// The two request shapes of the issue: one 64 MiB descriptor, and 1024 blocks of 16 KiB scattered over a
 /// 32 MiB VRAM buffer and a 64 MiB file (neither in order).
-fn shapes() -> Vec<(&'static str, u64, Vec<(u64, u64, u64)>)> {
+fn shapes() -> Vec<(&'static str, u64, Vec<Piece>)> {
     let n = 1024u64;
     let blk = 16 * KIB;
     // Block i at VRAM slot (i * 7) % 2048 and file slot (i * 13 + 5) % 4096, both permutations' images.

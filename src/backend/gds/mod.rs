@@ -191,7 +191,7 @@ impl Backend for Gds {
             MemType::Vram => {
                 let d = desc.desc;
                 let info = device::get()?.pointer_info(d.addr)?;
-                if d.addr + d.len > info.base + info.size {
+                if d.addr.checked_add(d.len).is_none_or(|end| end > info.base + info.size) {
                     return Err(Error::invalid_param(format!(
                         "{}: VRAM {:#x}+{} runs past the end of its allocation ({:#x}+{})",
                         self.name, d.addr, d.len, info.base, info.size
