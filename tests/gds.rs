@@ -438,18 +438,15 @@ fn agent_destruction_waits_for_a_staged_request() {
 
 // ----- benchmark -----
 
-/// Median seconds of `reps` runs of request `r` (after one warm-up).
-fn time(a: &Agent, r: &XferReq, reps: usize, before: &dyn Fn()) -> f64 {
-    let mut v = Vec::new();
-    for i in 0..=reps {
-        before();
-        let t = Instant::now();
-        assert_eq!(post_wait(a, r).unwrap(), Status::Success);
-        if i > 0 {
-            v.push(t.elapsed().as_secs_f64());
-        }
-    }
-    v.sort_by(|x, y| x.partial_cmp(y).unwrap());
+/// Seconds of one post of `r`, to completion.
+fn once(a: &Agent, r: &XferReq) -> f64 {
+    let t = Instant::now();
+    assert_eq!(post_wait(a, r).unwrap(), Status::Success);
+    t.elapsed().as_secs_f64()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|x, y| x.total_cmp(y));
     v[v.len() / 2]
 }
 
@@ -462,8 +459,10 @@ fn bench() {
     let gds = agent("bench-gds", "GDS_MT", &[]);
     let posix = Agent::new("bench-posix", AgentConfig::default()).unwrap();
     posix.create_backend("POSIX", &Params::new()).unwrap();
-    let reps: usize = std::env::var("GIXL_BENCH_REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(7);
-    println!("GDS_MT staged over the fake device vs POSIX DRAM; median of {reps}; queue: default (io_uring if the kernel allows)");
+    let reps: usize = std::env::var("GIXL_BENCH_REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(15);
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!("load average (1, 5, 15 min) before: {}", load.split(' ').take(3).collect::<Vec<_>>().join(" "));
+    println!("GDS_MT staged over the fake device vs POSIX DRAM; median of {reps} alternating posts each; default queue (io_uring if the kernel allows)");
     println!("{:<22} {:<14} {:>5} {:>10} {:>10} {:>7}", "file", "shape", "op", "GDS GB/s", "POSIX GB/s", "ratio");
     for (where_, dir, direct) in [
         ("tmpfs page cache", PathBuf::from("/dev/shm"), false),
@@ -492,21 +491,20 @@ fn bench() {
             }
             let at = |base: u64| pieces.iter().map(|&(v, o, l)| (base + v, o, l)).collect::<Vec<_>>();
             let bytes: u64 = pieces.iter().map(|p| p.2).sum();
-            let drop_cache = || {};
             let gw = req(&gds, XferOp::Write, MemType::Vram, 0, fd, &at(src)).unwrap();
             let pw = req(&posix, XferOp::Write, MemType::Dram, 0, fd, &at(hs)).unwrap();
             let gr = req(&gds, XferOp::Read, MemType::Vram, 0, fd, &at(dst)).unwrap();
             let pr = req(&posix, XferOp::Read, MemType::Dram, 0, fd, &at(hd)).unwrap();
             for (op, g, x) in [("WRITE", &gw, &pw), ("READ", &gr, &pr)] {
-                // Interleaved, so both see the same machine load.
+                // One warm-up each, then strictly alternating posts, so both see the same machine load.
+                once(&gds, g);
+                once(&posix, x);
                 let (mut tg, mut tp) = (Vec::new(), Vec::new());
-                for _ in 0..3 {
-                    tg.push(time(&gds, g, reps.div_ceil(3), &drop_cache));
-                    tp.push(time(&posix, x, reps.div_ceil(3), &drop_cache));
+                for _ in 0..reps {
+                    tg.push(once(&gds, g));
+                    tp.push(once(&posix, x));
                 }
-                tg.sort_by(|a, b| a.partial_cmp(b).unwrap());
-                tp.sort_by(|a, b| a.partial_cmp(b).unwrap());
-                let (g, x) = (bytes as f64 / tg[1] / 1e9, bytes as f64 / tp[1] / 1e9);
+                let (g, x) = (bytes as f64 / median(tg) / 1e9, bytes as f64 / median(tp) / 1e9);
                 println!("{where_:<22} {shape:<14} {op:>5} {g:>10.2} {x:>10.2} {:>6.0}%", 100.0 * g / x);
             }
             for &(v, _, l) in &pieces {
