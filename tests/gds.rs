@@ -300,6 +300,14 @@ fn dram_file_goes_as_posix() {
     let r = req(&a, XferOp::Read, MemType::Dram, 0, fd, &[(dst.as_mut_ptr() as u64, 0, src.len() as u64)]).unwrap();
     assert_eq!(post_wait(&a, &r).unwrap(), Status::Success);
     assert!(dst == src);
+    // A deregistered DRAM region or FILE region: the post fails NOT_FOUND and moves nothing.
+    dereg(&a, MemType::Dram, dst.as_mut_ptr() as u64, dst.len() as u64, 0).unwrap();
+    dst.fill(0x33);
+    assert_eq!(a.post_xfer_req(&r, NotifUpdate::Keep).unwrap_err().status(), Status::NotFound);
+    dereg(&a, MemType::File, 0, 0, fd as u64).unwrap();
+    assert_eq!(a.post_xfer_req(&w, NotifUpdate::Keep).unwrap_err().status(), Status::NotFound);
+    std::thread::sleep(Duration::from_millis(10));
+    assert!(dst.iter().all(|&b| b == 0x33));
     // query_memory as POSIX: stat of the path in metaInfo.
     let q = RegDList::with_descs(
         MemType::File,
