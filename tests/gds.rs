@@ -446,11 +446,21 @@ fn agent_destruction_waits_for_a_staged_request() {
 
 // ----- benchmark -----
 
-/// Seconds of one post of `r`, to completion.
-fn once(a: &Agent, r: &XferReq) -> f64 {
-    let t = Instant::now();
+/// CPU seconds (user + system) this process has used, all threads.
+fn cpu() -> f64 {
+    // SAFETY: an all-zero rusage is a valid value; getrusage fills it.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid out-pointer.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    let s = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    s(u.ru_utime) + s(u.ru_stime)
+}
+
+/// (wall seconds, CPU seconds) of one post of `r`, to completion.
+fn once(a: &Agent, r: &XferReq) -> (f64, f64) {
+    let (t, c) = (Instant::now(), cpu());
     assert_eq!(post_wait(a, r).unwrap(), Status::Success);
-    t.elapsed().as_secs_f64()
+    (t.elapsed().as_secs_f64(), cpu() - c)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -471,7 +481,10 @@ fn bench() {
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!("load average (1, 5, 15 min) before: {}", load.split(' ').take(3).collect::<Vec<_>>().join(" "));
     println!("GDS_MT staged over the fake device vs POSIX DRAM; median of {reps} alternating posts each; default queue (io_uring if the kernel allows)");
-    println!("{:<22} {:<14} {:>5} {:>10} {:>10} {:>7}", "file", "shape", "op", "GDS GB/s", "POSIX GB/s", "ratio");
+    println!(
+        "{:<22} {:<14} {:>5} {:>10} {:>10} {:>7} {:>9}",
+        "file", "shape", "op", "GDS GB/s", "POSIX GB/s", "ratio", "CPU ratio"
+    );
     for (where_, dir, direct) in [
         ("tmpfs page cache", PathBuf::from("/dev/shm"), false),
         ("ext4 page cache", fs.dir.clone(), false),
@@ -507,13 +520,21 @@ fn bench() {
                 // One warm-up each, then strictly alternating posts, so both see the same machine load.
                 once(&gds, g);
                 once(&posix, x);
-                let (mut tg, mut tp) = (Vec::new(), Vec::new());
+                let (mut tg, mut tp, mut cg, mut cp) = (Vec::new(), Vec::new(), 0.0, 0.0);
                 for _ in 0..reps {
-                    tg.push(once(&gds, g));
-                    tp.push(once(&posix, x));
+                    let (t, c) = once(&gds, g);
+                    tg.push(t);
+                    cg += c;
+                    let (t, c) = once(&posix, x);
+                    tp.push(t);
+                    cp += c;
                 }
                 let (g, x) = (bytes as f64 / median(tg) / 1e9, bytes as f64 / median(tp) / 1e9);
-                println!("{where_:<22} {shape:<14} {op:>5} {g:>10.2} {x:>10.2} {:>6.0}%", 100.0 * g / x);
+                println!(
+                    "{where_:<22} {shape:<14} {op:>5} {g:>10.2} {x:>10.2} {:>6.0}% {:>9.2}",
+                    100.0 * g / x,
+                    cg / cp
+                );
             }
             for &(v, _, l) in &pieces {
                 assert!(slice(dst + v, l as usize) == slice(src + v, l as usize), "benchmark data differs");
