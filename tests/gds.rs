@@ -422,6 +422,56 @@ fn deregistration_racing_a_request() {
     std::fs::remove_file(p).unwrap();
 }
 
+/// The pipeline: while the file I/O of the first piece cannot finish (a pipe nobody reads yet), the device copies
+/// of the following pieces go on. Device 7 is this test's own, so its copy count is not disturbed.
+#[test]
+fn device_copies_overlap_the_file_io_of_earlier_pieces() {
+    assert!(gixl::device::select_fake());
+    let a = Agent::new("overlap", AgentConfig::default()).unwrap();
+    let q: Params = [("use_uring".to_string(), "true".to_string())].into_iter().collect();
+    if let Err(e) = a.create_backend("GDS_MT", &q) {
+        // Only io_uring writes to a pipe at an offset; the thread pool's pwrite cannot.
+        common::skip("io_uring", &format!("io_uring unavailable here: {e}"));
+        return;
+    }
+    let mut fds = [0; 2];
+    // SAFETY: `fds` has room for the two descriptors.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    let len = 3 * gixl::backend::gds::SLOT;
+    let src = vram(7, len, |i| (i % 249) as u8);
+    reg(&a, MemType::Vram, src, len, 7, b"").unwrap();
+    reg(&a, MemType::File, 0, 0, fds[1] as u64, b"").unwrap();
+    let w = req(&a, XferOp::Write, MemType::Vram, 7, fds[1], &[(src, 0, len)]).unwrap();
+    let before = fake::copied_bytes_on(7);
+    assert_eq!(a.post_xfer_req(&w, NotifUpdate::Keep).unwrap(), Status::InProg);
+    let t0 = Instant::now();
+    while fake::copied_bytes_on(7) - before < len && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(fake::copied_bytes_on(7) - before, len, "all three pieces copied while the first is not written");
+    assert_eq!(a.xfer_status(&w).unwrap(), Status::InProg, "the pipe holds 64 KiB: the writes cannot be done");
+    // Drain the pipe: every byte arrives (pieces may interleave in a pipe), and the request completes.
+    let reader = std::thread::spawn(move || {
+        let mut got = 0u64;
+        let mut buf = vec![0u8; 1 << 16];
+        while got < len {
+            // SAFETY: reads into a live buffer of its length.
+            let n = unsafe { libc::read(fds[0], buf.as_mut_ptr().cast(), buf.len()) };
+            assert!(n > 0, "pipe read: {n}");
+            got += n as u64;
+        }
+        got
+    });
+    assert_eq!(wait(&a, &w).unwrap(), Status::Success);
+    assert_eq!(reader.join().unwrap(), len);
+    a.release_xfer_req(&w).unwrap();
+    // SAFETY: closing the pipe ends we opened.
+    unsafe {
+        libc::close(fds[0]);
+        libc::close(fds[1]);
+    }
+}
+
 #[test]
 fn agent_destruction_waits_for_a_staged_request() {
     let p = fresh(Path::new("/dev/shm"), "destroy");

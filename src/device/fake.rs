@@ -386,6 +386,14 @@ pub fn copied_bytes() -> u64 {
     COPIED.load(Ordering::Relaxed)
 }
 
+/// Bytes this process's fake driver has copied on device `dev` (0 for a device that does not exist): tests that
+/// watch one device's copies are not disturbed by other tests' copies on other devices.
+pub fn copied_bytes_on(dev: u32) -> u64 {
+    COPIED_DEV.get(dev as usize).map_or(0, |c| c.load(Ordering::Relaxed))
+}
+
+static COPIED_DEV: [AtomicU64; DEVICES as usize] = [const { AtomicU64::new(0) }; DEVICES as usize];
+
 /// Page-locked host memory this process holds now (`Device::host_buf` buffers not yet freed).
 pub fn pinned_bytes() -> u64 {
     PINNED.load(Ordering::Relaxed)
@@ -502,7 +510,9 @@ impl Device for Fake {
                 }
             }
         }
-        COPIED.fetch_add(copies.iter().map(|c| c.len).sum(), Ordering::Relaxed);
+        let n = copies.iter().map(|c| c.len).sum();
+        COPIED.fetch_add(n, Ordering::Relaxed);
+        COPIED_DEV[dev as usize].fetch_add(n, Ordering::Relaxed);
         for c in copies {
             // SAFETY: the engine resolved both ranges against registrations or opened mappings of this
             // process, which stay mapped for the duration of the call.
