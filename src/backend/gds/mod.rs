@@ -296,7 +296,7 @@ impl Backend for Gds {
                 Some(Kind::Vram { dev }) => *dev,
                 _ => return Err(not_ours()),
             };
-            pieces.add(s, dev, f);
+            pieces.add(s, dev, f)?;
         }
         let staged = Arc::new(Staged { read, pieces: pieces.done() });
         Ok(Box::new(GdsXfer {
@@ -403,13 +403,19 @@ struct Pieces {
 }
 
 impl Pieces {
-    fn add(&mut self, s: &Seg, dev: u32, f: &FileReg) {
+    fn add(&mut self, s: &Seg, dev: u32, f: &FileReg) -> Result<()> {
         // O_DIRECT: slot positions aligned for the kernel (slots themselves are page-aligned), pieces of whole
         // file blocks; buffered: cache-line positions.
         let (pad, block) = match f.direct {
             Some(a) => (a.mem.max(a.off).max(4096), a.off.max(1)),
             None => (64, 1),
         };
+        if pad > SLOT || block > SLOT {
+            return Err(Error::not_supported(format!(
+                "fd {} needs O_DIRECT alignment of {pad} bytes, more than a staging slot ({SLOT} bytes)",
+                f.fd
+            )));
+        }
         let mut done = 0;
         while done < s.len {
             self.pos = self.pos.div_ceil(pad) * pad;
@@ -431,6 +437,7 @@ impl Pieces {
             self.pos += n;
             done += n;
         }
+        Ok(())
     }
 
     fn flush(&mut self) {
@@ -723,7 +730,7 @@ mod tests {
         let f = file(false);
         // 1024 blocks of 16 KiB: 128 per 2 MiB slot, packed back to back.
         for i in 0..1024u64 {
-            p.add(&seg(0x1000_0000 + i * 16384, i * 65536, 16384), 0, &f);
+            p.add(&seg(0x1000_0000 + i * 16384, i * 65536, 16384), 0, &f).unwrap();
         }
         let v = p.done();
         assert_eq!(v.len(), 8);
@@ -731,16 +738,16 @@ mod tests {
         assert_eq!(v[1].parts[0].off, 128 * 65536);
         // One segment larger than a slot is cut at slot size.
         let mut p = Pieces::default();
-        p.add(&seg(0x1000_0000, 0, 5 * SLOT + 100), 1, &f);
+        p.add(&seg(0x1000_0000, 0, 5 * SLOT + 100), 1, &f).unwrap();
         let v = p.done();
         assert_eq!(v.len(), 6);
         assert_eq!(v.iter().map(|x| x.parts.iter().map(|p| p.len).sum::<u64>()).sum::<u64>(), 5 * SLOT + 100);
         // O_DIRECT: positions on 4 KiB, pieces of whole 4 KiB blocks.
         let d = file(true);
         let mut p = Pieces::default();
-        p.add(&seg(0x1000_0000, 0, 100), 0, &f);
-        p.add(&seg(0x2000_0000, 8192, 3 * 4096), 0, &d);
-        p.add(&seg(0x3000_0000, 1 << 30, SLOT), 0, &d);
+        p.add(&seg(0x1000_0000, 0, 100), 0, &f).unwrap();
+        p.add(&seg(0x2000_0000, 8192, 3 * 4096), 0, &d).unwrap();
+        p.add(&seg(0x3000_0000, 1 << 30, SLOT), 0, &d).unwrap();
         let v = p.done();
         for x in v.iter().flat_map(|x| &x.parts).filter(|x| x.direct) {
             assert_eq!(x.pos % 4096, 0);
@@ -748,6 +755,10 @@ mod tests {
             assert!(x.pos + x.len <= SLOT);
         }
         assert_eq!(v.iter().flat_map(|x| &x.parts).map(|x| x.len).sum::<u64>(), 100 + 3 * 4096 + SLOT);
+        // An alignment larger than a slot cannot be staged: refused, not looped on.
+        let huge = FileReg::fake(3, Some((512, 2 * SLOT)));
+        let e = Pieces::default().add(&seg(0x1000_0000, 0, 4 * SLOT), 0, &huge).unwrap_err();
+        assert_eq!(e.status(), Status::NotSupported);
     }
 
     #[test]
