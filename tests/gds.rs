@@ -284,6 +284,34 @@ fn both_io_queues_and_the_file_list_on_the_local_side() {
     }
 }
 
+/// NIXL 1.5.1's path mode, as SGLang HiCache registers its files: the backend opens the file, devId names it.
+#[test]
+fn path_mode_files() {
+    let a = agent("pathmode", "GDS", &[]);
+    let dir = PathBuf::from("/dev/shm");
+    let p = fresh(&dir, "pm");
+    let len = 3 * MIB;
+    let src = vram(6, len, |i| (i % 239) as u8);
+    let dst = vram(6, len, |_| 0);
+    reg(&a, MemType::Vram, src, len, 6, b"").unwrap();
+    reg(&a, MemType::Vram, dst, len, 6, b"").unwrap();
+    let id = 900_001u64; // a name, never a descriptor of this process
+    reg(&a, MemType::File, 0, 0, id, format!("rw,create:{}", p.display()).as_bytes()).unwrap();
+    let e = reg(&a, MemType::File, 0, 0, id, format!("rw:{}", p.display()).as_bytes()).unwrap_err();
+    assert_eq!(e.status(), Status::Backend, "a devId taken by another path-mode file: {e}");
+    let w = req(&a, XferOp::Write, MemType::Vram, 6, id as i32, &[(src, 0, len)]).unwrap();
+    assert_eq!(post_wait(&a, &w).unwrap(), Status::Success);
+    assert!(std::fs::read(&p).unwrap() == slice(src, len as usize)[..]);
+    let r = req(&a, XferOp::Read, MemType::Vram, 6, id as i32, &[(dst, 0, len)]).unwrap();
+    assert_eq!(post_wait(&a, &r).unwrap(), Status::Success);
+    assert!(slice(dst, len as usize) == slice(src, len as usize));
+    dereg(&a, MemType::File, 0, 0, id).unwrap();
+    assert_eq!(a.post_xfer_req(&r, NotifUpdate::Keep).unwrap_err().status(), Status::NotFound);
+    // The devId is free again once deregistered.
+    reg(&a, MemType::File, 0, 0, id, format!("ro:{}", p.display()).as_bytes()).unwrap();
+    std::fs::remove_file(p).unwrap();
+}
+
 #[test]
 fn dram_file_goes_as_posix() {
     let a = agent("dram", "GDS", &[]);

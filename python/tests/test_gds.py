@@ -58,8 +58,9 @@ def wait(agent, h):
 """
 
 # SGLang HiCache's NIXL storage: its own agent, the first of its preferred file plugins that is listed, one file
-# per page key opened by the caller (fd in devId), a batch of pages WRITTEN from the KV pool in one request to the
-# agent itself, then READ back into another buffer; query_memory tells which keys exist.
+# per page key registered in NIXL 1.5.1's path mode ("rw,create:<path>" in metaInfo, a unique devId per file; the
+# backend opens the file), a batch of pages WRITTEN from the KV pool in one request to the agent itself, then READ
+# back into another buffer; query_memory tells which keys exist.
 HICACHE = """
 agent = nixl_agent(str(uuid.uuid4()), nixl_agent_config(backends=[]))
 plugins = agent.get_plugin_list()
@@ -71,8 +72,8 @@ back = vram(dev, page * n, 0)
 kv = agent.register_memory([(pool, page * n, dev, ""), (back, page * n, dev, "")], "VRAM")
 d = sys.argv[1]
 paths = [os.path.join(d, f"key-{i}.bin") for i in range(n)]
-fds = [os.open(p, os.O_CREAT | os.O_RDWR, 0o644) for p in paths]
-files = agent.register_memory([(0, page, fd, p) for fd, p in zip(fds, paths)], "FILE")
+fds = [1000 + i for i in range(n)]  # devIds, not descriptors: path mode
+files = agent.register_memory([(0, page, fd, "rw,create:" + p) for fd, p in zip(fds, paths)], "FILE")
 src = agent.get_xfer_descs([(pool + i * page, page, dev) for i in range(n)], "VRAM")
 dst = agent.get_xfer_descs([(0, page, fd) for fd in fds], "FILE")
 h = agent.initialize_xfer("WRITE", src, dst, agent.name)
@@ -89,8 +90,6 @@ q = agent.query_memory([(0, 0, 0, paths[0]), (0, 0, 0, os.path.join(d, "missing.
 out["query"] = [None if r is None else int(r["size"]) for r in q]
 agent.deregister_memory(files)
 agent.deregister_memory(kv)
-for fd in fds:
-    os.close(fd)
 print(json.dumps(out))
 """
 

@@ -31,8 +31,10 @@
 //! options (`use_uring`, `use_posix_aio`, `kernel_queue_size`, `ios_pool_size`) are also read, a gixl
 //! addition, to choose the queue that runs the file I/O.
 //!
-//! Not done here: cuFile's direct transfers and its self-test; path-mode FILE registration (`"rw:/path"`);
-//! notifications and transfers to other agents (NIXL's GDS plugins have neither).
+//! FILE registration is the POSIX backend's, NIXL 1.5.1's path mode (`"rw,create:/path"` in metaInfo) included.
+//!
+//! Not done here: cuFile's direct transfers and its self-test; notifications and transfers to other agents
+//! (NIXL's GDS plugins have neither).
 
 mod cufile;
 
@@ -199,7 +201,7 @@ impl Backend for Gds {
                 }
                 Kind::Vram { dev: info.dev }
             }
-            MemType::File => Kind::File(Arc::new(FileReg::probe(desc.desc.dev)?)),
+            MemType::File => Kind::File(Arc::new(FileReg::register(desc, self.posix.path_ids())?)),
             m => {
                 return Err(Error::not_supported(format!("the {} backend does not handle {}", self.name, m.seg_name())))
             }
@@ -211,6 +213,11 @@ impl Backend for Gds {
     fn deregister_many(&self, _mem: MemType, regions: &[(Desc, Option<RegionKey>)]) {
         let gone: Vec<Arc<Region>> = regions.iter().filter_map(|(_, k)| region(k.as_ref())).collect();
         self.core.retire(Some(&gone));
+        for r in &gone {
+            if let Kind::File(f) = &r.kind {
+                f.release(self.posix.path_ids());
+            }
+        }
     }
 
     fn prep_xfer(&self, plan: XferPlan) -> Result<Box<dyn BackendXfer>> {
