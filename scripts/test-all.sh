@@ -107,9 +107,9 @@ rust_tests() {
 rust_cuda() {
     # The `cuda` feature (cudarc; the driver is loaded at run time, so this builds and runs without CUDA) over
     # the fake device layer: lint, the VRAM route's unit and multi-process tests (incl. the no-driver
-    # NOT_SUPPORTED path), and the GPU check program as a dry run.
+    # NOT_SUPPORTED path), the GDS backends' VRAM <-> FILE round trips, and the GPU check program as a dry run.
     cargo clippy --release --features cuda --lib --example gpu_check -- -D warnings &&
-        cargo test --release --features cuda --lib --test vram --test vram_tcp -- vram &&
+        cargo test --release --features cuda --lib --test vram --test vram_tcp --test gds -- vram &&
         GIXL_FAKE_DEVICE=1 GIXL_ITERS=2 GIXL_FAKE_VERBS=2 GIXL_FAKE_VERBS_DIR="${TMPDIR:-/tmp}/gixl-gpu-check-fv-$$" \
             timeout 180 cargo run -q --release --features cuda --example gpu_check
 }
