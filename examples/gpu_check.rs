@@ -22,6 +22,10 @@
 //! configured, `GIXL_FAKE_VERBS`), the RDMA route: a third prefill, both engines with transport=rdma, VRAM→VRAM
 //! READ and WRITE (64 MiB, 1024 × 16 KiB: GPU-direct where the NIC reaches the memory, else staged; each
 //! engine's log says which per region) and DRAM→DRAM READ 64 MiB. Without a port it says so and runs none.
+//!
+//! Last, the GDS and GDS_MT backends (`gds_cases`): VRAM → FILE → VRAM, 1 × 64 MiB and 1024 × 16 KiB, page
+//! cache and O_DIRECT, in `GIXL_GDS_DIR` (default /tmp), beside the POSIX backend's DRAM ↔ FILE on the same file,
+//! after a line saying whether they take cuFile or stage, and why.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -617,6 +621,110 @@ fn main() {
     let ok = run(&a, &r2).is_ok() && mem::sum(lv, BULK) == 9 * BULK as u64;
     check(ok, "new handle READ: data");
     p2.kill();
+    let failures = failures + gds_cases(dev, iters);
     println!("\ngpu_check: {} failure(s)", failures);
     std::process::exit(if failures == 0 { 0 } else { 1 });
+}
+
+/// The GDS backends: VRAM → FILE → VRAM, 1 × 64 MiB and 1024 × 16 KiB scattered, buffered and O_DIRECT, in
+/// `GIXL_GDS_DIR` (default /tmp), through GDS and GDS_MT, beside POSIX DRAM ↔ FILE on the same file. Says which
+/// path (staged, or cuFile) the backends take here and why. Returns the number of failed checks.
+fn gds_cases(dev: u32, iters: usize) -> usize {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    match gixl::backend::gds::staged_reason() {
+        None => println!("GDS: the direct path (cuFile) is taken here"),
+        Some(why) => println!("GDS: staged through page-locked host buffers: {why}"),
+    }
+    let dir = std::env::var("GIXL_GDS_DIR").unwrap_or_else(|_| "/tmp".into());
+    let mut failures = 0;
+    let mut check = |ok: bool, what: &str| {
+        println!("  {} {what}", if ok { "ok  " } else { "FAIL" });
+        failures += usize::from(!ok);
+    };
+    let src = mem::alloc(dev, BULK, false, None).expect("alloc");
+    let dst = mem::alloc(dev, BULK, false, None).expect("alloc");
+    let pattern: Vec<u8> = (0..BULK).map(|i| (i.wrapping_mul(2654435761) >> 9) as u8).collect();
+    mem::write(src, &pattern);
+    let order = shuffled(BLOCKS);
+    let scattered: Vec<(u64, u64, u64)> =
+        (0..BLOCKS).map(|i| ((i * BLOCK) as u64, (order[i] * 2 * BLOCK) as u64, BLOCK as u64)).collect();
+    let shapes = [("1 × 64 MiB", vec![(0u64, 0u64, BULK as u64)]), ("1024 × 16 KiB", scattered)];
+    let host = vec![0u8; BULK + 4096];
+    let h = (host.as_ptr() as u64).div_ceil(4096) * 4096;
+    for plugin in ["GDS", "GDS_MT"] {
+        for direct in [false, true] {
+            let path = format!("{dir}/gixl-gpu-check-{}-{plugin}-{direct}", std::process::id());
+            let mut o = std::fs::File::options();
+            o.read(true).write(true).create(true).truncate(true);
+            if direct {
+                o.custom_flags(libc::O_DIRECT);
+            }
+            let f = match o.open(&path) {
+                Ok(f) => f,
+                Err(e) => {
+                    println!("GDS {plugin}: cannot open {path} (O_DIRECT {direct}): {e}: not run");
+                    continue;
+                }
+            };
+            let fd = f.as_raw_fd() as u64;
+            let a = Agent::new(&format!("gpu-gds-{plugin}-{direct}"), AgentConfig::default()).expect("agent");
+            let b = a.create_backend(plugin, &Params::new()).expect("GDS backend");
+            let px = a.create_backend("POSIX", &Params::new()).expect("POSIX backend");
+            let file = RegDList::with_descs(MemType::File, vec![RegDesc { desc: Desc::new(0, 0, fd), meta: vec![] }]);
+            let regs = [(MemType::Vram, src, dev as u64), (MemType::Vram, dst, dev as u64)];
+            for (m, p, d) in regs {
+                a.register_mem(
+                    &RegDList::with_descs(m, vec![RegDesc { desc: Desc::new(p, BULK as u64, d), meta: vec![] }]),
+                    &[b],
+                )
+                .expect("register VRAM");
+            }
+            a.register_mem(&file, &[b, px]).expect("register FILE");
+            a.register_mem(
+                &RegDList::with_descs(
+                    MemType::Dram,
+                    vec![RegDesc { desc: Desc::new(h, BULK as u64, 0), meta: vec![] }],
+                ),
+                &[px],
+            )
+            .expect("register DRAM");
+            let tag = if direct { "O_DIRECT" } else { "page cache" };
+            for (shape, pieces) in &shapes {
+                let bytes: usize = pieces.iter().map(|p| p.2 as usize).sum();
+                let mk = |op, m: MemType, base: u64, d: u32, be: BackendId| {
+                    let l = dl(m, pieces.iter().map(|&(x, _, n)| (base + x, n as usize)).collect(), d);
+                    let r = XferDList::with_descs(
+                        MemType::File,
+                        pieces.iter().map(|&(_, off, n)| Desc::new(off, n, fd)).collect(),
+                    );
+                    a.create_xfer_req(op, &l, &r, a.name(), &XferOpts { backends: vec![be], ..XferOpts::default() })
+                };
+                let w = mk(XferOp::Write, MemType::Vram, src, dev, b).expect("request");
+                let r = mk(XferOp::Read, MemType::Vram, dst, dev, b).expect("request");
+                mem::fill(dst, BULK, 0);
+                let wr = rate(&a, &w, bytes, iters).unwrap_or(f64::NAN);
+                let rr = rate(&a, &r, bytes, iters).unwrap_or(f64::NAN);
+                let mut back = vec![0u8; BULK];
+                mem::read(dst, &mut back);
+                let same = pieces
+                    .iter()
+                    .all(|&(x, _, n)| back[x as usize..][..n as usize] == pattern[x as usize..][..n as usize]);
+                check(same, &format!("{plugin} {tag} {shape}: VRAM → FILE → VRAM data"));
+                let pw = mk(XferOp::Write, MemType::Dram, h, 0, px).expect("request");
+                let pr = mk(XferOp::Read, MemType::Dram, h, 0, px).expect("request");
+                let (pwr, prr) =
+                    (rate(&a, &pw, bytes, iters).unwrap_or(f64::NAN), rate(&a, &pr, bytes, iters).unwrap_or(f64::NAN));
+                println!(
+                    "  {plugin} {tag} {shape}: WRITE {wr:.2} GB/s ({:.0}% of POSIX DRAM {pwr:.2}), READ {rr:.2} GB/s ({:.0}% of {prr:.2})",
+                    100.0 * wr / pwr,
+                    100.0 * rr / prr
+                );
+            }
+            drop(a);
+            drop(f);
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+    failures
 }

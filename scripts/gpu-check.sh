@@ -16,7 +16,11 @@
 #          memory, which the log says per region), bandwidth beside the device's own D2D copy rate; before it,
 #          the RDMA devices the host has (sysfs, ibv_devices) and, where perftest is installed, ib_write_bw and
 #          ib_read_bw between two processes on the first device as the NIC's own figure; where there is none it
-#          says so;
+#          says so; then the GDS and GDS_MT backends: VRAM -> FILE -> VRAM (1 x 64 MiB, 1024 x 16 KiB scattered),
+#          page cache and O_DIRECT, in $GIXL_GDS_DIR (default /tmp), data checked, each beside the POSIX
+#          backend's DRAM rate on the same file, after a line saying which path they take here (staged through
+#          pinned buffers, or cuFile) and why (docs/gds.md); the same binary runs over the fake device with
+#          GIXL_FAKE_DEVICE=1;
 #       3. NIXL 1.5.1 on the same cases (scripts/gpu_check_nixl.py --impl nixl_cu12) if it can be imported
 #          (installed, or unpacked from target/gpu-check/nixl.tar.zst; needs python3.11); otherwise says so.
 # Exit status: non-zero if any gixl case failed.

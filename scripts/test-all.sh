@@ -109,9 +109,9 @@ rust_tests() {
 rust_cuda() {
     # The `cuda` feature (cudarc; the driver is loaded at run time, so this builds and runs without CUDA) over
     # the fake device layer: lint, the VRAM route's unit and multi-process tests (incl. the no-driver
-    # NOT_SUPPORTED path), and the GPU check program as a dry run.
+    # NOT_SUPPORTED path), the GDS backends' VRAM <-> FILE round trips, and the GPU check program as a dry run.
     cargo clippy --release --features cuda --lib --example gpu_check -- -D warnings &&
-        cargo test --release --features cuda --lib --test vram --test vram_tcp -- vram &&
+        cargo test --release --features cuda --lib --test vram --test vram_tcp --test gds -- vram &&
         GIXL_FAKE_DEVICE=1 GIXL_ITERS=2 GIXL_FAKE_VERBS=2 GIXL_FAKE_VERBS_DIR="${TMPDIR:-/tmp}/gixl-gpu-check-fv-$$" \
             timeout 180 cargo run -q --release --features cuda --example gpu_check
 }
@@ -179,10 +179,10 @@ must_run() {
     [ -n "$py" ] && must=$(printf '%s\n%s' "$must" "$py")
     [ -n "$must" ] && printf 'must-run tests skipped:\n%s\n' "$must"
     if [ "${CI:-}" = "true" ] && [ -n "$must" ]; then
-        echo "CI=true: these tests must run here (root, Linux, etcd, io_uring, garage, torch); failing"
+        echo "CI=true: these tests must run here (root, Linux, etcd, io_uring, loop devices, garage, torch); failing"
         return 1
     fi
-    echo "must-run set (netns, etcd, cma, io_uring, prometheus, libfabric, garage, tcpstore): $(grep -c . <<<"${must}") skipped"
+    echo "must-run set (netns, etcd, cma, io_uring, prometheus, libfabric, loopdev, garage, tcpstore): $(grep -c . <<<"${must}") skipped"
 }
 header() { scripts/check-header.sh; }
 capi_exports() {

@@ -162,3 +162,24 @@ def test_misaligned_o_direct_fails_clearly(posix, bind, tmp_path):
                 state = posix.check_xfer_state(h)
     finally:
         os.close(fd)
+
+
+def test_path_mode_registration(posix, bind, tmp_path):
+    """NIXL 1.5.1's path mode: metaInfo "<modes>:<path>" makes the backend open the file itself; devId is then
+    the caller's name for it (unique per file), not a descriptor."""
+    path = tmp_path / "pm.bin"
+    reg = posix.register_memory([(0, 0, 4242, f"rw,create:{path}")], "FILE")
+    assert path.exists()
+    with pytest.raises(bind.nixlBackendError):
+        posix.register_memory([(0, 0, 4242, f"rw:{path}")], "FILE")  # the devId is taken
+    buf = pattern(4 * BLK, 5)
+    m = posix.register_memory([(addr(buf), buf.nbytes, 0, "")], "DRAM")
+    src = posix.get_xfer_descs([(addr(buf), buf.nbytes, 0)], "DRAM")
+    dst = posix.get_xfer_descs([(0, buf.nbytes, 4242)], "FILE")
+    h = posix.initialize_xfer("WRITE", src, dst, posix.name)
+    assert posix.transfer(h) in ("DONE", "PROC")
+    assert wait_done(posix, h) == "DONE"
+    assert path.read_bytes() == buf.tobytes()
+    posix.release_xfer_handle(h)
+    posix.deregister_memory(reg)
+    posix.deregister_memory(m)

@@ -14,6 +14,7 @@ use crate::mem::{Desc, MemType, RegDList, RegDesc};
 use crate::status::{Error, Result, Status};
 
 pub mod engine;
+pub mod gds;
 #[cfg(feature = "obj")]
 pub mod obj;
 pub mod posix;
@@ -243,6 +244,19 @@ pub fn plugin(name: &str) -> Result<&'static Plugin> {
 }
 
 static PLUGINS: &[Plugin] = &[
+    Plugin {
+        name: "GDS",
+        // As NIXL's GDS plugin declares them.
+        mems: &[MemType::Dram, MemType::Vram, MemType::File],
+        defaults: gds::default_params,
+        create: gds::create_gds,
+    },
+    Plugin {
+        name: "GDS_MT",
+        mems: &[MemType::Dram, MemType::Vram, MemType::File],
+        defaults: gds::default_params,
+        create: gds::create_gds_mt,
+    },
     Plugin {
         name: "LIBFABRIC",
         // As NIXL's LIBFABRIC plugin reports. The engine under another name (engine::create_libfabric).

@@ -386,25 +386,57 @@ pub fn copied_bytes() -> u64 {
     COPIED.load(Ordering::Relaxed)
 }
 
+/// Bytes this process's fake driver has copied on device `dev` (0 for a device that does not exist): tests that
+/// watch one device's copies are not disturbed by other tests' copies on other devices.
+pub fn copied_bytes_on(dev: u32) -> u64 {
+    COPIED_DEV.get(dev as usize).map_or(0, |c| c.load(Ordering::Relaxed))
+}
+
+static COPIED_DEV: [AtomicU64; DEVICES as usize] = [const { AtomicU64::new(0) }; DEVICES as usize];
+
 /// Page-locked host memory this process holds now (`Device::host_buf` buffers not yet freed).
 pub fn pinned_bytes() -> u64 {
     PINNED.load(Ordering::Relaxed)
 }
 
-struct Pinned(Vec<u8>);
+/// Page-aligned, as the driver's page-locked allocations are (O_DIRECT file I/O from them depends on it).
+struct Pinned {
+    ptr: *mut u8,
+    len: usize,
+    layout: std::alloc::Layout,
+}
+
+// SAFETY: the buffer is plain memory owned by this value; whoever holds it decides who touches it.
+unsafe impl Send for Pinned {}
+
+impl Pinned {
+    fn new(len: usize) -> Result<Pinned> {
+        let layout = std::alloc::Layout::from_size_align(len.max(1), 4096)
+            .map_err(|_| Error::invalid_param(format!("fake device: no host buffer of {len} bytes")))?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(Error::backend(format!("fake device: out of memory for a {len}-byte host buffer")));
+        }
+        PINNED.fetch_add(len as u64, Ordering::Relaxed);
+        Ok(Pinned { ptr, len, layout })
+    }
+}
 
 impl Drop for Pinned {
     fn drop(&mut self) {
-        PINNED.fetch_sub(self.0.len() as u64, Ordering::Relaxed);
+        PINNED.fetch_sub(self.len as u64, Ordering::Relaxed);
+        // SAFETY: allocated in `new` with this layout, freed once.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
     }
 }
 
 impl HostBuf for Pinned {
     fn ptr(&self) -> u64 {
-        self.0.as_ptr() as u64
+        self.ptr as u64
     }
     fn size(&self) -> usize {
-        self.0.len()
+        self.len
     }
 }
 
@@ -478,7 +510,9 @@ impl Device for Fake {
                 }
             }
         }
-        COPIED.fetch_add(copies.iter().map(|c| c.len).sum(), Ordering::Relaxed);
+        let n = copies.iter().map(|c| c.len).sum();
+        COPIED.fetch_add(n, Ordering::Relaxed);
+        COPIED_DEV[dev as usize].fetch_add(n, Ordering::Relaxed);
         for c in copies {
             // SAFETY: the engine resolved both ranges against registrations or opened mappings of this
             // process, which stay mapped for the duration of the call.
@@ -488,8 +522,7 @@ impl Device for Fake {
     }
 
     fn host_buf(&self, _dev: u32, len: usize) -> Result<Box<dyn HostBuf>> {
-        PINNED.fetch_add(len as u64, Ordering::Relaxed);
-        Ok(Box::new(Pinned(vec![0u8; len])))
+        Ok(Box::new(Pinned::new(len)?))
     }
 
     /// Entry `dev` of `GIXL_FAKE_DEVICE_PCI` (comma-separated sysfs paths: the tests' topology).

@@ -455,6 +455,7 @@ pub fn report(peer: Option<PeerTarget>) -> String {
         libcuda: cuda.clone(),
         peer_memory,
         io_uring: crate::backend::posix::io_uring_available().map_err(|e| e.to_string()),
+        gds_staged: crate::backend::gds::staged_reason(),
     });
     let peer_j = peer.map(|p| peer_report(p, cma_ok, uid));
     let mut top = vec![
@@ -522,6 +523,8 @@ struct Facts<'a> {
     libcuda: Result<(), String>,
     peer_memory: bool,
     io_uring: Result<(), String>,
+    /// Why the GDS backends stage VRAM <-> FILE through host memory; None when they use cuFile.
+    gds_staged: Option<&'static str>,
 }
 
 /// A port's self-test for the summary: passed, and what it said.
@@ -647,6 +650,14 @@ fn summary(f: &Facts) -> J {
             "io_uring".into(),
             false,
             format!("unavailable ({e}): the POSIX backend uses a thread pool of pread/pwrite"),
+        ),
+    });
+    devices.push(match f.gds_staged {
+        None => dev("GPUDirect Storage".into(), true, "the GDS backends move VRAM <-> FILE through cuFile".into()),
+        Some(why) => dev(
+            "GPUDirect Storage".into(),
+            false,
+            format!("the GDS backends stage VRAM <-> FILE through page-locked host buffers: {why}"),
         ),
     });
     J::Obj(vec![("routes", J::Arr(routes)), ("devices", J::Arr(devices))])
@@ -841,5 +852,9 @@ mod tests {
             assert!(r.contains(k), "{k} missing from the summary: {r}");
         }
         assert!(r.contains("RDMA"), "the NICs (or their absence) are in the summary: {r}");
+        // GPUDirect Storage: used, or why the GDS backends stage (never silent).
+        let why = crate::backend::gds::staged_reason().expect("the direct path is not taken yet");
+        assert!(r.contains("\"device\":\"GPUDirect Storage\",\"used\":false"), "{r}");
+        assert!(r.contains("stage VRAM <-> FILE through page-locked host buffers") && r.contains(why), "{r}");
     }
 }

@@ -47,12 +47,12 @@ mod harness;
 mod health;
 mod notif;
 mod peer;
-mod pool;
+pub(crate) mod pool;
 mod route;
 mod router;
 mod shared;
 mod sides;
-mod vram;
+pub(crate) mod vram;
 mod vram_regions;
 mod xfer;
 

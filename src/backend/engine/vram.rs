@@ -343,24 +343,24 @@ impl VramPlan {
 
 /// A buffer of the engine's staging pool (`pool::Pinned`, shared by every VRAM request that stages), given
 /// back when dropped.
-pub(super) struct Staging(Option<PinnedBuf>);
+pub(crate) struct Staging(Option<PinnedBuf>);
 
 /// At most this many are kept; as many as requests need are lent (a request stages through one at a time).
 static STAGING: Mutex<Pinned> = Mutex::new(Pinned::new(STAGE as usize, 8, usize::MAX));
 
 impl Staging {
-    pub(super) fn take(device: &dyn Device, dev: u32) -> Result<Staging> {
+    pub(crate) fn take(device: &dyn Device, dev: u32) -> Result<Staging> {
         // Never None: every request gets one (`lend` is unbounded).
         let b = STAGING.lock().take(device, dev)?.ok_or_else(|| Error::backend("no staging buffer"))?;
         Ok(Staging(Some(b)))
     }
 
-    pub(super) fn ptr(&self) -> u64 {
+    pub(crate) fn ptr(&self) -> u64 {
         self.0.as_ref().map_or(0, |b| b.buf.ptr())
     }
 
     /// Its size in bytes.
-    pub(super) fn size(&self) -> u64 {
+    pub(crate) fn size(&self) -> u64 {
         self.0.as_ref().map_or(0, |b| b.buf.size() as u64)
     }
 }

@@ -17,7 +17,7 @@ use crate::status::{Error, Status};
 /// One I/O: `len` bytes between memory at `buf` and file `fd` at offset `off`. `len` is at most
 /// [`MAX_IO`] and never 0.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Op {
+pub(crate) struct Op {
     pub fd: RawFd,
     pub buf: u64,
     pub off: u64,
@@ -28,11 +28,11 @@ pub(super) struct Op {
 
 /// Segments are cut into I/Os of at most this many bytes: it fits io_uring's 32-bit length, keeps every
 /// piece aligned for `O_DIRECT`, and gives the worker threads pieces to share.
-pub(super) const MAX_IO: u64 = 4 << 20;
+pub(crate) const MAX_IO: u64 = 4 << 20;
 
 /// A prepared request: its I/Os in order, and their direction.
 #[derive(Debug)]
-pub(super) struct Work {
+pub(crate) struct Work {
     /// File → memory (NIXL READ) when true, memory → file (WRITE) when false.
     pub read: bool,
     pub ops: Vec<Op>,
@@ -40,7 +40,7 @@ pub(super) struct Work {
 
 /// Why one I/O failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum IoFail {
+pub(crate) enum IoFail {
     /// The OS refused it (a positive errno).
     Os(i32),
     /// A read found the end of the file before the end of the requested range.
@@ -51,7 +51,7 @@ pub(super) enum IoFail {
 
 /// A failure kept for `status()`, which may be called any number of times.
 #[derive(Debug, Clone)]
-pub(super) struct Failure {
+pub(crate) struct Failure {
     pub status: Status,
     pub msg: String,
     pub errno: Option<i32>,
@@ -97,7 +97,7 @@ impl Failure {
 }
 
 /// One post of a request. The queue owns the I/O; `PosixXfer` reads the outcome.
-pub(super) struct Run {
+pub(crate) struct Run {
     pub work: Arc<Work>,
     /// Units of work not finished yet (I/Os for io_uring, helper tasks for the thread pool).
     pending: AtomicUsize,
@@ -195,6 +195,18 @@ impl Run {
             self.idle.wait(&mut g);
         }
     }
+
+    /// `wait`, for at most `limit`; false when I/O of this run was still in flight then.
+    pub fn wait_for(&self, limit: std::time::Duration) -> bool {
+        let until = Instant::now() + limit;
+        let mut g = self.idle_lock.lock();
+        while self.state.load(Ordering::Acquire) == Status::InProg as i32 {
+            if self.idle.wait_until(&mut g, until).timed_out() {
+                return self.state.load(Ordering::Acquire) != Status::InProg as i32;
+            }
+        }
+        true
+    }
 }
 
 /// Move all of `op` with plain `pread`/`pwrite`, retrying short transfers and `EINTR`. Gives up between
@@ -203,7 +215,7 @@ impl Run {
 /// # Safety
 /// `op.buf .. op.buf + op.len` must be memory this process may write (read) and that nobody else uses
 /// while the call runs.
-pub(super) unsafe fn blocking_io(read: bool, op: &Op, stop: impl Fn() -> bool) -> Result<(), Failure> {
+pub(crate) unsafe fn blocking_io(read: bool, op: &Op, stop: impl Fn() -> bool) -> Result<(), Failure> {
     let len = op.len as u64;
     let mut done = 0u64;
     while done < len {

@@ -26,11 +26,15 @@
 //! At most one of the three `use_*` may be true. The thread pool has the agent's `num_workers` threads, or
 //! up to 4. `get_backend_params` echoes the init parameters, as NIXL does.
 //!
-//! Not done here: transfers to other agents and notifications (NIXL's POSIX has neither), NIXL 1.5.1's
-//! path-mode registration (`"rw:/path"` in metaInfo, opened by the backend), registered buffers and fixed
-//! files. The backend never opens or closes the caller's file descriptors.
+//! NIXL 1.5.1's path mode is supported: a FILE registration whose metaInfo is `<modes>:<path>` (`ro` or `rw`, then
+//! `,direct`, `,sync`, `,noatime`, `,create`) makes the backend open the file itself; its devId is then the
+//! caller's name for that file, unique among the backend's path-mode registrations (else
+//! `NIXL_ERR_INVALID_PARAM`), and the descriptor is closed once the region is deregistered and no request uses it.
+//!
+//! Not done here: transfers to other agents and notifications (NIXL's POSIX has neither), registered buffers
+//! and fixed files. The backend never opens or closes the caller's own file descriptors.
 
-mod io;
+pub(crate) mod io;
 mod threads;
 mod uring;
 
@@ -69,6 +73,7 @@ pub fn create(init: BackendInit) -> Result<Arc<dyn Backend>> {
 pub struct Posix {
     params: Params,
     queue: Arc<Queue>,
+    path_ids: PathIds,
 }
 
 /// Whether this kernel gives the POSIX backend an io_uring (what `gixl doctor` reports); `Err` says why not,
@@ -78,7 +83,7 @@ pub fn io_uring_available() -> std::io::Result<()> {
 }
 
 impl Posix {
-    fn new(init: BackendInit) -> Result<Posix> {
+    pub(crate) fn new(init: BackendInit) -> Result<Posix> {
         Self::with_ring(init, uring::Ring::new)
     }
 
@@ -96,7 +101,7 @@ impl Posix {
                 Err(_) => Queue::Threads(threads::Pool::new(cfg.threads)),
             },
         };
-        Ok(Posix { params: init.params, queue: Arc::new(queue) })
+        Ok(Posix { params: init.params, queue: Arc::new(queue), path_ids: PathIds::default() })
     }
 
     /// "io_uring" or "threads": which queue runs this backend's I/O.
@@ -105,6 +110,40 @@ impl Posix {
             Queue::Uring(_) => "io_uring",
             Queue::Threads(_) => "threads",
         }
+    }
+
+    /// `prep_xfer`, with the request's own type (the GDS backends run DRAM ↔ FILE through it).
+    pub(crate) fn prep(&self, plan: XferPlan) -> Result<PosixXfer> {
+        super::check_storage_plan("POSIX", "its own files", MemType::File, &plan)?;
+        let files = plan
+            .remote_keys
+            .iter()
+            .map(|k| k.clone().and_then(|k| (k as Arc<dyn Any + Send + Sync>).downcast::<FileReg>().ok()))
+            .collect::<Option<Vec<Arc<FileReg>>>>()
+            .ok_or_else(|| {
+                Error::invalid_param("POSIX: a FILE region of this request was not registered with this backend")
+            })?;
+        let read = plan.op == XferOp::Read;
+        let mut ops = Vec::with_capacity(plan.segs.len());
+        for seg in &plan.segs {
+            let f = files
+                .get(seg.rreg as usize)
+                .ok_or_else(|| Error::invalid_param("POSIX: segment refers to an unknown FILE region"))?;
+            f.check(read, seg)?;
+            cut(seg, f, &mut ops);
+        }
+        let work = Arc::new(Work { read, ops });
+        Ok(PosixXfer { queue: self.queue.clone(), work, files, run: Mutex::new(None) })
+    }
+
+    /// The queue that runs this backend's file I/O (the GDS backends' staged path shares it).
+    pub(crate) fn queue(&self) -> &Arc<Queue> {
+        &self.queue
+    }
+
+    /// The devIds of this backend's path-mode FILE registrations (the GDS backends register through it).
+    pub(crate) fn path_ids(&self) -> &PathIds {
+        &self.path_ids
     }
 }
 
@@ -126,34 +165,21 @@ impl Backend for Posix {
         match mem {
             MemType::Dram => Ok(LocalRegion { public: Vec::new(), key: None }),
             MemType::File => {
-                let key: RegionKey = Arc::new(FileReg::probe(desc.desc.dev)?);
+                let key: RegionKey = Arc::new(FileReg::register(desc, &self.path_ids)?);
                 Ok(LocalRegion { public: Vec::new(), key: Some(key) })
             }
             m => Err(Error::not_supported(format!("the POSIX backend does not handle {}", m.seg_name()))),
         }
     }
 
-    fn prep_xfer(&self, plan: XferPlan) -> Result<Box<dyn BackendXfer>> {
-        super::check_storage_plan("POSIX", "its own files", MemType::File, &plan)?;
-        let files = plan
-            .remote_keys
-            .iter()
-            .map(|k| k.clone().and_then(|k| (k as Arc<dyn Any + Send + Sync>).downcast::<FileReg>().ok()))
-            .collect::<Option<Vec<Arc<FileReg>>>>()
-            .ok_or_else(|| {
-                Error::invalid_param("POSIX: a FILE region of this request was not registered with this backend")
-            })?;
-        let read = plan.op == XferOp::Read;
-        let mut ops = Vec::with_capacity(plan.segs.len());
-        for seg in &plan.segs {
-            let f = files
-                .get(seg.rreg as usize)
-                .ok_or_else(|| Error::invalid_param("POSIX: segment refers to an unknown FILE region"))?;
-            f.check(read, seg)?;
-            cut(seg, f, &mut ops);
+    fn deregister(&self, _mem: MemType, _desc: &crate::mem::Desc, key: Option<&RegionKey>) {
+        if let Some(f) = key.and_then(|k| k.downcast_ref::<FileReg>()) {
+            f.release(&self.path_ids);
         }
-        let work = Arc::new(Work { read, ops });
-        Ok(Box::new(PosixXfer { queue: self.queue.clone(), work, files, run: Mutex::new(None) }))
+    }
+
+    fn prep_xfer(&self, plan: XferPlan) -> Result<Box<dyn BackendXfer>> {
+        Ok(Box::new(self.prep(plan)?))
     }
 
     /// For each descriptor, `stat` of the path in its metaInfo: `size`, `mode` and `mtime` (seconds) as
@@ -251,26 +277,73 @@ fn parse_u32(key: &str, v: &str) -> Result<u32> {
 
 /// What registration learned about a FILE region's file descriptor.
 #[derive(Debug)]
-struct FileReg {
-    fd: RawFd,
+pub(crate) struct FileReg {
+    pub(crate) fd: RawFd,
     /// Identity of the open file, to notice the fd being closed and reused for another file.
     dev: u64,
     ino: u64,
     readable: bool,
     writable: bool,
     /// Set when the fd is open with `O_DIRECT`.
-    direct: Option<DioAlign>,
+    pub(crate) direct: Option<DioAlign>,
+    /// Path mode: the descriptor the backend opened (closed when the last request using it is gone) and the
+    /// devId it is known by.
+    owned: Option<(std::os::fd::OwnedFd, u64)>,
+}
+
+/// The devIds of a backend's path-mode FILE registrations.
+#[derive(Debug, Default)]
+pub(crate) struct PathIds(Mutex<std::collections::HashSet<u64>>);
+
+/// NIXL's path-mode FILE metaInfo, `<modes>:<path>`: `modes` is `ro` or `rw`, then any of `,direct`
+/// (O_DIRECT), `,sync` (O_SYNC), `,noatime` (O_NOATIME), `,create` (O_CREAT, mode 0644). Anything else (an
+/// unknown mode, an empty path, no colon) is not path mode: devId is then the caller's descriptor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PathSpec {
+    path: Vec<u8>,
+    flags: i32,
+    mode: libc::c_uint,
+}
+
+impl PathSpec {
+    fn parse(meta: &[u8]) -> Option<PathSpec> {
+        let colon = meta.iter().position(|&b| b == b':')?;
+        let (modes, path) = (&meta[..colon], &meta[colon + 1..]);
+        let mut tokens = modes.split(|&b| b == b',');
+        let mut flags = match tokens.next()? {
+            b"ro" => libc::O_RDONLY,
+            b"rw" => libc::O_RDWR,
+            _ => return None,
+        };
+        if path.is_empty() {
+            return None;
+        }
+        let mut mode = 0;
+        for t in tokens {
+            flags |= match t {
+                b"direct" => libc::O_DIRECT,
+                b"sync" => libc::O_SYNC,
+                b"noatime" => libc::O_NOATIME,
+                b"create" => {
+                    mode = 0o644;
+                    libc::O_CREAT
+                }
+                _ => return None,
+            };
+        }
+        Some(PathSpec { path: path.to_vec(), flags, mode })
+    }
 }
 
 /// `O_DIRECT` alignment: buffer addresses to `mem`, file offsets and lengths to `off`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct DioAlign {
-    mem: u64,
-    off: u64,
+pub(crate) struct DioAlign {
+    pub(crate) mem: u64,
+    pub(crate) off: u64,
 }
 
 impl FileReg {
-    fn probe(dev: u64) -> Result<FileReg> {
+    pub(crate) fn probe(dev: u64) -> Result<FileReg> {
         let fd = RawFd::try_from(dev)
             .map_err(|_| Error::invalid_param(format!("FILE devId {dev} is not a file descriptor")))?;
         // SAFETY: F_GETFL only reads descriptor flags; an fd that is not open gives EBADF.
@@ -296,11 +369,48 @@ impl FileReg {
             readable: acc == libc::O_RDONLY || acc == libc::O_RDWR,
             writable: acc == libc::O_WRONLY || acc == libc::O_RDWR,
             direct: (fl & libc::O_DIRECT != 0).then(|| dio_align(fd)),
+            owned: None,
         })
     }
 
+    /// A FILE registration: NIXL's path mode when the metaInfo asks for it (the file opened here, known by its
+    /// devId, which must be unique among this backend's path-mode registrations: `ids`), else the caller's
+    /// descriptor in devId.
+    pub(crate) fn register(desc: &RegDesc, ids: &PathIds) -> Result<FileReg> {
+        let Some(spec) = PathSpec::parse(&desc.meta) else { return FileReg::probe(desc.desc.dev) };
+        let id = desc.desc.dev;
+        let mut taken = ids.0.lock();
+        if taken.contains(&id) {
+            return Err(Error::invalid_param(format!(
+                "path-mode FILE registration needs a unique devId per file; devId {id} is already registered"
+            )));
+        }
+        let path = std::ffi::CString::new(spec.path.clone())
+            .map_err(|_| Error::invalid_param("path-mode FILE registration: the path holds a NUL byte"))?;
+        // SAFETY: a NUL-terminated path; the result is checked and owned below.
+        let fd = unsafe { libc::open(path.as_ptr(), spec.flags | libc::O_CLOEXEC, spec.mode) };
+        if fd < 0 {
+            let e = std::io::Error::last_os_error();
+            let shown = String::from_utf8_lossy(&spec.path);
+            return Err(Error::os(Status::Backend, format!("path-mode FILE registration: open of {shown}"), e));
+        }
+        // SAFETY: a descriptor just opened, owned by nobody else.
+        let owned = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        let mut reg = FileReg::probe(fd as u64)?;
+        reg.owned = Some((owned, id));
+        taken.insert(id);
+        Ok(reg)
+    }
+
+    /// Deregistration: a path-mode devId may be registered again (the descriptor closes with the last user).
+    pub(crate) fn release(&self, ids: &PathIds) {
+        if let Some((_, id)) = &self.owned {
+            ids.0.lock().remove(id);
+        }
+    }
+
     /// Can segment `s` be done on this file as prepped?
-    fn check(&self, read: bool, s: &Seg) -> Result<()> {
+    pub(crate) fn check(&self, read: bool, s: &Seg) -> Result<()> {
         let fd = self.fd;
         if read && !self.readable {
             return Err(Error::invalid_param(format!("POSIX: fd {fd} is open write-only; a READ needs to read it")));
@@ -327,8 +437,16 @@ impl FileReg {
         Ok(())
     }
 
+    /// A registration record for tests of other modules: fd `fd`, readable and writable, `O_DIRECT` with
+    /// (memory, offset) alignment `direct`.
+    #[cfg(test)]
+    pub(crate) fn fake(fd: RawFd, direct: Option<(u64, u64)>) -> FileReg {
+        let direct = direct.map(|(mem, off)| DioAlign { mem, off });
+        FileReg { fd, dev: 0, ino: 0, readable: true, writable: true, direct, owned: None }
+    }
+
     /// Is the fd still open on the file that was registered?
-    fn check_open(&self) -> Result<()> {
+    pub(crate) fn check_open(&self) -> Result<()> {
         let fd = self.fd;
         let st = fstat(fd).map_err(|e| match e.raw_os_error() {
             Some(libc::EBADF) => {
@@ -370,13 +488,13 @@ fn dio_align(fd: RawFd) -> DioAlign {
 
 // ----- requests -----
 
-enum Queue {
+pub(crate) enum Queue {
     Uring(uring::Ring),
     Threads(threads::Pool),
 }
 
 impl Queue {
-    fn start(&self, work: &Arc<Work>) -> Arc<Run> {
+    pub(crate) fn start(&self, work: &Arc<Work>) -> Arc<Run> {
         match self {
             Queue::Uring(r) => {
                 let run = Run::new(work.clone(), work.ops.len());
@@ -391,7 +509,7 @@ impl Queue {
         }
     }
 
-    fn abort(&self, run: &Run) {
+    pub(crate) fn abort(&self, run: &Run) {
         run.abort();
         if let Queue::Uring(r) = self {
             // The driver drops the run's queued I/Os when it next looks at the backlog.
@@ -400,12 +518,19 @@ impl Queue {
     }
 }
 
-struct PosixXfer {
+pub(crate) struct PosixXfer {
     queue: Arc<Queue>,
     work: Arc<Work>,
     /// The FILE regions this request touches, checked on every post.
     files: Vec<Arc<FileReg>>,
     run: Mutex<Option<Arc<Run>>>,
+}
+
+impl PosixXfer {
+    /// The run of the last post, while one exists (what a deregistration waits for).
+    pub(crate) fn current_run(&self) -> Option<Arc<Run>> {
+        self.run.lock().clone()
+    }
 }
 
 impl BackendXfer for PosixXfer {
@@ -685,6 +810,7 @@ mod tests {
             readable: true,
             writable: true,
             direct: Some(DioAlign { mem: 512, off: 4096 }),
+            owned: None,
         });
         let al = 1 << 20;
         assert!(b.prep_xfer(plan(XferOp::Write, fd, &dk, &[(al + 512, 8192, 4096)])).is_ok());
@@ -698,7 +824,7 @@ mod tests {
 
     #[test]
     fn large_segments_are_cut_into_bounded_ios() {
-        let f = FileReg { fd: 9, dev: 0, ino: 0, readable: true, writable: true, direct: None };
+        let f = FileReg::fake(9, None);
         let seg = |local, remote, len| Seg { local, remote, len, ldev: 0, rdev: 9, lreg: 0, rreg: 0 };
         let mut ops = Vec::new();
         cut(&seg(0x10000, 100, MAX_IO * 2 + 5), &f, &mut ops);
@@ -911,6 +1037,51 @@ mod tests {
             assert_eq!(wait(&**x).unwrap(), Status::Success);
         }
         assert!(std::fs::read(&path).unwrap() == src);
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn path_mode_metainfo_is_parsed_as_nixl_does() {
+        let p = |m: &str| PathSpec::parse(m.as_bytes()).map(|s| (String::from_utf8(s.path).unwrap(), s.flags, s.mode));
+        assert_eq!(p("ro:/a/b"), Some(("/a/b".into(), libc::O_RDONLY, 0)));
+        assert_eq!(p("rw,direct,sync:/x:y"), Some(("/x:y".into(), libc::O_RDWR | libc::O_DIRECT | libc::O_SYNC, 0)));
+        assert_eq!(
+            p("rw,create,noatime:rel"),
+            Some(("rel".into(), libc::O_RDWR | libc::O_CREAT | libc::O_NOATIME, 0o644))
+        );
+        for not_path_mode in ["", "/plain/path", "wr:/x", "rw:", "rw,fast:/x", "RW:/x", "rw ,direct:/x"] {
+            assert_eq!(p(not_path_mode), None, "{not_path_mode}");
+        }
+    }
+
+    #[test]
+    fn path_mode_registration_opens_the_file_and_needs_a_unique_devid() {
+        let b = posix(&[("use_posix_aio", "true")]).unwrap();
+        let path = tmp("pathmode");
+        let reg = |dev: u64, meta: String| {
+            b.register(MemType::File, &RegDesc { desc: Desc::new(0, 0, dev), meta: meta.into_bytes() })
+        };
+        let r = reg(7000, format!("rw,create:{}", path.display())).unwrap().key.unwrap();
+        assert!(path.exists(), "create opened and made the file");
+        let e = reg(7000, format!("rw:{}", path.display())).err().unwrap();
+        assert_eq!(e.status(), Status::InvalidParam, "{e}");
+        let e = reg(7001, "ro:/nonexistent/gixl".into()).err().unwrap();
+        assert_eq!(e.status(), Status::Backend, "{e}");
+        // A WRITE through the devId the caller chose (never an fd of this process).
+        let src = [9u8; 4096];
+        let x = b.prep_xfer(plan(XferOp::Write, 7000, &r, &[(src.as_ptr() as u64, 0, 4096)])).unwrap();
+        assert_eq!(x.post(None).unwrap(), Status::InProg);
+        assert_eq!(wait(&*x).unwrap(), Status::Success);
+        assert_eq!(std::fs::read(&path).unwrap(), src);
+        // Deregistered: the devId is free again; the descriptor closes with the last request using it.
+        let fd = r.downcast_ref::<FileReg>().unwrap().fd;
+        b.deregister(MemType::File, &Desc::new(0, 0, 7000), Some(&r));
+        assert!(reg(7000, format!("ro:{}", path.display())).is_ok());
+        drop(x);
+        drop(r);
+        let md = std::fs::metadata(&path).unwrap();
+        let still_ours = fstat(fd).is_ok_and(|st| (st.st_dev, st.st_ino) == (md.dev(), md.ino()));
+        assert!(!still_ours, "the backend's descriptor outlived its registration and requests");
         std::fs::remove_file(path).unwrap();
     }
 

@@ -14,7 +14,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::io::{blocking_io, Run};
 
-pub(super) struct Pool {
+pub(crate) struct Pool {
     size: usize,
     q: Arc<(Mutex<Tasks>, Condvar)>,
     threads: Mutex<Vec<JoinHandle<()>>>,

@@ -28,7 +28,7 @@ const WAKE: u64 = u64::MAX;
 /// Consecutive EINTR/EAGAIN completions of one I/O before it counts as failed.
 const MAX_RETRIES: u8 = 16;
 
-pub(super) struct Ring {
+pub(crate) struct Ring {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
 }
