@@ -84,18 +84,29 @@ pub fn create(init: BackendInit) -> Result<Arc<dyn Backend>> {
     Ok(Arc::new(Engine::new(init)?))
 }
 
-/// The same engine under NIXL's `LIBFABRIC` plugin name (what Ray asks for on EFA nodes): its peers are
-/// reached over the engine's routes (in-process, CMA, TCP, RDMA); no libfabric route exists yet
-/// (docs/libfabric.md). NIXL's LIBFABRIC parameters are accepted and, but for `num_threads`, ignored.
+/// The same engine under NIXL's `LIBFABRIC` plugin name (what Ray asks for on EFA nodes): its peers on other
+/// hosts go over the libfabric route (`route::fabric`) where this host has a provider that is not sockets or
+/// shared memory (efa, verbs, psm…; tcp and shm only with `GIXL_TRANSPORT=fabric`) and its device passes its
+/// self-test, else over the engine's other routes (docs/libfabric.md). NIXL's LIBFABRIC parameters are accepted
+/// and, but for `num_threads`, ignored.
 pub fn create_libfabric(init: BackendInit) -> Result<Arc<dyn Backend>> {
     let agent = init.agent_name.clone();
     let engine = Engine::named(init, "LIBFABRIC")?;
-    // Never a silent fallback: whoever asked for a fabric is told that no libfabric route carries its data.
-    crate::telemetry::log::warn(&format!(
-        "agent '{agent}': backend LIBFABRIC is gixl's engine under NIXL's plugin name; gixl has no libfabric route \
-         yet, so peers on other hosts go over TCP (RDMA where its port reaches them); `python -m gixl doctor` says \
-         what this host has (docs/libfabric.md)"
-    ));
+    let fabric = engine.shared.sides.routes().any(|(n, _)| n.name() == "libfabric");
+    if fabric {
+        crate::telemetry::log::info(&format!(
+            "agent '{agent}': backend LIBFABRIC: its peers go over the libfabric route once this host's device \
+             passes its self-test (run at the first such peer), else over TCP with a WARN line"
+        ));
+    } else {
+        // Never a silent fallback: whoever asked for a fabric is told that no libfabric route carries its data.
+        crate::telemetry::log::warn(&format!(
+            "agent '{agent}': backend LIBFABRIC has no libfabric provider to use here (none of efa, verbs, psm… \
+             was found; tcp and shm are used only with GIXL_TRANSPORT=fabric), so peers on other hosts go over \
+             TCP (RDMA where its port reaches them); `python -m gixl doctor` says what this host has \
+             (docs/libfabric.md)"
+        ));
+    }
     Ok(Arc::new(engine))
 }
 
