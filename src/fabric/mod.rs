@@ -451,7 +451,12 @@ impl Cq {
 /// alone, a 64 KiB WRITE over tcp never completed. A caller waits only while an operation is pending, so an
 /// idle endpoint costs no wake-ups.
 pub fn wait(fabric: &Fabric, cqs: &[&Cq], timeout: Duration) -> Result<()> {
-    let timeout = timeout.min(SLICE);
+    wait_up_to(fabric, cqs, timeout.min(SLICE))
+}
+
+/// As [`wait`], but sleeping on the descriptors up to `timeout` (a queue without one: [`SLICE`]): for a target
+/// whose provider wakes its descriptor when a peer's operation arrives (tcp through ofi_rxm did here).
+pub fn wait_up_to(fabric: &Fabric, cqs: &[&Cq], timeout: Duration) -> Result<()> {
     if !cqs.is_empty() && cqs.iter().all(|c| c.fd.is_some()) {
         if !fabric.trywait(cqs)? {
             return Ok(());
@@ -469,7 +474,7 @@ pub fn wait(fabric: &Fabric, cqs: &[&Cq], timeout: Duration) -> Result<()> {
         }
         return Ok(());
     }
-    std::thread::sleep(timeout);
+    std::thread::sleep(timeout.min(SLICE));
     Ok(())
 }
 

@@ -34,6 +34,9 @@ use crate::fabric::{self as fi, Av, Cq, CqRead, Device, Domain, Endpoint, Mr};
 use crate::mem::MemType;
 use crate::status::{Error, Result};
 
+/// The longest the target's progress thread sleeps on its queue's wait descriptor between reads.
+const TARGET_SLEEP: Duration = Duration::from_millis(100);
+
 /// The self-test's time limit.
 const SELFTEST_LIMIT: Duration = Duration::from_secs(5);
 
@@ -362,7 +365,7 @@ fn progress(open: Arc<Open>, p: Arc<Progress>) {
         if p.stop.load(Ordering::Acquire) {
             return;
         }
-        if open.pump().and_then(|_| open.sleep()).is_err() {
+        if open.pump().and_then(|_| fi::wait_up_to(&open.fabric, &[&open.cq], TARGET_SLEEP)).is_err() {
             std::thread::sleep(fi::SLICE);
         }
     }
