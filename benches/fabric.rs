@@ -221,7 +221,16 @@ impl Ceiling {
                 let posted = unsafe {
                     let remote = self.mr1.remote(self.target.as_ptr().add(off)).unwrap();
                     let ptr = self.local.as_ptr().add(off) as *mut u8;
-                    self.ep.post(write, &self.mr0, (ptr, op), self.peer, remote, 1 as *mut c_void).unwrap()
+                    self.ep
+                        .post(
+                            write,
+                            &self.mr0,
+                            (ptr, op),
+                            self.peer,
+                            remote,
+                            std::ptr::without_provenance_mut::<c_void>(7),
+                        )
+                        .unwrap()
                 };
                 if posted {
                     pending += 1;
@@ -229,7 +238,7 @@ impl Ceiling {
                     continue;
                 }
             }
-            fi::drain(&cqs, |c| pending -= usize::from(c == 1 as *mut c_void)).unwrap();
+            fi::drain(&cqs, |c| pending -= usize::from(c == std::ptr::without_provenance_mut::<c_void>(7))).unwrap();
             if pending > 0 && off >= bytes {
                 fi::wait(&self.fabric, &cqs, fi::SLICE).unwrap();
             }

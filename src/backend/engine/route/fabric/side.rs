@@ -192,8 +192,12 @@ pub(crate) struct FabricSide {
     conns: Mutex<Vec<TcpStream>>,
 }
 
-/// Self-tests this process ran, by provider and domain asked for: passed (with its cost in ms) or why not.
-static TESTED: Mutex<Vec<((String, Option<String>), std::result::Result<f64, String>)>> = Mutex::new(Vec::new());
+/// A self-test's result as the route keeps it, by the provider and domain asked for: passed (with its cost in
+/// ms) or why not.
+type Tested = ((String, Option<String>), std::result::Result<f64, String>);
+
+/// Self-tests this process ran.
+static TESTED: Mutex<Vec<Tested>> = Mutex::new(Vec::new());
 
 impl FabricSide {
     pub(crate) fn new(agent: &str, (provider, exact): (String, bool), domain: Option<String>) -> Arc<FabricSide> {
