@@ -7,7 +7,9 @@
 //!   restart under the same name (the stale handle NOT_FOUND, the new incarnation reached over libfabric);
 //! - the shm provider on this host: READ and WRITE of 64 MiB and 1024 × 16 KiB;
 //! - a provider without one-sided RMA (udp): its self-test fails, the peer goes over TCP, and the doctor's
-//!   report says which device failed at which step.
+//!   report says which device failed at which step;
+//! - the tcp provider between two network namespaces joined by a bridge (needs root: skipped as `netns`
+//!   otherwise): 64 MiB READ and WRITE and 1024 × 16 KiB READ, data checked.
 //!
 //! Each side names its provider by its full name (backend parameter `fabric_provider`). The child is this binary
 //! re-run with `GIXL_CHILD=fabric-prefill` (its provider in `GIXL_FABRIC_PROVIDER`).
@@ -72,10 +74,43 @@ fn prefill_child() {
     }
 }
 
+/// The initiator in another network namespace: READ 64 MiB from the target (`GIXL_PEER_MD`, `GIXL_PEER_ADDR`)
+/// and check it, READ 1024 × 16 KiB, WRITE 64 MiB of twos; `@decoded <route> <what failed, or ok>`.
+fn decode_child() {
+    setup("fabric decode child").expect("the parent found libfabric");
+    let a = agent("decode-ns", &std::env::var("GIXL_FABRIC_PROVIDER").unwrap());
+    let md = unhex(&std::env::var("GIXL_PEER_MD").unwrap());
+    let raddr: u64 = std::env::var("GIXL_PEER_ADDR").unwrap().parse().unwrap();
+    let dst = vec![0u8; SIZE];
+    let twos = vec![2u8; SIZE];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    a.register_mem(&reg_list(&twos), &[]).unwrap();
+    a.load_remote_md(&md).unwrap();
+    let route = route_of("decode-ns", "prefill");
+    let mut bad = Vec::new();
+    if run(&a, XferOp::Read, &local(&dst, 0, SIZE), &remote(raddr, 0, SIZE), None).ok() != Some(Status::Success)
+        || !dst.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8)
+    {
+        bad.push("64MiB-read");
+    }
+    let (l, r) = blocks(dst.as_ptr() as u64, raddr);
+    let ok = run(&a, XferOp::Read, &l, &r, None).ok() == Some(Status::Success);
+    if !ok || !(0..1024).all(|i| dst[i * BLOCK] == (((1023 - i) * BLOCK) % 251) as u8) {
+        bad.push("blocks-read");
+    }
+    if run(&a, XferOp::Write, &local(&twos, 0, SIZE), &remote(raddr, 0, SIZE), None).ok() != Some(Status::Success) {
+        bad.push("64MiB-write");
+    }
+    let verdict = if bad.is_empty() { "ok".to_owned() } else { bad.join(",") };
+    println!("\n@decoded {route} {verdict}");
+}
+
 #[test]
 fn child_entry() {
-    if std::env::var("GIXL_CHILD").as_deref() == Ok("fabric-prefill") {
-        prefill_child();
+    match std::env::var("GIXL_CHILD").as_deref() {
+        Ok("fabric-prefill") => prefill_child(),
+        Ok("fabric-decode") => decode_child(),
+        _ => {}
     }
 }
 
@@ -89,7 +124,12 @@ struct Prefill {
 
 impl Prefill {
     fn start(seed: usize, provider: &str) -> Prefill {
-        let mut c = Command::new(std::env::current_exe().unwrap());
+        Prefill::start_in(None, seed, provider)
+    }
+
+    /// In network namespace `ns`, where given.
+    fn start_in(ns: Option<&str>, seed: usize, provider: &str) -> Prefill {
+        let mut c = child_in(ns);
         c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
             .env("GIXL_CHILD", "fabric-prefill")
             .env("GIXL_SEED", seed.to_string())
@@ -119,6 +159,19 @@ impl Prefill {
     fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// This binary as a child, in network namespace `ns` where given.
+fn child_in(ns: Option<&str>) -> Command {
+    let exe = std::env::current_exe().unwrap();
+    match ns {
+        None => Command::new(exe),
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(exe);
+            c
+        }
     }
 }
 
@@ -323,5 +376,27 @@ fn a_provider_without_rma_fails_its_self_test_and_the_peer_goes_over_tcp() {
     assert!(!udp.passed && udp.step == Some("getinfo"), "{udp:?}");
     let doctor = gixl::telemetry::doctor::report(None);
     assert!(doctor.contains("getinfo"), "{doctor}");
+    p.kill();
+}
+
+#[test]
+fn tcp_provider_across_two_network_namespaces() {
+    if setup("fabric route netns").is_none() {
+        return;
+    }
+    let Some(net) = common::Net::new("fab", 2) else { return };
+    let mut p = Prefill::start_in(Some(&net.ns(0)), 0, "tcp;ofi_rxm");
+    let mut c = child_in(Some(&net.ns(1)));
+    c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+        .env("GIXL_CHILD", "fabric-decode")
+        .env("GIXL_FABRIC_PROVIDER", "tcp;ofi_rxm")
+        .env("GIXL_PEER_MD", hex(&p.md))
+        .env("GIXL_PEER_ADDR", p.addr.to_string())
+        .stdout(std::process::Stdio::piped());
+    let out = c.output().unwrap();
+    let out = String::from_utf8_lossy(&out.stdout);
+    let line = out.lines().find(|l| l.starts_with("@decoded ")).unwrap_or_else(|| panic!("{out}"));
+    assert_eq!(line, "@decoded libfabric ok");
+    assert_eq!(p.ask("sum", "sum")[0], format!("sum {}", 2 * SIZE), "the 64 MiB WRITE across namespaces");
     p.kill();
 }

@@ -397,6 +397,10 @@ pub fn report(peer: Option<PeerTarget>) -> String {
     ]);
     let pick = if transport == "tcp" {
         "tcp for every peer (GIXL_TRANSPORT=tcp)".to_owned()
+    } else if transport == "fabric" || transport == "libfabric" {
+        "libfabric for every peer that advertises an endpoint of this engine's provider once its device passed its \
+         self-test (GIXL_TRANSPORT=fabric), tcp for the others"
+            .to_owned()
     } else if transport == "rdma" && rdma_works {
         "rdma for every peer with a port on this fabric (GIXL_TRANSPORT=rdma), tcp for the others".to_owned()
     } else if cma_ok {
@@ -506,8 +510,13 @@ fn summary(f: &Facts) -> J {
     let conns = std::env::var("GIXL_TCP_CONNS").unwrap_or_else(|_| "4".into());
     let tcp_why = format!("{conns} data connections per peer (GIXL_TCP_CONNS)");
     let mut routes = vec![route("same process", "in-process", "memcpy between agents of this process".to_owned())];
+    let forced_fabric = f.transport == "fabric" || f.transport == "libfabric";
+    let fabric_why = "GIXL_TRANSPORT=fabric: peers that advertise an endpoint of this engine's libfabric provider \
+                      (GIXL_FABRIC_PROVIDER), once its device passed its self-test (tcp for the others)";
     routes.push(if forced_tcp {
         route("same host", "tcp", format!("GIXL_TRANSPORT=tcp asks for TCP to every peer; {tcp_why}"))
+    } else if forced_fabric {
+        route("same host", "libfabric", fabric_why.into())
     } else if f.transport == "rdma" && f.rdma_works {
         route("same host", "rdma", "GIXL_TRANSPORT=rdma: peers with a port on this fabric (tcp for the others)".into())
     } else if f.cma_ok {
@@ -525,6 +534,8 @@ fn summary(f: &Facts) -> J {
     });
     routes.push(if forced_tcp {
         route("other host", "tcp", format!("GIXL_TRANSPORT=tcp; {tcp_why}"))
+    } else if forced_fabric {
+        route("other host", "libfabric", fabric_why.into())
     } else if rdma_here {
         route("other host", "rdma", format!("{} (tcp for peers without a port on this fabric)", f.rdma_why))
     } else {
