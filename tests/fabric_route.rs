@@ -62,6 +62,13 @@ fn prefill_child() {
                 writeln!(out, "end").unwrap();
             }
             "sum" => writeln!(out, "sum {}", buf.iter().map(|&b| b as u64).sum::<u64>()).unwrap(),
+            // The process's CPU time (user + system, clock ticks), idle meanwhile.
+            "cpu" => {
+                let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
+                let f: Vec<&str> = stat.rsplit(')').next().unwrap().split_whitespace().collect();
+                let ticks: u64 = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+                writeln!(out, "cpu {ticks}").unwrap()
+            }
             "rereg" => {
                 a.deregister_mem(&reg_list(&buf), &[]).unwrap();
                 buf.iter_mut().for_each(|b| *b = 0xEE);
@@ -285,6 +292,14 @@ fn tcp_provider_between_two_processes_reads_writes_notifies_and_survives_deregis
     read_write(&a, "decode", &mut p, 0, &mut dst, &ones);
     let doctor = gixl::telemetry::doctor::report(None);
     assert!(doctor.contains("tcp;ofi_rxm"), "{doctor}");
+    // Connected but idle, the target's progress thread sleeps on its queue's descriptor (up to 100 ms a time):
+    // its process spends next to nothing in a second.
+    let cpu = |p: &mut Prefill| p.ask("cpu", "cpu")[0][4..].parse::<u64>().unwrap();
+    let before = cpu(&mut p);
+    std::thread::sleep(Duration::from_secs(1));
+    let ticks = cpu(&mut p) - before;
+    eprintln!("target's CPU while connected and idle: {ticks} ticks in 1 s");
+    assert!(ticks <= 5, "{ticks} clock ticks of CPU in an idle second");
 
     // The target deregisters and registers the same buffer again: the handle made before is refused (its key is
     // closed; a provider that picks keys never hands that value out again) and the new region is untouched.
@@ -399,4 +414,45 @@ fn tcp_provider_across_two_network_namespaces() {
     assert_eq!(line, "@decoded libfabric ok");
     assert_eq!(p.ask("sum", "sum")[0], format!("sum {}", 2 * SIZE), "the 64 MiB WRITE across namespaces");
     p.kill();
+}
+
+/// A peer destroyed and created again under its name in this process: the stale handle is refused
+/// (NOT_FOUND), the new incarnation is reached over libfabric.
+#[test]
+fn a_peer_restarted_in_this_process_refuses_the_stale_handle() {
+    if setup("fabric route restart in process").is_none() {
+        return;
+    }
+    let a = agent("decode-inproc", "tcp;ofi_rxm");
+    let dst = vec![0u8; 1 << 20];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    let src: Vec<u8> = (0..1 << 20).map(|i| (i % 251) as u8).collect();
+    let b = agent("prefill", "tcp;ofi_rxm");
+    b.register_mem(&reg_list(&src), &[]).unwrap();
+    a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    assert_eq!(route_of("decode-inproc", "prefill"), "libfabric");
+    let raddr = src.as_ptr() as u64;
+    assert_eq!(
+        run(&a, XferOp::Read, &local(&dst, 0, 1 << 20), &remote(raddr, 0, 1 << 20), None).unwrap(),
+        Status::Success
+    );
+    assert!(dst == src);
+    let stale = a
+        .create_xfer_req(XferOp::Read, &local(&dst, 0, 4096), &remote(raddr, 0, 4096), "prefill", &XferOpts::default())
+        .unwrap();
+    drop(b);
+    let b = agent("prefill", "tcp;ofi_rxm");
+    let src2 = vec![9u8; 1 << 20];
+    b.register_mem(&reg_list(&src2), &[]).unwrap();
+    a.invalidate_remote_md("prefill").unwrap();
+    a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    let e = failure(&a, &stale);
+    assert_eq!(e.status(), Status::NotFound, "{e}");
+    assert_eq!(route_of("decode-inproc", "prefill"), "libfabric");
+    let r2 = src2.as_ptr() as u64;
+    assert_eq!(
+        run(&a, XferOp::Read, &local(&dst, 0, 1 << 20), &remote(r2, 0, 1 << 20), None).unwrap(),
+        Status::Success
+    );
+    assert!(dst.iter().all(|&x| x == 9));
 }
