@@ -9,7 +9,9 @@
 //!   start time and watched through a pidfd; where the kernel denies it, that peer's data moves over TCP;
 //! - peers on another host (another boot, pid or network namespace): TCP (see `route::tcp`), or RDMA where both
 //!   have a port on one fabric (see `route::rdma`: queue pairs exchanged over the TCP link, which keeps
-//!   heartbeats and notifications).
+//!   heartbeats and notifications), or libfabric where both have an endpoint of a provider that is not sockets
+//!   (efa, verbs…) and its device passed its self-test (see `route::fabric`: one-sided reads and writes, the TCP
+//!   link keeping the rest).
 //!
 //! Same-host routes copy batch by batch, each batch inside the target incarnation's gate (see `gate`): the
 //! target's live flag and registrations decide, and deregistration and destruction wait for batches inside.
@@ -23,7 +25,10 @@
 //!
 //! Configuration (backend parameter, else environment variable, else default):
 //! - `transport` / `GIXL_TRANSPORT`: `auto` (above), `tcp` (every peer, even in this process, over TCP;
-//!   loopback requests still use `memcpy`) or `rdma` (every peer with a port on our fabric over RDMA).
+//!   loopback requests still use `memcpy`), `rdma` (every peer with a port on our fabric over RDMA) or `fabric`
+//!   (every peer with an endpoint of our libfabric provider over libfabric, the tcp and shm providers included).
+//! - `fabric_provider` / `GIXL_FABRIC_PROVIDER` (else `FI_PROVIDER`), `fabric_domain` / `GIXL_FABRIC_DOMAIN`:
+//!   the libfabric provider and domain (docs/libfabric.md).
 //! - `tcp_addr` / `GIXL_TCP_ADDR`: the listener's address, `IP` or `IP:PORT` (default all IPv4 interfaces,
 //!   an ephemeral port). A specific IP is the only address advertised; otherwise every interface's is.
 //! - `tcp_conns` / `GIXL_TCP_CONNS`: data connections per TCP peer (default 4).
