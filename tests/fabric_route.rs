@@ -8,6 +8,7 @@
 //! - the shm provider on this host: READ and WRITE of 64 MiB and 1024 × 16 KiB;
 //! - a provider without one-sided RMA (udp): its self-test fails, the peer goes over TCP, and the doctor's
 //!   report says which device failed at which step;
+//! - strangers on the greeting (the route's connection kind on the TCP listener) get nothing;
 //! - the tcp provider between two network namespaces joined by a bridge (needs root: skipped as `netns`
 //!   otherwise): 64 MiB READ and WRITE and 1024 × 16 KiB READ, data checked.
 //!
@@ -455,4 +456,71 @@ fn a_peer_restarted_in_this_process_refuses_the_stale_handle() {
         Status::Success
     );
     assert!(dst.iter().all(|&x| x == 9));
+}
+
+/// Strangers on the greeting (the route's connection kind on the TCP listener): without the secret, no ACK and
+/// a greeting is never answered; with it, garbage is closed without an answer and an address of the wrong
+/// length refused (never read past); the real initiator is still served.
+#[test]
+fn strangers_on_the_greeting_get_nothing() {
+    use gixl::backend::engine::wire;
+    use std::io::Read;
+    use std::net::TcpStream;
+    // The route's connection kind (`route/fabric/wire.rs`): a wire byte a stranger knows.
+    const KIND_FABRIC: u8 = 4;
+    if setup("fabric route strangers").is_none() {
+        return;
+    }
+    let mut p = Prefill::start(11, "tcp;ofi_rxm");
+    let a = agent("decode-stranger", "tcp;ofi_rxm");
+    let dst = vec![0u8; 1 << 20];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    a.load_remote_md(&p.md).unwrap();
+    let read = |a: &Agent| run(a, XferOp::Read, &local(&dst, 0, 1 << 20), &remote(p.addr, 0, 1 << 20), None);
+    assert_eq!(read(&a).unwrap(), Status::Success);
+    assert_eq!(route_of("decode-stranger", "prefill"), "libfabric");
+
+    let md = gixl::md::AgentMd::decode(&p.md).unwrap();
+    let (addrs, secret) = gixl::backend::engine::tcp_endpoint(&md.conns[0].1).unwrap();
+    let addr = addrs.iter().copied().find(|a| a.ip().is_loopback()).unwrap_or(addrs[0]);
+    let inc = md.incarnation;
+    let hello = |secret: u128| -> (TcpStream, bool) {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut c = [0u8; wire::CHALLENGE_BYTES];
+        s.read_exact(&mut c).unwrap();
+        let nonce = wire::parse_challenge(&c).unwrap();
+        let tag = wire::hello_tag(secret, KIND_FABRIC, inc, &nonce, "mallory");
+        let h = wire::Hello { kind: KIND_FABRIC, incarnation: inc, tag, name: "mallory".into() };
+        s.write_all(&wire::encode_hello(&h)).unwrap();
+        let mut b = [0u8; 1];
+        let ok = matches!(s.read(&mut b), Ok(1) if b[0] == wire::ACK);
+        (s, ok)
+    };
+    // The documented greeting: "GXFA" | u16 length | address.
+    let greeting = |addr: &[u8]| {
+        let mut g = b"GXFA".to_vec();
+        g.extend_from_slice(&(addr.len() as u16).to_le_bytes());
+        g.extend_from_slice(addr);
+        g
+    };
+    let answer = |mut s: TcpStream| {
+        let mut got = Vec::new();
+        let _ = s.read_to_end(&mut got);
+        got
+    };
+    let (mut s, ok) = hello(secret ^ 1);
+    assert!(!ok, "a wrong tag must not be acknowledged");
+    let _ = s.write_all(&greeting(&[7; 16]));
+    assert!(answer(s).iter().all(|&b| b == wire::NAK), "nothing but the refusal");
+    let (mut s, ok) = hello(secret);
+    assert!(ok);
+    s.write_all(&[0xAB; 64]).unwrap();
+    assert_eq!(answer(s), Vec::<u8>::new(), "garbage: closed");
+    let (mut s, _) = hello(secret);
+    s.write_all(&greeting(&[0xAB; 3])).unwrap();
+    assert_eq!(answer(s), vec![1], "an address of the wrong length: refused");
+    assert_eq!(read(&a).unwrap(), Status::Success, "the real initiator is still served");
+    assert!(dst.iter().enumerate().all(|(i, &b)| b == ((i + 11) % 251) as u8));
+    p.kill();
 }

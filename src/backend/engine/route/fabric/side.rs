@@ -118,8 +118,18 @@ impl Open {
         Ok(Open { dev, fabric, domain, cq, av, ep, addr, keys, ops, peers, scratch: (mr, buf) })
     }
 
-    /// The address-vector entry of the endpoint at `addr`.
+    /// The address-vector entry of the endpoint at `addr`: an address of our own endpoint's length (libfabric
+    /// reads as many bytes as its format takes, whatever was received: another length is refused, never read
+    /// past).
     pub(crate) fn peer(&self, addr: &[u8]) -> Result<u64> {
+        if addr.len() != self.addr.len() {
+            return Err(Error::mismatch(format!(
+                "a libfabric address of {} bytes where {} has {}-byte addresses",
+                addr.len(),
+                self.dev.provider(),
+                self.addr.len()
+            )));
+        }
         let mut p = self.peers.lock();
         if let Some(&a) = p.get(addr) {
             return Ok(a);
