@@ -50,6 +50,7 @@ mod gate;
 #[cfg(test)]
 mod harness;
 mod health;
+mod keys;
 mod notif;
 mod peer;
 mod pool;

@@ -1,7 +1,7 @@
 //! The libfabric route's side of this engine (`FabricSide`): the provider it was given, and, opened on first
 //! need (a registration, the connection info, a peer), one domain of it with one RDM endpoint, its completion
 //! queue and address vector (`Open`); its registrations' memory regions (`FabricExport`: keys never handed out
-//! twice, see `route::keys`); its connection-info section; the target's half of the greeting (a `wire::KIND`
+//! twice, see `keys`); its connection-info section; the target's half of the greeting (a `wire::KIND`
 //! connection per initiator route, kept open while that route lives); and the progress of its endpoint.
 //!
 //! Progress: the providers run here (tcp through `ofi_rxm`, shm) move data only when the endpoint's queue is
@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use super::wire::{self, Advert, FabricKey};
-use crate::backend::engine::route::keys::KeyLedger;
+use crate::backend::engine::keys::KeyLedger;
 use crate::backend::engine::route::{Export, Registration, Side};
 pub(crate) use crate::fabric::is_sockets;
 use crate::fabric::selftest;

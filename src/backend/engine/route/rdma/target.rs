@@ -8,7 +8,7 @@
 //! waits for accesses under way). A NIC may hand the same key value to a later region (the lowest free index
 //! comes back; mlx5 varies only 8 bits of it), and a peer holding the old handle would then reach the new
 //! region wherever the ranges overlap, as when an application registers the same buffer again. So a domain never
-//! hands one key value out twice (`route::keys::KeyLedger`, shared with the libfabric route).
+//! hands one key value out twice (`keys::KeyLedger`, shared with the libfabric route).
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
@@ -20,7 +20,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use super::wire::{self, Port, RdmaKeys};
-use crate::backend::engine::route::keys::KeyLedger;
+use crate::backend::engine::keys::KeyLedger;
 use crate::backend::engine::route::{Export, Registration, Side, Transport};
 use crate::mem::MemType;
 use crate::status::Result;
