@@ -10,54 +10,14 @@
 //! skip log (kind `libfabric`, in CI's must-run set).
 
 use std::process::Command;
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use gixl::fabric::selftest::{self, Outcome, Step};
 use gixl::status::Status;
 
-/// The unpacked root (headers under usr/include), once the library is set up for this process; None (and a
-/// skip) where there is none.
-fn setup(test: &str) -> Option<std::path::PathBuf> {
-    static ROOT: OnceLock<Option<std::path::PathBuf>> = OnceLock::new();
-    let root = ROOT.get_or_init(|| {
-        let root = std::env::var_os("GIXL_LIBFABRIC_ROOT")
-            .map(Into::into)
-            .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache/gixl/libfabric")))?;
-        let lib = root.join("usr/lib/x86_64-linux-gnu");
-        if !lib.join("libfabric.so.1").exists() {
-            return None;
-        }
-        let libnl = root.join("lib/x86_64-linux-gnu");
-        // In the order they need each other.
-        for dep in [
-            libnl.join("libnl-3.so.200"),
-            lib.join("libnl-route-3.so.200"),
-            lib.join("libibverbs.so.1"),
-            lib.join("librdmacm.so.1"),
-            lib.join("libefa.so.1"),
-            lib.join("libpsm2.so.2"),
-            lib.join("libinfinipath.so.4"),
-            lib.join("libpsm_infinipath.so.1"),
-        ] {
-            let c = std::ffi::CString::new(dep.to_str().unwrap()).unwrap();
-            // SAFETY: a NUL-terminated path; the handle is kept for the process's life.
-            let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
-            assert!(!h.is_null(), "{} does not load", dep.display());
-        }
-        if std::env::var_os("GIXL_LIBFABRIC").is_none() {
-            std::env::set_var("GIXL_LIBFABRIC", lib.join("libfabric.so.1"));
-        }
-        Some(root)
-    });
-    if root.is_none() {
-        gixl::test_skip(
-            "libfabric",
-            &format!("{test}: no libfabric under ~/.cache/gixl/libfabric (scripts/setup.sh unpacks it)"),
-        );
-    }
-    root.clone()
-}
+mod common;
+
+use common::fabric::setup;
 
 const LIMIT: Duration = Duration::from_secs(10);
 

@@ -28,6 +28,13 @@ pub const MR_MODES: c_int = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_PROV_KEY | FI_
 /// The capabilities asked of every device: one-sided RMA both ways.
 pub const CAPS: u64 = sys::FI_RMA | sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE;
 
+/// Whether libfabric's provider `name` (`tcp;ofi_rxm`, `efa`…) is itself a socket or shared-memory provider:
+/// gixl's own TCP and same-host routes are faster than those, so its libfabric route takes them only when asked
+/// for (`GIXL_TRANSPORT=fabric`).
+pub fn is_sockets(name: &str) -> bool {
+    matches!(name.split(';').next().unwrap_or(""), "tcp" | "udp" | "sockets" | "shm" | "net" | "xnet" | "sm2")
+}
+
 fn fi_err(lib: &Lib, what: &str, rc: isize) -> Error {
     let rc = c_int::try_from(rc).unwrap_or(c_int::MIN);
     Error::backend(format!("libfabric {what} failed: {} ({rc})", lib.strerror(rc)))
@@ -324,8 +331,9 @@ impl Drop for Cq {
 pub enum CqRead {
     /// Completions (their operation contexts).
     Done(Vec<*mut c_void>),
-    /// A failed operation: its context and the error (`fi_cq_strerror` text).
-    Failed(*mut c_void, Error),
+    /// A failed operation: its context, the error (`fi_cq_strerror` text), libfabric's error number (positive,
+    /// `FI_E*`) and the provider's own.
+    Failed(*mut c_void, Error, i32, i32),
 }
 
 impl Cq {
@@ -414,7 +422,7 @@ impl Cq {
             -e.err,
             e.prov_errno
         );
-        Ok(CqRead::Failed(e.op_context, Error::backend(msg)))
+        Ok(CqRead::Failed(e.op_context, Error::backend(msg), e.err, e.prov_errno))
     }
 
     /// Reads what completed (drives the provider's progress); never blocks.
@@ -443,7 +451,12 @@ impl Cq {
 /// alone, a 64 KiB WRITE over tcp never completed. A caller waits only while an operation is pending, so an
 /// idle endpoint costs no wake-ups.
 pub fn wait(fabric: &Fabric, cqs: &[&Cq], timeout: Duration) -> Result<()> {
-    let timeout = timeout.min(SLICE);
+    wait_up_to(fabric, cqs, timeout.min(SLICE))
+}
+
+/// As [`wait`], but sleeping on the descriptors up to `timeout` (a queue without one: [`SLICE`]): for a target
+/// whose provider wakes its descriptor when a peer's operation arrives (tcp through ofi_rxm did here).
+pub fn wait_up_to(fabric: &Fabric, cqs: &[&Cq], timeout: Duration) -> Result<()> {
     if !cqs.is_empty() && cqs.iter().all(|c| c.fd.is_some()) {
         if !fabric.trywait(cqs)? {
             return Ok(());
@@ -461,7 +474,7 @@ pub fn wait(fabric: &Fabric, cqs: &[&Cq], timeout: Duration) -> Result<()> {
         }
         return Ok(());
     }
-    std::thread::sleep(timeout);
+    std::thread::sleep(timeout.min(SLICE));
     Ok(())
 }
 
@@ -700,13 +713,29 @@ impl Mr {
     /// # Safety
     /// `base..base + len` is allocated memory that outlives the region.
     pub unsafe fn register(domain: &Domain, base: *mut u8, len: usize, ep: &Arc<Endpoint>) -> Result<Mr> {
+        // SAFETY: the caller's contract.
+        unsafe { Mr::register_for(domain, base, len, ep, true) }
+    }
+
+    /// As [`Mr::register`], for local access only where `remote` is false (a key kept taken, reaching
+    /// nothing: a tombstone).
+    ///
+    /// # Safety
+    /// As [`Mr::register`].
+    pub unsafe fn register_for(
+        domain: &Domain,
+        base: *mut u8,
+        len: usize,
+        ep: &Arc<Endpoint>,
+        remote: bool,
+    ) -> Result<Mr> {
         let lib = domain.lib();
         let d = domain.0.domain;
         // SAFETY: a live domain's MR table.
         let Some(reg) = (unsafe { (*(*d).mr).reg }) else { return Err(missing(lib, "fi_mr_reg")) };
         let mode = domain.0.mr_mode;
         let requested = if mode & FI_MR_PROV_KEY != 0 { 0 } else { domain.0.next_key.fetch_add(1, Ordering::Relaxed) };
-        let access = sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE;
+        let access = sys::FI_READ | sys::FI_WRITE | if remote { sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE } else { 0 };
         let mut mr = null_mut();
         // SAFETY: a live domain; the memory is the caller's contract; offset 0 (the region's first byte is
         // address 0 where addresses are offsets).
@@ -722,6 +751,12 @@ impl Mr {
             m._ep = Some(ep.clone());
         }
         Ok(m)
+    }
+
+    /// The key peers name (`fi_mr_key`).
+    pub fn key(&self) -> u64 {
+        // SAFETY: a live region.
+        unsafe { (*self.mr).key }
     }
 
     /// The descriptor to pass with local uses (`fi_mr_desc`).
@@ -745,7 +780,7 @@ pub fn drain(cqs: &[&Cq], mut done: impl FnMut(*mut c_void)) -> Result<()> {
     for cq in cqs {
         match cq.read()? {
             CqRead::Done(v) => v.into_iter().for_each(&mut done),
-            CqRead::Failed(_, e) => return Err(e),
+            CqRead::Failed(_, e, _, _) => return Err(e),
         }
     }
     Ok(())

@@ -209,35 +209,38 @@ fn libcuda() -> Result<(), String> {
 }
 
 /// libfabric: found or not (where from, or why not), its devices (provider/domain) and the self-tests this
-/// process ran. No route uses it yet, so `works` is false.
+/// process ran. `works`: a device passed its self-test in this process (the route uses only those).
 fn libfabric_j() -> J {
     let lib = crate::fabric::sys::lib();
     let (found, library, version) = match &lib {
         Ok(l) => (true, l.path.clone(), format!("{}.{}", l.version().0, l.version().1)),
         Err(e) => (false, e.message().to_owned(), String::new()),
     };
-    let devices = match lib.and_then(|_| crate::fabric::devices(None, None)) {
-        Ok(v) => v.iter().map(|d| J::s(format!("{}/{}", d.provider(), d.domain()))).collect(),
-        Err(_) => Vec::new(),
-    };
-    let tests = crate::fabric::selftest::records()
+    let all = lib.and_then(|_| crate::fabric::devices(None, None)).unwrap_or_default();
+    let devices = all.iter().map(|d| J::s(format!("{}/{}", d.provider(), d.domain()))).collect();
+    let fabric: Vec<String> = all.iter().map(|d| d.provider()).filter(|p| !crate::fabric::is_sockets(p)).collect();
+    let records = crate::fabric::selftest::records();
+    let works = records.iter().any(|r| r.passed);
+    let why = format!(
+        "the libfabric route takes a peer that advertises an endpoint of this engine's provider once the device \
+         passed its self-test (a one-sided WRITE and READ between two endpoints of this process, run at the first \
+         such peer; a failure is one WARN line and the peer goes over TCP); providers that are not sockets or \
+         shared memory on their own (here: {}), tcp/udp/sockets/shm only with GIXL_TRANSPORT=fabric and \
+         GIXL_FABRIC_PROVIDER (or FI_PROVIDER); GIXL_LIBFABRIC names the library",
+        if fabric.is_empty() { "none".to_owned() } else { fabric.join(", ") }
+    );
+    let tests = records
         .into_iter()
         .map(|r| self_test_j(r.device, r.passed, r.ms, r.step, r.error))
         .collect();
     J::Obj(vec![
-        ("works", J::Bool(false)),
+        ("works", J::Bool(works)),
         ("found", J::Bool(found)),
         ("library", J::s(library)),
         ("version", J::s(version)),
         ("devices", J::Arr(devices)),
         ("self_tests", J::Arr(tests)),
-        (
-            "why",
-            J::s(
-                "no route uses libfabric yet: its devices are listed and can be self-tested (a one-sided WRITE and \
-                 READ between two endpoints of this process); GIXL_LIBFABRIC names the library",
-            ),
-        ),
+        ("why", J::s(why)),
     ])
 }
 
@@ -419,6 +422,10 @@ pub fn report(peer: Option<PeerTarget>) -> String {
     ]);
     let pick = if transport == "tcp" {
         "tcp for every peer (GIXL_TRANSPORT=tcp)".to_owned()
+    } else if transport == "fabric" || transport == "libfabric" {
+        "libfabric for every peer that advertises an endpoint of this engine's provider once its device passed its \
+         self-test (GIXL_TRANSPORT=fabric), tcp for the others"
+            .to_owned()
     } else if transport == "rdma" && rdma_works {
         "rdma for every peer with a port on this fabric (GIXL_TRANSPORT=rdma), tcp for the others".to_owned()
     } else if cma_ok {
@@ -542,8 +549,13 @@ fn summary(f: &Facts) -> J {
     let conns = std::env::var("GIXL_TCP_CONNS").unwrap_or_else(|_| "4".into());
     let tcp_why = format!("{conns} data connections per peer (GIXL_TCP_CONNS)");
     let mut routes = vec![route("same process", "in-process", "memcpy between agents of this process".to_owned())];
+    let forced_fabric = f.transport == "fabric" || f.transport == "libfabric";
+    let fabric_why = "GIXL_TRANSPORT=fabric: peers that advertise an endpoint of this engine's libfabric provider \
+                      (GIXL_FABRIC_PROVIDER), once its device passed its self-test (tcp for the others)";
     routes.push(if forced_tcp {
         route("same host", "tcp", format!("GIXL_TRANSPORT=tcp asks for TCP to every peer; {tcp_why}"))
+    } else if forced_fabric {
+        route("same host", "libfabric", fabric_why.into())
     } else if f.transport == "rdma" && f.rdma_works {
         route("same host", "rdma", "GIXL_TRANSPORT=rdma: peers with a port on this fabric (tcp for the others)".into())
     } else if f.cma_ok {
@@ -561,6 +573,8 @@ fn summary(f: &Facts) -> J {
     });
     routes.push(if forced_tcp {
         route("other host", "tcp", format!("GIXL_TRANSPORT=tcp; {tcp_why}"))
+    } else if forced_fabric {
+        route("other host", "libfabric", fabric_why.into())
     } else if rdma_here {
         route("other host", "rdma", format!("{} (tcp for peers without a port on this fabric)", f.rdma_why))
     } else {

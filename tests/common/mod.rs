@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod dev;
+pub mod fabric;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;

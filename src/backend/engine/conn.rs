@@ -315,7 +315,7 @@ mod tests {
     fn conn_info_v4_skips_what_it_does_not_know() {
         let v3 = conn_bytes(&[(4, &[192, 0, 2, 1])]);
         let want = parse_conn(&v3).unwrap();
-        let v4 = conn_v3_to_v4(&v3, &[], &[(77, b"a route of a later release"), (6, b"")]).unwrap();
+        let v4 = conn_v3_to_v4(&v3, &[], &[(77, b"a route of a later release"), (31, b"")]).unwrap();
         let c = parse_conn(&v4).unwrap();
         assert_eq!(format!("{c:?}"), format!("{want:?}"));
         // A route's section is kept as bytes, for that route to read.

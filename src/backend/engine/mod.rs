@@ -9,7 +9,9 @@
 //!   start time and watched through a pidfd; where the kernel denies it, that peer's data moves over TCP;
 //! - peers on another host (another boot, pid or network namespace): TCP (see `route::tcp`), or RDMA where both
 //!   have a port on one fabric (see `route::rdma`: queue pairs exchanged over the TCP link, which keeps
-//!   heartbeats and notifications).
+//!   heartbeats and notifications), or libfabric where both have an endpoint of a provider that is not sockets
+//!   (efa, verbs…) and its device passed its self-test (see `route::fabric`: one-sided reads and writes, the TCP
+//!   link keeping the rest).
 //!
 //! Same-host routes copy batch by batch, each batch inside the target incarnation's gate (see `gate`): the
 //! target's live flag and registrations decide, and deregistration and destruction wait for batches inside.
@@ -23,7 +25,10 @@
 //!
 //! Configuration (backend parameter, else environment variable, else default):
 //! - `transport` / `GIXL_TRANSPORT`: `auto` (above), `tcp` (every peer, even in this process, over TCP;
-//!   loopback requests still use `memcpy`) or `rdma` (every peer with a port on our fabric over RDMA).
+//!   loopback requests still use `memcpy`), `rdma` (every peer with a port on our fabric over RDMA) or `fabric`
+//!   (every peer with an endpoint of our libfabric provider over libfabric, the tcp and shm providers included).
+//! - `fabric_provider` / `GIXL_FABRIC_PROVIDER` (else `FI_PROVIDER`), `fabric_domain` / `GIXL_FABRIC_DOMAIN`:
+//!   the libfabric provider and domain (docs/libfabric.md).
 //! - `tcp_addr` / `GIXL_TCP_ADDR`: the listener's address, `IP` or `IP:PORT` (default all IPv4 interfaces,
 //!   an ephemeral port). A specific IP is the only address advertised; otherwise every interface's is.
 //! - `tcp_conns` / `GIXL_TCP_CONNS`: data connections per TCP peer (default 4).
@@ -45,6 +50,7 @@ mod gate;
 #[cfg(test)]
 mod harness;
 mod health;
+mod keys;
 mod notif;
 mod peer;
 pub(crate) mod pool;
@@ -84,18 +90,29 @@ pub fn create(init: BackendInit) -> Result<Arc<dyn Backend>> {
     Ok(Arc::new(Engine::new(init)?))
 }
 
-/// The same engine under NIXL's `LIBFABRIC` plugin name (what Ray asks for on EFA nodes): its peers are
-/// reached over the engine's routes (in-process, CMA, TCP, RDMA); no libfabric route exists yet
-/// (docs/libfabric.md). NIXL's LIBFABRIC parameters are accepted and, but for `num_threads`, ignored.
+/// The same engine under NIXL's `LIBFABRIC` plugin name (what Ray asks for on EFA nodes): its peers on other
+/// hosts go over the libfabric route (`route::fabric`) where this host has a provider that is not sockets or
+/// shared memory (efa, verbs, psm…; tcp and shm only with `GIXL_TRANSPORT=fabric`) and its device passes its
+/// self-test, else over the engine's other routes (docs/libfabric.md). NIXL's LIBFABRIC parameters are accepted
+/// and, but for `num_threads`, ignored.
 pub fn create_libfabric(init: BackendInit) -> Result<Arc<dyn Backend>> {
     let agent = init.agent_name.clone();
     let engine = Engine::named(init, "LIBFABRIC")?;
-    // Never a silent fallback: whoever asked for a fabric is told that no libfabric route carries its data.
-    crate::telemetry::log::warn(&format!(
-        "agent '{agent}': backend LIBFABRIC is gixl's engine under NIXL's plugin name; gixl has no libfabric route \
-         yet, so peers on other hosts go over TCP (RDMA where its port reaches them); `python -m gixl doctor` says \
-         what this host has (docs/libfabric.md)"
-    ));
+    let fabric = engine.shared.sides.routes().any(|(n, _)| n.name() == "libfabric");
+    if fabric {
+        crate::telemetry::log::info(&format!(
+            "agent '{agent}': backend LIBFABRIC: its peers go over the libfabric route once this host's device \
+             passes its self-test (run at the first such peer), else over TCP with a WARN line"
+        ));
+    } else {
+        // Never a silent fallback: whoever asked for a fabric is told that no libfabric route carries its data.
+        crate::telemetry::log::warn(&format!(
+            "agent '{agent}': backend LIBFABRIC has no libfabric provider to use here (none of efa, verbs, psm… \
+             was found; tcp and shm are used only with GIXL_TRANSPORT=fabric), so peers on other hosts go over \
+             TCP (RDMA where its port reaches them); `python -m gixl doctor` says what this host has \
+             (docs/libfabric.md)"
+        ));
+    }
     Ok(Arc::new(engine))
 }
 

@@ -82,6 +82,7 @@ pub(super) fn load(s: &Arc<Shared>, agent: &str, incarnation: u128, ci: &ConnInf
             (false, _, _) => "another host, or another pid or network namespace",
             (true, false, _) => "its connection info offers no same-host route",
             (true, true, Transport::Rdma) => "GIXL_TRANSPORT=rdma",
+            (true, true, Transport::Fabric) => "GIXL_TRANSPORT=fabric",
             (true, true, _) => "GIXL_TRANSPORT=tcp",
         };
         // With why not each route beside TCP this side runs (never a silent fallback).

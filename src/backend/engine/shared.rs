@@ -136,9 +136,10 @@ impl Shared {
             None | Some("auto") => Transport::Auto,
             Some("tcp") => Transport::Tcp,
             Some("rdma") => Transport::Rdma,
+            Some("fabric" | "libfabric") => Transport::Fabric,
             Some(other) => {
                 return Err(Error::invalid_param(format!(
-                    "transport '{other}' is not one of auto, tcp, rdma (GIXL_TRANSPORT)"
+                    "transport '{other}' is not one of auto, tcp, rdma, fabric (GIXL_TRANSPORT)"
                 )))
             }
         };
@@ -166,7 +167,8 @@ impl Shared {
             .is_some_and(|v| v.split(',').any(|f| f.trim() == "no_pidfd_getfd"));
         // Peers that may not take it with `pidfd_getfd` ask for it over the control socket.
         ctrl.offer_fd(gate.raw_fd());
-        let sides = Sides::start(transport, &init.agent_name, &ctrl.tcp, tcp_opts.patience());
+        let sides =
+            Sides::start(transport, &init.agent_name, &ctrl.tcp, tcp_opts.patience(), &|p, e| setting(&init, p, e));
         let shared = Arc::new(Shared {
             agent: init.agent_name,
             incarnation: init.incarnation,

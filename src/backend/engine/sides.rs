@@ -6,23 +6,30 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::route::fabric::FABRIC;
 use super::route::rdma::RDMA;
 use super::route::tcp::listen::TcpShared;
-use super::route::{Net, Side, Tickets, Transport};
+use super::route::{Net, Setting, Side, Tickets, Transport};
 use crate::md::Reader;
 use crate::status::Result;
 
 /// The network routes beside TCP, in the order the router tries them.
-pub(super) const NET: &[&dyn Net] = &[&RDMA];
+pub(super) const NET: &[&dyn Net] = &[&RDMA, &FABRIC];
 
 /// This engine's target sides, by `NET`'s order, each where its route runs here.
 pub(super) struct Sides(Vec<Option<Arc<dyn Side>>>);
 
 impl Sides {
     /// Start every route's side `transport` allows; `tcp` hands them their connection kinds (served with
-    /// `patience`, see `TcpOpts::patience`).
-    pub(super) fn start(transport: Transport, agent: &str, tcp: &TcpShared, patience: Duration) -> Sides {
-        Sides(NET.iter().map(|n| n.start(transport, agent, tcp, patience)).collect())
+    /// `patience`, see `TcpOpts::patience`); `setting` reads their options.
+    pub(super) fn start(
+        transport: Transport,
+        agent: &str,
+        tcp: &TcpShared,
+        patience: Duration,
+        setting: Setting,
+    ) -> Sides {
+        Sides(NET.iter().map(|n| n.start(transport, agent, tcp, patience, setting)).collect())
     }
 
     /// Every route beside TCP that runs here, with its side.

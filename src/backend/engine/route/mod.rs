@@ -1,6 +1,6 @@
 //! The engine's routes to a peer, a file or a folder each, behind one trait (`Route`): an agent in this process
 //! (`in_process`), another process on this host by cross-memory attach (`cma`), TCP (`tcp/`, split by
-//! responsibility) and RDMA (`rdma/`, which rides a TCP link for what is not data). A peer holds one
+//! responsibility), RDMA (`rdma/`) and libfabric (`fabric/`), both of which ride a TCP link for what is not data. A peer holds one
 //! (`peer::PeerKind`); everything the engine asks of a peer's route (why it is down, connect, close, notify,
 //! prepare a request, copy a piece of it) goes through the trait. Whether the peer is down is not a route's
 //! answer but its health's (`health::PeerHealth`), which every route of the peer feeds.
@@ -15,6 +15,7 @@
 //! route's own fields.
 
 pub(super) mod cma;
+pub(super) mod fabric;
 pub(super) mod in_process;
 pub(super) mod rdma;
 pub(super) mod tcp;
@@ -120,8 +121,16 @@ pub(super) trait Net: Sync {
     /// Its connection-info section's id (layout 4, see `conn`).
     fn section(&self) -> u64;
     /// Its target side, where `transport` allows it and it runs here; `tcp` hands it authenticated connections
-    /// of its kind (served with `patience`, see `TcpOpts::patience`).
-    fn start(&self, transport: Transport, agent: &str, tcp: &TcpShared, patience: Duration) -> Option<Arc<dyn Side>>;
+    /// of its kind (served with `patience`, see `TcpOpts::patience`); `setting` reads its options (a backend
+    /// parameter, else an environment variable: `setting(param, env)`).
+    fn start(
+        &self,
+        transport: Transport,
+        agent: &str,
+        tcp: &TcpShared,
+        patience: Duration,
+        setting: Setting,
+    ) -> Option<Arc<dyn Side>>;
     /// What it reads of a peer region's ticket sections (`id`, bytes; others' are not its business); None where
     /// none is its own (nothing kept: most regions have none).
     fn read_ticket(&self, sections: &[(u64, &[u8])]) -> Result<Option<Box<dyn Any + Send + Sync>>>;
@@ -132,6 +141,9 @@ pub(super) trait Net: Sync {
     /// For `crate::fuzzing`: its codecs of peers' bytes, on `b`.
     fn fuzz(&self, b: &[u8]);
 }
+
+/// A backend parameter, else an environment variable (`setting(param, env)`), for `Net::start`.
+pub(super) type Setting<'a> = &'a dyn Fn(&str, &str) -> Option<String>;
 
 /// A peer as a `Net` route is asked whether it reaches it.
 pub(super) struct Reach<'a> {
@@ -186,6 +198,9 @@ pub(super) enum Transport {
     Tcp,
     /// Every peer over RDMA where both sides have a port on one fabric, even on this host; else TCP.
     Rdma,
+    /// Every peer over libfabric where both sides have an endpoint of one provider (tcp and shm included),
+    /// even on this host; else TCP.
+    Fabric,
 }
 
 /// What a route needs of a request to copy a piece of it.

@@ -36,7 +36,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::{Job, Net, Prepared, Reach, Regions, Route, Side, TcpLink, TcpShared, Transport, VramWay};
+use super::{Job, Net, Prepared, Reach, Regions, Route, Setting, Side, TcpLink, TcpShared, Transport, VramWay};
 use crate::backend::{Seg, XferOp, XferPlan};
 use crate::status::{Error, Result, Status};
 use crate::verbs::{Completion, Cq, Op, Qp, QpCaps, Sge, WcStatus, Wr};
@@ -219,7 +219,14 @@ impl Net for RdmaNet {
     fn section(&self) -> u64 {
         wire::SECTION
     }
-    fn start(&self, transport: Transport, agent: &str, tcp: &TcpShared, patience: Duration) -> Option<Arc<dyn Side>> {
+    fn start(
+        &self,
+        transport: Transport,
+        agent: &str,
+        tcp: &TcpShared,
+        patience: Duration,
+        _setting: Setting,
+    ) -> Option<Arc<dyn Side>> {
         let side = RdmaSide::start_for(transport, agent)?;
         let s = side.clone();
         tcp.set_side(wire::KIND, Box::new(move |c| s.serve(c, patience)));

@@ -8,11 +8,8 @@
 //! waits for accesses under way). A NIC may hand the same key value to a later region (the lowest free index
 //! comes back; mlx5 varies only 8 bits of it), and a peer holding the old handle would then reach the new
 //! region wherever the ranges overlap, as when an application registers the same buffer again. So a domain never
-//! hands one key value out twice: a registration that gets a value used before moves it onto a 64-byte
-//! local-only buffer kept for the engine's life (a tombstone: the value stays taken, reaching nothing), and
-//! registers again.
+//! hands one key value out twice (`keys::KeyLedger`, shared with the libfabric route).
 
-use std::collections::HashSet;
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -23,15 +20,14 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use super::wire::{self, Port, RdmaKeys};
+use crate::backend::engine::keys::KeyLedger;
 use crate::backend::engine::route::{Export, Registration, Side, Transport};
 use crate::mem::MemType;
-use crate::status::{Error, Result};
+use crate::status::Result;
 use crate::verbs::{self, Cq, Mr, Nic, PortEvent, QpAddr, QpCaps, LOCAL_WRITE, REMOTE_READ, REMOTE_WRITE};
 
 /// Target pairs only answer: they post nothing.
 const TARGET_CAPS: QpCaps = QpCaps { send_wr: 1, recv_wr: 1, sge: 1 };
-/// Registrations that may meet a used key value in a row before giving up.
-const MAX_KEY_TRIES: usize = 64;
 
 /// Where a registration's memory is, for choosing the NIC nearest it (`RdmaSide::near`).
 pub(crate) enum Place {
@@ -61,9 +57,8 @@ pub(crate) struct PortSide {
     /// Completion queue of the target's pairs (they post nothing: it stays empty).
     cq: Arc<dyn Cq>,
     pub(crate) port: Port,
-    /// Every key value this domain handed out.
-    used: Mutex<HashSet<u32>>,
-    tombstones: Mutex<Vec<(Mr, Box<[u8]>)>>,
+    /// Every key value this domain handed out, and the tombstones that keep reused ones taken.
+    keys: KeyLedger<(Mr, Box<[u8]>)>,
     /// A few bytes of local memory the initiator reads into to flush its WRITEs (see `Rdma::run`), kept for
     /// the engine's life.
     pub(crate) scratch: (Mr, Box<[u8]>),
@@ -73,21 +68,20 @@ pub(crate) struct PortSide {
 
 impl PortSide {
     /// A memory region made by `reg` (given the NIC and the access peers get: read and write), under a key
-    /// value this domain never handed out before.
+    /// value this domain never handed out before (`KeyLedger`).
     fn register(&self, reg: &dyn Fn(&dyn Nic, u32) -> Result<Mr>) -> Result<Mr> {
-        for _ in 0..MAX_KEY_TRIES {
-            let mr = reg(&*self.nic, LOCAL_WRITE | REMOTE_READ | REMOTE_WRITE)?;
-            if self.used.lock().insert(mr.rkey) {
-                return Ok(mr);
-            }
-            // A value an old handle may still hold: off the region, onto a tombstone that keeps it taken.
-            self.nic.dereg_mr(&mr)?;
-            let dummy = vec![0u8; 64].into_boxed_slice();
-            let t = self.nic.reg_mr(dummy.as_ptr() as u64, dummy.len() as u64, LOCAL_WRITE)?;
-            self.used.lock().insert(t.rkey);
-            self.tombstones.lock().push((t, dummy));
-        }
-        Err(Error::backend(format!("the NIC kept handing out used memory keys ({MAX_KEY_TRIES} tries)")))
+        self.keys.register(
+            "the NIC",
+            || reg(&*self.nic, LOCAL_WRITE | REMOTE_READ | REMOTE_WRITE),
+            |mr| u64::from(mr.rkey),
+            |mr| self.nic.dereg_mr(&mr),
+            || {
+                let dummy = vec![0u8; 64].into_boxed_slice();
+                let t = self.nic.reg_mr(dummy.as_ptr() as u64, dummy.len() as u64, LOCAL_WRITE)?;
+                let k = u64::from(t.rkey);
+                Ok(((t, dummy), k))
+            },
+        )
     }
 }
 
@@ -178,7 +172,7 @@ impl RdmaSide {
     /// in the log where it was asked for). Its `serve` takes the TCP listener's connections of its kind (`wire::KIND`).
     pub(crate) fn start_for(transport: Transport, agent: &str) -> Option<Arc<RdmaSide>> {
         match (transport, RdmaSide::start(transport == Transport::Rdma)) {
-            (Transport::Tcp, _) => None,
+            (Transport::Tcp | Transport::Fabric, _) => None,
             (_, Ok(side)) => {
                 crate::telemetry::log::info(&format!("agent '{agent}': RDMA port {}", side.label()));
                 Some(side)
@@ -211,10 +205,10 @@ impl RdmaSide {
                 let cq = nic.create_cq(64)?;
                 let buf = vec![0u8; 64].into_boxed_slice();
                 let mr = nic.reg_mr(buf.as_ptr() as u64, buf.len() as u64, LOCAL_WRITE)?;
-                let used = Mutex::new(HashSet::from([mr.rkey]));
+                let keys = KeyLedger::new([u64::from(mr.rkey)]);
                 let scratch = (mr, buf);
                 let down = AtomicBool::new(false);
-                Ok(PortSide { port: Port::from(p), nic, cq, used, tombstones: Mutex::default(), scratch, down })
+                Ok(PortSide { port: Port::from(p), nic, cq, keys, scratch, down })
             };
             match open() {
                 Ok(side) => ports.push(side),

@@ -1,0 +1,485 @@
+//! The libfabric route: peers whose connection info advertises an endpoint of the provider this engine uses
+//! (`side::FabricSide`), over one-sided `fi_read`/`fi_write` on RDM endpoints (`crate::fabric`, libfabric opened
+//! at run time). Taken for providers that are not themselves sockets or shared memory (efa, verbs, psm…) for
+//! peers on another host; with `GIXL_TRANSPORT=fabric` for every peer the provider reaches, even on this host
+//! (how the tests run it over the tcp and shm providers):
+//! - `side`: this engine's endpoint (opened on first need), its registrations' memory regions (keys never
+//!   handed out twice), its connection-info section, the target's half of the greeting, and the endpoint's
+//!   progress while initiators are greeted;
+//! - here, the initiator: a request's pieces as READ/WRITE operations on this engine's endpoint to the peer's
+//!   (its address inserted in the address vector), a few in flight, their completions waited for by sleeping
+//!   on the queue's wait descriptor (`crate::fabric::wait`); a WRITE completes delivery-complete, so the data is
+//!   at the target when the request completes and its notification leaves;
+//! - `wire`: the section, the ticket and the greeting as pure functions.
+//!
+//! The peer's TCP link carries what is not data: the authenticated greeting (a `wire::KIND` connection on the
+//! TCP listener, kept open while the route lives: the target drives its endpoint while it is, and its closing
+//! says the peer is gone), heartbeats while requests are in flight, and notifications. GPU memory is staged
+//! over the TCP link (`FI_HMEM` not yet). Not yet either: several NICs (rails) of a provider.
+
+pub(crate) mod side;
+pub(crate) mod wire;
+
+use std::any::Any;
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use super::{Job, Net, Prepared, Reach, Regions, Route, Setting, Side, TcpLink, TcpShared, Transport, VramWay};
+use crate::backend::{Seg, XferOp, XferPlan};
+use crate::fabric::{Mr, RemoteKey};
+use crate::status::{Error, Result, Status};
+use side::{FabricExport, FabricSide, OpState, Open, Slot};
+use wire::FabricKey;
+
+/// Bytes per operation.
+const MAX_OP_BYTES: u64 = 8 << 20;
+/// Operations in flight per piece.
+const MAX_IN_FLIGHT: usize = 64;
+/// How often a waiting thread looks at the peer's health and the request's abort flag, at most (it sleeps
+/// `fabric::SLICE` at a time).
+const WAKE: Duration = Duration::from_millis(100);
+
+/// The provider the engine is asked for: backend parameter `fabric_provider`, else `GIXL_FABRIC_PROVIDER` (its
+/// full name, exactly: `tcp;ofi_rxm`, `shm`, `efa`, as `gixl doctor` lists them), else libfabric's own
+/// `FI_PROVIDER` (as libfabric reads it: `tcp` names `tcp;ofi_rxm` too); and the domain: `fabric_domain` /
+/// `GIXL_FABRIC_DOMAIN`.
+fn asked(setting: Setting) -> (Option<(String, bool)>, Option<String>) {
+    let trim = |v: String| v.trim().to_owned();
+    let fi = || std::env::var("FI_PROVIDER").ok().filter(|v| !v.trim().is_empty()).map(|v| (trim(v), false));
+    let p = setting("fabric_provider", "GIXL_FABRIC_PROVIDER").map(|v| (trim(v), true)).or_else(fi);
+    (p, setting("fabric_domain", "GIXL_FABRIC_DOMAIN").map(trim))
+}
+
+/// The first provider offered that is not itself sockets or shared memory (efa, verbs, psm…), looked up once
+/// per process (libfabric absent: none).
+fn fabric_provider() -> Option<String> {
+    static FOUND: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    FOUND
+        .get_or_init(|| {
+            let all = crate::fabric::devices(None, None).ok()?;
+            all.iter().map(|d| d.provider()).find(|p| !side::is_sockets(p))
+        })
+        .clone()
+}
+
+/// The libfabric route as the engine lists it (`sides::NET`).
+pub(crate) struct FabricNet;
+pub(crate) const FABRIC: FabricNet = FabricNet;
+
+impl Net for FabricNet {
+    fn name(&self) -> &'static str {
+        "libfabric"
+    }
+    fn section(&self) -> u64 {
+        wire::SECTION
+    }
+    /// With `GIXL_TRANSPORT=fabric`, the provider asked for (else the first that is not sockets, else
+    /// `tcp;ofi_rxm`); otherwise only a provider that is not sockets or shared memory. Nothing is opened here
+    /// (see `FabricSide::opened`).
+    fn start(
+        &self,
+        transport: Transport,
+        agent: &str,
+        tcp: &TcpShared,
+        patience: Duration,
+        setting: Setting,
+    ) -> Option<Arc<dyn Side>> {
+        let (provider, domain) = asked(setting);
+        let provider = match (transport, provider) {
+            (Transport::Tcp | Transport::Rdma, _) => return None,
+            (Transport::Fabric, Some(p)) => p,
+            (Transport::Fabric, None) => (fabric_provider().unwrap_or_else(|| "tcp;ofi_rxm".into()), true),
+            // Sockets and shared memory only when forced: gixl's own routes are faster.
+            (Transport::Auto, Some(p)) if side::is_sockets(&p.0) => return None,
+            (Transport::Auto, Some(p)) => p,
+            (Transport::Auto, None) => (fabric_provider()?, true),
+        };
+        crate::telemetry::log::info(&format!(
+            "agent '{agent}': libfabric provider {} (opened on first use)",
+            provider.0
+        ));
+        let side = FabricSide::new(agent, provider, domain);
+        let s = side.clone();
+        tcp.set_side(wire::KIND, Box::new(move |c| s.serve(c, patience)));
+        Some(side)
+    }
+    fn read_ticket(&self, sections: &[(u64, &[u8])]) -> Result<Option<Box<dyn Any + Send + Sync>>> {
+        Ok(wire::read_ticket(sections)?.map(|k| Box::new(k) as _))
+    }
+    /// Where the peer advertises an endpoint of our provider and our device passed its self-test: across
+    /// hosts, or on this one with `GIXL_TRANSPORT=fabric`.
+    fn open(
+        &self,
+        side: &Arc<dyn Side>,
+        to: &Reach<'_>,
+    ) -> std::result::Result<(Box<dyn Route>, String), &'static str> {
+        let side = (side.clone() as Arc<dyn Any + Send + Sync>).downcast::<FabricSide>().map_err(|_| "not its side")?;
+        if to.same_host && to.transport != Transport::Fabric {
+            return Err("same host");
+        }
+        // Our device is tested at the first peer that advertises an endpoint at all (so a failure is said even
+        // where the peer's own device failed too).
+        let section = to.section.ok_or("it advertises no libfabric endpoint")?;
+        let (open, ms) = side.ready().map_err(|why| {
+            if why.starts_with("self-test") {
+                "our libfabric device failed its self-test (said above)"
+            } else {
+                "our libfabric endpoint could not be opened (said above)"
+            }
+        })?;
+        let advert = wire::decode_section(section).ok_or("it advertises no usable libfabric endpoint")?;
+        if advert.provider != open.dev.provider() {
+            return Err("its libfabric provider is not ours");
+        }
+        let said = format!("{}/{}, its self-test passed in {ms:.1} ms", open.dev.provider(), open.dev.domain());
+        Ok((Box::new(Fabric::new((to.link)(), open, to.agent, advert.addr)), said))
+    }
+    fn fuzz(&self, b: &[u8]) {
+        wire::fuzz(b);
+    }
+}
+
+/// A request's regions as `prepare` found them: each local one's memory region (by `Seg::lreg`) and each
+/// remote one's key (by `Seg::rreg`).
+struct Keys {
+    local: Vec<Option<Arc<Slot>>>,
+    remote: Vec<Option<FabricKey>>,
+}
+
+impl Keys {
+    fn of(prepared: Option<&(dyn Any + Send + Sync)>) -> &Keys {
+        static NONE: Keys = Keys { local: Vec::new(), remote: Vec::new() };
+        prepared.and_then(|p| p.downcast_ref::<Keys>()).unwrap_or(&NONE)
+    }
+}
+
+pub(crate) struct Fabric {
+    link: Arc<TcpLink>,
+    open: Arc<Open>,
+    name: String,
+    /// The peer's endpoint address.
+    addr: Vec<u8>,
+    /// Once greeted: its address-vector entry and the greeting connection (open while the route lives).
+    greeted: Mutex<Option<(u64, Arc<TcpStream>)>>,
+}
+
+impl Fabric {
+    fn new(link: Arc<TcpLink>, open: Arc<Open>, name: &str, addr: Vec<u8>) -> Fabric {
+        Fabric { link, open, name: name.to_owned(), addr, greeted: Mutex::default() }
+    }
+
+    fn gone(&self, why: &str) -> Error {
+        Error::disconnected(format!("agent '{}' is unreachable over libfabric: {why}", self.name))
+    }
+
+    fn link_down(&self) -> Error {
+        self.gone(&self.link.why().unwrap_or_else(|| "down".into()))
+    }
+
+    /// The peer's address-vector entry and greeting connection: greeted now the first time (over a proven
+    /// connection of the TCP link, so a restarted peer is refused there).
+    fn greet(&self) -> Result<(u64, Arc<TcpStream>)> {
+        let mut g = self.greeted.lock();
+        if let Some((a, c)) = &*g {
+            if !hung_up(c) {
+                return Ok((*a, c.clone()));
+            }
+            let _ = c.shutdown(Shutdown::Both);
+            *g = None;
+            return Err(self.gone("its greeting connection closed"));
+        }
+        let mut conn = self.link.dial_proven(wire::KIND)?;
+        let io = |e: std::io::Error| self.gone(&format!("greeting: {e}"));
+        conn.write_all(&wire::encode_greeting(&self.open.addr)).map_err(io)?;
+        let mut answer = [0u8; 1];
+        conn.read_exact(&mut answer).map_err(io)?;
+        if answer[0] != wire::ANSWER_OK {
+            return Err(self.gone("it refused our endpoint"));
+        }
+        let a = self.open.peer(&self.addr)?;
+        let conn = Arc::new(conn);
+        *g = Some((a, conn.clone()));
+        Ok((a, conn))
+    }
+
+    /// Post `segs` as operations to the peer's endpoint `peer`, up to `MAX_IN_FLIGHT` at a time, and wait for
+    /// them all.
+    fn run(&self, peer: u64, conn: &TcpStream, job: &Job, segs: &[Seg]) -> Result<()> {
+        let keys = Keys::of(job.prepared);
+        // The local regions' memory regions, held while the piece runs (deregistration waits for them).
+        let mut held: Vec<(u32, Arc<Mr>)> = Vec::new();
+        let mut flight: Vec<(u64, Arc<OpState>)> = Vec::with_capacity(MAX_IN_FLIGHT);
+        // The last remote byte written (its address as the provider names it, and its key).
+        let mut last = None;
+        let r = (|| {
+            for s in segs {
+                let mr = match held.iter().find(|(r, _)| *r == s.lreg) {
+                    Some((_, m)) => m.clone(),
+                    None => {
+                        let slot = keys.local.get(s.lreg as usize).and_then(Option::as_ref).ok_or_else(|| {
+                            Error::invalid_param("a local region of this request is not registered with libfabric")
+                        })?;
+                        let m = slot.mr.lock().clone().ok_or_else(|| {
+                            Error::invalid_param("a local region of this request was deregistered while it ran")
+                        })?;
+                        held.push((s.lreg, m.clone()));
+                        m
+                    }
+                };
+                let remote = keys.remote.get(s.rreg as usize).copied().flatten().ok_or_else(|| {
+                    Error::not_supported(format!(
+                        "agent '{}' registered a region of this request without a libfabric key",
+                        self.name
+                    ))
+                })?;
+                let mut off = 0;
+                while off < s.len {
+                    let n = (s.len - off).min(MAX_OP_BYTES);
+                    let rk = RemoteKey { addr: (s.remote + off).wrapping_sub(remote.base), key: remote.key };
+                    let (id, st) = self.open.ops.start();
+                    loop {
+                        // SAFETY: the local range lies in `mr`'s region (the engine checked the request against
+                        // its registrations) and `mr` is held until the operation completes or the piece fails;
+                        // the remote range is the peer's registered region (its provider checks the key).
+                        let posted = unsafe {
+                            self.open.ep.post(
+                                job.op == XferOp::Write,
+                                &mr,
+                                ((s.local + off) as *mut u8, n as usize),
+                                peer,
+                                rk,
+                                id as *mut std::ffi::c_void,
+                            )
+                        };
+                        match posted {
+                            Ok(true) => break,
+                            // The provider's queue is full (or its connection still being made): read the
+                            // queue, sleeping where nothing of ours is in flight to wake us.
+                            Ok(false) if flight.is_empty() => {
+                                self.open.pump()?;
+                                self.check(conn, job)?;
+                                self.open.sleep()?;
+                            }
+                            Ok(false) => {
+                                let fewer = flight.len() - 1;
+                                self.wait(conn, job, &mut flight, fewer)?
+                            }
+                            Err(e) => {
+                                self.open.ops.forget(id);
+                                return Err(e);
+                            }
+                        }
+                    }
+                    flight.push((id, st));
+                    last = Some(RemoteKey { addr: rk.addr + n - 1, key: rk.key });
+                    off += n;
+                    if flight.len() >= MAX_IN_FLIGHT {
+                        self.wait(conn, job, &mut flight, MAX_IN_FLIGHT / 2)?;
+                    }
+                }
+            }
+            // WRITEs end with a 1-byte READ of the last byte written (a flush): the provider's completion of a
+            // WRITE may come once the data left (tcp through ofi_rxm did so here, though delivery-complete was
+            // asked for), but the target answers the READ only after it has placed the WRITEs before it on the
+            // same connection; so the request completes, and its notification leaves, once the data is there.
+            if let (XferOp::Write, Some(rk)) = (job.op, last) {
+                self.wait(conn, job, &mut flight, 0)?;
+                let (mr, buf) = &self.open.scratch;
+                let (id, st) = self.open.ops.start();
+                loop {
+                    // SAFETY: one byte of the scratch buffer, registered as `mr`, kept for the engine's life.
+                    match unsafe { self.open.ep.post(false, mr, (buf.as_ptr() as *mut u8, 1), peer, rk, id as _) } {
+                        Ok(true) => break,
+                        Ok(false) => {
+                            self.open.pump()?;
+                            self.check(conn, job)?;
+                            self.open.sleep()?;
+                        }
+                        Err(e) => {
+                            self.open.ops.forget(id);
+                            return Err(e);
+                        }
+                    }
+                }
+                flight.push((id, st));
+            }
+            self.wait(conn, job, &mut flight, 0)
+        })();
+        if r.is_err() {
+            flight.iter().for_each(|(id, _)| self.open.ops.forget(*id));
+        }
+        drop(held);
+        r
+    }
+
+    /// Read the queue until at most `left` operations of `flight` are pending, sleeping on its wait descriptor
+    /// between reads; an operation that failed fails the piece.
+    fn wait(&self, conn: &TcpStream, job: &Job, flight: &mut Vec<(u64, Arc<OpState>)>, left: usize) -> Result<()> {
+        let mut since = std::time::Instant::now();
+        loop {
+            self.open.pump()?;
+            let mut failed = None;
+            flight.retain(|(_, st)| {
+                if !st.done.load(std::sync::atomic::Ordering::Acquire) {
+                    return true;
+                }
+                if let Some(e) = st.err.lock().take() {
+                    failed.get_or_insert(e);
+                }
+                false
+            });
+            if let Some((e, errno, prov)) = failed {
+                return Err(self.failed(conn, e, errno, prov));
+            }
+            if flight.len() <= left {
+                return Ok(());
+            }
+            if since.elapsed() >= WAKE {
+                since = std::time::Instant::now();
+                self.check(conn, job)?;
+            }
+            self.open.sleep()?;
+        }
+    }
+
+    /// The request was aborted, or the peer is gone (its link down, its greeting connection closed).
+    fn check(&self, conn: &TcpStream, job: &Job) -> Result<()> {
+        if let Some(e) = job.stopped() {
+            return Err(e);
+        }
+        if self.link.down() {
+            return Err(self.link_down());
+        }
+        if hung_up(conn) {
+            return Err(self.gone("its greeting connection closed"));
+        }
+        Ok(())
+    }
+
+    /// The error a failed operation means: the peer went away (its greeting connection closed, or its link is
+    /// down), or, with the peer alive, its provider refused the key (the region is no longer registered: tcp
+    /// here answers `FI_ECANCELED` with the provider's `ENOENT`, the key not found).
+    fn failed(&self, conn: &TcpStream, e: Error, errno: i32, prov: i32) -> Error {
+        if self.link.down() {
+            return self.link_down();
+        }
+        // A peer that died closes the greeting connection; give the kernel a moment to say so.
+        std::thread::sleep(Duration::from_millis(20));
+        if hung_up(conn) {
+            return self.gone(&format!("its greeting connection closed ({})", e.message()));
+        }
+        match errno {
+            libc::ECANCELED if prov == libc::ENOENT => Error::not_found(format!(
+                "agent '{}' refused the libfabric access: the remote region is no longer registered ({})",
+                self.name,
+                e.message()
+            )),
+            libc::EACCES | libc::EINVAL | libc::ENOKEY | libc::EKEYREJECTED | libc::EPERM | libc::EFAULT => {
+                Error::not_found(format!(
+                    "agent '{}' refused the libfabric access: the remote region is no longer registered ({})",
+                    self.name,
+                    e.message()
+                ))
+            }
+            libc::ECONNRESET
+            | libc::ECONNREFUSED
+            | libc::ECONNABORTED
+            | libc::EPIPE
+            | libc::ENOTCONN
+            | libc::EHOSTUNREACH
+            | libc::ETIMEDOUT
+            | libc::EIO => self.gone(e.message()),
+            _ => Error::backend(format!("libfabric request to agent '{}' failed: {}", self.name, e.message())),
+        }
+    }
+}
+
+/// Whether the peer closed `conn` (or it failed): readable at EOF, or hung up. Never blocks.
+fn hung_up(conn: &TcpStream) -> bool {
+    let mut p = libc::pollfd { fd: conn.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd, no wait.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    if n <= 0 {
+        return false;
+    }
+    if p.revents & (libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0 {
+        return true;
+    }
+    let mut b = [0u8; 1];
+    // SAFETY: a valid buffer of one byte; MSG_PEEK | MSG_DONTWAIT never blocks nor consumes.
+    let r = unsafe { libc::recv(conn.as_raw_fd(), b.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+    r == 0
+}
+
+impl Route for Fabric {
+    fn label(&self) -> &'static str {
+        "libfabric"
+    }
+    fn pid(&self) -> Option<i32> {
+        None
+    }
+    fn closed(&self) -> bool {
+        self.link.closed()
+    }
+    fn why_down(&self) -> String {
+        self.link.why().map(|w| format!(" ({w})")).unwrap_or_default()
+    }
+    fn connect(&self, _from: &str) -> Result<()> {
+        self.link.connect().map(|_| ())
+    }
+    fn close(&self) {
+        if let Some((_, c)) = self.greeted.lock().take() {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+        self.link.close()
+    }
+    fn notify(&self, _from: &str, msg: &[u8]) -> Result<()> {
+        self.link.notif(msg)
+    }
+    fn link(&self) -> Option<&Arc<TcpLink>> {
+        Some(&self.link)
+    }
+    /// Staged over the TCP link (GPU memory through `FI_HMEM` is not done yet).
+    fn vram(&self, _plan: &XferPlan, _prepared: Option<&(dyn Any + Send + Sync)>) -> Result<VramWay> {
+        Ok(VramWay::Staged(self.link.clone()))
+    }
+    fn prepare(&self, regions: &Regions<'_>) -> Option<Prepared> {
+        let local = regions.local_exports::<FabricExport>().map(|e| e.map(|e| e.slot.clone()));
+        let remote = regions.remote_tickets::<FabricKey>().map(|k| k.copied());
+        Some(Box::new(Keys { local: local.collect(), remote: remote.collect() }))
+    }
+    fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {
+        if self.link.down() {
+            return Err(self.link_down());
+        }
+        let (peer, conn) = self.greet()?;
+        let mut r = self.run(peer, &conn, job, segs);
+        // The provider dropped its connection while the peer lives (its greeting connection open, its link up):
+        // tcp through ofi_rxm does so after a refused key, and makes a new one for the next operation. The
+        // piece goes again (READ and WRITE land the same bytes in the same place twice).
+        for _ in 0..3 {
+            match &r {
+                Err(e) if e.status() == Status::RemoteDisconnect && !self.link.down() && !hung_up(&conn) => {
+                    crate::telemetry::log::info(&format!(
+                        "agent '{}': peer '{}': libfabric piece again ({e})",
+                        job.agent, self.name
+                    ));
+                    std::thread::sleep(Duration::from_millis(10));
+                    r = self.run(peer, &conn, job, segs);
+                }
+                _ => break,
+            }
+        }
+        if let Err(e) = &r {
+            if e.status() == Status::RemoteDisconnect && !self.link.down() {
+                self.link.kill(e.message().to_owned());
+            }
+        }
+        r
+    }
+}

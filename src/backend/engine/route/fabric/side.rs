@@ -1,0 +1,456 @@
+//! The libfabric route's side of this engine (`FabricSide`): the provider it was given, and, opened on first
+//! need (a registration, the connection info, a peer), one domain of it with one RDM endpoint, its completion
+//! queue and address vector (`Open`); its registrations' memory regions (`FabricExport`: keys never handed out
+//! twice, see `keys`); its connection-info section; the target's half of the greeting (a `wire::KIND`
+//! connection per initiator route, kept open while that route lives); and the progress of its endpoint.
+//!
+//! Progress: the providers run here (tcp through `ofi_rxm`, shm) move data only when the endpoint's queue is
+//! read (`FI_PROGRESS_MANUAL`), on the target's side too: an initiator's READ or WRITE completes only while the
+//! target reads its queue. So a thread (`progress`) reads it, sleeping on its wait descriptor at most
+//! `fabric::SLICE` between reads, but only while some initiator holds a greeting connection open; with none it
+//! sleeps on a condition variable, so an engine without peers on this route wakes for nothing. Initiators read
+//! the same queue while they wait; every operation's completion is found by its number (`Ops`), whoever read
+//! it.
+//!
+//! A device is used for data only after its self-test passed in this process (`ready`: run at the first peer
+//! that would take the route, the result kept for the process and shown by `gixl doctor`); a failed one is one
+//! WARN line naming the device, the step and the fallback.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use super::wire::{self, Advert, FabricKey};
+use crate::backend::engine::keys::KeyLedger;
+use crate::backend::engine::route::{Export, Registration, Side};
+pub(crate) use crate::fabric::is_sockets;
+use crate::fabric::selftest;
+use crate::fabric::{self as fi, Av, Cq, CqRead, Device, Domain, Endpoint, Mr};
+use crate::mem::MemType;
+use crate::status::{Error, Result};
+
+/// The longest the target's progress thread sleeps on its queue's wait descriptor between reads.
+const TARGET_SLEEP: Duration = Duration::from_millis(100);
+
+/// The self-test's time limit.
+const SELFTEST_LIMIT: Duration = Duration::from_secs(5);
+
+/// Whether a device of provider `have` is what `want` names: its full name, or, unless `exact`, its core
+/// provider (as libfabric reads `FI_PROVIDER`: `tcp` names `tcp;ofi_rxm`).
+pub(crate) fn provider_is(have: &str, want: &str, exact: bool) -> bool {
+    have == want || (!exact && have.split(';').next() == Some(want))
+}
+
+/// One operation's state, found by its number when its completion is read.
+#[derive(Default)]
+pub(crate) struct OpState {
+    pub(crate) done: AtomicBool,
+    /// Its error, libfabric's error number and the provider's, where it failed.
+    pub(crate) err: Mutex<Option<(Error, i32, i32)>>,
+}
+
+/// Operations posted on the endpoint and not completed, by number (their context).
+#[derive(Default)]
+pub(crate) struct Ops {
+    next: AtomicU64,
+    pending: Mutex<HashMap<u64, Arc<OpState>>>,
+}
+
+impl Ops {
+    /// A new operation: its number (the context posted with it) and its state.
+    pub(crate) fn start(&self) -> (u64, Arc<OpState>) {
+        let id = self.next.fetch_add(1, Ordering::Relaxed) + 1;
+        let s = Arc::new(OpState::default());
+        self.pending.lock().insert(id, s.clone());
+        (id, s)
+    }
+
+    /// An operation that was never posted, or given up on: its completion, if one comes, is dropped.
+    pub(crate) fn forget(&self, id: u64) {
+        self.pending.lock().remove(&id);
+    }
+
+    fn complete(&self, id: u64, err: Option<(Error, i32, i32)>) {
+        if let Some(s) = self.pending.lock().remove(&id) {
+            if err.is_some() {
+                *s.err.lock() = err;
+            }
+            s.done.store(true, Ordering::Release);
+        }
+    }
+}
+
+/// The opened domain, endpoint and queues of a side.
+pub(crate) struct Open {
+    pub(crate) dev: Device,
+    pub(crate) fabric: fi::Fabric,
+    pub(crate) domain: Domain,
+    pub(crate) cq: Arc<Cq>,
+    pub(crate) av: Arc<Av>,
+    pub(crate) ep: Arc<Endpoint>,
+    /// The endpoint's address, as peers insert it.
+    pub(crate) addr: Vec<u8>,
+    keys: KeyLedger<(Mr, Box<[u8]>)>,
+    pub(crate) ops: Ops,
+    /// A few bytes of local memory the initiator reads into to flush its WRITEs (see `Fabric::run`).
+    pub(crate) scratch: (Mr, Box<[u8]>),
+    /// Address-vector entries by peer address (inserted once each).
+    peers: Mutex<HashMap<Vec<u8>, u64>>,
+}
+
+impl Open {
+    fn new(dev: Device) -> Result<Open> {
+        let fabric = fi::Fabric::open(&dev)?;
+        let domain = Domain::open(&fabric, &dev)?;
+        let cq = Cq::open(&domain, 1024)?;
+        let av = Av::open(&domain, 64)?;
+        let ep = Arc::new(Endpoint::open(&domain, &dev, &cq, &av)?);
+        let addr = ep.name()?;
+        let mut buf = vec![0u8; 64].into_boxed_slice();
+        // SAFETY: the buffer lives with its region (both in `scratch`, the region dropped first).
+        let mr = unsafe { Mr::register_for(&domain, buf.as_mut_ptr(), buf.len(), &ep, false)? };
+        let (keys, ops, peers) = (KeyLedger::new([mr.key()]), Ops::default(), Mutex::default());
+        Ok(Open { dev, fabric, domain, cq, av, ep, addr, keys, ops, peers, scratch: (mr, buf) })
+    }
+
+    /// The address-vector entry of the endpoint at `addr`: an address of our own endpoint's length (libfabric
+    /// reads as many bytes as its format takes, whatever was received: another length is refused, never read
+    /// past).
+    pub(crate) fn peer(&self, addr: &[u8]) -> Result<u64> {
+        if addr.len() != self.addr.len() {
+            return Err(Error::mismatch(format!(
+                "a libfabric address of {} bytes where {} has {}-byte addresses",
+                addr.len(),
+                self.dev.provider(),
+                self.addr.len()
+            )));
+        }
+        let mut p = self.peers.lock();
+        if let Some(&a) = p.get(addr) {
+            return Ok(a);
+        }
+        let a = self.av.insert(addr)?;
+        p.insert(addr.to_vec(), a);
+        Ok(a)
+    }
+
+    /// Read the queue once, marking each completed or failed operation (drives the provider's progress).
+    pub(crate) fn pump(&self) -> Result<()> {
+        loop {
+            match self.cq.read()? {
+                CqRead::Done(v) if v.is_empty() => return Ok(()),
+                CqRead::Done(v) => v.into_iter().for_each(|c| self.ops.complete(c as u64, None)),
+                CqRead::Failed(c, e, errno, prov) => self.ops.complete(c as u64, Some((e, errno, prov))),
+            }
+        }
+    }
+
+    /// Sleep until the queue may have something (at most `fabric::SLICE`).
+    pub(crate) fn sleep(&self) -> Result<()> {
+        fi::wait(&self.fabric, &[&self.cq], fi::SLICE)
+    }
+
+    /// A memory region for `[addr, addr + len)` under a key this domain never handed out before.
+    fn register(&self, addr: u64, len: u64) -> Result<Mr> {
+        let what = format!("libfabric device {}/{}", self.dev.provider(), self.dev.domain());
+        self.keys.register(
+            &what,
+            // SAFETY: a registered region's memory is the application's and stays allocated while registered
+            // (NIXL's contract); the region is closed when the registration is retired.
+            || unsafe { Mr::register(&self.domain, addr as *mut u8, len as usize, &self.ep) },
+            Mr::key,
+            |mr| {
+                drop(mr);
+                Ok(())
+            },
+            || {
+                let mut dummy = vec![0u8; 64].into_boxed_slice();
+                // SAFETY: the buffer is kept with its region for the engine's life (in the ledger).
+                let t = unsafe { Mr::register_for(&self.domain, dummy.as_mut_ptr(), dummy.len(), &self.ep, false)? };
+                let k = t.key();
+                Ok(((t, dummy), k))
+            },
+        )
+    }
+}
+
+/// The greeting connections being served and the progress thread's switch.
+#[derive(Default)]
+struct Progress {
+    /// Initiators holding a greeting connection open.
+    active: Mutex<usize>,
+    cv: Condvar,
+    stop: AtomicBool,
+}
+
+pub(crate) struct FabricSide {
+    agent: String,
+    /// The provider (libfabric's full name or its core provider's) and domain asked for; None: the first.
+    pub(crate) provider: String,
+    /// The provider is named by its full name (else as `FI_PROVIDER` names it, see `provider_is`).
+    exact: bool,
+    domain: Option<String>,
+    /// Opened on first need; the error where it could not be.
+    open: Mutex<Option<std::result::Result<Arc<Open>, String>>>,
+    progress: Arc<Progress>,
+    /// Greeting connections being served: shut down when the engine goes.
+    conns: Mutex<Vec<TcpStream>>,
+}
+
+/// A self-test's result as the route keeps it, by the provider and domain asked for: passed (with its cost in
+/// ms) or why not.
+type Tested = ((String, Option<String>), std::result::Result<f64, String>);
+
+/// Self-tests this process ran.
+static TESTED: Mutex<Vec<Tested>> = Mutex::new(Vec::new());
+
+impl FabricSide {
+    pub(crate) fn new(agent: &str, (provider, exact): (String, bool), domain: Option<String>) -> Arc<FabricSide> {
+        Arc::new(FabricSide {
+            agent: agent.to_owned(),
+            provider,
+            exact,
+            domain,
+            open: Mutex::default(),
+            progress: Arc::default(),
+            conns: Mutex::default(),
+        })
+    }
+
+    /// The device asked for: the first of the provider's on the domain asked for, else the first not on the
+    /// loopback interface (reachable from other hosts and namespaces), else the first.
+    fn device(&self) -> Result<Device> {
+        let all = fi::devices(None, self.domain.as_deref())?;
+        let mine: Vec<Device> =
+            all.into_iter().filter(|d| provider_is(&d.provider(), &self.provider, self.exact)).collect();
+        let pick = mine.iter().position(|d| d.domain() != "lo").unwrap_or(0);
+        mine.into_iter().nth(pick).ok_or_else(|| {
+            Error::not_supported(format!(
+                "libfabric offers no {} device with an RDM endpoint and one-sided RMA{}",
+                self.provider,
+                self.domain.as_deref().map(|d| format!(" on {d}")).unwrap_or_default()
+            ))
+        })
+    }
+
+    /// The opened endpoint (opened now, the first time); the reason where it cannot be.
+    pub(crate) fn opened(&self) -> std::result::Result<Arc<Open>, String> {
+        let mut o = self.open.lock();
+        if let Some(r) = &*o {
+            return r.clone();
+        }
+        let r = self.device().and_then(Open::new).map(Arc::new).map_err(|e| e.message().to_owned());
+        match &r {
+            Ok(open) => {
+                crate::telemetry::log::info(&format!(
+                    "agent '{}': libfabric endpoint on {}/{}",
+                    self.agent,
+                    open.dev.provider(),
+                    open.dev.domain()
+                ));
+                let (open, p) = (open.clone(), self.progress.clone());
+                let spawned =
+                    std::thread::Builder::new().name("gixl-fabric-pr".into()).spawn(move || progress(open, p));
+                if let Err(e) = spawned {
+                    let r = Err(format!("cannot start the libfabric progress thread: {e}"));
+                    *o = Some(r.clone());
+                    return r;
+                }
+            }
+            // Said as a WARN by `ready` at the first peer that would have used it.
+            Err(why) => crate::telemetry::log::info(&format!(
+                "agent '{}': libfabric provider {} not opened ({why})",
+                self.agent, self.provider
+            )),
+        }
+        *o = Some(r.clone());
+        r
+    }
+
+    /// The endpoint, for data: only once the device passed its self-test in this process (run now the first
+    /// time: one WARN line where it fails). Err: why not (said in the router's line for the peer).
+    pub(crate) fn ready(&self) -> std::result::Result<(Arc<Open>, f64), String> {
+        let key = (self.provider.clone(), self.domain.clone());
+        let tested = TESTED.lock().iter().find(|(k, _)| *k == key).map(|(_, r)| r.clone());
+        let result = match tested {
+            Some(r) => r,
+            None => {
+                // The device this side uses, tested alone (its own endpoints, not this side's).
+                let t = match self.device() {
+                    Ok(d) => selftest::run(&d, SELFTEST_LIMIT),
+                    Err(_) => selftest::run_provider(&self.provider, self.domain.as_deref(), SELFTEST_LIMIT),
+                };
+                let r = match &t.outcome {
+                    selftest::Outcome::Passed { cost } => {
+                        crate::telemetry::log::info(&format!("agent '{}': libfabric self-test {t}", self.agent));
+                        Ok(cost.as_secs_f64() * 1e3)
+                    }
+                    selftest::Outcome::Failed { step, error, .. } => {
+                        crate::telemetry::log::warn(&format!(
+                            "agent '{}': libfabric device {}/{} failed its self-test at step '{}' ({error}): its \
+                             peers go over TCP; `python -m gixl doctor` shows the result",
+                            self.agent,
+                            if t.provider.is_empty() { &self.provider } else { &t.provider },
+                            if t.domain.is_empty() { "-" } else { &t.domain },
+                            step.name()
+                        ));
+                        Err(format!("self-test failed at {}", step.name()))
+                    }
+                };
+                TESTED.lock().push((key, r.clone()));
+                r
+            }
+        };
+        let ms = result?;
+        let open = self.opened().inspect_err(|why| {
+            crate::telemetry::log::warn(&format!(
+                "agent '{}': libfabric provider {} passed its self-test but this engine's endpoint could not be \
+                 opened ({why}): its peers go over TCP",
+                self.agent, self.provider
+            ))
+        })?;
+        Ok((open, ms))
+    }
+
+    /// Serve one greeting connection (authenticated by the TCP listener): insert the initiator's address,
+    /// answer, and drive the endpoint's progress until the connection closes.
+    pub(crate) fn serve(self: &Arc<Self>, s: TcpStream, patience: Duration) {
+        let me = self.clone();
+        let spawned = std::thread::Builder::new().name("gixl-fabric-gr".into()).spawn(move || me.greet(s, patience));
+        if let Err(e) = spawned {
+            crate::telemetry::log::warn(&format!("libfabric: cannot serve a greeting: {e}"));
+        }
+    }
+
+    fn greet(&self, mut s: TcpStream, patience: Duration) {
+        crate::os::sock::tune(&s, patience);
+        let _ = s.set_read_timeout(Some(patience));
+        let _ = s.set_write_timeout(Some(patience));
+        let mut head = [0u8; wire::GREETING_HEAD];
+        if s.read_exact(&mut head).is_err() {
+            return;
+        }
+        let Some(n) = wire::greeting_len(&head) else { return };
+        let mut addr = vec![0u8; n];
+        if s.read_exact(&mut addr).is_err() {
+            return;
+        }
+        let Ok(open) = self.opened() else {
+            let _ = s.write_all(&[wire::ANSWER_REFUSED]);
+            return;
+        };
+        if open.peer(&addr).is_err() {
+            let _ = s.write_all(&[wire::ANSWER_REFUSED]);
+            return;
+        }
+        if s.write_all(&[wire::ANSWER_OK]).is_err() {
+            return;
+        }
+        if let Ok(c) = s.try_clone() {
+            self.conns.lock().push(c);
+        }
+        *self.progress.active.lock() += 1;
+        self.progress.cv.notify_all();
+        // The initiator's route lives as long as the connection.
+        let _ = s.set_read_timeout(None);
+        let mut b = [0u8; 64];
+        while matches!(s.read(&mut b), Ok(n) if n > 0) {}
+        *self.progress.active.lock() -= 1;
+        let me = s.local_addr().ok().zip(s.peer_addr().ok());
+        self.conns.lock().retain(|c| c.local_addr().ok().zip(c.peer_addr().ok()) != me);
+    }
+}
+
+/// The endpoint's progress while any initiator is greeted (see the module's comment); ends when the engine
+/// goes.
+fn progress(open: Arc<Open>, p: Arc<Progress>) {
+    loop {
+        {
+            let mut n = p.active.lock();
+            while *n == 0 && !p.stop.load(Ordering::Acquire) {
+                p.cv.wait(&mut n);
+            }
+        }
+        if p.stop.load(Ordering::Acquire) {
+            return;
+        }
+        if open.pump().and_then(|_| fi::wait_up_to(&open.fabric, &[&open.cq], TARGET_SLEEP)).is_err() {
+            std::thread::sleep(fi::SLICE);
+        }
+    }
+}
+
+/// A registration's memory region on this side's endpoint, shared with requests while they run a piece on it.
+pub(crate) struct Slot {
+    pub(crate) mr: Mutex<Option<Arc<Mr>>>,
+    pub(crate) key: FabricKey,
+}
+
+/// What the side exports for one registration (see `Side::export`).
+pub(crate) struct FabricExport {
+    pub(crate) slot: Arc<Slot>,
+}
+
+impl Export for FabricExport {
+    fn put_sections(&self, out: &mut Vec<u8>) {
+        self.slot.key.put_sections(out);
+    }
+}
+
+impl Side for FabricSide {
+    fn section(&self) -> (u64, Vec<u8>) {
+        let b = match self.opened() {
+            Ok(o) => wire::encode_section(&Advert { provider: o.dev.provider(), addr: o.addr.clone() }),
+            Err(_) => Vec::new(),
+        };
+        (wire::SECTION, b)
+    }
+
+    /// Host memory: a memory region on the endpoint (an error fails the registration). GPU memory: none (not
+    /// yet through `FI_HMEM`): libfabric peers' requests on it are staged over their TCP link.
+    fn export(&self, r: &Registration) -> Result<Option<Box<dyn Export>>> {
+        if r.mem != MemType::Dram || r.len == 0 {
+            return Ok(None);
+        }
+        let Ok(open) = self.opened() else { return Ok(None) };
+        let mr = open.register(r.addr, r.len)?;
+        let remote = mr.remote(r.addr as *const u8).ok_or_else(|| Error::backend("libfabric region's key"))?;
+        let key = FabricKey { key: remote.key, base: r.addr - remote.addr };
+        Ok(Some(Box::new(FabricExport { slot: Arc::new(Slot { mr: Mutex::new(Some(Arc::new(mr))), key }) })))
+    }
+
+    /// No new piece takes the region; pieces running on it finish first (bounded wait), then it is closed, so
+    /// the provider refuses its key.
+    fn retire(&self, e: &dyn Export) {
+        let Some(e) = (e as &dyn std::any::Any).downcast_ref::<FabricExport>() else { return };
+        let Some(mr) = e.slot.mr.lock().take() else { return };
+        let t = Instant::now();
+        while Arc::strong_count(&mr) > 1 && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if Arc::strong_count(&mr) > 1 {
+            crate::telemetry::log::warn("libfabric: a region was deregistered while a piece still ran on it");
+        }
+        drop(mr);
+    }
+
+    fn close(&self) {
+        self.progress.stop.store(true, Ordering::Release);
+        self.progress.cv.notify_all();
+        for c in self.conns.lock().drain(..) {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+impl Drop for FabricSide {
+    fn drop(&mut self) {
+        self.progress.stop.store(true, Ordering::Release);
+        self.progress.cv.notify_all();
+    }
+}

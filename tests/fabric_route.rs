@@ -1,0 +1,526 @@
+//! The engine's libfabric route between two real processes, over the real library (Debian's libfabric 1.17,
+//! see tests/common/fabric.rs) with `GIXL_TRANSPORT=fabric` so that two processes of one host take it:
+//! - the tcp provider (`tcp;ofi_rxm`) on this host's interface: READ and WRITE of 64 MiB and of 1024 × 16 KiB
+//!   scattered blocks, data checked, notifications after the data, the route doctor and telemetry name, a
+//!   region deregistered and registered again at the same address (the old handle refused with NOT_FOUND, the new
+//!   region untouched), a target killed in the middle of a transfer (REMOTE_DISCONNECT within the bound), its
+//!   restart under the same name (the stale handle NOT_FOUND, the new incarnation reached over libfabric);
+//! - the shm provider on this host: READ and WRITE of 64 MiB and 1024 × 16 KiB;
+//! - a provider without one-sided RMA (udp): its self-test fails, the peer goes over TCP, and the doctor's
+//!   report says which device failed at which step;
+//! - strangers on the greeting (the route's connection kind on the TCP listener) get nothing;
+//! - the tcp provider between two network namespaces joined by a bridge (needs root: skipped as `netns`
+//!   otherwise): 64 MiB READ and WRITE and 1024 × 16 KiB READ, data checked.
+//!
+//! Each side names its provider by its full name (backend parameter `fabric_provider`). The child is this binary
+//! re-run with `GIXL_CHILD=fabric-prefill` (its provider in `GIXL_FABRIC_PROVIDER`).
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command};
+use std::time::{Duration, Instant};
+
+use gixl::*;
+
+mod common;
+use common::fabric::setup;
+use common::{hex, unhex};
+
+const SIZE: usize = 64 << 20;
+const BLOCK: usize = 16 << 10;
+
+fn agent(name: &str, provider: &str) -> Agent {
+    let a = Agent::new(name, AgentConfig::default()).unwrap();
+    let p: Params = [("transport", "fabric"), ("fabric_provider", provider)]
+        .into_iter()
+        .map(|(k, v)| (k.into(), v.into()))
+        .collect();
+    a.create_backend("LIBFABRIC", &p).unwrap();
+    a
+}
+
+fn reg_list(buf: &[u8]) -> RegDList {
+    let d = Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0);
+    RegDList::with_descs(MemType::Dram, vec![RegDesc { desc: d, meta: vec![] }])
+}
+
+/// The target: `SIZE` bytes, byte i = (i + seed) % 251; `@md <md> <addr>`; then commands.
+fn prefill_child() {
+    setup("fabric child").expect("the parent found libfabric");
+    let seed: usize = std::env::var("GIXL_SEED").unwrap().parse().unwrap();
+    let a = agent("prefill", &std::env::var("GIXL_FABRIC_PROVIDER").unwrap());
+    let mut buf = vec![0u8; SIZE];
+    buf.iter_mut().enumerate().for_each(|(i, b)| *b = ((i + seed) % 251) as u8);
+    a.register_mem(&reg_list(&buf), &[]).unwrap();
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "\n@md {} {}", hex(&a.local_md().unwrap()), buf.as_ptr() as u64).unwrap();
+    out.flush().unwrap();
+    for line in std::io::stdin().lock().lines() {
+        match line.unwrap().as_str() {
+            "notifs" => {
+                for (from, msg) in a.notifs(&[]).unwrap() {
+                    writeln!(out, "notif {from} {}", String::from_utf8_lossy(&msg)).unwrap();
+                }
+                writeln!(out, "end").unwrap();
+            }
+            "sum" => writeln!(out, "sum {}", buf.iter().map(|&b| b as u64).sum::<u64>()).unwrap(),
+            // The process's CPU time (user + system, clock ticks), idle meanwhile.
+            "cpu" => {
+                let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
+                let f: Vec<&str> = stat.rsplit(')').next().unwrap().split_whitespace().collect();
+                let ticks: u64 = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+                writeln!(out, "cpu {ticks}").unwrap()
+            }
+            "rereg" => {
+                a.deregister_mem(&reg_list(&buf), &[]).unwrap();
+                buf.iter_mut().for_each(|b| *b = 0xEE);
+                a.register_mem(&reg_list(&buf), &[]).unwrap();
+                writeln!(out, "@md {} {}", hex(&a.local_md().unwrap()), buf.as_ptr() as u64).unwrap();
+            }
+            _ => break,
+        }
+        out.flush().unwrap();
+    }
+}
+
+/// The initiator in another network namespace: READ 64 MiB from the target (`GIXL_PEER_MD`, `GIXL_PEER_ADDR`)
+/// and check it, READ 1024 × 16 KiB, WRITE 64 MiB of twos; `@decoded <route> <what failed, or ok>`.
+fn decode_child() {
+    setup("fabric decode child").expect("the parent found libfabric");
+    let a = agent("decode-ns", &std::env::var("GIXL_FABRIC_PROVIDER").unwrap());
+    let md = unhex(&std::env::var("GIXL_PEER_MD").unwrap());
+    let raddr: u64 = std::env::var("GIXL_PEER_ADDR").unwrap().parse().unwrap();
+    let dst = vec![0u8; SIZE];
+    let twos = vec![2u8; SIZE];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    a.register_mem(&reg_list(&twos), &[]).unwrap();
+    a.load_remote_md(&md).unwrap();
+    let route = route_of("decode-ns", "prefill");
+    let mut bad = Vec::new();
+    if run(&a, XferOp::Read, &local(&dst, 0, SIZE), &remote(raddr, 0, SIZE), None).ok() != Some(Status::Success)
+        || !dst.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8)
+    {
+        bad.push("64MiB-read");
+    }
+    let (l, r) = blocks(dst.as_ptr() as u64, raddr);
+    let ok = run(&a, XferOp::Read, &l, &r, None).ok() == Some(Status::Success);
+    if !ok || !(0..1024).all(|i| dst[i * BLOCK] == (((1023 - i) * BLOCK) % 251) as u8) {
+        bad.push("blocks-read");
+    }
+    if run(&a, XferOp::Write, &local(&twos, 0, SIZE), &remote(raddr, 0, SIZE), None).ok() != Some(Status::Success) {
+        bad.push("64MiB-write");
+    }
+    let verdict = if bad.is_empty() { "ok".to_owned() } else { bad.join(",") };
+    println!("\n@decoded {route} {verdict}");
+}
+
+#[test]
+fn child_entry() {
+    match std::env::var("GIXL_CHILD").as_deref() {
+        Ok("fabric-prefill") => prefill_child(),
+        Ok("fabric-decode") => decode_child(),
+        _ => {}
+    }
+}
+
+struct Prefill {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    md: Vec<u8>,
+    addr: u64,
+}
+
+impl Prefill {
+    fn start(seed: usize, provider: &str) -> Prefill {
+        Prefill::start_in(None, seed, provider)
+    }
+
+    /// In network namespace `ns`, where given.
+    fn start_in(ns: Option<&str>, seed: usize, provider: &str) -> Prefill {
+        let mut c = child_in(ns);
+        c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+            .env("GIXL_CHILD", "fabric-prefill")
+            .env("GIXL_SEED", seed.to_string())
+            .env("GIXL_FABRIC_PROVIDER", provider);
+        let (child, stdin, stdout, rest) = common::spawn_until_md(c);
+        let mut it = rest.split(' ');
+        let md = unhex(it.next().unwrap());
+        let addr = it.next().unwrap().parse().unwrap();
+        Prefill { child, stdin, stdout, md, addr }
+    }
+
+    fn ask(&mut self, cmd: &str, until: &str) -> Vec<String> {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        let mut lines = Vec::new();
+        loop {
+            let mut l = String::new();
+            assert!(self.stdout.read_line(&mut l).unwrap() > 0, "the child exited");
+            let l = l.trim().to_owned();
+            let done = l.starts_with(until);
+            lines.push(l);
+            if done {
+                return lines;
+            }
+        }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// This binary as a child, in network namespace `ns` where given.
+fn child_in(ns: Option<&str>) -> Command {
+    let exe = std::env::current_exe().unwrap();
+    match ns {
+        None => Command::new(exe),
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(exe);
+            c
+        }
+    }
+}
+
+impl Drop for Prefill {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn remote(addr: u64, off: usize, len: usize) -> XferDList {
+    XferDList::with_descs(MemType::Dram, vec![Desc::new(addr + off as u64, len as u64, 0)])
+}
+
+fn local(buf: &[u8], off: usize, len: usize) -> XferDList {
+    XferDList::with_descs(MemType::Dram, vec![Desc::new(buf.as_ptr() as u64 + off as u64, len as u64, 0)])
+}
+
+/// 1024 blocks of `base` in order, and 1024 of the remote `raddr` reversed.
+fn blocks(base: u64, raddr: u64) -> (XferDList, XferDList) {
+    let n = 1024;
+    let l = (0..n).map(|i| Desc::new(base + (i * BLOCK) as u64, BLOCK as u64, 0)).collect();
+    let r = (0..n).map(|i| Desc::new(raddr + ((n - 1 - i) * BLOCK) as u64, BLOCK as u64, 0)).collect();
+    (XferDList::with_descs(MemType::Dram, l), XferDList::with_descs(MemType::Dram, r))
+}
+
+/// Post and wait (sleeping between looks, as an application would).
+fn run(a: &Agent, op: XferOp, l: &XferDList, r: &XferDList, notif: Option<&[u8]>) -> Result<Status> {
+    let opts = XferOpts { notif: notif.map(<[u8]>::to_vec), ..Default::default() };
+    let req = a.create_xfer_req(op, l, r, "prefill", &opts)?;
+    let s = a.post_xfer_req(&req, NotifUpdate::Keep)?;
+    wait(a, &req, s)
+}
+
+fn wait(a: &Agent, req: &XferReq, mut s: Status) -> Result<Status> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while s == Status::InProg {
+        assert!(Instant::now() < deadline, "a request did not finish in 60 s");
+        std::thread::sleep(Duration::from_micros(200));
+        s = a.xfer_status(req)?;
+    }
+    Ok(s)
+}
+
+fn failure(a: &Agent, req: &XferReq) -> Error {
+    match a.post_xfer_req(req, NotifUpdate::Keep) {
+        Ok(s) => wait(a, req, s).unwrap_err(),
+        Err(e) => e,
+    }
+}
+
+fn route_of(me: &str, peer: &str) -> String {
+    gixl::telemetry::live_agents()
+        .into_iter()
+        .filter(|(n, _, _)| n == me)
+        .flat_map(|(_, _, rows)| rows)
+        .find(|r| r.name == peer)
+        .map(|r| r.route)
+        .unwrap_or_default()
+}
+
+/// READ and WRITE of 64 MiB and of 1024 × 16 KiB (remote blocks reversed) to `p` (byte i = (i + seed) % 251),
+/// data checked (WRITEs checked by the target's sum).
+fn read_write(a: &Agent, me: &str, p: &mut Prefill, seed: usize, dst: &mut [u8], ones: &[u8]) {
+    dst.iter_mut().for_each(|b| *b = 0);
+    assert_eq!(run(a, XferOp::Read, &local(dst, 0, SIZE), &remote(p.addr, 0, SIZE), None).unwrap(), Status::Success);
+    assert!(dst.iter().enumerate().all(|(i, &b)| b == ((i + seed) % 251) as u8), "64 MiB READ");
+    dst.iter_mut().for_each(|b| *b = 0);
+    let (l, r) = blocks(dst.as_ptr() as u64, p.addr);
+    assert_eq!(run(a, XferOp::Read, &l, &r, Some(b"kv read")).unwrap(), Status::Success);
+    for i in 0..1024 {
+        let base = (1023 - i) * BLOCK;
+        let ok = dst[i * BLOCK..(i + 1) * BLOCK].iter().enumerate().all(|(j, &b)| b == ((base + j + seed) % 251) as u8);
+        assert!(ok, "block {i}");
+    }
+    let (l1, r1) = blocks(ones.as_ptr() as u64, p.addr);
+    assert_eq!(run(a, XferOp::Write, &l1, &r1, None).unwrap(), Status::Success);
+    // The blocks cover the first 16 MiB: ones there, the pattern after.
+    let rest: u64 = (1024 * BLOCK..SIZE).map(|i| ((i + seed) % 251) as u64).sum();
+    assert_eq!(p.ask("sum", "sum")[0], format!("sum {}", (1024 * BLOCK) as u64 + rest), "1024 × 16 KiB WRITE");
+    let twos = vec![2u8; SIZE];
+    a.register_mem(&reg_list(&twos), &[]).unwrap();
+    assert_eq!(
+        run(a, XferOp::Write, &local(&twos, 0, SIZE), &remote(p.addr, 0, SIZE), Some(b"kv written")).unwrap(),
+        Status::Success
+    );
+    // The notification left after the data: when it is there, so are the bytes.
+    let mut notifs = Vec::new();
+    let t = Instant::now();
+    while notifs.len() < 2 && t.elapsed() < Duration::from_secs(10) {
+        notifs.extend(p.ask("notifs", "end").into_iter().filter(|l| l.starts_with("notif ")));
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(notifs, [format!("notif {me} kv read"), format!("notif {me} kv written")]);
+    assert_eq!(p.ask("sum", "sum")[0], format!("sum {}", 2 * SIZE), "64 MiB WRITE");
+    a.deregister_mem(&reg_list(&twos), &[]).unwrap();
+}
+
+#[test]
+fn tcp_provider_between_two_processes_reads_writes_notifies_and_survives_deregistration_death_and_restart() {
+    if setup("fabric route tcp").is_none() {
+        return;
+    }
+    let mut p = Prefill::start(0, "tcp;ofi_rxm");
+    let a = agent("decode", "tcp;ofi_rxm");
+    let mut dst = vec![0u8; SIZE];
+    let ones = vec![1u8; SIZE];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    a.register_mem(&reg_list(&ones), &[]).unwrap();
+    assert_eq!(a.load_remote_md(&p.md).unwrap(), "prefill");
+    assert_eq!(route_of("decode", "prefill"), "libfabric");
+    read_write(&a, "decode", &mut p, 0, &mut dst, &ones);
+    let doctor = gixl::telemetry::doctor::report(None);
+    assert!(doctor.contains("tcp;ofi_rxm"), "{doctor}");
+    // Connected but idle, the target's progress thread sleeps on its queue's descriptor (up to 100 ms a time):
+    // its process spends next to nothing in a second.
+    let cpu = |p: &mut Prefill| p.ask("cpu", "cpu")[0][4..].parse::<u64>().unwrap();
+    let before = cpu(&mut p);
+    std::thread::sleep(Duration::from_secs(1));
+    let ticks = cpu(&mut p) - before;
+    eprintln!("target's CPU while connected and idle: {ticks} ticks in 1 s");
+    assert!(ticks <= 5, "{ticks} clock ticks of CPU in an idle second");
+
+    // The target deregisters and registers the same buffer again: the handle made before is refused (its key is
+    // closed; a provider that picks keys never hands that value out again) and the new region is untouched.
+    let before = a
+        .create_xfer_req(
+            XferOp::Write,
+            &local(&dst, 0, 4096),
+            &remote(p.addr, 0, 4096),
+            "prefill",
+            &XferOpts::default(),
+        )
+        .unwrap();
+    let md = p.ask("rereg", "@md").pop().unwrap();
+    let e = failure(&a, &before);
+    assert_eq!(e.status(), Status::NotFound, "{e}");
+    assert_eq!(p.ask("sum", "sum")[0], format!("sum {}", 0xEE * SIZE as u64), "the new region was written");
+    let md = unhex(md.strip_prefix("@md ").unwrap().split(' ').next().unwrap());
+    a.invalidate_remote_md("prefill").unwrap();
+    a.load_remote_md(&md).unwrap();
+    assert_eq!(route_of("decode", "prefill"), "libfabric");
+    assert_eq!(run(&a, XferOp::Read, &local(&dst, 0, 4096), &remote(p.addr, 0, 4096), None).unwrap(), Status::Success);
+    assert!(dst[..4096].iter().all(|&b| b == 0xEE));
+
+    // Killed in the middle of a transfer (8 × 64 MiB READ): REMOTE_DISCONNECT within the bound.
+    let stale = a
+        .create_xfer_req(XferOp::Read, &local(&dst, 0, 4096), &remote(p.addr, 0, 4096), "prefill", &XferOpts::default())
+        .unwrap();
+    let big_l =
+        XferDList::with_descs(MemType::Dram, (0..8).map(|_| Desc::new(dst.as_ptr() as u64, SIZE as u64, 0)).collect());
+    let big_r = XferDList::with_descs(MemType::Dram, (0..8).map(|_| Desc::new(p.addr, SIZE as u64, 0)).collect());
+    let req = a.create_xfer_req(XferOp::Read, &big_l, &big_r, "prefill", &XferOpts::default()).unwrap();
+    let s = a.post_xfer_req(&req, NotifUpdate::Keep).unwrap();
+    assert_eq!(s, Status::InProg, "8 × 64 MiB finished at once");
+    std::thread::sleep(Duration::from_millis(20));
+    p.kill();
+    let t = Instant::now();
+    let e = wait(&a, &req, Status::InProg).unwrap_err();
+    assert_eq!(e.status(), Status::RemoteDisconnect, "{e}");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    eprintln!("killed mid-transfer: {e} after {:?}", t.elapsed());
+
+    // Restarted under the same name: the stale handle is refused; the new incarnation is reached over libfabric.
+    let mut q = Prefill::start(7, "tcp;ofi_rxm");
+    a.invalidate_remote_md("prefill").unwrap();
+    a.load_remote_md(&q.md).unwrap();
+    let e = a.post_xfer_req(&stale, NotifUpdate::Keep).unwrap_err();
+    assert_eq!(e.status(), Status::NotFound, "{e}");
+    assert_eq!(route_of("decode", "prefill"), "libfabric");
+    assert_eq!(run(&a, XferOp::Read, &local(&dst, 0, SIZE), &remote(q.addr, 0, SIZE), None).unwrap(), Status::Success);
+    assert!(dst.iter().enumerate().all(|(i, &b)| b == ((i + 7) % 251) as u8), "the new incarnation's bytes");
+    q.kill();
+}
+
+#[test]
+fn shm_provider_between_two_processes_reads_and_writes() {
+    if setup("fabric route shm").is_none() {
+        return;
+    }
+    let mut p = Prefill::start(5, "shm");
+    let a = agent("decode-shm", "shm");
+    let mut dst = vec![0u8; SIZE];
+    let ones = vec![1u8; SIZE];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    a.register_mem(&reg_list(&ones), &[]).unwrap();
+    a.load_remote_md(&p.md).unwrap();
+    assert_eq!(route_of("decode-shm", "prefill"), "libfabric");
+    read_write(&a, "decode-shm", &mut p, 5, &mut dst, &ones);
+    p.kill();
+}
+
+#[test]
+fn a_provider_without_rma_fails_its_self_test_and_the_peer_goes_over_tcp() {
+    if setup("fabric route udp").is_none() {
+        return;
+    }
+    let mut p = Prefill::start(3, "udp");
+    let a = agent("decode-udp", "udp");
+    let dst = vec![0u8; 1 << 20];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    a.load_remote_md(&p.md).unwrap();
+    assert_eq!(route_of("decode-udp", "prefill"), "tcp");
+    assert_eq!(
+        run(&a, XferOp::Read, &local(&dst, 0, 1 << 20), &remote(p.addr, 0, 1 << 20), None).unwrap(),
+        Status::Success
+    );
+    assert!(dst.iter().enumerate().all(|(i, &b)| b == ((i + 3) % 251) as u8));
+    let rec = gixl::fabric::selftest::records();
+    let udp = rec.iter().find(|r| r.device.starts_with("udp")).unwrap_or_else(|| panic!("{rec:?}"));
+    assert!(!udp.passed && udp.step == Some("getinfo"), "{udp:?}");
+    let doctor = gixl::telemetry::doctor::report(None);
+    assert!(doctor.contains("getinfo"), "{doctor}");
+    p.kill();
+}
+
+#[test]
+fn tcp_provider_across_two_network_namespaces() {
+    if setup("fabric route netns").is_none() {
+        return;
+    }
+    let Some(net) = common::Net::new("fab", 2) else { return };
+    let mut p = Prefill::start_in(Some(&net.ns(0)), 0, "tcp;ofi_rxm");
+    let mut c = child_in(Some(&net.ns(1)));
+    c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+        .env("GIXL_CHILD", "fabric-decode")
+        .env("GIXL_FABRIC_PROVIDER", "tcp;ofi_rxm")
+        .env("GIXL_PEER_MD", hex(&p.md))
+        .env("GIXL_PEER_ADDR", p.addr.to_string())
+        .stdout(std::process::Stdio::piped());
+    let out = c.output().unwrap();
+    let out = String::from_utf8_lossy(&out.stdout);
+    let line = out.lines().find(|l| l.starts_with("@decoded ")).unwrap_or_else(|| panic!("{out}"));
+    assert_eq!(line, "@decoded libfabric ok");
+    assert_eq!(p.ask("sum", "sum")[0], format!("sum {}", 2 * SIZE), "the 64 MiB WRITE across namespaces");
+    p.kill();
+}
+
+/// A peer destroyed and created again under its name in this process: the stale handle is refused
+/// (NOT_FOUND), the new incarnation is reached over libfabric.
+#[test]
+fn a_peer_restarted_in_this_process_refuses_the_stale_handle() {
+    if setup("fabric route restart in process").is_none() {
+        return;
+    }
+    let a = agent("decode-inproc", "tcp;ofi_rxm");
+    let dst = vec![0u8; 1 << 20];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    let src: Vec<u8> = (0..1 << 20).map(|i| (i % 251) as u8).collect();
+    let b = agent("prefill", "tcp;ofi_rxm");
+    b.register_mem(&reg_list(&src), &[]).unwrap();
+    a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    assert_eq!(route_of("decode-inproc", "prefill"), "libfabric");
+    let raddr = src.as_ptr() as u64;
+    assert_eq!(
+        run(&a, XferOp::Read, &local(&dst, 0, 1 << 20), &remote(raddr, 0, 1 << 20), None).unwrap(),
+        Status::Success
+    );
+    assert!(dst == src);
+    let stale = a
+        .create_xfer_req(XferOp::Read, &local(&dst, 0, 4096), &remote(raddr, 0, 4096), "prefill", &XferOpts::default())
+        .unwrap();
+    drop(b);
+    let b = agent("prefill", "tcp;ofi_rxm");
+    let src2 = vec![9u8; 1 << 20];
+    b.register_mem(&reg_list(&src2), &[]).unwrap();
+    a.invalidate_remote_md("prefill").unwrap();
+    a.load_remote_md(&b.local_md().unwrap()).unwrap();
+    let e = failure(&a, &stale);
+    assert_eq!(e.status(), Status::NotFound, "{e}");
+    assert_eq!(route_of("decode-inproc", "prefill"), "libfabric");
+    let r2 = src2.as_ptr() as u64;
+    assert_eq!(
+        run(&a, XferOp::Read, &local(&dst, 0, 1 << 20), &remote(r2, 0, 1 << 20), None).unwrap(),
+        Status::Success
+    );
+    assert!(dst.iter().all(|&x| x == 9));
+}
+
+/// Strangers on the greeting (the route's connection kind on the TCP listener): without the secret, no ACK and
+/// a greeting is never answered; with it, garbage is closed without an answer and an address of the wrong
+/// length refused (never read past); the real initiator is still served.
+#[test]
+fn strangers_on_the_greeting_get_nothing() {
+    use gixl::backend::engine::wire;
+    use std::io::Read;
+    use std::net::TcpStream;
+    // The route's connection kind (`route/fabric/wire.rs`): a wire byte a stranger knows.
+    const KIND_FABRIC: u8 = 4;
+    if setup("fabric route strangers").is_none() {
+        return;
+    }
+    let mut p = Prefill::start(11, "tcp;ofi_rxm");
+    let a = agent("decode-stranger", "tcp;ofi_rxm");
+    let dst = vec![0u8; 1 << 20];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    a.load_remote_md(&p.md).unwrap();
+    let read = |a: &Agent| run(a, XferOp::Read, &local(&dst, 0, 1 << 20), &remote(p.addr, 0, 1 << 20), None);
+    assert_eq!(read(&a).unwrap(), Status::Success);
+    assert_eq!(route_of("decode-stranger", "prefill"), "libfabric");
+
+    let md = gixl::md::AgentMd::decode(&p.md).unwrap();
+    let (addrs, secret) = gixl::backend::engine::tcp_endpoint(&md.conns[0].1).unwrap();
+    let addr = addrs.iter().copied().find(|a| a.ip().is_loopback()).unwrap_or(addrs[0]);
+    let inc = md.incarnation;
+    let hello = |secret: u128| -> (TcpStream, bool) {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut c = [0u8; wire::CHALLENGE_BYTES];
+        s.read_exact(&mut c).unwrap();
+        let nonce = wire::parse_challenge(&c).unwrap();
+        let tag = wire::hello_tag(secret, KIND_FABRIC, inc, &nonce, "mallory");
+        let h = wire::Hello { kind: KIND_FABRIC, incarnation: inc, tag, name: "mallory".into() };
+        s.write_all(&wire::encode_hello(&h)).unwrap();
+        let mut b = [0u8; 1];
+        let ok = matches!(s.read(&mut b), Ok(1) if b[0] == wire::ACK);
+        (s, ok)
+    };
+    // The documented greeting: "GXFA" | u16 length | address.
+    let greeting = |addr: &[u8]| {
+        let mut g = b"GXFA".to_vec();
+        g.extend_from_slice(&(addr.len() as u16).to_le_bytes());
+        g.extend_from_slice(addr);
+        g
+    };
+    let answer = |mut s: TcpStream| {
+        let mut got = Vec::new();
+        let _ = s.read_to_end(&mut got);
+        got
+    };
+    let (mut s, ok) = hello(secret ^ 1);
+    assert!(!ok, "a wrong tag must not be acknowledged");
+    let _ = s.write_all(&greeting(&[7; 16]));
+    assert!(answer(s).iter().all(|&b| b == wire::NAK), "nothing but the refusal");
+    let (mut s, ok) = hello(secret);
+    assert!(ok);
+    s.write_all(&[0xAB; 64]).unwrap();
+    assert_eq!(answer(s), Vec::<u8>::new(), "garbage: closed");
+    let (mut s, _) = hello(secret);
+    s.write_all(&greeting(&[0xAB; 3])).unwrap();
+    assert_eq!(answer(s), vec![1], "an address of the wrong length: refused");
+    assert_eq!(read(&a).unwrap(), Status::Success, "the real initiator is still served");
+    assert!(dst.iter().enumerate().all(|(i, &b)| b == ((i + 11) % 251) as u8));
+    p.kill();
+}
