@@ -229,10 +229,7 @@ fn libfabric_j() -> J {
          GIXL_FABRIC_PROVIDER (or FI_PROVIDER); GIXL_LIBFABRIC names the library",
         if fabric.is_empty() { "none".to_owned() } else { fabric.join(", ") }
     );
-    let tests = records
-        .into_iter()
-        .map(|r| self_test_j(r.device, r.passed, r.ms, r.step, r.error))
-        .collect();
+    let tests = records.into_iter().map(|r| self_test_j(r.device, r.passed, r.ms, r.step, r.error)).collect();
     J::Obj(vec![
         ("works", J::Bool(works)),
         ("found", J::Bool(found)),
