@@ -294,7 +294,11 @@ pub fn report(peer: Option<PeerTarget>) -> String {
         .collect();
     let transport = std::env::var("GIXL_TRANSPORT").unwrap_or_else(|_| "auto".into());
     // The RDMA route runs where the fabric has an active port that passed its self-test.
-    let fabric = crate::verbs::fabric().and_then(|f| Ok((f.name(), f.ports()?)));
+    let verbs = crate::verbs::fabric();
+    let fabric = match &verbs {
+        Ok(f) => f.ports().map(|ports| (f.name(), ports)),
+        Err(e) => Err(crate::status::Error::new(e.status(), e.message().to_owned())),
+    };
     let rdma_ports: Vec<J> = fabric.as_ref().map_or(Vec::new(), |(_, ports)| {
         ports
             .iter()
@@ -313,15 +317,12 @@ pub fn report(peer: Option<PeerTarget>) -> String {
     });
     // Each active port's self-test (run now where this process has not run it yet): only a port that passed
     // is used.
-    let rdma_tests: Vec<crate::verbs::selftest::Record> = crate::verbs::fabric()
-        .and_then(|f| {
-            Ok(f.ports()?
-                .iter()
-                .filter(|p| p.active)
-                .map(|p| (*crate::verbs::selftest::cached(&*f, p)).clone())
-                .collect())
-        })
-        .unwrap_or_default();
+    let rdma_tests: Vec<crate::verbs::selftest::Record> = match (&verbs, &fabric) {
+        (Ok(f), Ok((_, ports))) => {
+            ports.iter().filter(|p| p.active).map(|p| (*crate::verbs::selftest::cached(&**f, p)).clone()).collect()
+        }
+        _ => Vec::new(),
+    };
     let passed = rdma_tests.iter().filter(|t| t.passed).count();
     let port_tests: Vec<(String, bool, String)> =
         rdma_tests.iter().map(|r| (r.device.clone(), r.passed, r.to_string())).collect();
