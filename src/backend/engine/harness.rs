@@ -114,6 +114,9 @@ impl Route for Arc<FakeRoute> {
     fn pid(&self) -> Option<i32> {
         None
     }
+    fn cpu_copies(&self) -> bool {
+        false
+    }
     fn closed(&self) -> bool {
         false
     }

@@ -98,6 +98,9 @@ impl Route for Cma {
     fn pid(&self) -> Option<i32> {
         Some(self.pid)
     }
+    fn cpu_copies(&self) -> bool {
+        true
+    }
     fn closed(&self) -> bool {
         false
     }

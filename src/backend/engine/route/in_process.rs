@@ -34,6 +34,9 @@ impl Route for InProcess {
     fn pid(&self) -> Option<i32> {
         None
     }
+    fn cpu_copies(&self) -> bool {
+        true
+    }
     fn closed(&self) -> bool {
         false
     }

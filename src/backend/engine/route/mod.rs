@@ -51,6 +51,10 @@ pub(super) trait Route: Send + Sync {
     fn label(&self) -> &'static str;
     /// The peer's process, where it is one on this host.
     fn pid(&self) -> Option<i32>;
+    /// Its copies are the CPU's, done in the calling thread (same host): a large request is cut in many small
+    /// pieces that copy threads and polls take in turn. Otherwise (a NIC, a socket) each copy thread takes one
+    /// large piece, which the route keeps in flight as it sees fit.
+    fn cpu_copies(&self) -> bool;
     /// The route was closed (`close`) and keeps no way to the peer; whether the peer itself is down is its
     /// health's answer (`EnginePeer::health`).
     fn closed(&self) -> bool;

@@ -423,6 +423,9 @@ impl Route for Fabric {
     fn pid(&self) -> Option<i32> {
         None
     }
+    fn cpu_copies(&self) -> bool {
+        false
+    }
     fn closed(&self) -> bool {
         self.link.closed()
     }

@@ -467,6 +467,9 @@ impl Route for Rdma {
     fn pid(&self) -> Option<i32> {
         None
     }
+    fn cpu_copies(&self) -> bool {
+        false
+    }
     fn closed(&self) -> bool {
         self.link.closed()
     }

@@ -37,6 +37,9 @@ impl Route for Tcp {
     fn pid(&self) -> Option<i32> {
         None
     }
+    fn cpu_copies(&self) -> bool {
+        false
+    }
     fn closed(&self) -> bool {
         self.link.closed()
     }
