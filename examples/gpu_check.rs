@@ -641,7 +641,7 @@ fn gds_cases(dev: u32, iters: usize) -> usize {
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::OpenOptionsExt;
     // Asking runs cuFile's self-test (once per process) where libcufile is installed.
-    let path = match gixl::backend::gds::staged_reason() {
+    let route = match gixl::backend::gds::staged_reason() {
         None => {
             println!("GDS: cuFile self-test PASSED: VRAM <-> FILE goes direct through cuFile here");
             "direct"
@@ -725,13 +725,13 @@ fn gds_cases(dev: u32, iters: usize) -> usize {
                 let same = pieces
                     .iter()
                     .all(|&(x, _, n)| back[x as usize..][..n as usize] == pattern[x as usize..][..n as usize]);
-                check(same, &format!("{plugin} ({path}) {tag} {shape}: VRAM → FILE → VRAM data"));
+                check(same, &format!("{plugin} ({route}) {tag} {shape}: VRAM → FILE → VRAM data"));
                 let pw = mk(XferOp::Write, MemType::Dram, h, 0, px).expect("request");
                 let pr = mk(XferOp::Read, MemType::Dram, h, 0, px).expect("request");
                 let (pwr, prr) =
                     (rate(&a, &pw, bytes, iters).unwrap_or(f64::NAN), rate(&a, &pr, bytes, iters).unwrap_or(f64::NAN));
                 println!(
-                    "  {plugin} ({path}) {tag} {shape}: WRITE {wr:.2} GB/s ({:.0}% of POSIX DRAM {pwr:.2}), READ {rr:.2} GB/s ({:.0}% of {prr:.2})",
+                    "  {plugin} ({route}) {tag} {shape}: WRITE {wr:.2} GB/s ({:.0}% of POSIX DRAM {pwr:.2}), READ {rr:.2} GB/s ({:.0}% of {prr:.2})",
                     100.0 * wr / pwr,
                     100.0 * rr / prr
                 );

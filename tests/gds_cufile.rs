@@ -423,10 +423,14 @@ fn child(env: &[(&str, &str)]) -> (std::collections::HashMap<String, String>, St
     (keys, stderr)
 }
 
+/// Environment variables of a child.
+type Env<'a> = &'a [(&'a str, &'a str)];
+
 #[test]
 fn a_failing_self_test_falls_back_to_staged_with_the_reason() {
     let _g = setup();
-    let cases: &[(&[(&str, &str)], &str, &str)] = &[
+    // (the child's environment, the reason it must give, the fake library's calls it must show)
+    let cases: &[(Env, &str, &str)] = &[
         (
             &[("GIXL_FAKE_CUFILE", "open-fails")],
             "cuFileDriverOpen failed (cuFile error 5001",

@@ -15,14 +15,20 @@
 //!   the device once its reads are done, then refilled). The file I/O is the POSIX backend's queue.
 //!   `O_DIRECT` files are honoured: file offsets and lengths are checked for the kernel's alignment at prep
 //!   (`NIXL_ERR_INVALID_PARAM`), and slot positions are aligned so the I/O from host memory is valid.
-//! - The direct path (cuFile) is taken only where it proves itself ([`cufile`]); today it never is, and the
-//!   reason is logged once per process and shown by `gixl doctor`.
+//! - VRAM ↔ FILE is direct (cuFile) only where cuFile proved itself in this process ([`cufile`]: loaded,
+//!   driver open, self-test passed; asked at the first VRAM registration); otherwise staged, the reason logged
+//!   once and shown by `gixl doctor`. Direct: VRAM regions are registered with cuFile at registration, files at
+//!   the first VRAM request on them (a file cuFile refuses is staged); a post's descriptors become synchronous
+//!   `cuFileRead`/`cuFileWrite` calls of at most [`DIRECT_CHUNK`] bytes, shared in order among the driver
+//!   threads.
 //!
 //! Lifetime: a post first checks that every file is still open on the file registered (`NIXL_ERR_BACKEND`
 //! otherwise) and that no region of the request was deregistered (`NIXL_ERR_NOT_FOUND`); both before any byte
 //! moves. `deregister_memory` and agent destruction mark their regions retired, then wait (at most
-//! [`RETIRE_WAIT`]) for the posts in flight on them: a staged post stops at its next piece and fails
-//! `NIXL_ERR_NOT_FOUND`, a DRAM post finishes its I/O.
+//! [`RETIRE_WAIT`]) for the posts in flight on them: a staged post stops at its next piece and a direct one
+//! before its next cuFile call, and fails `NIXL_ERR_NOT_FOUND`; a DRAM post finishes its I/O. Then the cuFile
+//! registrations of the regions are released (or, after a wait that ran out, when the last request holding
+//! them goes). Errors of the code shared with POSIX name this backend.
 //!
 //! Init parameters: NIXL's plugins report none by default. GDS reads `batch_pool_size`, `batch_limit` and
 //! `max_request_size` (cuFile batch sizes), GDS_MT `thread_count`; all are checked to be unsigned integers and
@@ -33,8 +39,8 @@
 //!
 //! FILE registration is the POSIX backend's, NIXL 1.5.1's path mode (`"rw,create:/path"` in metaInfo) included.
 //!
-//! Not done here: cuFile's direct transfers and its self-test; notifications and transfers to other agents
-//! (NIXL's GDS plugins have neither).
+//! Not done here: cuFile's batch and stream APIs (`batch_limit` etc. are read but unused); notifications and
+//! transfers to other agents (NIXL's GDS plugins have neither).
 
 mod cufile;
 
@@ -66,7 +72,7 @@ const BUFFERS: usize = 2;
 
 /// A direct (cuFile) request's descriptors are cut into calls of at most this many bytes: the driver threads
 /// share them, and a deregistration is seen between them.
-const DIRECT_CHUNK: u64 = 16 << 20;
+pub const DIRECT_CHUNK: u64 = 16 << 20;
 
 /// How long `deregister_memory` and agent destruction wait for posts in flight on the regions they retire.
 pub const RETIRE_WAIT: Duration = Duration::from_secs(10);
