@@ -406,15 +406,25 @@ fn test_file() -> Result<OwnedFd, String> {
         .map(std::path::PathBuf::from)
         .unwrap_or_else(std::env::temp_dir);
     let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).map_err(|_| "a NUL in the path".to_string())?;
+    // Where the file system has no O_TMPFILE, a named file, removed again at once.
+    let named = dir.join(format!(".gixl-cufile-test-{}", std::process::id()));
+    let named = std::ffi::CString::new(named.as_os_str().as_encoded_bytes()).map_err(|_| "a NUL in the path")?;
     let mut last = String::new();
-    for flags in [libc::O_DIRECT, 0] {
-        // SAFETY: a NUL-terminated path; the result is checked.
-        let fd = unsafe { libc::open(c.as_ptr(), libc::O_TMPFILE | libc::O_RDWR | libc::O_CLOEXEC | flags, 0o600) };
-        if fd >= 0 {
-            // SAFETY: a fresh descriptor we own.
-            return Ok(unsafe { OwnedFd::from_raw_fd(fd) });
+    for (path, how) in [(&c, libc::O_TMPFILE), (&named, libc::O_CREAT | libc::O_EXCL)] {
+        for direct in [libc::O_DIRECT, 0] {
+            let flags = how | libc::O_RDWR | libc::O_CLOEXEC | direct;
+            // SAFETY: a NUL-terminated path; the result is checked.
+            let fd = unsafe { libc::open(path.as_ptr(), flags, 0o600) };
+            if fd >= 0 {
+                if how != libc::O_TMPFILE {
+                    // SAFETY: the name we just created.
+                    unsafe { libc::unlink(path.as_ptr()) };
+                }
+                // SAFETY: a fresh descriptor we own.
+                return Ok(unsafe { OwnedFd::from_raw_fd(fd) });
+            }
+            last = format!("{}: {}", dir.display(), std::io::Error::last_os_error());
         }
-        last = format!("{}: {}", dir.display(), std::io::Error::last_os_error());
     }
     Err(last)
 }
