@@ -4,7 +4,8 @@ LMCache (its NIXL storage backend) call them: GPU memory <-> files.
 NIXL 1.5.1 lists both plugins, but they load only where cuFile and the CUDA runtime are installed; on this
 machine its ``get_plugin_params("GDS")`` fails NOT_FOUND. So only the listing is compared with NIXL; the rest
 runs on gixl, in a child process started with ``GIXL_FAKE_DEVICE=1`` (device memory emulated in host memory),
-where the backends stage VRAM <-> FILE through page-locked buffers as they do on a GPU without cuFile.
+where the backends stage VRAM <-> FILE through page-locked buffers as they do on a GPU without cuFile; one test
+adds a fake libcufile (tests/fake_cufile.c), over which they take the direct path through cuFile.
 The Rust tests (tests/gds.rs) cover ext4, O_DIRECT alignment, a full disk and the lifetime races in depth.
 """
 
