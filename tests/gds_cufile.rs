@@ -469,3 +469,52 @@ fn a_failing_self_test_falls_back_to_staged_with_the_reason() {
     assert!(k["json"].contains("\"device\":\"GPUDirect Storage\",\"used\":true"), "{}", k["json"]);
     assert!(!stderr.contains("GPUDirect Storage"), "no warning when the direct path is taken: {stderr}");
 }
+
+/// Deregistration waits (bounded) for a cuFile call in flight on its region; meanwhile this agent goes on
+/// preparing other requests and registering memory: the wait is not made under the agent's registration table.
+#[test]
+fn a_deregistration_waiting_for_io_does_not_hold_up_other_requests() {
+    let _g = setup();
+    let a = agent("slow-dereg", "GDS_MT", &[("thread_count", "2")]);
+    let p = fresh("slow");
+    let f = open(&p, false).unwrap();
+    let fd = f.as_raw_fd();
+    std::fs::write(&p, vec![3u8; (16 * MIB) as usize]).unwrap();
+    let (dst, other) = (vram(6, 16 * MIB, |_| 0), vram(6, MIB, |_| 0));
+    reg(&a, MemType::Vram, dst, 16 * MIB, 6).unwrap();
+    reg(&a, MemType::Vram, other, MIB, 6).unwrap();
+    reg(&a, MemType::File, 0, 0, fd as u64).unwrap();
+    // One 16 MiB cuFile call that takes 2 s.
+    delay(fd, 2_000_000);
+    let r = req(&a, XferOp::Read, 6, fd, &[(dst, 0, 16 * MIB)]).unwrap();
+    assert_eq!(a.post_xfer_req(&r, NotifUpdate::Keep).unwrap(), Status::InProg);
+    std::thread::sleep(Duration::from_millis(200));
+    let t = Instant::now();
+    let more = vram(6, MIB, |_| 0);
+    let (x, took) = std::thread::scope(|sc| {
+        let d = sc.spawn(|| dereg(&a, MemType::Vram, dst, 16 * MIB, 6));
+        std::thread::sleep(Duration::from_millis(200));
+        // While the deregistration waits for the call, another request is prepared and memory registered.
+        let x = req(&a, XferOp::Write, 6, fd, &[(other, 32 * MIB, MIB)]).unwrap();
+        reg(&a, MemType::Vram, more, MIB, 6).unwrap();
+        assert!(!d.is_finished(), "the deregistration should still be waiting for the cuFile call");
+        let took = t.elapsed();
+        d.join().unwrap().unwrap();
+        (x, took)
+    });
+    assert!(t.elapsed() >= Duration::from_millis(1000), "the deregistration waited for the call in flight");
+    assert!(took < Duration::from_millis(1200), "other work waited for the deregistration: {took:?}");
+    delay(fd, 0);
+    assert_eq!(a.xfer_status(&r).unwrap(), Status::Success, "the call in flight finished the request");
+    assert_eq!(post_wait(&a, &x).unwrap(), Status::Success);
+    a.release_xfer_req(&r).unwrap();
+    a.release_xfer_req(&x).unwrap();
+    dereg(&a, MemType::Vram, other, MIB, 6).unwrap();
+    dereg(&a, MemType::Vram, more, MIB, 6).unwrap();
+    dereg(&a, MemType::File, 0, 0, fd as u64).unwrap();
+    for b in [dst, other, more] {
+        fake::free(b).unwrap();
+    }
+    drop(f);
+    std::fs::remove_file(p).unwrap();
+}
