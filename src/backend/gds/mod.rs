@@ -210,39 +210,34 @@ impl Backend for Gds {
     }
 
     fn register(&self, mem: MemType, desc: &RegDesc) -> Result<LocalRegion> {
-        let out = (|| -> Result<LocalRegion> {
-            let mut cubuf = None;
-            let kind = match mem {
-                MemType::Dram => Kind::Dram,
-                MemType::Vram => {
-                    let d = desc.desc;
-                    let info = device::get()?.pointer_info(d.addr)?;
-                    if d.addr.checked_add(d.len).is_none_or(|end| end > info.base + info.size) {
-                        return Err(Error::invalid_param(format!(
-                            "{}: VRAM {:#x}+{} runs past the end of its allocation ({:#x}+{})",
-                            self.name, d.addr, d.len, info.base, info.size
-                        )));
-                    }
-                    // The first VRAM registration decides (once per process) whether cuFile is used.
-                    if let Some(lib) = cufile::api() {
-                        cubuf = register_buf(self.name, lib, info.dev, d.addr, d.len);
-                    }
-                    Kind::Vram { dev: info.dev }
+        let mut cubuf = None;
+        let kind = match mem {
+            MemType::Dram => Kind::Dram,
+            MemType::Vram => {
+                let d = desc.desc;
+                let info = device::get()?.pointer_info(d.addr)?;
+                if d.addr.checked_add(d.len).is_none_or(|end| end > info.base + info.size) {
+                    return Err(Error::invalid_param(format!(
+                        "{}: VRAM {:#x}+{} runs past the end of its allocation ({:#x}+{})",
+                        self.name, d.addr, d.len, info.base, info.size
+                    )));
                 }
-                MemType::File => Kind::File(Arc::new(FileReg::register(desc, self.posix.path_ids())?)),
-                m => {
-                    return Err(Error::not_supported(format!(
-                        "the {} backend does not handle {}",
-                        self.name,
-                        m.seg_name()
-                    )))
+                // The first VRAM registration decides (once per process) whether cuFile is used.
+                if let Some(lib) = cufile::api() {
+                    cubuf = register_buf(self.name, lib, info.dev, d.addr, d.len);
                 }
-            };
-            let key: RegionKey =
-                Arc::new(Region { retired: AtomicBool::new(false), kind, cubuf, cufh: OnceLock::new() });
-            Ok(LocalRegion { public: Vec::new(), key: Some(key) })
-        })();
-        out.map_err(|e| ours(self.name, e))
+                Kind::Vram { dev: info.dev }
+            }
+            MemType::File => {
+                let f = FileReg::register(desc, self.posix.path_ids()).map_err(|e| ours(self.name, e))?;
+                Kind::File(Arc::new(f))
+            }
+            m => {
+                return Err(Error::not_supported(format!("the {} backend does not handle {}", self.name, m.seg_name())))
+            }
+        };
+        let key: RegionKey = Arc::new(Region { retired: AtomicBool::new(false), kind, cubuf, cufh: OnceLock::new() });
+        Ok(LocalRegion { public: Vec::new(), key: Some(key) })
     }
 
     fn deregister_many(&self, _mem: MemType, regions: &[(Desc, Option<RegionKey>)]) {
@@ -261,109 +256,105 @@ impl Backend for Gds {
     }
 
     fn prep_xfer(&self, plan: XferPlan) -> Result<Box<dyn BackendXfer>> {
-        let out = (|| -> Result<Box<dyn BackendXfer>> {
-            let name = self.name;
-            if let Target::Remote(_) = plan.target {
-                return Err(Error::not_supported(format!(
-                    "the {name} backend moves data between this agent's memory and its own files only"
-                )));
+        let name = self.name;
+        if let Target::Remote(_) = plan.target {
+            return Err(Error::not_supported(format!(
+                "the {name} backend moves data between this agent's memory and its own files only"
+            )));
+        }
+        // (memory type, whether the FILE list is the local one)
+        let (mem, swapped) = match (plan.local_mem, plan.remote_mem) {
+            (m @ (MemType::Dram | MemType::Vram), MemType::File) => (m, false),
+            (MemType::File, m @ (MemType::Dram | MemType::Vram)) => (m, true),
+            (l, r) => {
+                return Err(Error::invalid_param(format!(
+                    "{name}: only I/O between memory (DRAM_SEG or VRAM_SEG) and files (FILE_SEG) is supported, \
+                     got {} and {}",
+                    l.seg_name(),
+                    r.seg_name()
+                )))
             }
-            // (memory type, whether the FILE list is the local one)
-            let (mem, swapped) = match (plan.local_mem, plan.remote_mem) {
-                (m @ (MemType::Dram | MemType::Vram), MemType::File) => (m, false),
-                (MemType::File, m @ (MemType::Dram | MemType::Vram)) => (m, true),
-                (l, r) => {
-                    return Err(Error::invalid_param(format!(
-                        "{name}: only I/O between memory (DRAM_SEG or VRAM_SEG) and files (FILE_SEG) is supported, \
-                         got {} and {}",
-                        l.seg_name(),
-                        r.seg_name()
-                    )))
-                }
-            };
-            let (mem_keys, file_keys) =
-                if swapped { (&plan.remote_keys, &plan.local_keys) } else { (&plan.local_keys, &plan.remote_keys) };
-            let not_ours =
-                || Error::invalid_param(format!("{name}: a region of this request was not registered with it"));
-            let mem_regs: Vec<Arc<Region>> =
-                mem_keys.iter().map(|k| region(k.as_ref())).collect::<Option<_>>().ok_or_else(not_ours)?;
-            let file_regs: Vec<Arc<Region>> =
-                file_keys.iter().map(|k| region(k.as_ref())).collect::<Option<_>>().ok_or_else(not_ours)?;
-            let files: Vec<Arc<FileReg>> = file_regs
-                .iter()
-                .map(|r| match &r.kind {
-                    Kind::File(f) => Some(f.clone()),
-                    _ => None,
-                })
-                .collect::<Option<_>>()
-                .ok_or_else(not_ours)?;
-            // Segments as (memory address, file offset), whichever list was local.
-            let segs: Vec<Seg> = plan
-                .segs
-                .iter()
-                .map(|s| {
-                    if swapped {
-                        Seg {
-                            local: s.remote,
-                            remote: s.local,
-                            len: s.len,
-                            ldev: s.rdev,
-                            rdev: s.ldev,
-                            lreg: s.rreg,
-                            rreg: s.lreg,
-                        }
-                    } else {
-                        *s
+        };
+        let (mem_keys, file_keys) =
+            if swapped { (&plan.remote_keys, &plan.local_keys) } else { (&plan.local_keys, &plan.remote_keys) };
+        let not_ours = || Error::invalid_param(format!("{name}: a region of this request was not registered with it"));
+        let mem_regs: Vec<Arc<Region>> =
+            mem_keys.iter().map(|k| region(k.as_ref())).collect::<Option<_>>().ok_or_else(not_ours)?;
+        let file_regs: Vec<Arc<Region>> =
+            file_keys.iter().map(|k| region(k.as_ref())).collect::<Option<_>>().ok_or_else(not_ours)?;
+        let files: Vec<Arc<FileReg>> = file_regs
+            .iter()
+            .map(|r| match &r.kind {
+                Kind::File(f) => Some(f.clone()),
+                _ => None,
+            })
+            .collect::<Option<_>>()
+            .ok_or_else(not_ours)?;
+        // Segments as (memory address, file offset), whichever list was local.
+        let segs: Vec<Seg> = plan
+            .segs
+            .iter()
+            .map(|s| {
+                if swapped {
+                    Seg {
+                        local: s.remote,
+                        remote: s.local,
+                        len: s.len,
+                        ldev: s.rdev,
+                        rdev: s.ldev,
+                        lreg: s.rreg,
+                        rreg: s.lreg,
                     }
-                })
-                .collect();
-            let regions: Vec<Arc<Region>> = mem_regs.iter().chain(&file_regs).cloned().collect();
-            let files_of = |s: &Seg| {
-                files.get(s.rreg as usize).ok_or_else(|| Error::invalid_param(format!("{name}: unknown FILE region")))
+                } else {
+                    *s
+                }
+            })
+            .collect();
+        let regions: Vec<Arc<Region>> = mem_regs.iter().chain(&file_regs).cloned().collect();
+        let files_of = |s: &Seg| {
+            files.get(s.rreg as usize).ok_or_else(|| Error::invalid_param(format!("{name}: unknown FILE region")))
+        };
+        if mem == MemType::Dram {
+            let p = XferPlan {
+                op: plan.op,
+                local_mem: MemType::Dram,
+                remote_mem: MemType::File,
+                segs,
+                local_keys: vec![None; mem_regs.len()],
+                remote_keys: files.iter().map(|f| Some(f.clone() as RegionKey)).collect(),
+                target: Target::Local,
+                total_bytes: plan.total_bytes,
             };
-            if mem == MemType::Dram {
-                let p = XferPlan {
-                    op: plan.op,
-                    local_mem: MemType::Dram,
-                    remote_mem: MemType::File,
-                    segs,
-                    local_keys: vec![None; mem_regs.len()],
-                    remote_keys: files.iter().map(|f| Some(f.clone() as RegionKey)).collect(),
-                    target: Target::Local,
-                    total_bytes: plan.total_bytes,
-                };
-                let x = self.posix.prep(p)?;
-                return Ok(Box::new(GdsXfer { core: self.core.clone(), regions, files, how: How::Posix(x) }));
-            }
-            let read = plan.op == XferOp::Read;
-            if let Some(d) = self.direct(read, &segs, &mem_regs, &file_regs)? {
-                return Ok(Box::new(GdsXfer {
-                    core: self.core.clone(),
-                    regions,
-                    files,
-                    how: How::Direct { direct: Arc::new(d), run: Mutex::new(None) },
-                }));
-            }
-            let mut pieces = Pieces::default();
-            for s in &segs {
-                let f = files_of(s)?;
-                // The VRAM address is never given to the kernel: only the file side must be aligned.
-                f.check(read, &Seg { local: 0, ..*s })?;
-                let dev = match mem_regs.get(s.lreg as usize).map(|r| &r.kind) {
-                    Some(Kind::Vram { dev }) => *dev,
-                    _ => return Err(not_ours()),
-                };
-                pieces.add(s, dev, f)?;
-            }
-            let staged = Arc::new(Staged { read, pieces: pieces.done() });
-            Ok(Box::new(GdsXfer {
+            let x = self.posix.prep(p).map_err(|e| ours(name, e))?;
+            return Ok(Box::new(GdsXfer { core: self.core.clone(), regions, files, how: How::Posix(x) }));
+        }
+        let read = plan.op == XferOp::Read;
+        if let Some(d) = self.direct(read, &segs, &mem_regs, &file_regs)? {
+            return Ok(Box::new(GdsXfer {
                 core: self.core.clone(),
                 regions,
                 files,
-                how: How::Staged { staged, run: Mutex::new(None) },
-            }))
-        })();
-        out.map_err(|e| ours(self.name, e))
+                how: How::Direct { direct: Arc::new(d), run: Mutex::new(None) },
+            }));
+        }
+        let mut pieces = Pieces::default();
+        for s in &segs {
+            let f = files_of(s)?;
+            // The VRAM address is never given to the kernel: only the file side must be aligned.
+            f.check(read, &Seg { local: 0, ..*s }).map_err(|e| ours(self.name, e))?;
+            let dev = match mem_regs.get(s.lreg as usize).map(|r| &r.kind) {
+                Some(Kind::Vram { dev }) => *dev,
+                _ => return Err(not_ours()),
+            };
+            pieces.add(s, dev, f)?;
+        }
+        let staged = Arc::new(Staged { read, pieces: pieces.done() });
+        Ok(Box::new(GdsXfer {
+            core: self.core.clone(),
+            regions,
+            files,
+            how: How::Staged { staged, run: Mutex::new(None) },
+        }))
     }
 
     /// As the POSIX backend: `stat` of the path in each descriptor's metaInfo.
@@ -403,7 +394,7 @@ impl Gds {
                 return Err(Error::invalid_param(format!("{}: a region of this request is not ours", self.name)));
             };
             // NIXL's O_DIRECT rules hold on this path too: the file offsets and lengths are checked.
-            f.check(read, &Seg { local: 0, ..*s })?;
+            f.check(read, &Seg { local: 0, ..*s }).map_err(|e| ours(self.name, e))?;
             let fh = fr.cufh.get_or_init(|| register_file(self.name, lib, f.fd));
             let Some(fh) = fh.clone() else { return Ok(None) };
             // Registered memory is named by its base and an offset; other memory by its own address.
@@ -661,115 +652,107 @@ struct GdsXfer {
 
 impl BackendXfer for GdsXfer {
     fn post(&self, notif: Option<&[u8]>) -> Result<Status> {
-        let out = (|| -> Result<Status> {
-            if notif.is_some() {
-                return Err(Error::backend(format!("the {} backend cannot send notifications", self.core.name)));
+        if notif.is_some() {
+            return Err(Error::backend(format!("the {} backend cannot send notifications", self.core.name)));
+        }
+        match &self.how {
+            How::Posix(x) => {
+                if x.current_run().is_some_and(|r| r.state() == Status::InProg) {
+                    return Err(Error::new(
+                        Status::RepostActive,
+                        "the previous post of this request is still in progress",
+                    ));
+                }
+                let mut st = Status::Success;
+                self.core.admit(&self.regions, || {
+                    st = x.post(None).map_err(|e| ours(self.core.name, e))?;
+                    x.current_run().ok_or_else(|| Error::backend("POSIX request without a run"))
+                })?;
+                Ok(st)
             }
-            match &self.how {
-                How::Posix(x) => {
-                    if x.current_run().is_some_and(|r| r.state() == Status::InProg) {
-                        return Err(Error::new(
-                            Status::RepostActive,
-                            "the previous post of this request is still in progress",
-                        ));
-                    }
-                    let mut st = Status::Success;
-                    self.core.admit(&self.regions, || {
-                        st = x.post(None)?;
-                        x.current_run().ok_or_else(|| Error::backend("POSIX request without a run"))
-                    })?;
-                    Ok(st)
+            How::Direct { direct, run } => {
+                let mut cur = run.lock();
+                if cur.as_ref().is_some_and(|r| r.state() == Status::InProg) {
+                    return Err(Error::new(
+                        Status::RepostActive,
+                        "the previous post of this request is still in progress",
+                    ));
                 }
-                How::Direct { direct, run } => {
-                    let mut cur = run.lock();
-                    if cur.as_ref().is_some_and(|r| r.state() == Status::InProg) {
-                        return Err(Error::new(
-                            Status::RepostActive,
-                            "the previous post of this request is still in progress",
-                        ));
-                    }
-                    for f in &self.files {
-                        f.check_open()?;
-                    }
-                    let r = self.core.admit(&self.regions, || {
-                        Ok(Run::new(Arc::new(Work { read: direct.read, ops: Vec::new() }), direct.groups.len()))
-                    })?;
-                    *cur = Some(r.clone());
-                    if direct.groups.is_empty() {
-                        return Ok(Status::Success);
-                    }
-                    for g in 0..direct.groups.len() {
-                        let (core, d, regions, r) =
-                            (self.core.clone(), direct.clone(), self.regions.clone(), r.clone());
-                        self.core.drivers.submit(Box::new(move || {
-                            let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                                drive_direct(&core, &d, &d.groups[g], &regions, &r)
-                            }));
-                            match out {
-                                Ok(Ok(())) => {}
-                                Ok(Err(f)) => r.fail(f),
-                                Err(_) => r.fail(Failure {
-                                    status: Status::Backend,
-                                    msg: "direct transfer panicked".into(),
-                                    errno: None,
-                                }),
-                            }
-                            r.done(1);
-                        }));
-                    }
-                    Ok(Status::InProg)
+                for f in &self.files {
+                    f.check_open().map_err(|e| ours(self.core.name, e))?;
                 }
-                How::Staged { staged, run } => {
-                    let mut cur = run.lock();
-                    if cur.as_ref().is_some_and(|r| r.state() == Status::InProg) {
-                        return Err(Error::new(
-                            Status::RepostActive,
-                            "the previous post of this request is still in progress",
-                        ));
-                    }
-                    for f in &self.files {
-                        f.check_open()?;
-                    }
-                    let r = self.core.admit(&self.regions, || {
-                        let units = usize::from(!staged.pieces.is_empty());
-                        Ok(Run::new(Arc::new(Work { read: staged.read, ops: Vec::new() }), units))
-                    })?;
-                    *cur = Some(r.clone());
-                    if staged.pieces.is_empty() {
-                        return Ok(Status::Success);
-                    }
-                    let (core, staged2, regions) = (self.core.clone(), staged.clone(), self.regions.clone());
+                let r = self.core.admit(&self.regions, || {
+                    Ok(Run::new(Arc::new(Work { read: direct.read, ops: Vec::new() }), direct.groups.len()))
+                })?;
+                *cur = Some(r.clone());
+                if direct.groups.is_empty() {
+                    return Ok(Status::Success);
+                }
+                for g in 0..direct.groups.len() {
+                    let (core, d, regions, r) = (self.core.clone(), direct.clone(), self.regions.clone(), r.clone());
                     self.core.drivers.submit(Box::new(move || {
                         let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            drive(&core, &staged2, &regions, &r)
+                            drive_direct(&core, &d, &d.groups[g], &regions, &r)
                         }));
-                        let out = out.unwrap_or_else(|_| Err(Error::backend("staged transfer panicked")));
-                        if let Err(e) = out {
-                            r.fail(Failure { status: e.status(), msg: e.message().to_owned(), errno: None });
+                        match out {
+                            Ok(Ok(())) => {}
+                            Ok(Err(f)) => r.fail(f),
+                            Err(_) => r.fail(Failure {
+                                status: Status::Backend,
+                                msg: "direct transfer panicked".into(),
+                                errno: None,
+                            }),
                         }
                         r.done(1);
                     }));
-                    Ok(Status::InProg)
                 }
+                Ok(Status::InProg)
             }
-        })();
-        out.map_err(|e| ours(self.core.name, e))
+            How::Staged { staged, run } => {
+                let mut cur = run.lock();
+                if cur.as_ref().is_some_and(|r| r.state() == Status::InProg) {
+                    return Err(Error::new(
+                        Status::RepostActive,
+                        "the previous post of this request is still in progress",
+                    ));
+                }
+                for f in &self.files {
+                    f.check_open().map_err(|e| ours(self.core.name, e))?;
+                }
+                let r = self.core.admit(&self.regions, || {
+                    let units = usize::from(!staged.pieces.is_empty());
+                    Ok(Run::new(Arc::new(Work { read: staged.read, ops: Vec::new() }), units))
+                })?;
+                *cur = Some(r.clone());
+                if staged.pieces.is_empty() {
+                    return Ok(Status::Success);
+                }
+                let (core, staged2, regions) = (self.core.clone(), staged.clone(), self.regions.clone());
+                self.core.drivers.submit(Box::new(move || {
+                    let out =
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drive(&core, &staged2, &regions, &r)));
+                    let out = out.unwrap_or_else(|_| Err(Error::backend("staged transfer panicked")));
+                    if let Err(e) = out {
+                        r.fail(Failure { status: e.status(), msg: e.message().to_owned(), errno: None });
+                    }
+                    r.done(1);
+                }));
+                Ok(Status::InProg)
+            }
+        }
     }
 
     fn status(&self) -> Result<Status> {
-        let out = (|| -> Result<Status> {
-            match &self.how {
-                How::Posix(x) => x.status(),
-                How::Staged { run, .. } | How::Direct { run, .. } => {
-                    let Some(r) = run.lock().clone() else { return Err(Error::new(Status::NotPosted, "not posted")) };
-                    match r.state() {
-                        s @ (Status::InProg | Status::Success) => Ok(s),
-                        _ => Err(r.error()),
-                    }
+        match &self.how {
+            How::Posix(x) => x.status().map_err(|e| ours(self.core.name, e)),
+            How::Staged { run, .. } | How::Direct { run, .. } => {
+                let Some(r) = run.lock().clone() else { return Err(Error::new(Status::NotPosted, "not posted")) };
+                match r.state() {
+                    s @ (Status::InProg | Status::Success) => Ok(s),
+                    _ => Err(ours(self.core.name, r.error())),
                 }
             }
-        })();
-        out.map_err(|e| ours(self.core.name, e))
+        }
     }
 
     /// Stops the post at its next piece and waits for its copies and I/O, so the buffers may be freed.
