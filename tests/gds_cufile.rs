@@ -25,6 +25,7 @@ use gixl::*;
 
 mod common;
 use common::dev::slice;
+use common::loopdev::Ext4;
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -185,12 +186,12 @@ fn post_wait(a: &Agent, r: &XferReq) -> Result<Status> {
 }
 
 fn fresh(tag: &str) -> PathBuf {
+    fresh_in(Path::new("/dev/shm"), tag)
+}
+
+fn fresh_in(dir: &Path, tag: &str) -> PathBuf {
     static N: AtomicUsize = AtomicUsize::new(0);
-    PathBuf::from("/dev/shm").join(format!(
-        "gds-cufile-{}-{tag}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ))
+    dir.join(format!("gds-cufile-{}-{tag}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)))
 }
 
 /// `p` read-write, created and emptied; None (a skip) where the file system refuses O_DIRECT.
@@ -234,55 +235,68 @@ fn the_self_test_passes_over_the_fake_library_and_the_direct_path_is_taken() {
 fn direct_round_trip_is_byte_exact_through_cufile() {
     let _g = setup();
     for (plugin, direct) in [("GDS", false), ("GDS_MT", false), ("GDS_MT", true), ("GDS", true)] {
-        let a = agent(&format!("rt-{plugin}-{direct}"), plugin, &[]);
-        for (shape, vlen, pieces) in shapes() {
-            let label = format!("{plugin} O_DIRECT={direct} {shape}");
-            let p = fresh("rt");
-            let Some(f) = open(&p, direct) else { return };
-            let fd = f.as_raw_fd();
-            let src = vram(2, vlen, |i| (i.wrapping_mul(2654435761) >> 7) as u8);
-            let dst = vram(3, vlen, |_| 0);
-            let (bufs, cb) = (live_bufs(), counts());
-            reg(&a, MemType::Vram, src, vlen, 2).unwrap();
-            reg(&a, MemType::Vram, dst, vlen, 3).unwrap();
-            assert_eq!(live_bufs(), bufs + 2, "{label}: both VRAM regions registered with cuFile");
-            reg(&a, MemType::File, 0, 0, fd as u64).unwrap();
-            let at = |base: u64| pieces.iter().map(|&(v, o, l)| (base + v, o, l)).collect::<Vec<_>>();
-            let total: u64 = pieces.iter().map(|p| p.2).sum();
-            let (c0, copied2, copied3) = (counts(), fake::copied_bytes_on(2), fake::copied_bytes_on(3));
-            let w = req(&a, XferOp::Write, 2, fd, &at(src)).unwrap();
-            assert_eq!(post_wait(&a, &w).unwrap(), Status::Success, "{label} WRITE");
-            let disk = std::fs::read(&p).unwrap();
-            for &(v, o, l) in &pieces {
-                assert!(disk[o as usize..][..l as usize] == slice(src + v, l as usize)[..], "{label}: file bytes");
-            }
-            let r = req(&a, XferOp::Read, 3, fd, &at(dst)).unwrap();
-            assert_eq!(post_wait(&a, &r).unwrap(), Status::Success, "{label} READ");
-            for &(v, _, l) in &pieces {
-                assert!(slice(dst + v, l as usize) == slice(src + v, l as usize), "{label}: VRAM bytes differ");
-            }
-            let c = counts();
-            assert_eq!(c.wbytes - c0.wbytes, total, "{label}: every byte written through cuFileWrite");
-            assert_eq!(c.rbytes - c0.rbytes, total, "{label}: every byte read through cuFileRead");
-            assert_eq!(c.hreg - c0.hreg, 1, "{label}: the file registered with cuFile once");
-            assert_eq!(c.unreg_io, c0.unreg_io, "{label}: every call named registered memory");
-            assert_eq!(c.bad, 0, "{label}: {c:?}");
-            assert_eq!(fake::copied_bytes_on(2), copied2, "{label}: no device copy staged the WRITE");
-            assert_eq!(fake::copied_bytes_on(3), copied3, "{label}: no device copy staged the READ");
-            a.release_xfer_req(&w).unwrap();
-            a.release_xfer_req(&r).unwrap();
-            dereg(&a, MemType::Vram, src, vlen, 2).unwrap();
-            dereg(&a, MemType::Vram, dst, vlen, 3).unwrap();
-            dereg(&a, MemType::File, 0, 0, fd as u64).unwrap();
-            assert_eq!(live_bufs(), bufs, "{label}: deregistration released the cuFile buffers");
-            let c = counts();
-            assert_eq!((c.breg - cb.breg, c.bdereg - cb.bdereg), (2, 2), "{label}: cuFile buffer (de)registrations");
-            assert_eq!(c.hdereg - c0.hdereg, 1, "{label}: and the cuFile file handle");
-            fake::free(src).unwrap();
-            fake::free(dst).unwrap();
-            drop(f);
-            std::fs::remove_file(p).unwrap();
+        round_trip(plugin, Path::new("/dev/shm"), direct);
+    }
+}
+
+#[test]
+fn direct_round_trip_on_ext4() {
+    let _g = setup();
+    let Some(fs) = Ext4::new(512) else { return };
+    round_trip("GDS_MT", &fs.dir, false);
+    round_trip("GDS", &fs.dir, true);
+}
+
+/// VRAM → FILE → VRAM through `plugin` in `dir`, both shapes: byte-exact, every byte through cuFile.
+fn round_trip(plugin: &str, dir: &Path, direct: bool) {
+    let a = agent(&format!("rt-{plugin}-{direct}"), plugin, &[]);
+    for (shape, vlen, pieces) in shapes() {
+        let label = format!("{plugin} {} O_DIRECT={direct} {shape}", dir.display());
+        let p = fresh_in(dir, "rt");
+        let Some(f) = open(&p, direct) else { return };
+        let fd = f.as_raw_fd();
+        let src = vram(2, vlen, |i| (i.wrapping_mul(2654435761) >> 7) as u8);
+        let dst = vram(3, vlen, |_| 0);
+        let (bufs, cb) = (live_bufs(), counts());
+        reg(&a, MemType::Vram, src, vlen, 2).unwrap();
+        reg(&a, MemType::Vram, dst, vlen, 3).unwrap();
+        assert_eq!(live_bufs(), bufs + 2, "{label}: both VRAM regions registered with cuFile");
+        reg(&a, MemType::File, 0, 0, fd as u64).unwrap();
+        let at = |base: u64| pieces.iter().map(|&(v, o, l)| (base + v, o, l)).collect::<Vec<_>>();
+        let total: u64 = pieces.iter().map(|p| p.2).sum();
+        let (c0, copied2, copied3) = (counts(), fake::copied_bytes_on(2), fake::copied_bytes_on(3));
+        let w = req(&a, XferOp::Write, 2, fd, &at(src)).unwrap();
+        assert_eq!(post_wait(&a, &w).unwrap(), Status::Success, "{label} WRITE");
+        let disk = std::fs::read(&p).unwrap();
+        for &(v, o, l) in &pieces {
+            assert!(disk[o as usize..][..l as usize] == slice(src + v, l as usize)[..], "{label}: file bytes");
         }
+        let r = req(&a, XferOp::Read, 3, fd, &at(dst)).unwrap();
+        assert_eq!(post_wait(&a, &r).unwrap(), Status::Success, "{label} READ");
+        for &(v, _, l) in &pieces {
+            assert!(slice(dst + v, l as usize) == slice(src + v, l as usize), "{label}: VRAM bytes differ");
+        }
+        let c = counts();
+        assert_eq!(c.wbytes - c0.wbytes, total, "{label}: every byte written through cuFileWrite");
+        assert_eq!(c.rbytes - c0.rbytes, total, "{label}: every byte read through cuFileRead");
+        assert_eq!(c.hreg - c0.hreg, 1, "{label}: the file registered with cuFile once");
+        assert_eq!(c.unreg_io, c0.unreg_io, "{label}: every call named registered memory");
+        assert_eq!(c.bad, 0, "{label}: {c:?}");
+        assert_eq!(fake::copied_bytes_on(2), copied2, "{label}: no device copy staged the WRITE");
+        assert_eq!(fake::copied_bytes_on(3), copied3, "{label}: no device copy staged the READ");
+        a.release_xfer_req(&w).unwrap();
+        a.release_xfer_req(&r).unwrap();
+        dereg(&a, MemType::Vram, src, vlen, 2).unwrap();
+        dereg(&a, MemType::Vram, dst, vlen, 3).unwrap();
+        dereg(&a, MemType::File, 0, 0, fd as u64).unwrap();
+        assert_eq!(live_bufs(), bufs, "{label}: deregistration released the cuFile buffers");
+        let c = counts();
+        assert_eq!((c.breg - cb.breg, c.bdereg - cb.bdereg), (2, 2), "{label}: cuFile buffer (de)registrations");
+        assert_eq!(c.hdereg - c0.hdereg, 1, "{label}: and the cuFile file handle");
+        fake::free(src).unwrap();
+        fake::free(dst).unwrap();
+        drop(f);
+        std::fs::remove_file(p).unwrap();
     }
 }
 
