@@ -132,15 +132,9 @@ fn decide() -> Result<(), String> {
         }
         return Err(format!("{} loaded and its driver opened, but the self-test failed: {why}", lib.name));
     }
-    // SAFETY: a function with the C ABI and no arguments, registered once.
-    unsafe { libc::atexit(close_at_exit) };
+    // The driver stays open for the life of the process: cuFile closes it at exit, and closing it from an
+    // exit handler could pull it from under a driver thread still in a call.
     Ok(())
-}
-
-extern "C" fn close_at_exit() {
-    if let Some(Ok(lib)) = LIB.get() {
-        lib.close_driver();
-    }
 }
 
 fn load() -> Result<CuFile, String> {
