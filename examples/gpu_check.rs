@@ -25,7 +25,8 @@
 //!
 //! Last, the GDS and GDS_MT backends (`gds_cases`): VRAM → FILE → VRAM, 1 × 64 MiB and 1024 × 16 KiB, page
 //! cache and O_DIRECT, in `GIXL_GDS_DIR` (default /tmp), beside the POSIX backend's DRAM ↔ FILE on the same file,
-//! after a line saying whether they take cuFile or stage, and why.
+//! after a line saying whether they take cuFile (its self-test passed in this process) or stage, and why; each
+//! figure names the path ("direct" or "staged"). `GIXL_GPU_CHECK_ONLY=gds` runs these cases alone.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -380,6 +381,13 @@ fn main() {
     };
     println!("gpu_check: device layer '{}', GPU {dev}, {iters} iterations per figure (median)", d.kind());
     mem::current(dev);
+    // GIXL_GPU_CHECK_ONLY=gds: the GDS cases alone (scripts/gpu-check.sh reruns them with GIXL_CUFILE=off
+    // for the staged figures where the direct path was taken).
+    if std::env::var("GIXL_GPU_CHECK_ONLY").is_ok_and(|v| v == "gds") {
+        let failures = gds_cases(dev, iters);
+        println!("\ngpu_check: {} failure(s)", failures);
+        std::process::exit(if failures == 0 { 0 } else { 1 });
+    }
     let mut failures = 0;
     let mut check = |ok: bool, what: &str| {
         println!("  {} {what}", if ok { "ok  " } else { "FAIL" });
@@ -632,10 +640,17 @@ fn main() {
 fn gds_cases(dev: u32, iters: usize) -> usize {
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::OpenOptionsExt;
-    match gixl::backend::gds::staged_reason() {
-        None => println!("GDS: the direct path (cuFile) is taken here"),
-        Some(why) => println!("GDS: staged through page-locked host buffers: {why}"),
-    }
+    // Asking runs cuFile's self-test (once per process) where libcufile is installed.
+    let route = match gixl::backend::gds::staged_reason() {
+        None => {
+            println!("GDS: cuFile self-test PASSED: VRAM <-> FILE goes direct through cuFile here");
+            "direct"
+        }
+        Some(why) => {
+            println!("GDS: cuFile self-test not passed (or not run): staged through page-locked host buffers: {why}");
+            "staged"
+        }
+    };
     let dir = std::env::var("GIXL_GDS_DIR").unwrap_or_else(|_| "/tmp".into());
     let mut failures = 0;
     let mut check = |ok: bool, what: &str| {
@@ -710,13 +725,13 @@ fn gds_cases(dev: u32, iters: usize) -> usize {
                 let same = pieces
                     .iter()
                     .all(|&(x, _, n)| back[x as usize..][..n as usize] == pattern[x as usize..][..n as usize]);
-                check(same, &format!("{plugin} {tag} {shape}: VRAM → FILE → VRAM data"));
+                check(same, &format!("{plugin} ({route}) {tag} {shape}: VRAM → FILE → VRAM data"));
                 let pw = mk(XferOp::Write, MemType::Dram, h, 0, px).expect("request");
                 let pr = mk(XferOp::Read, MemType::Dram, h, 0, px).expect("request");
                 let (pwr, prr) =
                     (rate(&a, &pw, bytes, iters).unwrap_or(f64::NAN), rate(&a, &pr, bytes, iters).unwrap_or(f64::NAN));
                 println!(
-                    "  {plugin} {tag} {shape}: WRITE {wr:.2} GB/s ({:.0}% of POSIX DRAM {pwr:.2}), READ {rr:.2} GB/s ({:.0}% of {prr:.2})",
+                    "  {plugin} ({route}) {tag} {shape}: WRITE {wr:.2} GB/s ({:.0}% of POSIX DRAM {pwr:.2}), READ {rr:.2} GB/s ({:.0}% of {prr:.2})",
                     100.0 * wr / pwr,
                     100.0 * rr / prr
                 );

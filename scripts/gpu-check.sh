@@ -19,8 +19,10 @@
 #          says so; then the GDS and GDS_MT backends: VRAM -> FILE -> VRAM (1 x 64 MiB, 1024 x 16 KiB scattered),
 #          page cache and O_DIRECT, in $GIXL_GDS_DIR (default /tmp), data checked, each beside the POSIX
 #          backend's DRAM rate on the same file, after a line saying which path they take here (staged through
-#          pinned buffers, or cuFile) and why (docs/gds.md); the same binary runs over the fake device with
-#          GIXL_FAKE_DEVICE=1;
+#          pinned buffers, or cuFile, where libcufile is installed and gixl's self-test of it passed) and why
+#          (docs/gds.md); where the direct path was taken, the GDS cases run again with GIXL_CUFILE=off for the
+#          staged figures beside them; a machine without cuFile runs them staged and does not fail for it; the
+#          same binary runs over the fake device with GIXL_FAKE_DEVICE=1;
 #       3. NIXL 1.5.1 on the same cases (scripts/gpu_check_nixl.py --impl nixl_cu12) if it can be imported
 #          (installed, or unpacked from target/gpu-check/nixl.tar.zst; needs python3.11); otherwise says so.
 # Exit status: non-zero if any gixl case failed.
@@ -79,10 +81,25 @@ if [ ! -x "$bin" ]; then
 fi
 status=0
 if [ -x "$bin" ]; then
+    # GPUDirect Storage: is cuFile here at all (gixl opens it at run time and self-tests it before use)?
+    cufile=$(ldconfig -p 2>/dev/null | grep -o '/[^ ]*libcufile\.so\.0$' | head -n 1)
+    if [ -n "${GIXL_CUFILE_LIB:-}" ]; then cufile="$GIXL_CUFILE_LIB (GIXL_CUFILE_LIB)"; fi
+    echo "=== GPUDirect Storage: libcufile: ${cufile:-not installed (the GDS cases run staged)}"
+    [ -e /proc/driver/nvidia-fs/stats ] && echo "=== nvidia-fs kernel module loaded" \
+        || echo "=== nvidia-fs kernel module not loaded (cuFile, if present, runs in compatibility mode)"
     echo "=== gixl (engine 'UCX' over the CUDA driver)"
-    timeout 300 "$bin"
-    status=$?
+    timeout 300 "$bin" | tee /tmp/gpu-check-gixl.log
+    status=${PIPESTATUS[0]}
     echo "=== gixl: exit $status"
+    if grep -q "GDS: cuFile self-test PASSED" /tmp/gpu-check-gixl.log; then
+        echo "=== GDS: the cuFile self-test passed: the cases above ran direct; now the same cases staged (GIXL_CUFILE=off)"
+        GIXL_CUFILE=off GIXL_GPU_CHECK_ONLY=gds timeout 200 "$bin"
+        s=$?
+        echo "=== gixl GDS staged: exit $s"
+        [ $s -ne 0 ] && status=$s
+    else
+        echo "=== GDS: $(grep -m1 '^GDS: ' /tmp/gpu-check-gixl.log || echo 'no GDS line in the output')"
+    fi
 else
     echo "=== gixl: no gpu_check binary and no offline build possible: NOT RUN"
     status=1

@@ -106,6 +106,12 @@ impl Error {
         self.status
     }
 
+    /// The same error (status and source) with its message rewritten by `f`.
+    pub(crate) fn reword(mut self, f: impl FnOnce(&str) -> String) -> Error {
+        self.msg = f(&self.msg);
+        self
+    }
+
     pub fn message(&self) -> &str {
         &self.msg
     }

@@ -10,7 +10,6 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -19,6 +18,7 @@ use gixl::*;
 
 mod common;
 use common::dev::slice;
+use common::loopdev::Ext4;
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -99,68 +99,6 @@ fn open(p: &Path, direct: bool) -> Option<File> {
             None
         }
         Err(e) => panic!("{}: {e}", p.display()),
-    }
-}
-
-/// An ext4 file system on a loop device over a file, mounted for the test; unmounted and removed when dropped.
-struct Ext4 {
-    dir: PathBuf,
-    img: PathBuf,
-    dev: String,
-}
-
-impl Ext4 {
-    /// `size_mib` MiB; None (a skip recorded as kind `loopdev`) where this process cannot make one.
-    fn new(size_mib: u64) -> Option<Ext4> {
-        let base = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-        let img = fresh(&base, "img");
-        let dir = fresh(&base, "mnt");
-        let sh = |cmd: &mut Command| {
-            cmd.output().map_err(|e| e.to_string()).and_then(|o| {
-                if o.status.success() {
-                    Ok(String::from_utf8_lossy(&o.stdout).trim().to_owned())
-                } else {
-                    Err(String::from_utf8_lossy(&o.stderr).trim().to_owned())
-                }
-            })
-        };
-        let made = (|| {
-            std::fs::write(&img, b"").map_err(|e| e.to_string())?;
-            File::options()
-                .write(true)
-                .open(&img)
-                .and_then(|f| f.set_len(size_mib * MIB))
-                .map_err(|e| e.to_string())?;
-            sh(Command::new("mkfs.ext4").args(["-q", "-F", "-m", "0"]).arg(&img))?;
-            let dev = sh(Command::new("losetup").args(["-f", "--show"]).arg(&img))?;
-            std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-            if let Err(e) = sh(Command::new("mount").arg(&dev).arg(&dir)) {
-                let _ = sh(Command::new("losetup").arg("-d").arg(&dev));
-                return Err(e);
-            }
-            Ok(dev)
-        })();
-        match made {
-            Ok(dev) => Some(Ext4 { dir, img, dev }),
-            Err(e) => {
-                let _ = std::fs::remove_file(&img);
-                let _ = std::fs::remove_dir(&dir);
-                common::skip("loopdev", &format!("cannot make an ext4 loop device here (root needed): {e}"));
-                None
-            }
-        }
-    }
-}
-
-impl Drop for Ext4 {
-    fn drop(&mut self) {
-        let ok = |c: &mut Command| c.status().is_ok_and(|s| s.success());
-        if !ok(Command::new("umount").arg(&self.dir)) {
-            ok(Command::new("umount").arg("-l").arg(&self.dir));
-        }
-        ok(Command::new("losetup").arg("-d").arg(&self.dev));
-        let _ = std::fs::remove_dir(&self.dir);
-        let _ = std::fs::remove_file(&self.img);
     }
 }
 
@@ -363,6 +301,8 @@ fn short_file_misaligned_direct_and_closed_fd_fail_and_move_nothing() {
     let e = post_wait(&a, &r).unwrap_err();
     assert_eq!(e.status(), Status::Backend);
     assert!(e.message().contains("short read"), "{e}");
+    // The shared POSIX code's messages name this backend.
+    assert!(e.message().contains("GDS_MT read of") && !e.message().contains("POSIX"), "{e}");
 
     // Closed after registration: refused at post, nothing moves.
     drop(f);
@@ -370,6 +310,7 @@ fn short_file_misaligned_direct_and_closed_fd_fail_and_move_nothing() {
     let e = a.post_xfer_req(&r, NotifUpdate::Keep).unwrap_err();
     assert_eq!(e.status(), Status::Backend);
     assert!(e.message().contains("closed after it was registered"), "{e}");
+    assert!(e.message().contains("GDS_MT: fd") && !e.message().contains("POSIX"), "{e}");
     std::thread::sleep(Duration::from_millis(10));
     assert!(slice(dst, len as usize).iter().all(|&b| b == 0x55));
     std::fs::remove_file(&p).unwrap();
@@ -381,7 +322,7 @@ fn short_file_misaligned_direct_and_closed_fd_fail_and_move_nothing() {
     reg(&a, MemType::File, 0, 0, f.as_raw_fd() as u64, b"").unwrap();
     let e = req(&a, XferOp::Write, MemType::Vram, 1, f.as_raw_fd(), &[(dst, 100, 4096)]).unwrap_err();
     assert_eq!(e.status(), Status::InvalidParam);
-    assert!(e.message().contains("O_DIRECT"), "{e}");
+    assert!(e.message().contains("O_DIRECT") && !e.message().contains("POSIX"), "{e}");
     // The VRAM address itself need not be aligned (the kernel never sees it).
     let w = req(&a, XferOp::Write, MemType::Vram, 1, f.as_raw_fd(), &[(dst + 3, 8192, 4096)]).unwrap();
     assert_eq!(post_wait(&a, &w).unwrap(), Status::Success);

@@ -4,7 +4,8 @@ LMCache (its NIXL storage backend) call them: GPU memory <-> files.
 NIXL 1.5.1 lists both plugins, but they load only where cuFile and the CUDA runtime are installed; on this
 machine its ``get_plugin_params("GDS")`` fails NOT_FOUND. So only the listing is compared with NIXL; the rest
 runs on gixl, in a child process started with ``GIXL_FAKE_DEVICE=1`` (device memory emulated in host memory),
-where the backends stage VRAM <-> FILE through page-locked buffers as they do on a GPU without cuFile.
+where the backends stage VRAM <-> FILE through page-locked buffers as they do on a GPU without cuFile; one test
+adds a fake libcufile (tests/fake_cufile.c), over which they take the direct path through cuFile.
 The Rust tests (tests/gds.rs) cover ext4, O_DIRECT alignment, a full disk and the lifetime races in depth.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -135,8 +137,8 @@ print(json.dumps(out))
 """
 
 
-def child(code: str, tmp_path) -> dict:
-    env = dict(os.environ, GIXL_FAKE_DEVICE="1")
+def child(code: str, tmp_path, **extra_env: str) -> dict:
+    env = dict(os.environ, GIXL_FAKE_DEVICE="1", **extra_env)
     script = textwrap.dedent(PRELUDE) + textwrap.dedent(code)
     out = subprocess.run(
         [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120, env=env
@@ -162,3 +164,39 @@ def test_lmcache_storage_shape_over_the_fake_device(tmp_path):
     assert out["exact"], "pages read back differ from the pages written"
     assert out["closed"] == "nixlBackendError", out
     assert out["untouched"], "a request on a closed file moved data"
+
+
+# After LMCACHE: the fake libcufile's counters (tests/fake_cufile.c), read through ctypes from the library gixl
+# opened (the same path gives the same library).
+CUFILE_COUNTS = """
+lib = ctypes.CDLL(os.environ["GIXL_CUFILE_LIB"])
+c = (ctypes.c_uint64 * 12)()
+lib.gixl_fake_cufile_counts(c, 12)
+out["cufile"] = {"open": c[0], "reads": c[6], "writes": c[7], "rbytes": c[8], "wbytes": c[9], "bad": c[11]}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.gixl_native
+def test_lmcache_storage_shape_through_cufile_over_a_fake_libcufile(tmp_path):
+    """The direct path: with a cuFile that passes gixl's self-test (the fake library of tests/gds_cufile.rs), every
+    byte of LMCache's round trip goes through cuFileWrite/cuFileRead, and the closed file is still refused."""
+    cc = shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler to build the fake libcufile")
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    lib = str(tmp_path / "libfake-cufile.so")
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-O2", "-o", lib, os.path.join(root, "tests", "fake_cufile.c"), "-lpthread"],
+        check=True,
+    )
+    out = child(LMCACHE + CUFILE_COUNTS, tmp_path, GIXL_CUFILE_LIB=lib)
+    assert out["write"] == "DONE" and out["read"] == "DONE", out
+    assert out["exact"], "pages read back differ from the pages written"
+    assert out["closed"] == "nixlBackendError", out
+    assert out["untouched"], "a request on a closed file moved data"
+    c = out["cufile"]
+    self_test = 1 << 20
+    data = 256 * 1024 * 64
+    assert c["open"] == 1 and c["bad"] == 0, c
+    assert c["wbytes"] == self_test + data and c["rbytes"] == self_test + data, f"not all through cuFile: {c}"

@@ -380,14 +380,21 @@ impl Agent {
                 return Err(Error::not_found(format!("{:?} is not registered", d.desc)));
             }
         }
+        let mut retired = Vec::new();
         for b in &chosen {
             if let Some(s) = regs.get_mut(&(b.id, mem)) {
                 let gone: Vec<_> =
                     s.remove_exact_many(descs.iter().map(|d| &d.desc)).into_iter().map(|(d, e)| (d, e.key)).collect();
-                b.be.deregister_many(mem, &gone);
+                retired.push((b, gone));
             }
         }
         drop(regs);
+        // The backends wait (bounded) for transfers still using these regions: not under the table's lock, so
+        // that this agent's other requests, registrations and metadata go on meanwhile. The regions are out of
+        // the table already: nothing new can be prepared on them.
+        for (b, gone) in retired {
+            b.be.deregister_many(mem, &gone);
+        }
         self.inner.tele.deregistered(descs.iter().map(|d| d.desc.len).sum());
         Ok(())
     }

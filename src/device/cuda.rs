@@ -17,7 +17,7 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys;
 
-use super::{Copy, Device, Export, FdSource, HandleKind, HostBuf, IpcHandle, Mapping, PtrInfo};
+use super::{Copy, DevBuf, Device, Export, FdSource, HandleKind, HostBuf, IpcHandle, Mapping, PtrInfo};
 use crate::status::{Error, Result, Status};
 
 /// The driver symbols this module calls; all must resolve before any is called.
@@ -54,6 +54,8 @@ const SYMBOLS: &[&str] = &[
     "cuMemcpyAsync",
     "cuMemHostAlloc",
     "cuMemFreeHost",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
 ];
 
 pub struct Cuda {
@@ -262,6 +264,28 @@ impl Drop for Pinned {
         // SAFETY: allocated by cuMemHostAlloc in `ctx`, freed once.
         unsafe {
             sys::cuMemFreeHost(self.ptr as usize as *mut c_void);
+        }
+    }
+}
+
+/// Device memory from `cuMemAlloc`, freed when dropped.
+struct DevMem {
+    ptr: sys::CUdeviceptr,
+    ctx: usize,
+}
+
+impl DevBuf for DevMem {
+    fn ptr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+impl Drop for DevMem {
+    fn drop(&mut self) {
+        let _c = Current::enter(self.ctx);
+        // SAFETY: allocated by cuMemAlloc in `ctx`, freed once.
+        unsafe {
+            sys::cuMemFree_v2(self.ptr);
         }
     }
 }
@@ -658,5 +682,18 @@ impl Device for Cuda {
         // SAFETY: valid out-pointer.
         check(unsafe { sys::cuMemHostAlloc(&mut p, len, 0) }, "cuMemHostAlloc")?;
         Ok(Box::new(Pinned { ptr: p as u64, len, ctx }))
+    }
+
+    fn dev_buf(&self, dev: u32, len: usize) -> Result<Box<dyn DevBuf>> {
+        let ctx = self.ctx(dev)?;
+        let _c = Current::enter(ctx)?;
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: valid out-pointer; the context is current.
+        check(unsafe { sys::cuMemAlloc_v2(&mut p, len) }, "cuMemAlloc")?;
+        Ok(Box::new(DevMem { ptr: p, ctx }))
+    }
+
+    fn enter(&self, dev: u32) -> Result<Box<dyn std::any::Any>> {
+        Ok(Box::new(Current::enter(self.ctx(dev)?)?))
     }
 }

@@ -28,7 +28,7 @@ use std::sync::OnceLock;
 
 use parking_lot::Mutex;
 
-use super::{Copy, Device, Export, FdSource, HandleKind, HostBuf, IpcHandle, Mapping, PtrInfo};
+use super::{Copy, DevBuf, Device, Export, FdSource, HandleKind, HostBuf, IpcHandle, Mapping, PtrInfo};
 use crate::status::{Error, Result, Status};
 
 /// Fake devices 0..DEVICES exist.
@@ -400,6 +400,21 @@ pub fn pinned_bytes() -> u64 {
 }
 
 /// Page-aligned, as the driver's page-locked allocations are (O_DIRECT file I/O from them depends on it).
+/// An allocation made through [`Device::dev_buf`], freed when dropped.
+struct Owned(u64);
+
+impl DevBuf for Owned {
+    fn ptr(&self) -> u64 {
+        self.0
+    }
+}
+
+impl Drop for Owned {
+    fn drop(&mut self) {
+        let _ = free(self.0);
+    }
+}
+
 struct Pinned {
     ptr: *mut u8,
     len: usize,
@@ -523,6 +538,17 @@ impl Device for Fake {
 
     fn host_buf(&self, _dev: u32, len: usize) -> Result<Box<dyn HostBuf>> {
         Ok(Box::new(Pinned::new(len)?))
+    }
+
+    fn dev_buf(&self, dev: u32, len: usize) -> Result<Box<dyn DevBuf>> {
+        Ok(Box::new(Owned(alloc(dev, len, false, None)?)))
+    }
+
+    fn enter(&self, dev: u32) -> Result<Box<dyn std::any::Any>> {
+        if dev >= DEVICES {
+            return Err(Error::invalid_param(format!("fake device {dev} does not exist")));
+        }
+        Ok(Box::new(()))
     }
 
     /// Entry `dev` of `GIXL_FAKE_DEVICE_PCI` (comma-separated sysfs paths: the tests' topology).

@@ -107,6 +107,11 @@ pub trait HostBuf: Send {
     fn size(&self) -> usize;
 }
 
+/// Device memory this process allocated itself (the GDS self-test's buffers); dropping it frees it.
+pub trait DevBuf: Send {
+    fn ptr(&self) -> u64;
+}
+
 /// Where `Device::open` gets the exporter's descriptor for an fd-based handle (called at most once).
 pub type FdSource<'a> = &'a dyn Fn() -> Result<OwnedFd>;
 
@@ -124,6 +129,12 @@ pub trait Device: Send + Sync + 'static {
     fn copy(&self, dev: u32, copies: &[Copy]) -> Result<()>;
     /// A page-locked host buffer of `len` bytes, for staging.
     fn host_buf(&self, dev: u32, len: usize) -> Result<Box<dyn HostBuf>>;
+    /// `len` bytes of device memory on device `dev`, owned by the caller.
+    fn dev_buf(&self, dev: u32, len: usize) -> Result<Box<dyn DevBuf>>;
+    /// Make device `dev`'s context current on the calling thread until the returned guard is dropped (the
+    /// previous one is put back then), for libraries that act on device pointers in the calling thread's
+    /// context (cuFile). The fake has no contexts.
+    fn enter(&self, dev: u32) -> Result<Box<dyn std::any::Any>>;
     /// A dma-buf descriptor of the device memory under `[addr, addr + len)` (inside one allocation) and the
     /// offset of `addr` in it, for a NIC to register that memory without staging (`ibv_reg_dmabuf_mr`).
     /// NOT_SUPPORTED where the driver or the device cannot export one.

@@ -865,7 +865,7 @@ mod tests {
         }
         assert!(r.contains("RDMA"), "the NICs (or their absence) are in the summary: {r}");
         // GPUDirect Storage: used, or why the GDS backends stage (never silent).
-        let why = crate::backend::gds::staged_reason().expect("the direct path is not taken yet");
+        let why = crate::backend::gds::staged_reason().expect("no cuFile in the unit tests");
         assert!(r.contains("\"device\":\"GPUDirect Storage\",\"used\":false"), "{r}");
         assert!(r.contains("stage VRAM <-> FILE through page-locked host buffers") && r.contains(why), "{r}");
     }

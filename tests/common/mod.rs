@@ -4,6 +4,7 @@
 
 pub mod dev;
 pub mod fabric;
+pub mod loopdev;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;

@@ -15,14 +15,20 @@
 //!   the device once its reads are done, then refilled). The file I/O is the POSIX backend's queue.
 //!   `O_DIRECT` files are honoured: file offsets and lengths are checked for the kernel's alignment at prep
 //!   (`NIXL_ERR_INVALID_PARAM`), and slot positions are aligned so the I/O from host memory is valid.
-//! - The direct path (cuFile) is taken only where it proves itself ([`cufile`]); today it never is, and the
-//!   reason is logged once per process and shown by `gixl doctor`.
+//! - VRAM ↔ FILE is direct (cuFile) only where cuFile proved itself in this process ([`cufile`]: loaded,
+//!   driver open, self-test passed; asked at the first VRAM registration); otherwise staged, the reason logged
+//!   once and shown by `gixl doctor`. Direct: VRAM regions are registered with cuFile at registration, files at
+//!   the first VRAM request on them (a file cuFile refuses is staged); a post's descriptors become synchronous
+//!   `cuFileRead`/`cuFileWrite` calls of at most [`DIRECT_CHUNK`] bytes, shared in order among the driver
+//!   threads.
 //!
 //! Lifetime: a post first checks that every file is still open on the file registered (`NIXL_ERR_BACKEND`
 //! otherwise) and that no region of the request was deregistered (`NIXL_ERR_NOT_FOUND`); both before any byte
 //! moves. `deregister_memory` and agent destruction mark their regions retired, then wait (at most
-//! [`RETIRE_WAIT`]) for the posts in flight on them: a staged post stops at its next piece and fails
-//! `NIXL_ERR_NOT_FOUND`, a DRAM post finishes its I/O.
+//! [`RETIRE_WAIT`]) for the posts in flight on them: a staged post stops at its next piece and a direct one
+//! before its next cuFile call, and fails `NIXL_ERR_NOT_FOUND`; a DRAM post finishes its I/O. Then the cuFile
+//! registrations of the regions are released (or, after a wait that ran out, when the last request holding
+//! them goes). Errors of the code shared with POSIX name this backend.
 //!
 //! Init parameters: NIXL's plugins report none by default. GDS reads `batch_pool_size`, `batch_limit` and
 //! `max_request_size` (cuFile batch sizes), GDS_MT `thread_count`; all are checked to be unsigned integers and
@@ -33,35 +39,40 @@
 //!
 //! FILE registration is the POSIX backend's, NIXL 1.5.1's path mode (`"rw,create:/path"` in metaInfo) included.
 //!
-//! Not done here: cuFile's direct transfers and its self-test; notifications and transfers to other agents
-//! (NIXL's GDS plugins have neither).
+//! Not done here: cuFile's batch and stream APIs (`batch_limit` etc. are read but unused); notifications and
+//! transfers to other agents (NIXL's GDS plugins have neither).
 
 mod cufile;
 
 use std::any::Any;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
 use super::engine::pool::Pool;
 use super::engine::vram::Staging;
-use super::posix::io::{Failure, Op, Run, Work};
+use super::posix::io::{Failure, IoFail, Op, Run, Work};
 use super::posix::{FileReg, Posix, PosixXfer, Queue};
 use super::{Backend, BackendInit, BackendXfer, Caps, LocalRegion, Params, RegionKey, Seg, Target, XferOp, XferPlan};
 use crate::device::{self, Device};
 use crate::mem::{Desc, MemType, RegDList, RegDesc};
 use crate::status::{Error, Result, Status};
 
-pub use cufile::staged_reason;
+pub use cufile::{direct_path, staged_reason};
+use cufile::{BufReg, CuFile, FileHandle};
 
 /// Bytes of one staging slot: one piece of a staged request.
 pub const SLOT: u64 = 2 << 20;
 
 /// Staging buffers (of the engine's pool) one staged post uses at most; each gives several slots.
 const BUFFERS: usize = 2;
+
+/// A direct (cuFile) request's descriptors are cut into calls of at most this many bytes: the driver threads
+/// share them, and a deregistration is seen between them.
+pub const DIRECT_CHUNK: u64 = 16 << 20;
 
 /// How long `deregister_memory` and agent destruction wait for posts in flight on the regions they retire.
 pub const RETIRE_WAIT: Duration = Duration::from_secs(10);
@@ -91,8 +102,9 @@ pub struct Gds {
 struct Core {
     name: &'static str,
     queue: Arc<Queue>,
-    /// Threads that drive staged posts (copies, then I/O; I/O, then copies).
+    /// Threads that drive staged posts (copies, then I/O; I/O, then copies) and make direct posts' cuFile calls.
     drivers: Pool,
+    threads: usize,
     /// Posts that may still be running, with the regions they touch. Pruned as they are seen finished.
     active: Mutex<Active>,
 }
@@ -108,6 +120,24 @@ struct Region {
     /// Set by deregistration and agent destruction: no post may start on it any more.
     retired: AtomicBool,
     kind: Kind,
+    /// VRAM where the direct path is taken: the region registered with cuFile (None where cuFile refused it:
+    /// then cuFile is given the plain device pointer).
+    cubuf: Option<BufReg>,
+    /// FILE where the direct path is taken: the fd registered with cuFile at the first VRAM request on it (None
+    /// where cuFile refused it: such requests are staged).
+    cufh: OnceLock<Option<Arc<FileHandle>>>,
+}
+
+impl Region {
+    /// Release what cuFile holds for this region (once no I/O uses it).
+    fn release_cufile(&self) {
+        if let Some(b) = &self.cubuf {
+            b.deregister();
+        }
+        if let Some(Some(h)) = self.cufh.get() {
+            h.deregister();
+        }
+    }
 }
 
 enum Kind {
@@ -120,21 +150,18 @@ impl Gds {
     fn new(name: &'static str, init: BackendInit) -> Result<Gds> {
         let threads = parse(name, &init.params)?;
         let posix = Posix::new(init.clone())?;
-        if let Some(why) = staged_reason() {
-            log_once(&format!(
-                "{name}: VRAM <-> FILE goes through page-locked host buffers (staged), not GPUDirect Storage: {why}"
-            ));
-        }
         let core = Arc::new(Core {
             name,
             queue: posix.queue().clone(),
             drivers: Pool::new(threads),
+            threads,
             active: Mutex::new(Active::default()),
         });
         Ok(Gds { name, params: init.params, posix, core })
     }
 
-    /// "staged" or "cufile": how VRAM ↔ FILE requests move their data here.
+    /// "staged" or "cufile": how VRAM ↔ FILE requests move their data here (asking runs cuFile's self-test
+    /// if nothing did yet).
     pub fn vram_path(&self) -> &'static str {
         if staged_reason().is_some() {
             "staged"
@@ -147,11 +174,6 @@ impl Gds {
     pub fn queue_kind(&self) -> &'static str {
         self.posix.queue_kind()
     }
-}
-
-fn log_once(msg: &str) {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| crate::telemetry::log::warn(msg));
 }
 
 /// Check the parameters NIXL's plugins read; the number of driver threads.
@@ -188,6 +210,7 @@ impl Backend for Gds {
     }
 
     fn register(&self, mem: MemType, desc: &RegDesc) -> Result<LocalRegion> {
+        let mut cubuf = None;
         let kind = match mem {
             MemType::Dram => Kind::Dram,
             MemType::Vram => {
@@ -199,21 +222,33 @@ impl Backend for Gds {
                         self.name, d.addr, d.len, info.base, info.size
                     )));
                 }
+                // The first VRAM registration decides (once per process) whether cuFile is used.
+                if let Some(lib) = cufile::api() {
+                    cubuf = register_buf(self.name, lib, info.dev, d.addr, d.len);
+                }
                 Kind::Vram { dev: info.dev }
             }
-            MemType::File => Kind::File(Arc::new(FileReg::register(desc, self.posix.path_ids())?)),
+            MemType::File => {
+                let f = FileReg::register(desc, self.posix.path_ids()).map_err(|e| ours(self.name, e))?;
+                Kind::File(Arc::new(f))
+            }
             m => {
                 return Err(Error::not_supported(format!("the {} backend does not handle {}", self.name, m.seg_name())))
             }
         };
-        let key: RegionKey = Arc::new(Region { retired: AtomicBool::new(false), kind });
+        let key: RegionKey = Arc::new(Region { retired: AtomicBool::new(false), kind, cubuf, cufh: OnceLock::new() });
         Ok(LocalRegion { public: Vec::new(), key: Some(key) })
     }
 
     fn deregister_many(&self, _mem: MemType, regions: &[(Desc, Option<RegionKey>)]) {
         let gone: Vec<Arc<Region>> = regions.iter().filter_map(|(_, k)| region(k.as_ref())).collect();
-        self.core.retire(Some(&gone));
+        let idle = self.core.retire(Some(&gone));
         for r in &gone {
+            // cuFile lets go of the memory and the fd now, unless I/O may still use them (then when the last
+            // request holding the region is released).
+            if idle {
+                r.release_cufile();
+            }
             if let Kind::File(f) = &r.kind {
                 f.release(self.posix.path_ids());
             }
@@ -290,15 +325,23 @@ impl Backend for Gds {
                 target: Target::Local,
                 total_bytes: plan.total_bytes,
             };
-            let x = self.posix.prep(p)?;
+            let x = self.posix.prep(p).map_err(|e| ours(name, e))?;
             return Ok(Box::new(GdsXfer { core: self.core.clone(), regions, files, how: How::Posix(x) }));
         }
         let read = plan.op == XferOp::Read;
+        if let Some(d) = self.direct(read, &segs, &mem_regs, &file_regs)? {
+            return Ok(Box::new(GdsXfer {
+                core: self.core.clone(),
+                regions,
+                files,
+                how: How::Direct { direct: Arc::new(d), run: Mutex::new(None) },
+            }));
+        }
         let mut pieces = Pieces::default();
         for s in &segs {
             let f = files_of(s)?;
             // The VRAM address is never given to the kernel: only the file side must be aligned.
-            f.check(read, &Seg { local: 0, ..*s })?;
+            f.check(read, &Seg { local: 0, ..*s }).map_err(|e| ours(self.name, e))?;
             let dev = match mem_regs.get(s.lreg as usize).map(|r| &r.kind) {
                 Some(Kind::Vram { dev }) => *dev,
                 _ => return Err(not_ours()),
@@ -331,13 +374,118 @@ impl Backend for Gds {
     }
 }
 
+impl Gds {
+    /// The request as cuFile calls, where cuFile proved itself here and took every file of it; else None
+    /// (staged).
+    fn direct(
+        &self,
+        read: bool,
+        segs: &[Seg],
+        mem_regs: &[Arc<Region>],
+        file_regs: &[Arc<Region>],
+    ) -> Result<Option<Direct>> {
+        let Some(lib) = cufile::api() else { return Ok(None) };
+        let mut ops = Vec::new();
+        for s in segs {
+            let (Some(m), Some(fr)) = (mem_regs.get(s.lreg as usize), file_regs.get(s.rreg as usize)) else {
+                return Err(Error::invalid_param(format!("{}: unknown region in a request", self.name)));
+            };
+            let (Kind::Vram { dev }, Kind::File(f)) = (&m.kind, &fr.kind) else {
+                return Err(Error::invalid_param(format!("{}: a region of this request is not ours", self.name)));
+            };
+            // NIXL's O_DIRECT rules hold on this path too: the file offsets and lengths are checked.
+            f.check(read, &Seg { local: 0, ..*s }).map_err(|e| ours(self.name, e))?;
+            let fh = fr.cufh.get_or_init(|| register_file(self.name, lib, f.fd));
+            let Some(fh) = fh.clone() else { return Ok(None) };
+            // Registered memory is named by its base and an offset; other memory by its own address.
+            let (base, at) = match &m.cubuf {
+                Some(b) => (b.base, s.local - b.base),
+                None => (s.local, 0),
+            };
+            let mut done = 0;
+            while done < s.len {
+                let len = (s.len - done).min(DIRECT_CHUNK);
+                ops.push(DirectOp {
+                    dev: *dev,
+                    fh: fh.clone(),
+                    base,
+                    buf_off: at + done,
+                    off: s.remote + done,
+                    len,
+                    direct: f.direct.is_some(),
+                });
+                done += len;
+            }
+        }
+        // Contiguous shares of about equal bytes, one per driver thread.
+        let total: u64 = ops.iter().map(|o| o.len).sum();
+        let n = self.core.threads.min(ops.len()).max(1) as u64;
+        let mut groups: Vec<Vec<DirectOp>> = Vec::new();
+        let mut cur = Vec::new();
+        let mut bytes = 0u64;
+        for o in ops {
+            bytes += o.len;
+            cur.push(o);
+            if bytes * n >= total * (groups.len() as u64 + 1) {
+                groups.push(std::mem::take(&mut cur));
+            }
+        }
+        if !cur.is_empty() {
+            groups.push(cur);
+        }
+        Ok(Some(Direct { lib, read, groups }))
+    }
+}
+
+/// Register VRAM with cuFile; None (logged once) where cuFile refuses: it then gets the plain pointer.
+fn register_buf(name: &str, lib: &'static CuFile, dev: u32, addr: u64, len: u64) -> Option<BufReg> {
+    let _ctx = device::get().and_then(|d| d.enter(dev)).ok();
+    match lib.buf(dev, addr, len) {
+        Ok(b) => Some(b),
+        Err(why) => {
+            static ONCE: std::sync::Once = std::sync::Once::new();
+            ONCE.call_once(|| {
+                crate::telemetry::log::warn(&format!(
+                    "{name}: {why}; cuFile is given such memory unregistered (it bounces it through its own buffers)"
+                ))
+            });
+            None
+        }
+    }
+}
+
+/// Register a file with cuFile; None (logged once) where cuFile refuses: VRAM requests on it are staged.
+fn register_file(name: &str, lib: &'static CuFile, fd: i32) -> Option<Arc<FileHandle>> {
+    match lib.file(fd) {
+        Ok(h) => Some(Arc::new(h)),
+        Err(why) => {
+            static ONCE: std::sync::Once = std::sync::Once::new();
+            ONCE.call_once(|| {
+                crate::telemetry::log::warn(&format!(
+                    "{name}: {why}; VRAM requests on such files are staged through host buffers"
+                ))
+            });
+            None
+        }
+    }
+}
+
+/// Errors of the code shared with the POSIX backend name this backend instead ("POSIX: …" → "GDS_MT: …").
+fn ours(name: &str, e: Error) -> Error {
+    e.reword(|m| match m.strip_prefix("POSIX") {
+        Some(rest) if rest.starts_with([':', ' ']) => format!("{name}{rest}"),
+        _ => m.to_owned(),
+    })
+}
+
 fn region(k: Option<&RegionKey>) -> Option<Arc<Region>> {
     k.cloned().and_then(|k| (k as Arc<dyn Any + Send + Sync>).downcast::<Region>().ok())
 }
 
 impl Core {
     /// Retire `gone` (every region, for None), then wait for the posts in flight on them.
-    fn retire(&self, gone: Option<&[Arc<Region>]>) {
+    /// True when no post on them is running any more.
+    fn retire(&self, gone: Option<&[Arc<Region>]>) -> bool {
         let hit = |r: &Arc<Region>| gone.is_none_or(|g| g.iter().any(|x| Arc::ptr_eq(x, r)));
         let waiting: Vec<Arc<Run>> = {
             let mut a = self.active.lock();
@@ -356,14 +504,17 @@ impl Core {
             w
         };
         let until = Instant::now() + RETIRE_WAIT;
+        let mut idle = true;
         for run in waiting {
             if !run.wait_for(until.saturating_duration_since(Instant::now())) {
+                idle = false;
                 crate::telemetry::log::warn(&format!(
                     "{}: a request was still moving data of a retired region after {:?}",
                     self.name, RETIRE_WAIT
                 ));
             }
         }
+        idle
     }
 
     /// Record a post on `regions` and start it with `start`, unless the agent is gone or a region retired.
@@ -469,6 +620,26 @@ struct Staged {
 enum How {
     Posix(PosixXfer),
     Staged { staged: Arc<Staged>, run: Mutex<Option<Arc<Run>>> },
+    Direct { direct: Arc<Direct>, run: Mutex<Option<Arc<Run>>> },
+}
+
+/// A prepared direct request: its cuFile calls, in one group per driver thread.
+struct Direct {
+    lib: &'static CuFile,
+    read: bool,
+    groups: Vec<Vec<DirectOp>>,
+}
+
+/// One cuFile call: `len` bytes between VRAM at `base + buf_off` (device `dev`) and the file of `fh` at `off`.
+#[derive(Clone)]
+struct DirectOp {
+    dev: u32,
+    fh: Arc<FileHandle>,
+    base: u64,
+    buf_off: u64,
+    off: u64,
+    len: u64,
+    direct: bool,
 }
 
 struct GdsXfer {
@@ -494,10 +665,48 @@ impl BackendXfer for GdsXfer {
                 }
                 let mut st = Status::Success;
                 self.core.admit(&self.regions, || {
-                    st = x.post(None)?;
+                    st = x.post(None).map_err(|e| ours(self.core.name, e))?;
                     x.current_run().ok_or_else(|| Error::backend("POSIX request without a run"))
                 })?;
                 Ok(st)
+            }
+            How::Direct { direct, run } => {
+                let mut cur = run.lock();
+                if cur.as_ref().is_some_and(|r| r.state() == Status::InProg) {
+                    return Err(Error::new(
+                        Status::RepostActive,
+                        "the previous post of this request is still in progress",
+                    ));
+                }
+                for f in &self.files {
+                    f.check_open().map_err(|e| ours(self.core.name, e))?;
+                }
+                let r = self.core.admit(&self.regions, || {
+                    Ok(Run::new(Arc::new(Work { read: direct.read, ops: Vec::new() }), direct.groups.len()))
+                })?;
+                *cur = Some(r.clone());
+                if direct.groups.is_empty() {
+                    return Ok(Status::Success);
+                }
+                for g in 0..direct.groups.len() {
+                    let (core, d, regions, r) = (self.core.clone(), direct.clone(), self.regions.clone(), r.clone());
+                    self.core.drivers.submit(Box::new(move || {
+                        let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            drive_direct(&core, &d, &d.groups[g], &regions, &r)
+                        }));
+                        match out {
+                            Ok(Ok(())) => {}
+                            Ok(Err(f)) => r.fail(f),
+                            Err(_) => r.fail(Failure {
+                                status: Status::Backend,
+                                msg: "direct transfer panicked".into(),
+                                errno: None,
+                            }),
+                        }
+                        r.done(1);
+                    }));
+                }
+                Ok(Status::InProg)
             }
             How::Staged { staged, run } => {
                 let mut cur = run.lock();
@@ -508,7 +717,7 @@ impl BackendXfer for GdsXfer {
                     ));
                 }
                 for f in &self.files {
-                    f.check_open()?;
+                    f.check_open().map_err(|e| ours(self.core.name, e))?;
                 }
                 let r = self.core.admit(&self.regions, || {
                     let units = usize::from(!staged.pieces.is_empty());
@@ -535,12 +744,12 @@ impl BackendXfer for GdsXfer {
 
     fn status(&self) -> Result<Status> {
         match &self.how {
-            How::Posix(x) => x.status(),
-            How::Staged { run, .. } => {
+            How::Posix(x) => x.status().map_err(|e| ours(self.core.name, e)),
+            How::Staged { run, .. } | How::Direct { run, .. } => {
                 let Some(r) = run.lock().clone() else { return Err(Error::new(Status::NotPosted, "not posted")) };
                 match r.state() {
                     s @ (Status::InProg | Status::Success) => Ok(s),
-                    _ => Err(r.error()),
+                    _ => Err(ours(self.core.name, r.error())),
                 }
             }
         }
@@ -550,7 +759,7 @@ impl BackendXfer for GdsXfer {
     fn abort(&self) -> bool {
         match &self.how {
             How::Posix(x) => x.abort(),
-            How::Staged { run, .. } => {
+            How::Staged { run, .. } | How::Direct { run, .. } => {
                 if let Some(r) = run.lock().clone() {
                     if r.state() == Status::InProg {
                         r.abort();
@@ -565,7 +774,7 @@ impl BackendXfer for GdsXfer {
     fn completed_at(&self) -> Option<Instant> {
         match &self.how {
             How::Posix(x) => x.completed_at(),
-            How::Staged { run, .. } => run.lock().as_ref().and_then(|r| r.done_at()),
+            How::Staged { run, .. } | How::Direct { run, .. } => run.lock().as_ref().and_then(|r| r.done_at()),
         }
     }
 }
@@ -573,10 +782,69 @@ impl BackendXfer for GdsXfer {
 impl Drop for GdsXfer {
     /// A request dropped while in flight must not leave copies or I/O touching its buffers.
     fn drop(&mut self) {
-        if let How::Staged { .. } = self.how {
+        if let How::Staged { .. } | How::Direct { .. } = self.how {
             self.abort();
         }
     }
+}
+
+/// Make one group's cuFile calls of a direct post, in order, on a driver thread; stops before the next call
+/// once a region retired or the post stopped (aborted, or another group failed).
+fn drive_direct(core: &Core, d: &Direct, ops: &[DirectOp], regions: &[Arc<Region>], run: &Run) -> Result<(), Failure> {
+    let backend = |msg: String| Failure { status: Status::Backend, msg, errno: None };
+    let device = device::get().map_err(|e| backend(e.message().to_owned()))?;
+    let mut ctx: Option<(u32, Box<dyn Any>)> = None;
+    for o in ops {
+        if regions.iter().any(|r| r.retired.load(Ordering::Acquire)) {
+            return Err(Failure {
+                status: Status::NotFound,
+                msg: format!("{}: a region of this request was deregistered while it ran", core.name),
+                errno: None,
+            });
+        }
+        if run.stopping() {
+            return Ok(());
+        }
+        if ctx.as_ref().is_none_or(|(dev, _)| *dev != o.dev) {
+            // The previous guard first, so each puts back the context it found.
+            drop(ctx.take());
+            ctx = Some((o.dev, device.enter(o.dev).map_err(|e| backend(e.message().to_owned()))?));
+        }
+        let Some(fh) = o.fh.raw() else {
+            return Err(Failure {
+                status: Status::NotFound,
+                msg: format!("{}: the file of this request has been deregistered", core.name),
+                errno: None,
+            });
+        };
+        let mut done = 0;
+        while done < o.len {
+            // SAFETY: the handle stays registered and the memory stays registered with gixl until this post
+            // ends (deregistration and agent destruction wait for it); the device's context is current.
+            let n = unsafe { d.lib.io(d.read, fh, o.base, o.buf_off + done, o.off + done, o.len - done) };
+            let op = Op { fd: o.fh.fd, buf: o.base + o.buf_off, off: o.off, len: o.len as u32, direct: o.direct };
+            let why = match n {
+                n if n > 0 => {
+                    done += n as u64;
+                    continue;
+                }
+                0 if d.read => IoFail::Eof,
+                0 => IoFail::NoProgress,
+                n => match cufile::io_failure(n) {
+                    Ok(errno) => IoFail::Os(errno),
+                    Err(s) => {
+                        let what = if d.read { "read" } else { "write" };
+                        return Err(backend(format!(
+                            "{} cuFile {what} of {} bytes at file offset {} of fd {} failed: {s}",
+                            core.name, o.len, o.off, o.fh.fd
+                        )));
+                    }
+                },
+            };
+            return Err(Failure::io(d.read, &op, done, why));
+        }
+    }
+    Ok(())
 }
 
 /// Run one post of a staged request, piece by piece through the slots, on a driver thread.
