@@ -122,8 +122,8 @@ impl Net for FabricNet {
         if to.same_host && to.transport != Transport::Fabric {
             return Err("same host");
         }
-        // Our device is tested at the first peer that advertises an endpoint at all (so a failure is said even
-        // where the peer's own device failed too).
+        // Our device's self-test (started when our endpoint opened) is waited for at the first peer that
+        // advertises an endpoint at all (so a failure is said even where the peer's own device failed too).
         let section = to.section.ok_or("it advertises no libfabric endpoint")?;
         let (open, ms) = side.ready().map_err(|why| {
             if why.starts_with("self-test") {

@@ -12,9 +12,10 @@
 //! the same queue while they wait; every operation's completion is found by its number (`Ops`), whoever read
 //! it.
 //!
-//! A device is used for data only after its self-test passed in this process (`ready`: run at the first peer
-//! that would take the route, the result kept for the process and shown by `gixl doctor`); a failed one is one
-//! WARN line naming the device, the step and the fallback.
+//! A device is used for data only after its self-test passed in this process (`selftest::run_on`, on this
+//! side's own endpoint, started in the background as soon as the endpoint opens (`test_soon`), waited for by a
+//! first peer that comes sooner (`ready`); run once per device and process, the verdict kept and shown by `gixl
+//! doctor`); a failed one is one WARN line naming the device, the step and the fallback.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -179,6 +180,52 @@ impl Open {
     }
 }
 
+impl selftest::Rig for Open {
+    fn domain(&self) -> &Domain {
+        &self.domain
+    }
+    fn endpoint(&self) -> &Arc<Endpoint> {
+        &self.ep
+    }
+    fn me(&self) -> Result<u64> {
+        self.peer(&self.addr)
+    }
+    /// As the route's own operations: numbered, found by number whoever reads the queue (the progress thread
+    /// may), the queue read and slept on until done.
+    fn complete(&self, deadline: Instant, post: &mut dyn FnMut(*mut std::ffi::c_void) -> Result<bool>) -> Result<()> {
+        let (id, state) = self.ops.start();
+        let mut posted = false;
+        let r = loop {
+            if !posted {
+                match post(id as *mut std::ffi::c_void) {
+                    Ok(p) => posted = p,
+                    Err(e) => break Err(e),
+                }
+            }
+            if let Err(e) = self.pump() {
+                break Err(e);
+            }
+            if state.done.load(Ordering::Acquire) {
+                break state.err.lock().take().map_or(Ok(()), |(e, _, _)| Err(e));
+            }
+            let t = fi::left(deadline);
+            if t.is_zero() {
+                break Err(Error::backend(format!(
+                    "no completion before the time limit ({})",
+                    if posted { "posted" } else { "the provider's queue stayed full" }
+                )));
+            }
+            if let Err(e) = fi::wait(&self.fabric, &[&self.cq], t) {
+                break Err(e);
+            }
+        };
+        if r.is_err() {
+            self.ops.forget(id);
+        }
+        r
+    }
+}
+
 /// The greeting connections being served and the progress thread's switch.
 #[derive(Default)]
 struct Progress {
@@ -202,12 +249,23 @@ pub(crate) struct FabricSide {
     conns: Mutex<Vec<TcpStream>>,
 }
 
-/// A self-test's result as the route keeps it, by the provider and domain asked for: passed (with its cost in
-/// ms) or why not.
-type Tested = ((String, Option<String>), std::result::Result<f64, String>);
+/// A self-test's result as the route keeps it: passed (with its cost in ms) or why not.
+type Verdict = std::result::Result<f64, String>;
 
-/// Self-tests this process ran.
-static TESTED: Mutex<Vec<Tested>> = Mutex::new(Vec::new());
+/// One device's self-test in this process (by the provider and domain asked for): run once, by the first
+/// engine that opens an endpoint on the device (in the background, see `FabricSide::opened`) or by the first
+/// peer that needs it, whichever comes first; the others wait for its verdict.
+#[derive(Default)]
+struct Trial {
+    verdict: Mutex<Option<Verdict>>,
+    cv: Condvar,
+}
+
+/// The provider and domain a side asked for.
+type Asked = (String, Option<String>);
+
+/// Self-tests this process started.
+static TESTED: Mutex<Vec<(Asked, Arc<Trial>)>> = Mutex::new(Vec::new());
 
 impl FabricSide {
     pub(crate) fn new(agent: &str, (provider, exact): (String, bool), domain: Option<String>) -> Arc<FabricSide> {
@@ -253,14 +311,14 @@ impl FabricSide {
                     open.dev.provider(),
                     open.dev.domain()
                 ));
-                let (open, p) = (open.clone(), self.progress.clone());
-                let spawned =
-                    std::thread::Builder::new().name("gixl-fabric-pr".into()).spawn(move || progress(open, p));
+                let (o2, p) = (open.clone(), self.progress.clone());
+                let spawned = std::thread::Builder::new().name("gixl-fabric-pr".into()).spawn(move || progress(o2, p));
                 if let Err(e) = spawned {
                     let r = Err(format!("cannot start the libfabric progress thread: {e}"));
                     *o = Some(r.clone());
                     return r;
                 }
+                self.test_soon(open);
             }
             // Said as a WARN by `ready` at the first peer that would have used it.
             Err(why) => crate::telemetry::log::info(&format!(
@@ -272,42 +330,51 @@ impl FabricSide {
         r
     }
 
-    /// The endpoint, for data: only once the device passed its self-test in this process (run now the first
-    /// time: one WARN line where it fails). Err: why not (said in the router's line for the peer).
-    pub(crate) fn ready(&self) -> std::result::Result<(Arc<Open>, f64), String> {
+    /// This device's trial, and whether the caller is the first to ask (and so runs it).
+    fn trial(&self) -> (Arc<Trial>, bool) {
         let key = (self.provider.clone(), self.domain.clone());
-        let tested = TESTED.lock().iter().find(|(k, _)| *k == key).map(|(_, r)| r.clone());
-        let result = match tested {
-            Some(r) => r,
-            None => {
-                // The device this side uses, tested alone (its own endpoints, not this side's).
-                let t = match self.device() {
-                    Ok(d) => selftest::run(&d, SELFTEST_LIMIT),
-                    Err(_) => selftest::run_provider(&self.provider, self.domain.as_deref(), SELFTEST_LIMIT),
-                };
-                let r = match &t.outcome {
-                    selftest::Outcome::Passed { cost } => {
-                        crate::telemetry::log::info(&format!("agent '{}': libfabric self-test {t}", self.agent));
-                        Ok(cost.as_secs_f64() * 1e3)
-                    }
-                    selftest::Outcome::Failed { step, error, .. } => {
-                        crate::telemetry::log::warn(&format!(
-                            "agent '{}': libfabric device {}/{} failed its self-test at step '{}' ({error}): its \
-                             peers go over TCP; `python -m gixl doctor` shows the result",
-                            self.agent,
-                            if t.provider.is_empty() { &self.provider } else { &t.provider },
-                            if t.domain.is_empty() { "-" } else { &t.domain },
-                            step.name()
-                        ));
-                        Err(format!("self-test failed at {}", step.name()))
-                    }
-                };
-                TESTED.lock().push((key, r.clone()));
-                r
-            }
-        };
-        let ms = result?;
-        let open = self.opened().inspect_err(|why| {
+        let mut all = TESTED.lock();
+        if let Some((_, t)) = all.iter().find(|(k, _)| *k == key) {
+            return (t.clone(), false);
+        }
+        let t = Arc::new(Trial::default());
+        all.push((key, t.clone()));
+        (t, true)
+    }
+
+    /// The device's self-test started now in the background on the endpoint just opened, unless this process
+    /// has one already: by the time a first peer needs the route it has usually passed.
+    fn test_soon(&self, open: &Arc<Open>) {
+        let (trial, first) = self.trial();
+        if !first {
+            return;
+        }
+        let (agent, provider, open2, t2) = (self.agent.clone(), self.provider.clone(), open.clone(), trial.clone());
+        let spawned = std::thread::Builder::new()
+            .name("gixl-fabric-st".into())
+            .spawn(move || settle(&t2, test(&agent, &provider, None, Some(open2))));
+        if spawned.is_err() {
+            // Run by the first peer that needs it instead.
+            TESTED.lock().retain(|(_, t)| !Arc::ptr_eq(t, &trial));
+        }
+    }
+
+    /// The endpoint, for data: only once the device passed its self-test in this process (run now, where the
+    /// endpoint's opening did not start it, or waited for: one WARN line where it fails). Err: why not (said
+    /// in the router's line for the peer).
+    pub(crate) fn ready(&self) -> std::result::Result<(Arc<Open>, f64), String> {
+        // Opening the endpoint starts the self-test (`test_soon`).
+        let opened = self.opened();
+        let (trial, first) = self.trial();
+        let ms = if first {
+            settle(&trial, test(&self.agent, &self.provider, self.domain.as_deref(), opened.clone().ok()))
+        } else {
+            let mut v = trial.verdict.lock();
+            let until = Instant::now() + SELFTEST_LIMIT + Duration::from_secs(1);
+            while v.is_none() && !trial.cv.wait_until(&mut v, until).timed_out() {}
+            v.clone().unwrap_or_else(|| Err("self-test failed at its time limit".into()))
+        }?;
+        let open = opened.inspect_err(|why| {
             crate::telemetry::log::warn(&format!(
                 "agent '{}': libfabric provider {} passed its self-test but this engine's endpoint could not be \
                  opened ({why}): its peers go over TCP",
@@ -363,6 +430,42 @@ impl FabricSide {
         *self.progress.active.lock() -= 1;
         let me = s.local_addr().ok().zip(s.peer_addr().ok());
         self.conns.lock().retain(|c| c.local_addr().ok().zip(c.peer_addr().ok()) != me);
+    }
+}
+
+/// Records a trial's verdict and wakes those waiting for it; the verdict.
+fn settle(trial: &Trial, v: Verdict) -> Verdict {
+    *trial.verdict.lock() = Some(v.clone());
+    trial.cv.notify_all();
+    v
+}
+
+/// The self-test of the device behind `open` (on that endpoint: it adds none of its own), or, where the
+/// endpoint could not be opened, of `provider` alone (it then fails at the step that says why); its INFO or
+/// WARN line.
+fn test(agent: &str, provider: &str, domain: Option<&str>, open: Option<Arc<Open>>) -> Verdict {
+    let t = match open {
+        Some(o) => {
+            let (p, d) = (o.dev.provider(), o.dev.domain());
+            selftest::run_on(o, &p, &d, SELFTEST_LIMIT)
+        }
+        None => selftest::run_provider(provider, domain, SELFTEST_LIMIT),
+    };
+    match &t.outcome {
+        selftest::Outcome::Passed { cost } => {
+            crate::telemetry::log::info(&format!("agent '{agent}': libfabric self-test {t}"));
+            Ok(cost.as_secs_f64() * 1e3)
+        }
+        selftest::Outcome::Failed { step, error, .. } => {
+            crate::telemetry::log::warn(&format!(
+                "agent '{agent}': libfabric device {}/{} failed its self-test at step '{}' ({error}): its peers go \
+                 over TCP; `python -m gixl doctor` shows the result",
+                if t.provider.is_empty() { provider } else { &t.provider },
+                if t.domain.is_empty() { "-" } else { &t.domain },
+                step.name()
+            ));
+            Err(format!("self-test failed at {}", step.name()))
+        }
     }
 }
 
