@@ -7,8 +7,9 @@
 //! Progress: the providers run here (tcp through `ofi_rxm`, shm) move data only when the endpoint's queue is
 //! read (`FI_PROGRESS_MANUAL`), on the target's side too: an initiator's READ or WRITE completes only while the
 //! target reads its queue. So a thread (`progress`) reads it, sleeping on its wait descriptor at most
-//! `fabric::SLICE` between reads, but only while some initiator holds a greeting connection open; with none it
-//! sleeps on a condition variable, so an engine without peers on this route wakes for nothing. Initiators read
+//! `fabric::SLICE` between reads, but only while a greeting connection is open (an initiator greeted here, or
+//! one of this engine's routes greeted at a peer: so that the peer's fence READs are answered, see `retire`);
+//! with none it sleeps on a condition variable, so an engine without peers on this route wakes for nothing. Initiators read
 //! the same queue while they wait; every operation's completion is found by its number (`Ops`), whoever read
 //! it.
 //!
@@ -31,12 +32,15 @@ use crate::backend::engine::keys::KeyLedger;
 use crate::backend::engine::route::{Export, Registration, Side};
 pub(crate) use crate::fabric::is_sockets;
 use crate::fabric::selftest;
-use crate::fabric::{self as fi, Av, Cq, CqRead, Device, Domain, Endpoint, Mr};
+use crate::fabric::{self as fi, Av, Cq, CqRead, Device, Domain, Endpoint, Mr, RemoteKey};
 use crate::mem::MemType;
 use crate::status::{Error, Result};
 
 /// The longest the target's progress thread sleeps on its queue's wait descriptor between reads.
 const TARGET_SLEEP: Duration = Duration::from_millis(100);
+
+/// The longest a deregistration waits for its fence (see `FabricSide::retire`).
+const FENCE_LIMIT: Duration = Duration::from_secs(2);
 
 /// The self-test's time limit.
 const SELFTEST_LIMIT: Duration = Duration::from_secs(5);
@@ -98,14 +102,17 @@ pub(crate) struct Open {
     pub(crate) addr: Vec<u8>,
     keys: KeyLedger<(Mr, Box<[u8]>)>,
     pub(crate) ops: Ops,
-    /// A few bytes of local memory the initiator reads into to flush its WRITEs (see `Fabric::run`).
+    /// A few bytes the initiator reads into to flush its WRITEs (see `Fabric::run`), and that a target reads
+    /// from to fence a region it retires (see `FabricSide::retire`): registered for remote reading too.
     pub(crate) scratch: (Mr, Box<[u8]>),
+    /// The side's progress switch: initiators hold it on while greeted (see `Open::hold`).
+    progress: Arc<Progress>,
     /// Address-vector entries by peer address (inserted once each).
     peers: Mutex<HashMap<Vec<u8>, u64>>,
 }
 
 impl Open {
-    fn new(dev: Device) -> Result<Open> {
+    fn new(dev: Device, progress: Arc<Progress>) -> Result<Open> {
         let fabric = fi::Fabric::open(&dev)?;
         let domain = Domain::open(&fabric, &dev)?;
         let cq = Cq::open(&domain, 1024)?;
@@ -114,9 +121,9 @@ impl Open {
         let addr = ep.name()?;
         let mut buf = vec![0u8; 64].into_boxed_slice();
         // SAFETY: the buffer lives with its region (both in `scratch`, the region dropped first).
-        let mr = unsafe { Mr::register_for(&domain, buf.as_mut_ptr(), buf.len(), &ep, false)? };
+        let mr = unsafe { Mr::register(&domain, buf.as_mut_ptr(), buf.len(), &ep)? };
         let (keys, ops, peers) = (KeyLedger::new([mr.key()]), Ops::default(), Mutex::default());
-        Ok(Open { dev, fabric, domain, cq, av, ep, addr, keys, ops, peers, scratch: (mr, buf) })
+        Ok(Open { dev, fabric, domain, cq, av, ep, addr, keys, ops, peers, scratch: (mr, buf), progress })
     }
 
     /// The address-vector entry of the endpoint at `addr`: an address of our own endpoint's length (libfabric
@@ -156,6 +163,81 @@ impl Open {
         fi::wait(&self.fabric, &[&self.cq], fi::SLICE)
     }
 
+    /// One operation posted with `post` (its context given; `Ok(false)`: the provider's queue is full, post
+    /// again) and waited for until `deadline`: numbered as the route's, found by number whoever reads the
+    /// queue (the progress thread may), the queue read and slept on until done.
+    pub(crate) fn complete(
+        &self,
+        deadline: Instant,
+        post: &mut dyn FnMut(*mut std::ffi::c_void) -> Result<bool>,
+    ) -> Result<()> {
+        let (id, state) = self.ops.start();
+        let mut posted = false;
+        let r = loop {
+            if !posted {
+                match post(id as *mut std::ffi::c_void) {
+                    Ok(p) => posted = p,
+                    Err(e) => break Err(e),
+                }
+            }
+            if let Err(e) = self.pump() {
+                break Err(e);
+            }
+            if state.done.load(Ordering::Acquire) {
+                break state.err.lock().take().map_or(Ok(()), |(e, _, _)| Err(e));
+            }
+            let t = fi::left(deadline);
+            if t.is_zero() {
+                break Err(Error::backend(format!(
+                    "no completion before the time limit ({})",
+                    if posted { "posted" } else { "the provider's queue stayed full" }
+                )));
+            }
+            if let Err(e) = fi::wait(&self.fabric, &[&self.cq], t) {
+                break Err(e);
+            }
+        };
+        if r.is_err() {
+            self.ops.forget(id);
+        }
+        r
+    }
+
+    /// The endpoint's progress kept on while the returned value lives: an initiator holds it while greeted, so
+    /// that its target's fence READs (see `FabricSide::retire`) are answered while it is idle too (the
+    /// providers here serve a peer's READ only while the queue is read).
+    pub(crate) fn hold(&self) -> Busy {
+        *self.progress.active.lock() += 1;
+        self.progress.cv.notify_all();
+        Busy(self.progress.clone())
+    }
+
+    /// A fence for a region just closed: a 1-byte READ of each greeted initiator's scratch, waited for (until
+    /// `deadline`). Over tcp through ofi_rxm, an initiator's answer follows, on the same connection, the
+    /// WRITEs it was sending: the answer arrives after their bytes were placed, so once every READ completed,
+    /// no WRITE accepted before the region closed is still landing in it. A READ that fails (the provider
+    /// dropped that connection: it does so after refusing a key) fences too: nothing more arrives on a closed
+    /// connection, and a new one carries only operations checked against the closed key. Err: the initiators
+    /// that did not answer in time.
+    fn fence(&self, initiators: &[(u64, RemoteKey)], deadline: Instant) -> std::result::Result<(), usize> {
+        let (mr, buf) = &self.scratch;
+        let dst = buf.as_ptr() as *mut u8;
+        let failed = initiators
+            .iter()
+            .filter(|&&(peer, rk)| {
+                // SAFETY: one byte of the scratch buffer, registered as `mr`, kept for the engine's life (other
+                // flushes may read into it at the same time: its bytes mean nothing).
+                let mut post = |ctx| unsafe { self.ep.post(false, mr, (dst, 1), peer, rk, ctx) };
+                self.complete(deadline, &mut post).is_err() && Instant::now() >= deadline
+            })
+            .count();
+        if failed == 0 {
+            Ok(())
+        } else {
+            Err(failed)
+        }
+    }
+
     /// A memory region for `[addr, addr + len)` under a key this domain never handed out before.
     fn register(&self, addr: u64, len: u64) -> Result<Mr> {
         let what = format!("libfabric device {}/{}", self.dev.provider(), self.dev.domain());
@@ -190,49 +272,28 @@ impl selftest::Rig for Open {
     fn me(&self) -> Result<u64> {
         self.peer(&self.addr)
     }
-    /// As the route's own operations: numbered, found by number whoever reads the queue (the progress thread
-    /// may), the queue read and slept on until done.
     fn complete(&self, deadline: Instant, post: &mut dyn FnMut(*mut std::ffi::c_void) -> Result<bool>) -> Result<()> {
-        let (id, state) = self.ops.start();
-        let mut posted = false;
-        let r = loop {
-            if !posted {
-                match post(id as *mut std::ffi::c_void) {
-                    Ok(p) => posted = p,
-                    Err(e) => break Err(e),
-                }
-            }
-            if let Err(e) = self.pump() {
-                break Err(e);
-            }
-            if state.done.load(Ordering::Acquire) {
-                break state.err.lock().take().map_or(Ok(()), |(e, _, _)| Err(e));
-            }
-            let t = fi::left(deadline);
-            if t.is_zero() {
-                break Err(Error::backend(format!(
-                    "no completion before the time limit ({})",
-                    if posted { "posted" } else { "the provider's queue stayed full" }
-                )));
-            }
-            if let Err(e) = fi::wait(&self.fabric, &[&self.cq], t) {
-                break Err(e);
-            }
-        };
-        if r.is_err() {
-            self.ops.forget(id);
-        }
-        r
+        Open::complete(self, deadline, post)
     }
 }
 
 /// The greeting connections being served and the progress thread's switch.
 #[derive(Default)]
-struct Progress {
-    /// Initiators holding a greeting connection open.
+pub(crate) struct Progress {
+    /// Greeting connections open: initiators greeted here, and this engine's own routes greeted elsewhere.
     active: Mutex<usize>,
     cv: Condvar,
     stop: AtomicBool,
+}
+
+/// The endpoint's progress held on (see `Open::hold`); released when dropped.
+pub(crate) struct Busy(Arc<Progress>);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        let mut n = self.0.active.lock();
+        *n = n.saturating_sub(1);
+    }
 }
 
 pub(crate) struct FabricSide {
@@ -247,6 +308,9 @@ pub(crate) struct FabricSide {
     progress: Arc<Progress>,
     /// Greeting connections being served: shut down when the engine goes.
     conns: Mutex<Vec<TcpStream>>,
+    /// The initiators greeted here that said where their scratch is: by greeting, their address-vector entry
+    /// and scratch (for `fence`).
+    initiators: Mutex<Vec<(u64, u64, RemoteKey)>>,
 }
 
 /// A self-test's result as the route keeps it: passed (with its cost in ms) or why not.
@@ -260,6 +324,9 @@ struct Trial {
     verdict: Mutex<Option<Verdict>>,
     cv: Condvar,
 }
+
+/// Greeting connections served by this process, numbered.
+static NEXT_GREETING: AtomicU64 = AtomicU64::new(0);
 
 /// The provider and domain a side asked for.
 type Asked = (String, Option<String>);
@@ -277,6 +344,7 @@ impl FabricSide {
             open: Mutex::default(),
             progress: Arc::default(),
             conns: Mutex::default(),
+            initiators: Mutex::default(),
         })
     }
 
@@ -302,7 +370,11 @@ impl FabricSide {
         if let Some(r) = &*o {
             return r.clone();
         }
-        let r = self.device().and_then(Open::new).map(Arc::new).map_err(|e| e.message().to_owned());
+        let r = self
+            .device()
+            .and_then(|d| Open::new(d, self.progress.clone()))
+            .map(Arc::new)
+            .map_err(|e| e.message().to_owned());
         match &r {
             Ok(open) => {
                 crate::telemetry::log::info(&format!(
@@ -421,13 +493,23 @@ impl FabricSide {
         if let Ok(c) = s.try_clone() {
             self.conns.lock().push(c);
         }
-        *self.progress.active.lock() += 1;
-        self.progress.cv.notify_all();
-        // The initiator's route lives as long as the connection.
+        let busy = open.hold();
+        // The initiator's route lives as long as the connection. Its first bytes, where it sends them, say
+        // where its scratch is (`wire::decode_scratch`), for the fence of regions retired here.
         let _ = s.set_read_timeout(None);
-        let mut b = [0u8; 64];
-        while matches!(s.read(&mut b), Ok(n) if n > 0) {}
-        *self.progress.active.lock() -= 1;
+        let id = NEXT_GREETING.fetch_add(1, Ordering::Relaxed);
+        let peer = open.peer(&addr).ok();
+        let (mut b, mut head) = ([0u8; 64], Vec::new());
+        while let Ok(n @ 1..) = s.read(&mut b) {
+            if head.len() < wire::SCRATCH {
+                head.extend_from_slice(&b[..n.min(wire::SCRATCH - head.len())]);
+                if let (Some(peer), Some(rk)) = (peer, wire::decode_scratch(&head)) {
+                    self.initiators.lock().push((id, peer, rk));
+                }
+            }
+        }
+        self.initiators.lock().retain(|(g, _, _)| *g != id);
+        drop(busy);
         let me = s.local_addr().ok().zip(s.peer_addr().ok());
         self.conns.lock().retain(|c| c.local_addr().ok().zip(c.peer_addr().ok()) != me);
     }
@@ -540,6 +622,19 @@ impl Side for FabricSide {
             crate::telemetry::log::warn("libfabric: a region was deregistered while a piece still ran on it");
         }
         drop(mr);
+        // Peers' WRITEs the provider accepted before the region closed may still be placing bytes: fenced.
+        let open = self.open.lock().clone().and_then(|o| o.ok());
+        let initiators: Vec<(u64, RemoteKey)> = self.initiators.lock().iter().map(|&(_, p, k)| (p, k)).collect();
+        if let (Some(open), false) = (open, initiators.is_empty()) {
+            if let Err(n) = open.fence(&initiators, Instant::now() + FENCE_LIMIT) {
+                crate::telemetry::log::warn(&format!(
+                    "libfabric: a deregistered region's fence was not answered by {n} of {} initiators within {} ms \
+                     (not progressing): a WRITE of theirs accepted before it closed may still land",
+                    initiators.len(),
+                    FENCE_LIMIT.as_millis()
+                ));
+            }
+        }
     }
 
     fn close(&self) {
