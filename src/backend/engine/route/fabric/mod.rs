@@ -216,6 +216,7 @@ impl Fabric {
     /// Post `segs` as operations to the peer's endpoint `peer`, up to `MAX_IN_FLIGHT` at a time, and wait for
     /// them all.
     fn run(&self, peer: u64, conn: &TcpStream, job: &Job, segs: &[Seg]) -> Result<()> {
+        let _waiting = self.open.waiting();
         let keys = Keys::of(job.prepared);
         // The local regions' memory regions, held while the piece runs (deregistration waits for them).
         let mut held: Vec<(u32, Arc<Mr>)> = Vec::new();
