@@ -23,6 +23,14 @@
 //! READ and WRITE (64 MiB, 1024 × 16 KiB: GPU-direct where the NIC reaches the memory, else staged; each
 //! engine's log says which per region) and DRAM→DRAM READ 64 MiB. Without a port it says so and runs none.
 //!
+//! With `GIXL_GPU_CHECK=fabric` it runs only the libfabric cases (`fabric_cases`; scripts/gpu-check.sh runs them
+//! apart, with the libfabric it found in `GIXL_LIBFABRIC`): the devices libfabric offers, each NIC provider's
+//! (efa, verbs…: not sockets or shared memory) self-test, and over the first that passed, a prefill and this
+//! process both with transport=fabric on it: DRAM→DRAM READ and WRITE 64 MiB and a VRAM→VRAM READ 64 MiB
+//! (staged over the TCP link: `FI_HMEM` is not done), data checked, and the route's own self-test. Where there
+//! is no such provider it says so and runs none (`GIXL_GPU_CHECK_FABRIC_PROVIDER` names one anyway, e.g.
+//! `tcp;ofi_rxm` for a dry run).
+//!
 //! Last, the GDS and GDS_MT backends (`gds_cases`): VRAM → FILE → VRAM, 1 × 64 MiB and 1024 × 16 KiB, page
 //! cache and O_DIRECT, in `GIXL_GDS_DIR` (default /tmp), beside the POSIX backend's DRAM ↔ FILE on the same file,
 //! after a line saying whether they take cuFile (its self-test passed in this process) or stage, and why; each
@@ -280,7 +288,8 @@ impl Prefill {
     }
 
     /// `transport`: "tcp" (the prefill's engine reaches every peer over TCP, its serving loops staging its
-    /// VRAM) or "rdma" (every peer with a port on its fabric over RDMA).
+    /// VRAM), "rdma" (every peer with a port on its fabric over RDMA) or "fabric:<provider>" (the libfabric
+    /// route on that provider).
     #[allow(clippy::zombie_processes)]
     fn start_with(fill: u8, at: Option<u64>, transport: Option<&str>) -> Prefill {
         let mut c = Command::new(std::env::current_exe().expect("own path"));
@@ -289,7 +298,11 @@ impl Prefill {
                 c.env("GIXL_TRANSPORT", "tcp").env("GIXL_TCP_ADDR", "127.0.0.1");
             }
             Some(t) => {
-                c.env("GIXL_TRANSPORT", t);
+                // "fabric:<provider>": the libfabric route on that provider.
+                match t.split_once(':') {
+                    Some((t, prov)) => c.env("GIXL_TRANSPORT", t).env("GIXL_FABRIC_PROVIDER", prov),
+                    None => c.env("GIXL_TRANSPORT", t),
+                };
             }
             None => {}
         }
@@ -386,6 +399,11 @@ fn main() {
     if std::env::var("GIXL_GPU_CHECK_ONLY").is_ok_and(|v| v == "gds") {
         let failures = gds_cases(dev, iters);
         println!("\ngpu_check: {} failure(s)", failures);
+        std::process::exit(if failures == 0 { 0 } else { 1 });
+    }
+    if std::env::var("GIXL_GPU_CHECK").as_deref() == Ok("fabric") {
+        let failures = fabric_cases(dev, iters);
+        println!("\ngpu_check (libfabric): {failures} failure(s)");
         std::process::exit(if failures == 0 { 0 } else { 1 });
     }
     let mut failures = 0;
@@ -632,6 +650,103 @@ fn main() {
     let failures = failures + gds_cases(dev, iters);
     println!("\ngpu_check: {} failure(s)", failures);
     std::process::exit(if failures == 0 { 0 } else { 1 });
+}
+
+/// The libfabric route over a NIC provider of this host (efa, verbs…), where libfabric offers one: see the
+/// module's comment. The number of failed checks.
+fn fabric_cases(dev: u32, iters: usize) -> usize {
+    let mut failures = 0;
+    let mut check = |ok: bool, what: &str| {
+        println!("  {} {what}", if ok { "ok  " } else { "FAIL" });
+        failures += usize::from(!ok);
+    };
+    let all = match gixl::fabric::devices(None, None) {
+        Ok(v) => v,
+        Err(e) => {
+            println!("libfabric: {e}: libfabric cases not run");
+            return 0;
+        }
+    };
+    let names: Vec<String> = all.iter().map(|d| format!("{}/{}", d.provider(), d.domain())).collect();
+    println!("libfabric devices (RDM endpoints with one-sided RMA): {}", names.join(", "));
+    let forced = std::env::var("GIXL_GPU_CHECK_FABRIC_PROVIDER").ok();
+    let nics: Vec<&gixl::fabric::Device> = all
+        .iter()
+        .filter(|d| match &forced {
+            Some(p) => d.provider() == *p,
+            None => !gixl::fabric::is_sockets(&d.provider()),
+        })
+        .collect();
+    if nics.is_empty() {
+        println!(
+            "libfabric: no provider here beyond sockets and shared memory (tcp, udp, shm…): the route over a NIC \
+             provider (efa, verbs) not run"
+        );
+        return 0;
+    }
+    let mut passed = None;
+    for d in &nics {
+        let t = gixl::fabric::selftest::run(d, Duration::from_secs(10));
+        check(t.passed(), &format!("libfabric self-test (an endpoint of its own) {t}"));
+        if t.passed() && passed.is_none() {
+            passed = Some(d.provider());
+        }
+    }
+    let Some(prov) = passed else { return failures };
+    let mut pf = Prefill::start_with(0x21, None, Some(&format!("fabric:{prov}")));
+    let p: Params =
+        [("transport", "fabric"), ("fabric_provider", prov.as_str())].map(|(k, v)| (k.to_owned(), v.to_owned())).into();
+    let a = agent_with("gpu-decode-fi", p);
+    let lv = mem::alloc(dev, BULK, false, None).expect("alloc");
+    reg(&a, MemType::Vram, lv, BULK, dev as u64).expect("register local VRAM (libfabric agent)");
+    let mut host = vec![0u8; BULK];
+    reg(&a, MemType::Dram, host.as_ptr() as u64, BULK, 0).expect("register local DRAM (libfabric agent)");
+    a.load_remote_md(&pf.md).expect("load the libfabric prefill's metadata");
+    let o = XferOpts::default();
+    let mk = |op, l: XferDList, r: XferDList| a.create_xfer_req(op, &l, &r, "gpu-prefill", &o);
+    let dram = |hp: &[u8], p: &Prefill| {
+        (dl(MemType::Dram, vec![(hp.as_ptr() as u64, BULK)], 0), dl(MemType::Dram, vec![(p.dram, BULK)], 0))
+    };
+    let mut rows: Vec<(String, f64)> = Vec::new();
+    let (l, r) = dram(&host, &pf);
+    let rd = mk(XferOp::Read, l, r).expect("request");
+    rows.push((format!("libfabric {prov}: DRAM→DRAM READ 1 × 64 MiB"), rate(&a, &rd, BULK, iters).unwrap_or(f64::NAN)));
+    let route = gixl::telemetry::live_agents()
+        .into_iter()
+        .filter(|(n, _, _)| n == "gpu-decode-fi")
+        .flat_map(|(_, _, rows)| rows)
+        .map(|r| r.route)
+        .next()
+        .unwrap_or_default();
+    check(route == "libfabric", &format!("libfabric {prov}: the route is '{route}'"));
+    check(host.iter().all(|&b| b == !0x21u8), "libfabric DRAM READ 64 MiB: data");
+    host.iter_mut().for_each(|b| *b = 0x44);
+    let (l, r) = dram(&host, &pf);
+    let w = mk(XferOp::Write, l, r).expect("request");
+    rows.push((format!("libfabric {prov}: DRAM→DRAM WRITE 1 × 64 MiB"), rate(&a, &w, BULK, iters).unwrap_or(f64::NAN)));
+    check(pf.sums().1 == 0x44 * BULK as u64, "libfabric DRAM WRITE 64 MiB: data at the target");
+    let r = mk(XferOp::Read, dl(MemType::Vram, vec![(lv, BULK)], dev), dl(MemType::Vram, vec![(pf.vram, BULK)], dev))
+        .expect("request");
+    let name = format!("libfabric {prov}: VRAM→VRAM READ 1 × 64 MiB (staged over the TCP link)");
+    rows.push((name, rate(&a, &r, BULK, iters).unwrap_or(f64::NAN)));
+    check(mem::sum(lv, BULK) == 0x21 * BULK as u64, "libfabric VRAM READ 64 MiB: data");
+    for r in gixl::fabric::selftest::records() {
+        println!(
+            "libfabric self-test record {}: {} in {:.1} ms{}",
+            r.device,
+            if r.passed { "passed" } else { "failed" },
+            r.ms,
+            r.error.map(|e| format!(" ({e})")).unwrap_or_default()
+        );
+    }
+    println!("\n| case | gixl GB/s |");
+    println!("|---|---:|");
+    for (name, gbs) in &rows {
+        println!("| {name} | {gbs:.2} |");
+    }
+    drop(host);
+    pf.kill();
+    failures
 }
 
 /// The GDS backends: VRAM → FILE → VRAM, 1 × 64 MiB and 1024 × 16 KiB scattered, buffered and O_DIRECT, in

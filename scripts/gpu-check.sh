@@ -2,8 +2,10 @@
 # scripts/gpu-check.sh — VRAM on a machine with a GPU, in one call of a few minutes.
 #
 #   scripts/gpu-check.sh --prepare [--with-nixl]   on the build machine (needs cargo and the crates):
-#       builds examples/gpu_check with --features cuda,rdma into target/gpu-check/ (stripped), and with
-#       --with-nixl packs NIXL 1.5.1 (nixl_cu12 + numpy from .venv/nixl) into target/gpu-check/nixl.tar.zst;
+#       builds examples/gpu_check with --features cuda,rdma into target/gpu-check/ (stripped), copies the
+#       libfabric scripts/setup.sh unpacked (~/.cache/gixl/libfabric: Debian's 1.17 with rdma-core's
+#       libibverbs and providers, fi_info, fi_pingpong; shared libraries only) into target/gpu-check/libfabric
+#       where there is one, and with --with-nixl packs NIXL 1.5.1 (nixl_cu12 + numpy from .venv/nixl) into target/gpu-check/nixl.tar.zst;
 #       prints the sizes (the device tool carries at most 64 MiB).
 #   scripts/gpu-check.sh                           on the GPU machine (carry target/gpu-check):
 #       1. nvidia-smi, driver version;
@@ -23,7 +25,13 @@
 #          (docs/gds.md); where the direct path was taken, the GDS cases run again with GIXL_CUFILE=off for the
 #          staged figures beside them; a machine without cuFile runs them staged and does not fail for it; the
 #          same binary runs over the fake device with GIXL_FAKE_DEVICE=1;
-#       3. NIXL 1.5.1 on the same cases (scripts/gpu_check_nixl.py --impl nixl_cu12) if it can be imported
+#       3. libfabric: the library this host has (/opt/amazon/efa/lib, the system's), else the carried one, and
+#          its providers (fi_info -l); then gpu_check again with GIXL_GPU_CHECK=fabric: the devices libfabric
+#          offers, each NIC provider's (efa, verbs…: not tcp, udp, sockets, net or shm) self-test, then DRAM
+#          READ/WRITE and a VRAM READ of 64 MiB over the libfabric route on the first that passed, data checked,
+#          the route's own self-test (examples/gpu_check.rs, fabric_cases); where there is none, one line
+#          saying so;
+#       4. NIXL 1.5.1 on the same cases (scripts/gpu_check_nixl.py --impl nixl_cu12) if it can be imported
 #          (installed, or unpacked from target/gpu-check/nixl.tar.zst; needs python3.11); otherwise says so.
 # Exit status: non-zero if any gixl case failed.
 set -uo pipefail
@@ -37,6 +45,16 @@ if [ "${1:-}" = "--prepare" ]; then
     cargo build --release --features cuda,rdma --example gpu_check
     cp target/release/examples/gpu_check "$out/gpu_check"
     strip "$out/gpu_check" 2>/dev/null || true
+    fl="$HOME/.cache/gixl/libfabric"
+    if [ -f "$fl/usr/lib/x86_64-linux-gnu/libfabric.so.1" ]; then
+        rm -rf "$out/libfabric"
+        mkdir -p "$out/libfabric/usr/lib/x86_64-linux-gnu" "$out/libfabric/lib" "$out/libfabric/usr/bin"
+        (cd "$fl/usr/lib/x86_64-linux-gnu" && cp -rL ./*.so.1 ./*.so.2 ./*.so.4 ./*.so.200 libibverbs "$out/libfabric/usr/lib/x86_64-linux-gnu/")
+        cp -rL "$fl/lib/." "$out/libfabric/lib/"
+        cp -L "$fl/usr/bin/fi_info" "$fl/usr/bin/fi_pingpong" "$out/libfabric/usr/bin/" 2>/dev/null || true
+    else
+        echo "no libfabric under $fl (scripts/setup.sh unpacks it): the device machine's own is used, if any"
+    fi
     if [ "${2:-}" = "--with-nixl" ]; then
         site=$(ls -d .venv/nixl/lib/python3*/site-packages | head -n 1)
         tar -C "$site" -cf - nixl_cu12 nixl_cu12.libs numpy numpy.libs | zstd -q -12 -T0 -o "$out/nixl.tar.zst" -f
@@ -103,6 +121,42 @@ if [ -x "$bin" ]; then
 else
     echo "=== gixl: no gpu_check binary and no offline build possible: NOT RUN"
     status=1
+fi
+
+# libfabric: the host's own (EFA installer, system), else the one carried by --prepare; the route over a NIC
+# provider where it has one (gpu_check lists the devices libfabric offers and says which it takes, or none).
+fi_lib=""
+fi_env=()
+sys_fi=$(ldconfig -p 2>/dev/null | awk '$1 == "libfabric.so.1" {print $NF; exit}')
+for c in /opt/amazon/efa/lib/libfabric.so.1 /opt/amazon/efa/lib64/libfabric.so.1 "$sys_fi"; do
+    if [ -n "$c" ] && [ -f "$c" ]; then
+        fi_lib=$c
+        break
+    fi
+done
+fi_bin=""
+if [ -n "$fi_lib" ]; then
+    fi_bin="$(dirname "$fi_lib")/../bin/fi_info"
+    [ -x "$fi_bin" ] || fi_bin=$(command -v fi_info || true)
+elif [ -f "$out/libfabric/usr/lib/x86_64-linux-gnu/libfabric.so.1" ]; then
+    fi_lib="$out/libfabric/usr/lib/x86_64-linux-gnu/libfabric.so.1"
+    fi_env=("LD_LIBRARY_PATH=$out/libfabric/usr/lib/x86_64-linux-gnu:$out/libfabric/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}")
+    fi_bin="$out/libfabric/usr/bin/fi_info"
+fi
+if [ -z "$fi_lib" ]; then
+    echo "=== libfabric: not on this host and not carried (scripts/gpu-check.sh --prepare): libfabric cases will not run"
+else
+    echo "=== libfabric: $fi_lib"
+    if [ -n "$fi_bin" ] && [ -x "$fi_bin" ]; then
+        echo "    providers built in (fi_info -l): $(env "${fi_env[@]}" "$fi_bin" -l 2>/dev/null | grep -v version | tr -d ':' | tr '\n' ' ')"
+    fi
+    if [ -x "$bin" ]; then
+        echo "=== gixl over libfabric (GIXL_GPU_CHECK=fabric: NIC providers only, efa, verbs…; none: it says so)"
+        env "${fi_env[@]}" GIXL_LIBFABRIC="$fi_lib" GIXL_GPU_CHECK=fabric timeout 300 "$bin"
+        fs=$?
+        echo "=== gixl over libfabric: exit $fs"
+        [ $fs -eq 0 ] || status=1
+    fi
 fi
 
 py=""

@@ -70,6 +70,18 @@ fn prefill_child() {
                 let ticks: u64 = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
                 writeln!(out, "cpu {ticks}").unwrap()
             }
+            // Deregistered while a peer's WRITE may be landing: after deregistration returns, the buffer must
+            // not change any more.
+            "quiet" => {
+                a.deregister_mem(&reg_list(&buf), &[]).unwrap();
+                // One byte per page, read at once (a whole copy would take long enough for late bytes to land
+                // before it), then again later: any that changed were written after deregistration returned.
+                let first: Vec<u8> = buf.iter().step_by(4096).copied().collect();
+                std::thread::sleep(Duration::from_millis(300));
+                let changed = buf.iter().step_by(4096).zip(&first).filter(|(a, b)| a != b).count();
+                let ones = first.iter().filter(|&&v| v == 1).count();
+                writeln!(out, "quiet {changed} {ones}").unwrap();
+            }
             "rereg" => {
                 a.deregister_mem(&reg_list(&buf), &[]).unwrap();
                 buf.iter_mut().for_each(|b| *b = 0xEE);
@@ -415,6 +427,46 @@ fn tcp_provider_across_two_network_namespaces() {
     assert_eq!(line, "@decoded libfabric ok");
     assert_eq!(p.ask("sum", "sum")[0], format!("sum {}", 2 * SIZE), "the 64 MiB WRITE across namespaces");
     p.kill();
+}
+
+/// A region deregistered while a peer's WRITE to it is landing: once deregistration returns, not one more byte
+/// of it changes (the target fences each greeted initiator: a 1-byte READ of its scratch, answered on the same
+/// connection after the WRITE bytes it was sending). Five times, the WRITE (8 × 64 MiB) in flight each time.
+#[test]
+fn a_region_deregistered_under_a_peers_write_is_quiet_once_deregistration_returns() {
+    if setup("fabric route dereg fence").is_none() {
+        return;
+    }
+    let a = agent("decode-q", "tcp;ofi_rxm");
+    let ones = vec![1u8; SIZE];
+    a.register_mem(&reg_list(&ones), &[]).unwrap();
+    for round in 0..5 {
+        let mut p = Prefill::start(round, "tcp;ofi_rxm");
+        a.load_remote_md(&p.md).unwrap();
+        assert_eq!(route_of("decode-q", "prefill"), "libfabric");
+        let l = XferDList::with_descs(
+            MemType::Dram,
+            (0..8).map(|_| Desc::new(ones.as_ptr() as u64, SIZE as u64, 0)).collect(),
+        );
+        let r = XferDList::with_descs(MemType::Dram, (0..8).map(|_| Desc::new(p.addr, SIZE as u64, 0)).collect());
+        let req = a.create_xfer_req(XferOp::Write, &l, &r, "prefill", &XferOpts::default()).unwrap();
+        let s = a.post_xfer_req(&req, NotifUpdate::Keep).unwrap();
+        std::thread::sleep(Duration::from_millis(15 + 10 * round as u64));
+        let t = Instant::now();
+        let quiet = p.ask("quiet", "quiet").pop().unwrap();
+        let took = t.elapsed();
+        let end = wait(&a, &req, s).map_err(|e| format!("{:?}: {}", e.status(), e.message()));
+        eprintln!("round {round}: {quiet} (pages changed after, pages written before) in {took:?}; the WRITE: {end:?}");
+        assert!(
+            quiet.starts_with("quiet 0 "),
+            "round {round}: the region changed after deregistration returned: {quiet}"
+        );
+        // The WRITE's own status is not checked: completed, or refused (NOT_FOUND), or, where the refusal of
+        // another piece's operation made the provider drop the connection first, BACKEND or REMOTE_DISCONNECT
+        // (docs/libfabric.md, "Not yet").
+        a.invalidate_remote_md("prefill").unwrap();
+        p.kill();
+    }
 }
 
 /// A peer destroyed and created again under its name in this process: the stale handle is refused

@@ -1,12 +1,19 @@
-//! A device proves itself before it is trusted: two RDM endpoints of this process on the device, two
-//! registered regions of host memory, a one-sided WRITE from the first endpoint into the second's region and a
-//! READ back out of it, the bytes checked each time, all within a time limit, its duration measured.
+//! A device proves itself before it is trusted: one RDM endpoint of this process on the device, addressing
+//! itself, two registered regions of host memory, a one-sided WRITE from the first region into the second and
+//! a READ back out of it, the bytes checked each time, all within a time limit, its duration measured.
+//!
+//! The endpoint is either opened for the test alone ([`run`], [`run_provider`]: what `gixl doctor` and the
+//! tests use) or one already open ([`run_on`]: the libfabric route tests the device on its own endpoint, so the
+//! test adds no endpoint of its own; see [`Rig`]). One endpoint addressing itself, not two: with tcp through
+//! `ofi_rxm`, opening an endpoint costs about 40 ms here (four pools of 1024 bounce buffers of 16 KiB, each
+//! page touched), more than the rest of the test together.
 //!
 //! The test runs on a thread of its own and the caller waits for it at most the limit: a provider stuck inside
 //! a call (opening a domain, an endpoint, a wait) cannot hang the caller; such a thread is left to finish on
-//! its own and the result names the step it was stuck in. Completions are waited for on the queues' wait
-//! descriptors ([`super::wait`]), both queues read each round (the providers here progress data only when
-//! their queues are read).
+//! its own and the result names the step it was stuck in. The result is handed over as soon as the bytes are
+//! checked; closing what the test opened happens after, on its thread. Completions are waited for on the
+//! queue's wait descriptor ([`super::wait`]), the queue read each round (the providers here progress data only
+//! when their queues are read).
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -14,6 +21,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use super::{drain, left, wait, Av, Cq, Device, Domain, Endpoint, Fabric, Mr};
+
 use crate::status::{Error, Result};
 
 /// The bytes moved each way.
@@ -31,7 +39,7 @@ pub enum Step {
     Domain,
     /// The completion queues and address vectors.
     Queues,
-    /// The two endpoints and each other's address.
+    /// The endpoint and its own address in its address vector.
     Endpoints,
     /// Registering the two regions.
     Register,
@@ -71,7 +79,7 @@ impl Step {
 /// What the self-test found.
 #[derive(Debug)]
 pub enum Outcome {
-    /// The data came back right; `cost` is the whole test's wall time (opening included).
+    /// The data came back right; `cost` is the test's wall time until then (opening included, closing not).
     Passed { cost: Duration },
     /// `step` failed with `error` after `after`.
     Failed { step: Step, error: Error, after: Duration },
@@ -191,19 +199,81 @@ pub fn run(dev: &Device, limit: Duration) -> SelfTest {
 }
 
 fn run_device(dev: &Device, limit: Duration) -> SelfTest {
-    let t0 = Instant::now();
-    let step = Arc::new(AtomicU8::new(Step::Fabric as u8));
-    let (tx, rx) = mpsc::channel();
-    let (d, s) = (dev.clone(), step.clone());
-    let deadline = t0 + limit;
-    let spawned = std::thread::Builder::new().name("gixl-fabric-selftest".into()).spawn(move || {
-        let r = body(&d, &s, deadline);
-        let _ = tx.send(r);
+    let d = dev.clone();
+    let outcome = on_thread(limit, Step::Fabric, move |step, deadline| {
+        let rig = Own::open(&d, step).map_err(|e| (e, None))?;
+        let mut keep = Keep::new();
+        // The regions are closed before the endpoint; where the test failed, both are left (see `run_on`).
+        match exercise(&rig, &mut keep, step, deadline) {
+            Ok(()) => Ok(Box::new((keep, rig)) as Box<dyn Send>),
+            Err(e) => Err((e, Some(Box::new((keep, rig)) as Box<dyn Send>))),
+        }
     });
-    let current = |s: &AtomicU8| Step::ALL.get(s.load(Ordering::Acquire) as usize).copied().unwrap_or(Step::Fabric);
-    let outcome = match spawned {
+    SelfTest { provider: dev.provider(), domain: dev.domain(), outcome }
+}
+
+/// Tests the device of an endpoint already open (`rig`; `provider` and `domain` name it), waiting at most
+/// `limit` (and records the result for `gixl doctor`). Nothing is opened but the test's two regions; where
+/// the test fails or runs out of time, they are left registered and allocated (an operation of the test may
+/// still be in the provider's hands, and the endpoint lives on).
+pub fn run_on(rig: Arc<dyn Rig>, provider: &str, domain: &str, limit: Duration) -> SelfTest {
+    let outcome = on_thread(limit, Step::Endpoints, move |step, deadline| {
+        let mut keep = Keep::new();
+        match exercise(&*rig, &mut keep, step, deadline) {
+            Ok(()) => Ok(Box::new(keep) as Box<dyn Send>),
+            Err(e) => Err((e, Some(Box::new(keep) as Box<dyn Send>))),
+        }
+    });
+    let t = SelfTest { provider: provider.to_owned(), domain: domain.to_owned(), outcome };
+    record(&t);
+    t
+}
+
+/// What the test keeps until its result is handed over: its regions (closed first) and their memory.
+struct Keep {
+    mrs: Vec<Mr>,
+    local: Box<[u8]>,
+    target: Box<[u8]>,
+}
+
+impl Keep {
+    /// Each 2 × BYTES: the WRITE in the first half, the READ in the second.
+    fn new() -> Keep {
+        Keep { mrs: Vec::new(), local: vec![0u8; 2 * BYTES].into(), target: vec![0u8; 2 * BYTES].into() }
+    }
+}
+
+/// Runs `test` on a thread of its own and waits for it at most `limit`, naming the step it failed or was stuck
+/// in. `test` hands back what it opened, dropped on its thread after the outcome is sent (a failure's: leaked
+/// where `Some`, see [`run_on`]).
+#[allow(clippy::type_complexity)]
+fn on_thread(
+    limit: Duration,
+    first: Step,
+    test: impl FnOnce(&AtomicU8, Instant) -> std::result::Result<Box<dyn Send>, (Error, Option<Box<dyn Send>>)>
+        + Send
+        + 'static,
+) -> Outcome {
+    let t0 = Instant::now();
+    let step = Arc::new(AtomicU8::new(first as u8));
+    let (tx, rx) = mpsc::channel();
+    let s = step.clone();
+    let deadline = t0 + limit;
+    let spawned =
+        std::thread::Builder::new().name("gixl-fabric-selftest".into()).spawn(move || match test(&s, deadline) {
+            Ok(opened) => {
+                let _ = tx.send(Ok(()));
+                drop(opened);
+            }
+            Err((e, leak)) => {
+                let _ = tx.send(Err(e));
+                std::mem::forget(leak);
+            }
+        });
+    let current = |s: &AtomicU8| Step::ALL.get(s.load(Ordering::Acquire) as usize).copied().unwrap_or(first);
+    match spawned {
         Err(e) => Outcome::Failed {
-            step: Step::Fabric,
+            step: first,
             error: Error::backend(format!("cannot start the self-test's thread: {e}")),
             after: t0.elapsed(),
         },
@@ -219,8 +289,7 @@ fn run_device(dev: &Device, limit: Duration) -> SelfTest {
                 after: t0.elapsed(),
             },
         },
-    };
-    SelfTest { provider: dev.provider(), domain: dev.domain(), outcome }
+    }
 }
 
 /// A test pattern that no earlier run left behind (a seed from the clock, a different one per step).
@@ -234,40 +303,81 @@ fn pattern(buf: &mut [u8], seed: u64) {
     }
 }
 
-fn body(dev: &Device, step: &AtomicU8, deadline: Instant) -> Result<()> {
+/// What a self-test runs on: an open domain and RDM endpoint of the device, the endpoint's own address in its
+/// address vector, and a way to run one operation to completion.
+pub trait Rig: Send + Sync {
+    fn domain(&self) -> &Domain;
+    fn endpoint(&self) -> &Arc<Endpoint>;
+    /// The endpoint's own address-vector entry (inserted the first time).
+    fn me(&self) -> Result<u64>;
+    /// Posts one operation with `post` (its context given; `Ok(false)`: the provider's queue is full, post
+    /// again) and waits for its completion, until `deadline`.
+    fn complete(&self, deadline: Instant, post: &mut dyn FnMut(*mut c_void) -> Result<bool>) -> Result<()>;
+}
+
+/// A rig of the test's own: the device's fabric, domain, queue, address vector and endpoint.
+struct Own {
+    fabric: Fabric,
+    domain: Domain,
+    ep: Arc<Endpoint>,
+    me: u64,
+}
+
+impl Own {
+    fn open(dev: &Device, step: &AtomicU8) -> Result<Own> {
+        let at = |s: Step| step.store(s as u8, Ordering::Release);
+        at(Step::Fabric);
+        let fabric = Fabric::open(dev)?;
+        at(Step::Domain);
+        let domain = Domain::open(&fabric, dev)?;
+        at(Step::Queues);
+        let (cq, av) = (Cq::open(&domain, 64)?, Av::open(&domain, 4)?);
+        at(Step::Endpoints);
+        let ep = Arc::new(Endpoint::open(&domain, dev, &cq, &av)?);
+        let me = av.insert(&ep.name()?)?;
+        Ok(Own { fabric, domain, ep, me })
+    }
+}
+
+impl Rig for Own {
+    fn domain(&self) -> &Domain {
+        &self.domain
+    }
+    fn endpoint(&self) -> &Arc<Endpoint> {
+        &self.ep
+    }
+    fn me(&self) -> Result<u64> {
+        Ok(self.me)
+    }
+    fn complete(&self, deadline: Instant, post: &mut dyn FnMut(*mut c_void) -> Result<bool>) -> Result<()> {
+        transfer(&self.fabric, &self.ep, deadline, post)
+    }
+}
+
+/// The WRITE and the READ on `rig`, between two regions registered here (kept in `keep`).
+fn exercise(rig: &dyn Rig, keep: &mut Keep, step: &AtomicU8, deadline: Instant) -> Result<()> {
     let at = |s: Step| step.store(s as u8, Ordering::Release);
-    at(Step::Fabric);
-    let fabric = Fabric::open(dev)?;
-    at(Step::Domain);
-    let domain = Domain::open(&fabric, dev)?;
-    at(Step::Queues);
-    let (cq0, cq1) = (Cq::open(&domain, 64)?, Cq::open(&domain, 64)?);
-    let (av0, av1) = (Av::open(&domain, 4)?, Av::open(&domain, 4)?);
     at(Step::Endpoints);
-    let ep0 = Arc::new(Endpoint::open(&domain, dev, &cq0, &av0)?);
-    let ep1 = Arc::new(Endpoint::open(&domain, dev, &cq1, &av1)?);
-    let peer = av0.insert(&ep1.name()?)?;
-    av1.insert(&ep0.name()?)?;
+    let me = rig.me()?;
     at(Step::Register);
-    // The initiator's region (ep0) and the target's (ep1): each 2 × BYTES, the WRITE in the first half, the
-    // READ in the second.
-    let mut local = vec![0u8; 2 * BYTES];
-    let mut target = vec![0u8; 2 * BYTES];
-    // SAFETY: both buffers outlive their regions (the regions are dropped at the end of this function, before
-    // the buffers, which are declared earlier).
-    let mr0 = unsafe { Mr::register(&domain, local.as_mut_ptr(), local.len(), &ep0)? };
+    let (domain, ep) = (rig.domain(), rig.endpoint());
+    // The initiator's region and the target's.
+    // SAFETY: both buffers outlive their regions (`Keep` drops its regions first, and is leaked where the test
+    // failed: see `run_on`).
+    keep.mrs.push(unsafe { Mr::register(domain, keep.local.as_mut_ptr(), keep.local.len(), ep)? });
     // SAFETY: as above.
-    let mr1 = unsafe { Mr::register(&domain, target.as_mut_ptr(), target.len(), &ep1)? };
+    keep.mrs.push(unsafe { Mr::register(domain, keep.target.as_mut_ptr(), keep.target.len(), ep)? });
+    let Keep { mrs, local, target } = keep;
+    let (mr0, mr1) = (&mrs[0], &mrs[1]);
     let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
 
     at(Step::Write);
     pattern(&mut local[..BYTES], seed);
     let remote = mr1.remote(target.as_ptr()).ok_or_else(|| Error::backend("the target region's key"))?;
+    let src = local.as_mut_ptr();
     // SAFETY: the first half of `local` is in mr0 and stays untouched until the completion is read (below);
     // `remote` is mr1's, registered for remote write.
-    transfer(&fabric, &ep0, &cq1, deadline, |ctx| unsafe {
-        ep0.post(true, &mr0, (local.as_mut_ptr(), BYTES), peer, remote, ctx)
-    })?;
+    rig.complete(deadline, &mut |ctx| unsafe { ep.post(true, mr0, (src, BYTES), me, remote, ctx) })?;
     if target[..BYTES] != local[..BYTES] {
         return Err(Error::backend("the WRITE completed but the target's bytes differ from those written"));
     }
@@ -279,26 +389,24 @@ fn body(dev: &Device, step: &AtomicU8, deadline: Instant) -> Result<()> {
     // SAFETY: the second half of `local` is in mr0, not read or written here until the completion.
     let dst = unsafe { local.as_mut_ptr().add(BYTES) };
     // SAFETY: as above; `remote` is mr1's, registered for remote read.
-    transfer(&fabric, &ep0, &cq1, deadline, |ctx| unsafe { ep0.post(false, &mr0, (dst, BYTES), peer, remote, ctx) })?;
+    rig.complete(deadline, &mut |ctx| unsafe { ep.post(false, mr0, (dst, BYTES), me, remote, ctx) })?;
     if local[BYTES..] != target[BYTES..] {
         return Err(Error::backend("the READ completed but the bytes read differ from the target's"));
     }
-    drop((mr0, mr1));
     Ok(())
 }
 
 /// Posts one operation (again while the provider's queue is full) and waits for its completion on `ep`'s
-/// queue, reading `other` too (the target's side progresses only when its queue is read), until `deadline`.
+/// queue (its reads also progress the target's side: the same endpoint), until `deadline`.
 fn transfer(
     fabric: &Fabric,
     ep: &Endpoint,
-    other: &Cq,
     deadline: Instant,
-    mut post: impl FnMut(*mut c_void) -> Result<bool>,
+    post: &mut dyn FnMut(*mut c_void) -> Result<bool>,
 ) -> Result<()> {
     let mut token = 0u8;
     let ctx: *mut c_void = (&mut token as *mut u8).cast();
-    let cqs = [&**ep.cq(), other];
+    let cqs = [&**ep.cq()];
     let mut posted = false;
     let mut done = false;
     loop {

@@ -223,8 +223,9 @@ fn libfabric_j() -> J {
     let works = records.iter().any(|r| r.passed);
     let why = format!(
         "the libfabric route takes a peer that advertises an endpoint of this engine's provider once the device \
-         passed its self-test (a one-sided WRITE and READ between two endpoints of this process, run at the first \
-         such peer; a failure is one WARN line and the peer goes over TCP); providers that are not sockets or \
+         passed its self-test (a one-sided WRITE and READ between two regions of this process through the device, on \
+         the engine's endpoint, started in the background once it opens; a failure is one WARN line and the peer \
+         goes over TCP); providers that are not sockets or \
          shared memory on their own (here: {}), tcp/udp/sockets/shm only with GIXL_TRANSPORT=fabric and \
          GIXL_FABRIC_PROVIDER (or FI_PROVIDER); GIXL_LIBFABRIC names the library",
         if fabric.is_empty() { "none".to_owned() } else { fabric.join(", ") }

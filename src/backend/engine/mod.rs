@@ -102,7 +102,8 @@ pub fn create_libfabric(init: BackendInit) -> Result<Arc<dyn Backend>> {
     if fabric {
         crate::telemetry::log::info(&format!(
             "agent '{agent}': backend LIBFABRIC: its peers go over the libfabric route once this host's device \
-             passes its self-test (run at the first such peer), else over TCP with a WARN line"
+             passes its self-test (run in the background once the endpoint opens, waited for by a first peer that \
+             comes sooner), else over TCP with a WARN line"
         ));
     } else {
         // Never a silent fallback: whoever asked for a fabric is told that no libfabric route carries its data.

@@ -33,7 +33,7 @@ use super::{Job, Net, Prepared, Reach, Regions, Route, Setting, Side, TcpLink, T
 use crate::backend::{Seg, XferOp, XferPlan};
 use crate::fabric::{Mr, RemoteKey};
 use crate::status::{Error, Result, Status};
-use side::{FabricExport, FabricSide, OpState, Open, Slot};
+use side::{Busy, FabricExport, FabricSide, OpState, Open, Slot};
 use wire::FabricKey;
 
 /// Bytes per operation.
@@ -122,8 +122,8 @@ impl Net for FabricNet {
         if to.same_host && to.transport != Transport::Fabric {
             return Err("same host");
         }
-        // Our device is tested at the first peer that advertises an endpoint at all (so a failure is said even
-        // where the peer's own device failed too).
+        // Our device's self-test (started when our endpoint opened) is waited for at the first peer that
+        // advertises an endpoint at all (so a failure is said even where the peer's own device failed too).
         let section = to.section.ok_or("it advertises no libfabric endpoint")?;
         let (open, ms) = side.ready().map_err(|why| {
             if why.starts_with("self-test") {
@@ -164,8 +164,9 @@ pub(crate) struct Fabric {
     name: String,
     /// The peer's endpoint address.
     addr: Vec<u8>,
-    /// Once greeted: its address-vector entry and the greeting connection (open while the route lives).
-    greeted: Mutex<Option<(u64, Arc<TcpStream>)>>,
+    /// Once greeted: its address-vector entry, the greeting connection (open while the route lives) and this
+    /// endpoint's progress held on meanwhile.
+    greeted: Mutex<Option<(u64, Arc<TcpStream>, Busy)>>,
 }
 
 impl Fabric {
@@ -185,7 +186,7 @@ impl Fabric {
     /// connection of the TCP link, so a restarted peer is refused there).
     fn greet(&self) -> Result<(u64, Arc<TcpStream>)> {
         let mut g = self.greeted.lock();
-        if let Some((a, c)) = &*g {
+        if let Some((a, c, _)) = &*g {
             if !hung_up(c) {
                 return Ok((*a, c.clone()));
             }
@@ -201,15 +202,21 @@ impl Fabric {
         if answer[0] != wire::ANSWER_OK {
             return Err(self.gone("it refused our endpoint"));
         }
+        // Where the target READs a byte to fence a region it retires; our endpoint's progress held on
+        // meanwhile, so that READ is answered while we are idle (a target of an older release discards it).
+        let (mr, buf) = &self.open.scratch;
+        let scratch = mr.remote(buf.as_ptr()).ok_or_else(|| Error::backend("libfabric scratch's key"))?;
+        conn.write_all(&wire::encode_scratch(scratch)).map_err(io)?;
         let a = self.open.peer(&self.addr)?;
         let conn = Arc::new(conn);
-        *g = Some((a, conn.clone()));
+        *g = Some((a, conn.clone(), self.open.hold()));
         Ok((a, conn))
     }
 
     /// Post `segs` as operations to the peer's endpoint `peer`, up to `MAX_IN_FLIGHT` at a time, and wait for
     /// them all.
     fn run(&self, peer: u64, conn: &TcpStream, job: &Job, segs: &[Seg]) -> Result<()> {
+        let _waiting = self.open.waiting();
         let keys = Keys::of(job.prepared);
         // The local regions' memory regions, held while the piece runs (deregistration waits for them).
         let mut held: Vec<(u32, Arc<Mr>)> = Vec::new();
@@ -321,20 +328,35 @@ impl Fabric {
     /// between reads; an operation that failed fails the piece.
     fn wait(&self, conn: &TcpStream, job: &Job, flight: &mut Vec<(u64, Arc<OpState>)>, left: usize) -> Result<()> {
         let mut since = std::time::Instant::now();
+        // An operation canceled because the provider dropped its connection: the others in flight end too, and
+        // the one whose refusal made the provider drop it (a closed key: NOT_FOUND) says what happened.
+        let canceled = |errno: i32, prov: i32| {
+            errno == libc::ECANCELED && matches!(prov, libc::ENOTCONN | libc::ECONNRESET | libc::EPIPE)
+        };
+        let mut failed: Option<(Error, i32, i32)> = None;
+        let mut until = None;
         loop {
             self.open.pump()?;
-            let mut failed = None;
             flight.retain(|(_, st)| {
                 if !st.done.load(std::sync::atomic::Ordering::Acquire) {
                     return true;
                 }
                 if let Some(e) = st.err.lock().take() {
-                    failed.get_or_insert(e);
+                    if failed.as_ref().is_none_or(|f| canceled(f.1, f.2) && !canceled(e.1, e.2)) {
+                        failed = Some(e);
+                    }
                 }
                 false
             });
-            if let Some((e, errno, prov)) = failed {
-                return Err(self.failed(conn, e, errno, prov));
+            if let Some((e, errno, prov)) = failed.take() {
+                // Bounded: the rest end at once once the connection is gone.
+                let until = *until.get_or_insert_with(|| std::time::Instant::now() + Duration::from_secs(1));
+                if !canceled(errno, prov) || flight.is_empty() || std::time::Instant::now() >= until {
+                    return Err(self.failed(conn, e, errno, prov));
+                }
+                failed = Some((e, errno, prov));
+                self.open.sleep()?;
+                continue;
             }
             if flight.len() <= left {
                 return Ok(());
@@ -436,7 +458,7 @@ impl Route for Fabric {
         self.link.connect().map(|_| ())
     }
     fn close(&self) {
-        if let Some((_, c)) = self.greeted.lock().take() {
+        if let Some((_, c, _)) = self.greeted.lock().take() {
             let _ = c.shutdown(Shutdown::Both);
         }
         self.link.close()

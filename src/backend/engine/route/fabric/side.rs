@@ -7,19 +7,21 @@
 //! Progress: the providers run here (tcp through `ofi_rxm`, shm) move data only when the endpoint's queue is
 //! read (`FI_PROGRESS_MANUAL`), on the target's side too: an initiator's READ or WRITE completes only while the
 //! target reads its queue. So a thread (`progress`) reads it, sleeping on its wait descriptor at most
-//! `fabric::SLICE` between reads, but only while some initiator holds a greeting connection open; with none it
-//! sleeps on a condition variable, so an engine without peers on this route wakes for nothing. Initiators read
+//! `fabric::SLICE` between reads, but only while a greeting connection is open (an initiator greeted here, or
+//! one of this engine's routes greeted at a peer: so that the peer's fence READs are answered, see `retire`);
+//! with none it sleeps on a condition variable, so an engine without peers on this route wakes for nothing. Initiators read
 //! the same queue while they wait; every operation's completion is found by its number (`Ops`), whoever read
 //! it.
 //!
-//! A device is used for data only after its self-test passed in this process (`ready`: run at the first peer
-//! that would take the route, the result kept for the process and shown by `gixl doctor`); a failed one is one
-//! WARN line naming the device, the step and the fallback.
+//! A device is used for data only after its self-test passed in this process (`selftest::run_on`, on this
+//! side's own endpoint, started in the background as soon as the endpoint opens (`test_soon`), waited for by a
+//! first peer that comes sooner (`ready`); run once per device and process, the verdict kept and shown by `gixl
+//! doctor`); a failed one is one WARN line naming the device, the step and the fallback.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,12 +32,18 @@ use crate::backend::engine::keys::KeyLedger;
 use crate::backend::engine::route::{Export, Registration, Side};
 pub(crate) use crate::fabric::is_sockets;
 use crate::fabric::selftest;
-use crate::fabric::{self as fi, Av, Cq, CqRead, Device, Domain, Endpoint, Mr};
+use crate::fabric::{self as fi, Av, Cq, CqRead, Device, Domain, Endpoint, Mr, RemoteKey};
 use crate::mem::MemType;
 use crate::status::{Error, Result};
 
 /// The longest the target's progress thread sleeps on its queue's wait descriptor between reads.
 const TARGET_SLEEP: Duration = Duration::from_millis(100);
+
+/// How long the progress thread sleeps while the engine's own threads read the queue.
+const STAND_ASIDE: Duration = Duration::from_millis(5);
+
+/// The longest a deregistration waits for its fence (see `FabricSide::retire`).
+const FENCE_LIMIT: Duration = Duration::from_secs(2);
 
 /// The self-test's time limit.
 const SELFTEST_LIMIT: Duration = Duration::from_secs(5);
@@ -97,14 +105,17 @@ pub(crate) struct Open {
     pub(crate) addr: Vec<u8>,
     keys: KeyLedger<(Mr, Box<[u8]>)>,
     pub(crate) ops: Ops,
-    /// A few bytes of local memory the initiator reads into to flush its WRITEs (see `Fabric::run`).
+    /// A few bytes the initiator reads into to flush its WRITEs (see `Fabric::run`), and that a target reads
+    /// from to fence a region it retires (see `FabricSide::retire`): registered for remote reading too.
     pub(crate) scratch: (Mr, Box<[u8]>),
+    /// The side's progress switch: initiators hold it on while greeted (see `Open::hold`).
+    progress: Arc<Progress>,
     /// Address-vector entries by peer address (inserted once each).
     peers: Mutex<HashMap<Vec<u8>, u64>>,
 }
 
 impl Open {
-    fn new(dev: Device) -> Result<Open> {
+    fn new(dev: Device, progress: Arc<Progress>) -> Result<Open> {
         let fabric = fi::Fabric::open(&dev)?;
         let domain = Domain::open(&fabric, &dev)?;
         let cq = Cq::open(&domain, 1024)?;
@@ -113,9 +124,9 @@ impl Open {
         let addr = ep.name()?;
         let mut buf = vec![0u8; 64].into_boxed_slice();
         // SAFETY: the buffer lives with its region (both in `scratch`, the region dropped first).
-        let mr = unsafe { Mr::register_for(&domain, buf.as_mut_ptr(), buf.len(), &ep, false)? };
+        let mr = unsafe { Mr::register(&domain, buf.as_mut_ptr(), buf.len(), &ep)? };
         let (keys, ops, peers) = (KeyLedger::new([mr.key()]), Ops::default(), Mutex::default());
-        Ok(Open { dev, fabric, domain, cq, av, ep, addr, keys, ops, peers, scratch: (mr, buf) })
+        Ok(Open { dev, fabric, domain, cq, av, ep, addr, keys, ops, peers, scratch: (mr, buf), progress })
     }
 
     /// The address-vector entry of the endpoint at `addr`: an address of our own endpoint's length (libfabric
@@ -155,6 +166,89 @@ impl Open {
         fi::wait(&self.fabric, &[&self.cq], fi::SLICE)
     }
 
+    /// One operation posted with `post` (its context given; `Ok(false)`: the provider's queue is full, post
+    /// again) and waited for until `deadline`: numbered as the route's, found by number whoever reads the
+    /// queue (the progress thread may), the queue read and slept on until done.
+    pub(crate) fn complete(
+        &self,
+        deadline: Instant,
+        post: &mut dyn FnMut(*mut std::ffi::c_void) -> Result<bool>,
+    ) -> Result<()> {
+        let (id, state) = self.ops.start();
+        let mut posted = false;
+        let r = loop {
+            if !posted {
+                match post(id as *mut std::ffi::c_void) {
+                    Ok(p) => posted = p,
+                    Err(e) => break Err(e),
+                }
+            }
+            if let Err(e) = self.pump() {
+                break Err(e);
+            }
+            if state.done.load(Ordering::Acquire) {
+                break state.err.lock().take().map_or(Ok(()), |(e, _, _)| Err(e));
+            }
+            let t = fi::left(deadline);
+            if t.is_zero() {
+                break Err(Error::backend(format!(
+                    "no completion before the time limit ({})",
+                    if posted { "posted" } else { "the provider's queue stayed full" }
+                )));
+            }
+            if let Err(e) = fi::wait(&self.fabric, &[&self.cq], t) {
+                break Err(e);
+            }
+        };
+        if r.is_err() {
+            self.ops.forget(id);
+        }
+        r
+    }
+
+    /// The endpoint's progress kept on while the returned value lives: an initiator holds it while greeted, so
+    /// that its target's fence READs (see `FabricSide::retire`) are answered while it is idle too (the
+    /// providers here serve a peer's READ only while the queue is read).
+    pub(crate) fn hold(&self) -> Busy {
+        *self.progress.active.lock() += 1;
+        self.progress.cv.notify_all();
+        Busy(self.progress.clone())
+    }
+
+    /// Held by a thread while it waits for its own operations, reading the queue itself: the progress thread
+    /// stands aside meanwhile (two threads reading one queue took each other's wake-ups: a 4 KiB READ's median
+    /// went from about 35 to 60 µs here).
+    pub(crate) fn waiting(&self) -> Waiting {
+        self.progress.waiters.fetch_add(1, Ordering::AcqRel);
+        Waiting(self.progress.clone())
+    }
+
+    /// A fence for a region just closed: a 1-byte READ of each greeted initiator's scratch, waited for (until
+    /// `deadline`). Over tcp through ofi_rxm, an initiator's answer follows, on the same connection, the
+    /// WRITEs it was sending: the answer arrives after their bytes were placed, so once every READ completed,
+    /// no WRITE accepted before the region closed is still landing in it. A READ that fails (the provider
+    /// dropped that connection: it does so after refusing a key) fences too: nothing more arrives on a closed
+    /// connection, and a new one carries only operations checked against the closed key. Err: the initiators
+    /// that did not answer in time.
+    fn fence(&self, initiators: &[(u64, RemoteKey)], deadline: Instant) -> std::result::Result<(), usize> {
+        let (mr, buf) = &self.scratch;
+        let dst = buf.as_ptr() as *mut u8;
+        let failed = initiators
+            .iter()
+            .filter(|&&(peer, rk)| {
+                // SAFETY: one byte of the scratch buffer, registered as `mr`, kept for the engine's life (other
+                // flushes may read into it at the same time: its bytes mean nothing).
+                let mut post = |ctx| unsafe { self.ep.post(false, mr, (dst, 1), peer, rk, ctx) };
+                self.complete(deadline, &mut post).is_err() && Instant::now() >= deadline
+            })
+            .count();
+        if failed == 0 {
+            Ok(())
+        } else {
+            Err(failed)
+        }
+    }
+
     /// A memory region for `[addr, addr + len)` under a key this domain never handed out before.
     fn register(&self, addr: u64, len: u64) -> Result<Mr> {
         let what = format!("libfabric device {}/{}", self.dev.provider(), self.dev.domain());
@@ -179,13 +273,50 @@ impl Open {
     }
 }
 
+impl selftest::Rig for Open {
+    fn domain(&self) -> &Domain {
+        &self.domain
+    }
+    fn endpoint(&self) -> &Arc<Endpoint> {
+        &self.ep
+    }
+    fn me(&self) -> Result<u64> {
+        self.peer(&self.addr)
+    }
+    fn complete(&self, deadline: Instant, post: &mut dyn FnMut(*mut std::ffi::c_void) -> Result<bool>) -> Result<()> {
+        Open::complete(self, deadline, post)
+    }
+}
+
 /// The greeting connections being served and the progress thread's switch.
 #[derive(Default)]
-struct Progress {
-    /// Initiators holding a greeting connection open.
+pub(crate) struct Progress {
+    /// Greeting connections open: initiators greeted here, and this engine's own routes greeted elsewhere.
     active: Mutex<usize>,
     cv: Condvar,
     stop: AtomicBool,
+    /// This engine's threads waiting for their own operations (they read the queue themselves: the progress
+    /// thread stands aside meanwhile, see `progress`).
+    waiters: AtomicUsize,
+}
+
+/// A thread of this engine reading the queue for its own operations (see `Open::waiting`).
+pub(crate) struct Waiting(Arc<Progress>);
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.waiters.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The endpoint's progress held on (see `Open::hold`); released when dropped.
+pub(crate) struct Busy(Arc<Progress>);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        let mut n = self.0.active.lock();
+        *n = n.saturating_sub(1);
+    }
 }
 
 pub(crate) struct FabricSide {
@@ -200,14 +331,31 @@ pub(crate) struct FabricSide {
     progress: Arc<Progress>,
     /// Greeting connections being served: shut down when the engine goes.
     conns: Mutex<Vec<TcpStream>>,
+    /// The initiators greeted here that said where their scratch is: by greeting, their address-vector entry
+    /// and scratch (for `fence`).
+    initiators: Mutex<Vec<(u64, u64, RemoteKey)>>,
 }
 
-/// A self-test's result as the route keeps it, by the provider and domain asked for: passed (with its cost in
-/// ms) or why not.
-type Tested = ((String, Option<String>), std::result::Result<f64, String>);
+/// A self-test's result as the route keeps it: passed (with its cost in ms) or why not.
+type Verdict = std::result::Result<f64, String>;
 
-/// Self-tests this process ran.
-static TESTED: Mutex<Vec<Tested>> = Mutex::new(Vec::new());
+/// One device's self-test in this process (by the provider and domain asked for): run once, by the first
+/// engine that opens an endpoint on the device (in the background, see `FabricSide::opened`) or by the first
+/// peer that needs it, whichever comes first; the others wait for its verdict.
+#[derive(Default)]
+struct Trial {
+    verdict: Mutex<Option<Verdict>>,
+    cv: Condvar,
+}
+
+/// Greeting connections served by this process, numbered.
+static NEXT_GREETING: AtomicU64 = AtomicU64::new(0);
+
+/// The provider and domain a side asked for.
+type Asked = (String, Option<String>);
+
+/// Self-tests this process started.
+static TESTED: Mutex<Vec<(Asked, Arc<Trial>)>> = Mutex::new(Vec::new());
 
 impl FabricSide {
     pub(crate) fn new(agent: &str, (provider, exact): (String, bool), domain: Option<String>) -> Arc<FabricSide> {
@@ -219,6 +367,7 @@ impl FabricSide {
             open: Mutex::default(),
             progress: Arc::default(),
             conns: Mutex::default(),
+            initiators: Mutex::default(),
         })
     }
 
@@ -244,7 +393,11 @@ impl FabricSide {
         if let Some(r) = &*o {
             return r.clone();
         }
-        let r = self.device().and_then(Open::new).map(Arc::new).map_err(|e| e.message().to_owned());
+        let r = self
+            .device()
+            .and_then(|d| Open::new(d, self.progress.clone()))
+            .map(Arc::new)
+            .map_err(|e| e.message().to_owned());
         match &r {
             Ok(open) => {
                 crate::telemetry::log::info(&format!(
@@ -253,14 +406,14 @@ impl FabricSide {
                     open.dev.provider(),
                     open.dev.domain()
                 ));
-                let (open, p) = (open.clone(), self.progress.clone());
-                let spawned =
-                    std::thread::Builder::new().name("gixl-fabric-pr".into()).spawn(move || progress(open, p));
+                let (o2, p) = (open.clone(), self.progress.clone());
+                let spawned = std::thread::Builder::new().name("gixl-fabric-pr".into()).spawn(move || progress(o2, p));
                 if let Err(e) = spawned {
                     let r = Err(format!("cannot start the libfabric progress thread: {e}"));
                     *o = Some(r.clone());
                     return r;
                 }
+                self.test_soon(open);
             }
             // Said as a WARN by `ready` at the first peer that would have used it.
             Err(why) => crate::telemetry::log::info(&format!(
@@ -272,42 +425,51 @@ impl FabricSide {
         r
     }
 
-    /// The endpoint, for data: only once the device passed its self-test in this process (run now the first
-    /// time: one WARN line where it fails). Err: why not (said in the router's line for the peer).
-    pub(crate) fn ready(&self) -> std::result::Result<(Arc<Open>, f64), String> {
+    /// This device's trial, and whether the caller is the first to ask (and so runs it).
+    fn trial(&self) -> (Arc<Trial>, bool) {
         let key = (self.provider.clone(), self.domain.clone());
-        let tested = TESTED.lock().iter().find(|(k, _)| *k == key).map(|(_, r)| r.clone());
-        let result = match tested {
-            Some(r) => r,
-            None => {
-                // The device this side uses, tested alone (its own endpoints, not this side's).
-                let t = match self.device() {
-                    Ok(d) => selftest::run(&d, SELFTEST_LIMIT),
-                    Err(_) => selftest::run_provider(&self.provider, self.domain.as_deref(), SELFTEST_LIMIT),
-                };
-                let r = match &t.outcome {
-                    selftest::Outcome::Passed { cost } => {
-                        crate::telemetry::log::info(&format!("agent '{}': libfabric self-test {t}", self.agent));
-                        Ok(cost.as_secs_f64() * 1e3)
-                    }
-                    selftest::Outcome::Failed { step, error, .. } => {
-                        crate::telemetry::log::warn(&format!(
-                            "agent '{}': libfabric device {}/{} failed its self-test at step '{}' ({error}): its \
-                             peers go over TCP; `python -m gixl doctor` shows the result",
-                            self.agent,
-                            if t.provider.is_empty() { &self.provider } else { &t.provider },
-                            if t.domain.is_empty() { "-" } else { &t.domain },
-                            step.name()
-                        ));
-                        Err(format!("self-test failed at {}", step.name()))
-                    }
-                };
-                TESTED.lock().push((key, r.clone()));
-                r
-            }
-        };
-        let ms = result?;
-        let open = self.opened().inspect_err(|why| {
+        let mut all = TESTED.lock();
+        if let Some((_, t)) = all.iter().find(|(k, _)| *k == key) {
+            return (t.clone(), false);
+        }
+        let t = Arc::new(Trial::default());
+        all.push((key, t.clone()));
+        (t, true)
+    }
+
+    /// The device's self-test started now in the background on the endpoint just opened, unless this process
+    /// has one already: by the time a first peer needs the route it has usually passed.
+    fn test_soon(&self, open: &Arc<Open>) {
+        let (trial, first) = self.trial();
+        if !first {
+            return;
+        }
+        let (agent, provider, open2, t2) = (self.agent.clone(), self.provider.clone(), open.clone(), trial.clone());
+        let spawned = std::thread::Builder::new()
+            .name("gixl-fabric-st".into())
+            .spawn(move || settle(&t2, test(&agent, &provider, None, Some(open2))));
+        if spawned.is_err() {
+            // Run by the first peer that needs it instead.
+            TESTED.lock().retain(|(_, t)| !Arc::ptr_eq(t, &trial));
+        }
+    }
+
+    /// The endpoint, for data: only once the device passed its self-test in this process (run now, where the
+    /// endpoint's opening did not start it, or waited for: one WARN line where it fails). Err: why not (said
+    /// in the router's line for the peer).
+    pub(crate) fn ready(&self) -> std::result::Result<(Arc<Open>, f64), String> {
+        // Opening the endpoint starts the self-test (`test_soon`).
+        let opened = self.opened();
+        let (trial, first) = self.trial();
+        let ms = if first {
+            settle(&trial, test(&self.agent, &self.provider, self.domain.as_deref(), opened.clone().ok()))
+        } else {
+            let mut v = trial.verdict.lock();
+            let until = Instant::now() + SELFTEST_LIMIT + Duration::from_secs(1);
+            while v.is_none() && !trial.cv.wait_until(&mut v, until).timed_out() {}
+            v.clone().unwrap_or_else(|| Err("self-test failed at its time limit".into()))
+        }?;
+        let open = opened.inspect_err(|why| {
             crate::telemetry::log::warn(&format!(
                 "agent '{}': libfabric provider {} passed its self-test but this engine's endpoint could not be \
                  opened ({why}): its peers go over TCP",
@@ -354,15 +516,61 @@ impl FabricSide {
         if let Ok(c) = s.try_clone() {
             self.conns.lock().push(c);
         }
-        *self.progress.active.lock() += 1;
-        self.progress.cv.notify_all();
-        // The initiator's route lives as long as the connection.
+        let busy = open.hold();
+        // The initiator's route lives as long as the connection. Its first bytes, where it sends them, say
+        // where its scratch is (`wire::decode_scratch`), for the fence of regions retired here.
         let _ = s.set_read_timeout(None);
-        let mut b = [0u8; 64];
-        while matches!(s.read(&mut b), Ok(n) if n > 0) {}
-        *self.progress.active.lock() -= 1;
+        let id = NEXT_GREETING.fetch_add(1, Ordering::Relaxed);
+        let peer = open.peer(&addr).ok();
+        let (mut b, mut head) = ([0u8; 64], Vec::new());
+        while let Ok(n @ 1..) = s.read(&mut b) {
+            if head.len() < wire::SCRATCH {
+                head.extend_from_slice(&b[..n.min(wire::SCRATCH - head.len())]);
+                if let (Some(peer), Some(rk)) = (peer, wire::decode_scratch(&head)) {
+                    self.initiators.lock().push((id, peer, rk));
+                }
+            }
+        }
+        self.initiators.lock().retain(|(g, _, _)| *g != id);
+        drop(busy);
         let me = s.local_addr().ok().zip(s.peer_addr().ok());
         self.conns.lock().retain(|c| c.local_addr().ok().zip(c.peer_addr().ok()) != me);
+    }
+}
+
+/// Records a trial's verdict and wakes those waiting for it; the verdict.
+fn settle(trial: &Trial, v: Verdict) -> Verdict {
+    *trial.verdict.lock() = Some(v.clone());
+    trial.cv.notify_all();
+    v
+}
+
+/// The self-test of the device behind `open` (on that endpoint: it adds none of its own), or, where the
+/// endpoint could not be opened, of `provider` alone (it then fails at the step that says why); its INFO or
+/// WARN line.
+fn test(agent: &str, provider: &str, domain: Option<&str>, open: Option<Arc<Open>>) -> Verdict {
+    let t = match open {
+        Some(o) => {
+            let (p, d) = (o.dev.provider(), o.dev.domain());
+            selftest::run_on(o, &p, &d, SELFTEST_LIMIT)
+        }
+        None => selftest::run_provider(provider, domain, SELFTEST_LIMIT),
+    };
+    match &t.outcome {
+        selftest::Outcome::Passed { cost } => {
+            crate::telemetry::log::info(&format!("agent '{agent}': libfabric self-test {t}"));
+            Ok(cost.as_secs_f64() * 1e3)
+        }
+        selftest::Outcome::Failed { step, error, .. } => {
+            crate::telemetry::log::warn(&format!(
+                "agent '{agent}': libfabric device {}/{} failed its self-test at step '{}' ({error}): its peers go \
+                 over TCP; `python -m gixl doctor` shows the result",
+                if t.provider.is_empty() { provider } else { &t.provider },
+                if t.domain.is_empty() { "-" } else { &t.domain },
+                step.name()
+            ));
+            Err(format!("self-test failed at {}", step.name()))
+        }
     }
 }
 
@@ -378,6 +586,11 @@ fn progress(open: Arc<Open>, p: Arc<Progress>) {
         }
         if p.stop.load(Ordering::Acquire) {
             return;
+        }
+        if p.waiters.load(Ordering::Acquire) > 0 {
+            // The engine's own waiting threads read the queue (and so serve peers' operations too).
+            std::thread::sleep(STAND_ASIDE);
+            continue;
         }
         if open.pump().and_then(|_| fi::wait_up_to(&open.fabric, &[&open.cq], TARGET_SLEEP)).is_err() {
             std::thread::sleep(fi::SLICE);
@@ -437,6 +650,19 @@ impl Side for FabricSide {
             crate::telemetry::log::warn("libfabric: a region was deregistered while a piece still ran on it");
         }
         drop(mr);
+        // Peers' WRITEs the provider accepted before the region closed may still be placing bytes: fenced.
+        let open = self.open.lock().clone().and_then(|o| o.ok());
+        let initiators: Vec<(u64, RemoteKey)> = self.initiators.lock().iter().map(|&(_, p, k)| (p, k)).collect();
+        if let (Some(open), false) = (open, initiators.is_empty()) {
+            if let Err(n) = open.fence(&initiators, Instant::now() + FENCE_LIMIT) {
+                crate::telemetry::log::warn(&format!(
+                    "libfabric: a deregistered region's fence was not answered by {n} of {} initiators within {} ms \
+                     (not progressing): a WRITE of theirs accepted before it closed may still land",
+                    initiators.len(),
+                    FENCE_LIMIT.as_millis()
+                ));
+            }
+        }
     }
 
     fn close(&self) {

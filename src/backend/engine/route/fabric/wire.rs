@@ -7,10 +7,13 @@
 //! TICKET   = key u64 | base u64      (the address a peer names for a byte is its virtual address - base)
 //! GREETING = "GXFA" | address (u16 length | bytes)         initiator → target: its endpoint's address
 //! ANSWER   = status u8 (0 ok, else refused)                 target → initiator
+//! SCRATCH  = key u64 | address u64                          initiator → target, after an ok answer: where
+//!                                                           the target READs a byte to fence a retired region
 //! ```
 //! All integers little-endian. The connection stays open while the initiator's route lives: the target keeps
 //! driving its endpoint's progress while any is open.
 
+use crate::fabric::RemoteKey;
 use crate::md::{put_bytes, put_uvar};
 use crate::status::{Error, Result};
 
@@ -91,6 +94,22 @@ pub(crate) fn encode_greeting(addr: &[u8]) -> Vec<u8> {
 
 pub(crate) const GREETING_HEAD: usize = 6;
 
+/// The scratch's length on the greeting connection.
+pub(crate) const SCRATCH: usize = 16;
+
+pub(crate) fn encode_scratch(k: RemoteKey) -> [u8; SCRATCH] {
+    let mut out = [0u8; SCRATCH];
+    out[..8].copy_from_slice(&k.key.to_le_bytes());
+    out[8..].copy_from_slice(&k.addr.to_le_bytes());
+    out
+}
+
+/// The scratch the first `SCRATCH` bytes after the answer say; None until that many arrived.
+pub(crate) fn decode_scratch(b: &[u8]) -> Option<RemoteKey> {
+    let w = |i: usize| b.get(i..i + 8).and_then(|s| s.try_into().ok()).map(u64::from_le_bytes);
+    Some(RemoteKey { key: w(0)?, addr: w(8)? })
+}
+
 /// The address length a greeting whose first bytes are `head` announces; None where they are no greeting.
 pub(crate) fn greeting_len(head: &[u8; GREETING_HEAD]) -> Option<usize> {
     let n = u16::from_le_bytes([head[4], head[5]]) as usize;
@@ -106,6 +125,9 @@ pub(crate) fn fuzz(b: &[u8]) {
         let mut out = Vec::new();
         k.put_sections(&mut out);
         assert_eq!(&out[2..], b, "libfabric ticket changed");
+    }
+    if let Some(k) = decode_scratch(b) {
+        assert_eq!(encode_scratch(k)[..], b[..SCRATCH], "libfabric scratch changed");
     }
     if let Some(head) = b.get(..GREETING_HEAD).and_then(|h| <&[u8; GREETING_HEAD]>::try_from(h).ok()) {
         if let Some(n) = greeting_len(head) {
@@ -143,5 +165,10 @@ mod tests {
         assert_eq!(greeting_len(g[..GREETING_HEAD].try_into().unwrap()), Some(4));
         assert!(greeting_len(b"GXFA\0\0").is_none() && greeting_len(b"XXFA\x04\0").is_none());
         assert!(greeting_len(&[b'G', b'X', b'F', b'A', 0x01, 0x10]).is_none(), "longer than MAX_ADDR");
+
+        let k = RemoteKey { key: 0x0102_0304_0506_0708, addr: 0x7f00_dead_beef };
+        let b = encode_scratch(k);
+        assert_eq!(decode_scratch(&b), Some(k));
+        assert_eq!(decode_scratch(&b[..15]), None, "not all there yet");
     }
 }
