@@ -694,7 +694,11 @@ impl QpInner {
             {
                 let mut st = self.st.lock();
                 if !matches!(st.phase, Phase::Connected(_)) {
-                    return;
+                    drop(st);
+                    // The pair failed while this request was between its queue and the wire, where `fail` does
+                    // not see it: it is flushed as every other one (a request never goes without a completion).
+                    let wc = Completion { id: q.id, status: WcStatus::Flushed, kind: q.kind(), len: 0, imm: None };
+                    return self.scq.push(wc);
                 }
                 st.sent.push_back(q);
             }
@@ -1288,8 +1292,15 @@ mod tests {
         peer.qp.connect(&qp.addr()).unwrap();
         assert!(qp.post_send(&[w(1), w(2), w(3)]).is_err(), "three into a queue of two");
         qp.post_send(&[w(1), w(2)]).unwrap();
-        // Two flushed completions into a queue of one.
+        // Two flushed completions into a queue of one. The fake NIC's thread may still hold a send it took off
+        // the queue and push its completion a moment later: wait for the second push, without polling (a poll
+        // would make room for it).
         qp.set_error();
+        let fake = cq.clone().as_any().downcast::<FakeCq>().unwrap();
+        let t = std::time::Instant::now();
+        while !fake.overrun.load(Ordering::Acquire) && t.elapsed() < std::time::Duration::from_secs(5) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         let mut out = Vec::new();
         let e = cq.poll(&mut out, 8).unwrap_err();
         assert!(e.message().contains("overrun"), "{e}");
