@@ -650,6 +650,16 @@ struct GdsXfer {
     how: How,
 }
 
+impl GdsXfer {
+    /// A staged or direct post may start: its previous post (`last`) is over and every file is still open.
+    fn may_post(&self, last: Option<&Arc<Run>>) -> Result<()> {
+        if last.is_some_and(|r| r.state() == Status::InProg) {
+            return Err(Error::new(Status::RepostActive, "the previous post of this request is still in progress"));
+        }
+        self.files.iter().try_for_each(|f| f.check_open().map_err(|e| ours(self.core.name, e)))
+    }
+}
+
 impl BackendXfer for GdsXfer {
     fn post(&self, notif: Option<&[u8]>) -> Result<Status> {
         if notif.is_some() {
@@ -672,15 +682,7 @@ impl BackendXfer for GdsXfer {
             }
             How::Direct { direct, run } => {
                 let mut cur = run.lock();
-                if cur.as_ref().is_some_and(|r| r.state() == Status::InProg) {
-                    return Err(Error::new(
-                        Status::RepostActive,
-                        "the previous post of this request is still in progress",
-                    ));
-                }
-                for f in &self.files {
-                    f.check_open().map_err(|e| ours(self.core.name, e))?;
-                }
+                self.may_post(cur.as_ref())?;
                 let r = self.core.admit(&self.regions, || {
                     Ok(Run::new(Arc::new(Work { read: direct.read, ops: Vec::new() }), direct.groups.len()))
                 })?;
@@ -710,15 +712,7 @@ impl BackendXfer for GdsXfer {
             }
             How::Staged { staged, run } => {
                 let mut cur = run.lock();
-                if cur.as_ref().is_some_and(|r| r.state() == Status::InProg) {
-                    return Err(Error::new(
-                        Status::RepostActive,
-                        "the previous post of this request is still in progress",
-                    ));
-                }
-                for f in &self.files {
-                    f.check_open().map_err(|e| ours(self.core.name, e))?;
-                }
+                self.may_post(cur.as_ref())?;
                 let r = self.core.admit(&self.regions, || {
                     let units = usize::from(!staged.pieces.is_empty());
                     Ok(Run::new(Arc::new(Work { read: staged.read, ops: Vec::new() }), units))
