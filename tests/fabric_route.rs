@@ -10,7 +10,8 @@
 //!   report says which device failed at which step;
 //! - strangers on the greeting (the route's connection kind on the TCP listener) get nothing;
 //! - the tcp provider between two network namespaces joined by a bridge (needs root: skipped as `netns`
-//!   otherwise): 64 MiB READ and WRITE and 1024 × 16 KiB READ, data checked.
+//!   otherwise): 64 MiB READ and WRITE and 1024 × 16 KiB READ, data checked; and over two rails (two bridges):
+//!   both carry data, a rail whose self-test failed (at either end) none, a target with one rail still served.
 //!
 //! Each side names its provider by its full name (backend parameter `fabric_provider`). The child is this binary
 //! re-run with `GIXL_CHILD=fabric-prefill` (its provider in `GIXL_FABRIC_PROVIDER`).
@@ -122,6 +123,14 @@ fn decode_child() {
         bad.push("64MiB-write");
     }
     let verdict = if bad.is_empty() { "ok".to_owned() } else { bad.join(",") };
+    // Each device's self-test as this process's doctor shows them.
+    let doctor = gixl::telemetry::doctor::report(None);
+    let rails: Vec<String> = gixl::fabric::selftest::records()
+        .iter()
+        .map(|r| format!("{}:{}:{}", r.device, if r.passed { "passed" } else { "failed" }, r.step.unwrap_or("-")))
+        .filter(|r| doctor.contains(r.split(':').next().unwrap_or("")))
+        .collect();
+    println!("\n@rails {}", rails.join(" "));
     println!("\n@decoded {route} {verdict}");
 }
 
@@ -149,7 +158,13 @@ impl Prefill {
 
     /// In network namespace `ns`, where given.
     fn start_in(ns: Option<&str>, seed: usize, provider: &str) -> Prefill {
+        Prefill::start_with(ns, seed, provider, &[])
+    }
+
+    /// As `start_in`, with `env` set in the child.
+    fn start_with(ns: Option<&str>, seed: usize, provider: &str, env: &[(&str, &str)]) -> Prefill {
         let mut c = child_in(ns);
+        c.envs(env.iter().copied());
         c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
             .env("GIXL_CHILD", "fabric-prefill")
             .env("GIXL_SEED", seed.to_string())
@@ -427,6 +442,59 @@ fn tcp_provider_across_two_network_namespaces() {
     assert_eq!(line, "@decoded libfabric ok");
     assert_eq!(p.ask("sum", "sum")[0], format!("sum {}", 2 * SIZE), "the 64 MiB WRITE across namespaces");
     p.kill();
+}
+
+/// Two rails (two veth pairs on two subnets) between two network namespaces, the READs and WRITEs of
+/// `decode_child` each time, data checked: with both rails healthy, both carry a good part of the bytes (pieces
+/// spread over the rails: veths have no NUMA node or PCI place to set one apart); a rail whose self-test failed
+/// carries none, at the initiator (its path not taken, the doctor naming the failure) or at the target (its
+/// greeting refused there, the initiator's path to it dropped); and a target with one rail still works (only
+/// the initiator's rail on its subnet is taken). Bytes counted on the target's interfaces.
+#[test]
+fn tcp_provider_over_two_rails_across_two_network_namespaces() {
+    if setup("fabric route rails").is_none() {
+        return;
+    }
+    let Some(net) = common::Net::with_rails("fr", 2, 2) else { return };
+    type Env = &'static [(&'static str, &'static str)];
+    // (case, the target's environment, the initiator's, which of the target's rails carry the data)
+    let cases: [(&str, Env, Env, [bool; 2]); 4] = [
+        ("both rails", &[], &[], [true, true]),
+        ("the initiator's eth1 failed its self-test", &[], &[("GIXL_TEST_FABRIC_FAIL", "eth1")], [true, false]),
+        ("the target's eth0 failed its self-test", &[("GIXL_TEST_FABRIC_FAIL", "eth0")], &[], [false, true]),
+        ("the target has one rail", &[("GIXL_FABRIC_DOMAIN", "eth0")], &[], [true, false]),
+    ];
+    for (case, target_env, decode_env, used) in cases {
+        let mut p = Prefill::start_with(Some(&net.ns(0)), 0, "tcp;ofi_rxm", target_env);
+        let before = [net.rail_bytes(0, 0), net.rail_bytes(0, 1)];
+        let mut c = child_in(Some(&net.ns(1)));
+        c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+            .env("GIXL_CHILD", "fabric-decode")
+            .env("GIXL_FABRIC_PROVIDER", "tcp;ofi_rxm")
+            .env("GIXL_PEER_MD", hex(&p.md))
+            .env("GIXL_PEER_ADDR", p.addr.to_string())
+            .envs(decode_env.iter().copied())
+            .stdout(std::process::Stdio::piped());
+        let out = c.output().unwrap();
+        let out = String::from_utf8_lossy(&out.stdout);
+        let line = out.lines().find(|l| l.starts_with("@decoded ")).unwrap_or_else(|| panic!("{case}: {out}"));
+        assert_eq!(line, "@decoded libfabric ok", "{case}");
+        assert_eq!(p.ask("sum", "sum")[0], format!("sum {}", 2 * SIZE), "{case}: the 64 MiB WRITE");
+        let rails = out.lines().find(|l| l.starts_with("@rails")).unwrap_or_default();
+        assert!(rails.contains("tcp;ofi_rxm/eth0:passed"), "{case}: {rails}");
+        let eth1 = if decode_env.is_empty() { "tcp;ofi_rxm/eth1:passed" } else { "tcp;ofi_rxm/eth1:failed:write" };
+        assert!(rails.contains(eth1), "{case}: {rails}");
+        let moved = [net.rail_bytes(0, 0) - before[0], net.rail_bytes(0, 1) - before[1]];
+        eprintln!("{case}: the target's eth0 and eth1 carried {} and {} MiB", moved[0] >> 20, moved[1] >> 20);
+        for r in 0..2 {
+            if used[r] {
+                assert!(moved[r] >= 32 << 20, "{case}: eth{r} carried {} bytes", moved[r]);
+            } else {
+                assert!(moved[r] < 8 << 20, "{case}: eth{r} carried {} bytes", moved[r]);
+            }
+        }
+        p.kill();
+    }
 }
 
 /// A region deregistered while a peer's WRITE to it is landing: once deregistration returns, not one more byte
