@@ -62,8 +62,10 @@ fn asked(setting: Setting) -> (Option<(String, bool)>, Option<String>) {
 }
 
 /// The first provider offered that is not itself sockets or shared memory (efa, verbs, psm…), looked up once
-/// per process (libfabric absent: none).
-fn fabric_provider() -> Option<String> {
+/// per process (libfabric absent: none). The first call opens libfabric: with Debian's build that costs about
+/// 300 ms here (its psm and psm2 libraries calibrate the clock when loaded, then every provider initialises), so
+/// engines look it up in the background (`look_up_soon`), never on agent creation's path.
+pub(crate) fn fabric_provider() -> Option<String> {
     static FOUND: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     FOUND
         .get_or_init(|| {
@@ -71,6 +73,69 @@ fn fabric_provider() -> Option<String> {
             all.iter().map(|d| d.provider()).find(|p| !side::is_sockets(p))
         })
         .clone()
+}
+
+/// `fabric_provider` started on a thread of its own, once per process; a caller that needs its answer sooner
+/// waits for it (`OnceLock`), or, where the thread could not start, looks it up itself.
+fn look_up_soon() {
+    static STARTED: std::sync::Once = std::sync::Once::new();
+    STARTED.call_once(|| {
+        let _ = std::thread::Builder::new().name("gixl-fabric-lu".into()).spawn(|| {
+            fabric_provider();
+        });
+    });
+}
+
+/// Whether this host has a device that a libfabric provider other than sockets and shared memory drives: an
+/// RDMA device (`/sys/class/infiniband`: efa, verbs, usnic, and psm3 and ucx over them), an Omni-Path or
+/// TrueScale adapter (`/dev/hfi1*`, `/dev/ipath*`: psm2, opx, psm), a Slingshot NIC (`/sys/class/cxi`) or a
+/// Gemini/Aries one (`/dev/kgni*`). A few directory reads: where there is none, libfabric is not opened at all
+/// for a provider that could only find nothing (a provider named, `GIXL_TRANSPORT=fabric` or `gixl doctor`
+/// open it anyway).
+pub(crate) fn fabric_hardware() -> bool {
+    let any = |dir: &str, prefixes: &[&str]| {
+        std::fs::read_dir(dir)
+            .is_ok_and(|d| d.flatten().any(|e| prefixes.iter().any(|p| e.file_name().to_string_lossy().starts_with(p))))
+    };
+    any("/sys/class/infiniband", &[""]) || any("/sys/class/cxi", &[""]) || any("/dev", &["hfi1", "ipath", "kgni"])
+}
+
+/// What a `LIBFABRIC` backend says when created, once it is known (never silent, never on agent creation's
+/// path): where this engine looks its provider up in the background, a thread says it when the lookup ends.
+pub(crate) fn say(agent: &str, side: Option<&Arc<dyn Side>>) {
+    let side = side.and_then(|s| (s.clone() as Arc<dyn Any + Send + Sync>).downcast::<FabricSide>().ok());
+    let pending = side.as_ref().is_some_and(|s| !s.named());
+    let tell = move |agent: &str, found: bool| {
+        if found {
+            crate::telemetry::log::info(&format!(
+                "agent '{agent}': backend LIBFABRIC: its peers go over the libfabric route once this host's device \
+                 passes its self-test (run in the background once the endpoint opens, waited for by a first peer \
+                 that comes sooner), else over TCP with a WARN line"
+            ));
+        } else {
+            // Never a silent fallback: whoever asked for a fabric is told that no libfabric route carries its data.
+            crate::telemetry::log::warn(&format!(
+                "agent '{agent}': backend LIBFABRIC has no libfabric provider to use here (none of efa, verbs, psm… \
+                 was found; tcp and shm are used only with GIXL_TRANSPORT=fabric), so peers on other hosts go over \
+                 TCP (RDMA where its port reaches them); `python -m gixl doctor` says what this host has \
+                 (docs/libfabric.md)"
+            ));
+        }
+    };
+    let found = side.is_some();
+    let Some(side) = side.filter(|_| pending) else {
+        return tell(agent, found);
+    };
+    let agent2 = agent.to_owned();
+    let spawned = std::thread::Builder::new()
+        .name("gixl-fabric-say".into())
+        .spawn(move || tell(&agent2, !side.provider().0.is_empty()));
+    if spawned.is_err() {
+        crate::telemetry::log::warn(&format!(
+            "agent '{agent}': backend LIBFABRIC: whether this host has a libfabric provider is not known yet \
+             (`python -m gixl doctor` says)"
+        ));
+    }
 }
 
 /// The libfabric route as the engine lists it (`sides::NET`).
@@ -98,18 +163,27 @@ impl Net for FabricNet {
         let (provider, domain) = asked(setting);
         let provider = match (transport, provider) {
             (Transport::Tcp | Transport::Rdma, _) => return None,
-            (Transport::Fabric, Some(p)) => p,
-            (Transport::Fabric, None) => (fabric_provider().unwrap_or_else(|| "tcp;ofi_rxm".into()), true),
+            (Transport::Fabric, Some(p)) => Some(p),
+            // The first that is not sockets (looked up when the endpoint opens), else `tcp;ofi_rxm`.
+            (Transport::Fabric, None) => {
+                look_up_soon();
+                None
+            }
             // Sockets and shared memory only when forced: gixl's own routes are faster.
             (Transport::Auto, Some(p)) if side::is_sockets(&p.0) => return None,
-            (Transport::Auto, Some(p)) => p,
-            (Transport::Auto, None) => (fabric_provider()?, true),
+            (Transport::Auto, Some(p)) => Some(p),
+            // Looked up in the background where some device could have one (and where none turns out to be
+            // there, the side advertises nothing and opens nothing).
+            (Transport::Auto, None) if fabric_hardware() => {
+                look_up_soon();
+                None
+            }
+            (Transport::Auto, None) => return None,
         };
-        crate::telemetry::log::info(&format!(
-            "agent '{agent}': libfabric provider {} (opened on first use)",
-            provider.0
-        ));
-        let side = FabricSide::new(agent, provider, domain);
+        let which = provider.as_ref().map_or("looked up in the background", |p| &p.0);
+        crate::telemetry::log::info(&format!("agent '{agent}': libfabric provider {which} (opened on first use)"));
+        let fallback = (transport == Transport::Fabric).then(|| "tcp;ofi_rxm".to_owned());
+        let side = FabricSide::new(agent, provider, fallback, domain);
         let s = side.clone();
         tcp.set_side(wire::KIND, Box::new(move |c| s.serve(c, patience)));
         Some(side)
@@ -131,6 +205,9 @@ impl Net for FabricNet {
         // Our rails' self-tests (started when their endpoints opened) are waited for at the first peer that
         // advertises an endpoint at all (so a failure is said even where the peer's own device failed too).
         let section = to.section.ok_or("it advertises no libfabric endpoint")?;
+        if side.provider().0.is_empty() {
+            return Err("this host has no libfabric provider that is not sockets or shared memory");
+        }
         let (rails, passed) = side.ready().map_err(|why| {
             if why.starts_with("self-test") {
                 "our libfabric device failed its self-test (said above)"

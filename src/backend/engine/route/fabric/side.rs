@@ -353,10 +353,12 @@ impl Drop for Busy {
 
 pub(crate) struct FabricSide {
     agent: String,
-    /// The provider (libfabric's full name or its core provider's) and domain asked for; None: every one.
-    pub(crate) provider: String,
-    /// The provider is named by its full name (else as `FI_PROVIDER` names it, see `provider_is`).
-    exact: bool,
+    /// The provider asked for (libfabric's full name, or its core provider's, see `provider_is`), and whether
+    /// by its full name; None: the first offered that is not sockets (`super::fabric_provider`, looked up in
+    /// the background), else `fallback`.
+    asked: Option<(String, bool)>,
+    fallback: Option<String>,
+    /// The domain asked for; None: every one.
     domain: Option<String>,
     /// The rails, opened on first need; the error where none could be.
     open: Mutex<Option<std::result::Result<Rails, String>>>,
@@ -441,11 +443,16 @@ fn nic_place(domain: &str) -> (Option<i32>, Option<String>) {
 }
 
 impl FabricSide {
-    pub(crate) fn new(agent: &str, (provider, exact): (String, bool), domain: Option<String>) -> Arc<FabricSide> {
+    pub(crate) fn new(
+        agent: &str,
+        asked: Option<(String, bool)>,
+        fallback: Option<String>,
+        domain: Option<String>,
+    ) -> Arc<FabricSide> {
         Arc::new(FabricSide {
             agent: agent.to_owned(),
-            provider,
-            exact,
+            asked,
+            fallback,
             domain,
             open: Mutex::default(),
             conns: Mutex::default(),
@@ -453,13 +460,32 @@ impl FabricSide {
         })
     }
 
+    /// Whether its provider was asked for (else it is looked up).
+    pub(crate) fn named(&self) -> bool {
+        self.asked.is_some()
+    }
+
+    /// Its provider and whether by its full name: as asked, else the first libfabric offers that is not sockets
+    /// (waiting for the background lookup where it has not ended), else the fallback; empty: none.
+    pub(crate) fn provider(&self) -> (String, bool) {
+        match &self.asked {
+            Some(p) => p.clone(),
+            None => (super::fabric_provider().or_else(|| self.fallback.clone()).unwrap_or_default(), true),
+        }
+    }
+
     /// The rails' devices: every domain of the provider (the one asked for alone, where asked), but the
     /// loopback interface and those whose fabric is link-local only (`fe80::`: not reachable from another link)
     /// where others are offered; at most `wire::MAX_RAILS`.
     fn devices(&self) -> Result<Vec<Device>> {
+        let (provider, exact) = self.provider();
+        if provider.is_empty() {
+            return Err(Error::not_supported(
+                "libfabric offers no provider here that is not itself sockets or shared memory (efa, verbs, psm…)",
+            ));
+        }
         let all = fi::devices(None, self.domain.as_deref())?;
-        let mine: Vec<Device> =
-            all.into_iter().filter(|d| provider_is(&d.provider(), &self.provider, self.exact)).collect();
+        let mine: Vec<Device> = all.into_iter().filter(|d| provider_is(&d.provider(), &provider, exact)).collect();
         let rails: Vec<Device> = (mine.iter())
             .filter(|d| d.domain() != "lo" && !d.fabric().starts_with("fe80:"))
             .take(wire::MAX_RAILS)
@@ -470,8 +496,7 @@ impl FabricSide {
         }
         mine.into_iter().next().map(|d| vec![d]).ok_or_else(|| {
             Error::not_supported(format!(
-                "libfabric offers no {} device with an RDM endpoint and one-sided RMA{}",
-                self.provider,
+                "libfabric offers no {provider} device with an RDM endpoint and one-sided RMA{}",
                 self.domain.as_deref().map(|d| format!(" on {d}")).unwrap_or_default()
             ))
         })
@@ -489,7 +514,8 @@ impl FabricSide {
             // Said as a WARN by `ready` at the first peer that would have used it.
             crate::telemetry::log::info(&format!(
                 "agent '{}': libfabric provider {} not opened ({why})",
-                self.agent, self.provider
+                self.agent,
+                self.provider().0
             ));
         }
         *o = Some(r.clone());
@@ -555,7 +581,7 @@ impl FabricSide {
     fn verdict(&self, rail: &Arc<Rail>) -> Verdict {
         let (trial, first) = trial(rail_key(rail));
         if first {
-            return settle(&trial, test(&self.agent, &self.provider, None, Some(rail.clone())));
+            return settle(&trial, test(&self.agent, &rail.dev.provider(), None, Some(rail.clone())));
         }
         trial.wait()
     }
@@ -568,9 +594,10 @@ impl FabricSide {
             Ok(r) => r,
             Err(why) => {
                 // The provider tested alone: it fails at the step that says why (once per process).
-                let (trial, first) = trial((self.provider.clone(), self.domain.clone()));
+                let provider = self.provider().0;
+                let (trial, first) = trial((provider.clone(), self.domain.clone()));
                 let v = if first {
-                    settle(&trial, test(&self.agent, &self.provider, self.domain.as_deref(), None))
+                    settle(&trial, test(&self.agent, &provider, self.domain.as_deref(), None))
                 } else {
                     trial.wait()
                 };
@@ -578,7 +605,7 @@ impl FabricSide {
                 crate::telemetry::log::warn(&format!(
                     "agent '{}': libfabric provider {} passed its self-test but this engine's endpoint could not be \
                      opened ({why}): its peers go over TCP",
-                    self.agent, self.provider
+                    self.agent, provider
                 ));
                 return Err(why);
             }
