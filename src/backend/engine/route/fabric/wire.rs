@@ -329,4 +329,31 @@ mod tests {
         assert_eq!(decode_scratch(&b), Some(k));
         assert_eq!(decode_scratch(&b[..15]), None, "not all there yet");
     }
+
+    /// Random bytes, and random bytes behind each valid prefix, through every decoder (`fuzz` asserts what
+    /// decodes encodes back the same).
+    #[test]
+    fn random_bytes_never_panic_and_what_decodes_round_trips() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let a =
+            Advert { provider: "efa".into(), rails: vec![RailAdvert { fabric: "efa".into(), addr: vec![1; 32] }; 3] };
+        let k = FabricKeys { keys: vec![FabricKey { key: 1, base: 2 }; 3], near: 5 };
+        let mut t = Vec::new();
+        k.put_sections(&mut t);
+        let prefixes = [encode_section(&a), t, encode_greeting(2, &[9; 16]), b"GXFA\x10\0".to_vec(), Vec::new()];
+        for round in 0..20_000 {
+            let p = &prefixes[round % prefixes.len()];
+            let keep = (next() as usize) % (p.len() + 1);
+            let mut b = p[..keep].to_vec();
+            let extra = (next() % 48) as usize;
+            b.extend((0..extra).map(|_| next() as u8));
+            fuzz(&b);
+        }
+    }
 }
