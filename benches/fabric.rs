@@ -1,7 +1,8 @@
 //! gixl's libfabric route over the tcp provider (`tcp;ofi_rxm`) beside gixl's own TCP route and beside the
 //! provider's own ceiling on the same link, between two processes in two network namespaces joined by a bridge
 //! (veth pairs, as tests/netns.rs builds them), printed as a table: 64 MiB READ and WRITE, 1024 × 16 KiB
-//! scattered READ and WRITE (GB/s, median of the rounds), and the 4 KiB READ latency (median µs); then what the
+//! scattered READ and WRITE (GB/s, median of 9 rounds, the three ways' rounds taken in turn so that a load that
+//! comes and goes weighs on each alike), and the 4 KiB READ latency (median µs); then what the
 //! device's self-test cost. Every figure's data is checked: each READ's bytes against the target's pattern,
 //! each WRITE's at the target (it answers whether its buffer holds what was written).
 //!
@@ -40,7 +41,7 @@ const BIG: usize = 64 << 20;
 const BLOCK: usize = 16 << 10;
 const BLOCKS: usize = 1024;
 const SMALL: usize = 4096;
-const ROUNDS: usize = 5;
+const ROUNDS: usize = 9;
 const LAT_ITERS: usize = 2000;
 const PROVIDER: &str = "tcp;ofi_rxm";
 /// The three target buffers' patterns: byte i = (i + seed) % 251.
@@ -362,10 +363,20 @@ impl Way for Ceiling {
     }
 }
 
-fn bw(w: &dyn Way, write: bool, scattered: bool) -> f64 {
+/// GB/s of each way (by its index), its rounds taken in turn with the others' (one round of each, `ROUNDS`
+/// times), so that a load that comes and goes on the machine weighs on every way alike.
+fn bws(ways: &[(&dyn Way, usize)], write: bool, scattered: bool) -> [f64; 3] {
     let bytes = if scattered { BLOCKS * BLOCK } else { BIG };
-    w.time(write, BIG, scattered, 1);
-    bytes as f64 / median(w.time(write, BIG, scattered, ROUNDS)) / 1e9
+    let mut times = [Vec::new(), Vec::new(), Vec::new()];
+    for &(w, _) in ways {
+        w.time(write, BIG, scattered, 1);
+    }
+    for _ in 0..ROUNDS {
+        for &(w, i) in ways {
+            times[i].extend(w.time(write, BIG, scattered, 1));
+        }
+    }
+    times.map(|t| if t.is_empty() { 0.0 } else { bytes as f64 / median(t) / 1e9 })
 }
 
 fn latency(w: &dyn Way) -> f64 {
@@ -417,11 +428,8 @@ fn initiator() {
         // READs first (the target's patterns are still whole), then the latency, then a 64 MiB READ again.
         let ways: [(&dyn Way, usize); 3] = [(&fab, 0), (&tcp, 1), (&ceiling, 2)];
         for (name, scattered) in [("64 MiB READ GB/s", false), ("1024 × 16 KiB READ GB/s", true)] {
-            let (mut v, mut ok) = ([0.0; 3], true);
-            for (w, i) in ways {
-                v[i] = bw(w, false, scattered);
-                ok &= read_ok(w, SEEDS[i], scattered);
-            }
+            let v = bws(&ways, false, scattered);
+            let ok = ways.iter().all(|&(w, i)| read_ok(w, SEEDS[i], scattered));
             rows.push((name, v, ok));
         }
         let (mut v, mut ok) = ([0.0; 3], true);
@@ -438,11 +446,8 @@ fn initiator() {
     }
     let ways: [(&dyn Way, usize); 3] = [(&fab, 0), (&tcp, 1), (&ceiling, 2)];
     for (name, scattered) in [("64 MiB WRITE GB/s", false), ("1024 × 16 KiB WRITE GB/s", true)] {
-        let (mut v, mut ok) = ([0.0; 3], true);
-        for (w, i) in ways {
-            v[i] = bw(w, true, scattered);
-            ok &= t.check(if scattered { "blocks" } else { "all" }, i);
-        }
+        let v = bws(&ways, true, scattered);
+        let ok = ways.iter().fold(true, |ok, &(_, i)| t.check(if scattered { "blocks" } else { "all" }, i) && ok);
         rows.push((name, v, ok));
     }
     let pp = pingpong(&root, ns.as_deref(), std::env::var("GIXL_BENCH_TARGET_IP").ok().as_deref());

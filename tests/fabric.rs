@@ -184,3 +184,65 @@ fn a_missing_library_is_a_clean_error() {
     assert!(text.contains("missing library: tcp/: failed at library"), "{text}");
     assert!(text.contains("1 passed"), "{text}");
 }
+
+/// The child half of the next test: run only in the process it starts.
+#[test]
+fn creation_child() {
+    if std::env::var_os("GIXL_FABRIC_CREATION_CHILD").is_none() {
+        return;
+    }
+    let loaded = || std::fs::read_to_string("/proc/self/maps").unwrap().contains("libfabric.so");
+    let t = std::time::Instant::now();
+    let a = gixl::Agent::new("creation", gixl::AgentConfig::default()).unwrap();
+    a.create_backend("UCX", &gixl::Params::default()).unwrap();
+    let b = gixl::Agent::new("creation-lf", gixl::AgentConfig::default()).unwrap();
+    b.create_backend("LIBFABRIC", &gixl::Params::default()).unwrap();
+    let took = t.elapsed();
+    println!("created: {:.1} ms, libfabric loaded: {}", took.as_secs_f64() * 1e3, loaded());
+    let buf = vec![0u8; 4096];
+    let d = gixl::Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0);
+    let regs = gixl::RegDList::with_descs(gixl::MemType::Dram, vec![gixl::RegDesc { desc: d, meta: vec![] }]);
+    a.register_mem(&regs, &[]).unwrap();
+    a.local_md().unwrap();
+    b.register_mem(&regs, &[]).unwrap();
+    b.local_md().unwrap();
+    println!("registered and described: libfabric loaded: {}", loaded());
+}
+
+/// Agent and backend creation (UCX and LIBFABRIC) never open libfabric: on a host without a device that a
+/// provider other than sockets drives (no /sys/class/infiniband, /sys/class/cxi, /dev/hfi1*…: this one), the
+/// library is not opened at all, not even by registrations and metadata, although `GIXL_LIBFABRIC` names one
+/// that loads (opening Debian's costs about 300 ms here: its psm libraries calibrate the clock when loaded).
+/// Where such a device is, it is opened in the background and this test only prints.
+#[test]
+fn creating_agents_does_not_open_libfabric() {
+    let Some(root) = setup("fabric creation") else { return };
+    let lib = root.join("usr/lib/x86_64-linux-gnu");
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "creation_child", "--nocapture", "--test-threads=1"])
+        .env("GIXL_FABRIC_CREATION_CHILD", "1")
+        .env("GIXL_LIBFABRIC", lib.join("libfabric.so.1"))
+        .env("LD_LIBRARY_PATH", format!("{}:{}", lib.display(), root.join("lib/x86_64-linux-gnu").display()))
+        .env_remove("GIXL_TRANSPORT")
+        .env_remove("GIXL_FABRIC_PROVIDER")
+        .env_remove("FI_PROVIDER")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{text}");
+    let line = text.lines().find_map(|l| l.find("created: ").map(|i| &l[i..])).unwrap_or_else(|| panic!("{text}"));
+    eprintln!("{line}");
+    let any = |dir: &str, pre: &[&str]| {
+        std::fs::read_dir(dir)
+            .is_ok_and(|d| d.flatten().any(|e| pre.iter().any(|p| e.file_name().to_string_lossy().starts_with(p))))
+    };
+    let hardware =
+        any("/sys/class/infiniband", &[""]) || any("/sys/class/cxi", &[""]) || any("/dev", &["hfi1", "ipath", "kgni"]);
+    if hardware {
+        eprintln!("this host has a fabric device: libfabric is looked up in the background here");
+        return;
+    }
+    assert!(line.ends_with("libfabric loaded: false"), "{text}");
+    assert!(text.contains("registered and described: libfabric loaded: false"), "{text}");
+    assert!(text.contains("backend LIBFABRIC has no libfabric provider to use here"), "the WARN line: {text}");
+}

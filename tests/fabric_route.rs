@@ -10,7 +10,9 @@
 //!   report says which device failed at which step;
 //! - strangers on the greeting (the route's connection kind on the TCP listener) get nothing;
 //! - the tcp provider between two network namespaces joined by a bridge (needs root: skipped as `netns`
-//!   otherwise): 64 MiB READ and WRITE and 1024 × 16 KiB READ, data checked.
+//!   otherwise): 64 MiB READ and WRITE and 1024 × 16 KiB READ, data checked; and over two rails (two bridges):
+//!   both carry data, a rail whose self-test failed (at either end) none, a target with one rail still served,
+//!   and a region deregistered under a WRITE over both rails is quiet once deregistration returns.
 //!
 //! Each side names its provider by its full name (backend parameter `fabric_provider`). The child is this binary
 //! re-run with `GIXL_CHILD=fabric-prefill` (its provider in `GIXL_FABRIC_PROVIDER`).
@@ -122,7 +124,38 @@ fn decode_child() {
         bad.push("64MiB-write");
     }
     let verdict = if bad.is_empty() { "ok".to_owned() } else { bad.join(",") };
+    // Each device's self-test as this process's doctor shows them.
+    let doctor = gixl::telemetry::doctor::report(None);
+    let rails: Vec<String> = gixl::fabric::selftest::records()
+        .iter()
+        .map(|r| format!("{}:{}:{}", r.device, if r.passed { "passed" } else { "failed" }, r.step.unwrap_or("-")))
+        .filter(|r| doctor.contains(r.split(':').next().unwrap_or("")))
+        .collect();
+    println!("\n@rails {}", rails.join(" "));
     println!("\n@decoded {route} {verdict}");
+}
+
+/// An initiator in another network namespace: an 8 × 64 MiB WRITE of ones and twos in turn to the target (`GIXL_PEER_MD`,
+/// `GIXL_PEER_ADDR`), `@posted` once posted, `@wrote <status>` once it ended.
+fn writer_child() {
+    setup("fabric writer child").expect("the parent found libfabric");
+    let a = agent("writer-ns", &std::env::var("GIXL_FABRIC_PROVIDER").unwrap());
+    let md = unhex(&std::env::var("GIXL_PEER_MD").unwrap());
+    let raddr: u64 = std::env::var("GIXL_PEER_ADDR").unwrap().parse().unwrap();
+    // Ones and twos in turn: every page keeps changing while the WRITE lands, so a byte landing after
+    // deregistration shows, whatever was written before.
+    let (ones, twos) = (vec![1u8; SIZE], vec![2u8; SIZE]);
+    a.register_mem(&reg_list(&ones), &[]).unwrap();
+    a.register_mem(&reg_list(&twos), &[]).unwrap();
+    a.load_remote_md(&md).unwrap();
+    let src = |i: usize| if i.is_multiple_of(2) { ones.as_ptr() as u64 } else { twos.as_ptr() as u64 };
+    let l = XferDList::with_descs(MemType::Dram, (0..8).map(|i| Desc::new(src(i), SIZE as u64, 0)).collect());
+    let r = XferDList::with_descs(MemType::Dram, (0..8).map(|_| Desc::new(raddr, SIZE as u64, 0)).collect());
+    let req = a.create_xfer_req(XferOp::Write, &l, &r, "prefill", &XferOpts::default()).unwrap();
+    let s = a.post_xfer_req(&req, NotifUpdate::Keep).unwrap();
+    println!("\n@posted {}", route_of("writer-ns", "prefill"));
+    let end = wait(&a, &req, s).map_or_else(|e| format!("{:?}", e.status()), |s| format!("{s:?}"));
+    println!("\n@wrote {end}");
 }
 
 #[test]
@@ -130,6 +163,7 @@ fn child_entry() {
     match std::env::var("GIXL_CHILD").as_deref() {
         Ok("fabric-prefill") => prefill_child(),
         Ok("fabric-decode") => decode_child(),
+        Ok("fabric-writer") => writer_child(),
         _ => {}
     }
 }
@@ -149,7 +183,13 @@ impl Prefill {
 
     /// In network namespace `ns`, where given.
     fn start_in(ns: Option<&str>, seed: usize, provider: &str) -> Prefill {
+        Prefill::start_with(ns, seed, provider, &[])
+    }
+
+    /// As `start_in`, with `env` set in the child.
+    fn start_with(ns: Option<&str>, seed: usize, provider: &str, env: &[(&str, &str)]) -> Prefill {
         let mut c = child_in(ns);
+        c.envs(env.iter().copied());
         c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
             .env("GIXL_CHILD", "fabric-prefill")
             .env("GIXL_SEED", seed.to_string())
@@ -427,6 +467,104 @@ fn tcp_provider_across_two_network_namespaces() {
     assert_eq!(line, "@decoded libfabric ok");
     assert_eq!(p.ask("sum", "sum")[0], format!("sum {}", 2 * SIZE), "the 64 MiB WRITE across namespaces");
     p.kill();
+}
+
+/// Two rails (two veth pairs on two subnets) between two network namespaces, the READs and WRITEs of
+/// `decode_child` each time, data checked: with both rails healthy, both carry a good part of the bytes (pieces
+/// spread over the rails: veths have no NUMA node or PCI place to set one apart); a rail whose self-test failed
+/// carries none, at the initiator (its path not taken, the doctor naming the failure) or at the target (its
+/// greeting refused there, the initiator's path to it dropped); and a target with one rail still works (only
+/// the initiator's rail on its subnet is taken). Bytes counted on the target's interfaces.
+#[test]
+fn tcp_provider_over_two_rails_across_two_network_namespaces() {
+    if setup("fabric route rails").is_none() {
+        return;
+    }
+    let Some(net) = common::Net::with_rails("fr", 2, 2) else { return };
+    type Env = &'static [(&'static str, &'static str)];
+    // (case, the target's environment, the initiator's, which of the target's rails carry the data)
+    let cases: [(&str, Env, Env, [bool; 2]); 4] = [
+        ("both rails", &[], &[], [true, true]),
+        ("the initiator's eth1 failed its self-test", &[], &[("GIXL_TEST_FABRIC_FAIL", "eth1")], [true, false]),
+        ("the target's eth0 failed its self-test", &[("GIXL_TEST_FABRIC_FAIL", "eth0")], &[], [false, true]),
+        ("the target has one rail", &[("GIXL_FABRIC_DOMAIN", "eth0")], &[], [true, false]),
+    ];
+    for (case, target_env, decode_env, used) in cases {
+        let mut p = Prefill::start_with(Some(&net.ns(0)), 0, "tcp;ofi_rxm", target_env);
+        let before = [net.rail_bytes(0, 0), net.rail_bytes(0, 1)];
+        let mut c = child_in(Some(&net.ns(1)));
+        c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+            .env("GIXL_CHILD", "fabric-decode")
+            .env("GIXL_FABRIC_PROVIDER", "tcp;ofi_rxm")
+            .env("GIXL_PEER_MD", hex(&p.md))
+            .env("GIXL_PEER_ADDR", p.addr.to_string())
+            .envs(decode_env.iter().copied())
+            .stdout(std::process::Stdio::piped());
+        let out = c.output().unwrap();
+        let out = String::from_utf8_lossy(&out.stdout);
+        let line = out.lines().find(|l| l.starts_with("@decoded ")).unwrap_or_else(|| panic!("{case}: {out}"));
+        assert_eq!(line, "@decoded libfabric ok", "{case}");
+        assert_eq!(p.ask("sum", "sum")[0], format!("sum {}", 2 * SIZE), "{case}: the 64 MiB WRITE");
+        let rails = out.lines().find(|l| l.starts_with("@rails")).unwrap_or_default();
+        assert!(rails.contains("tcp;ofi_rxm/eth0:passed"), "{case}: {rails}");
+        let eth1 = if decode_env.is_empty() { "tcp;ofi_rxm/eth1:passed" } else { "tcp;ofi_rxm/eth1:failed:write" };
+        assert!(rails.contains(eth1), "{case}: {rails}");
+        let moved = [net.rail_bytes(0, 0) - before[0], net.rail_bytes(0, 1) - before[1]];
+        eprintln!("{case}: the target's eth0 and eth1 carried {} and {} MiB", moved[0] >> 20, moved[1] >> 20);
+        for r in 0..2 {
+            if used[r] {
+                assert!(moved[r] >= 32 << 20, "{case}: eth{r} carried {} bytes", moved[r]);
+            } else {
+                assert!(moved[r] < 8 << 20, "{case}: eth{r} carried {} bytes", moved[r]);
+            }
+        }
+        p.kill();
+    }
+}
+
+/// The fence over two rails: a region deregistered while a peer in another namespace WRITEs to it over both
+/// rails (8 × 64 MiB, its two pieces one per rail) is quiet once deregistration returns (each greeted path
+/// fenced on the rail it reaches). Three rounds.
+#[test]
+fn a_region_deregistered_under_writes_on_two_rails_is_quiet_once_deregistration_returns() {
+    if setup("fabric route rails fence").is_none() {
+        return;
+    }
+    let Some(net) = common::Net::with_rails("fq", 2, 2) else { return };
+    for round in 0..3 {
+        let mut p = Prefill::start_in(Some(&net.ns(0)), round, "tcp;ofi_rxm");
+        let before = [net.rail_bytes(0, 0), net.rail_bytes(0, 1)];
+        let mut c = child_in(Some(&net.ns(1)));
+        c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+            .env("GIXL_CHILD", "fabric-writer")
+            .env("GIXL_FABRIC_PROVIDER", "tcp;ofi_rxm")
+            .env("GIXL_PEER_MD", hex(&p.md))
+            .env("GIXL_PEER_ADDR", p.addr.to_string())
+            .stdout(std::process::Stdio::piped());
+        let mut w = c.spawn().unwrap();
+        let mut out = BufReader::new(w.stdout.take().unwrap());
+        let mut line = String::new();
+        while !line.starts_with("@posted") {
+            line.clear();
+            assert!(out.read_line(&mut line).unwrap() > 0, "the writer exited before posting");
+        }
+        assert_eq!(line.trim(), "@posted libfabric", "round {round}");
+        std::thread::sleep(Duration::from_millis(15 + 10 * round as u64));
+        let moved = [net.rail_bytes(0, 0) - before[0], net.rail_bytes(0, 1) - before[1]];
+        let quiet = p.ask("quiet", "quiet").pop().unwrap();
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut out, &mut rest);
+        let _ = w.wait();
+        let end = rest.lines().find(|l| l.starts_with("@wrote")).unwrap_or("@wrote ?").to_owned();
+        eprintln!(
+            "round {round}: eth0 and eth1 had carried {} and {} MiB when the target deregistered; {quiet} (pages \
+             changed after, pages holding ones); {end}",
+            moved[0] >> 20,
+            moved[1] >> 20
+        );
+        assert!(quiet.starts_with("quiet 0 "), "round {round}: the region changed after deregistration: {quiet}");
+        p.kill();
+    }
 }
 
 /// A region deregistered while a peer's WRITE to it is landing: once deregistration returns, not one more byte

@@ -129,6 +129,11 @@ impl Device {
     pub fn mr_mode(&self) -> c_int {
         self.attrs().1.mr_mode
     }
+    /// Its addresses are NUL-terminated strings (`FI_ADDR_STR`: of any length), not structs of one size.
+    pub fn string_addresses(&self) -> bool {
+        // SAFETY: a live info.
+        unsafe { (*self.info).addr_format == sys::FI_ADDR_STR }
+    }
     /// The capabilities the provider grants.
     pub fn caps(&self) -> u64 {
         // SAFETY: a live info.

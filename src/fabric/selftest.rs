@@ -217,6 +217,15 @@ fn run_device(dev: &Device, limit: Duration) -> SelfTest {
 /// the test fails or runs out of time, they are left registered and allocated (an operation of the test may
 /// still be in the provider's hands, and the endpoint lives on).
 pub fn run_on(rig: Arc<dyn Rig>, provider: &str, domain: &str, limit: Duration) -> SelfTest {
+    // For the tests of what a failed device does (there is no way to break one device of the tcp provider
+    // alone): the domains `GIXL_TEST_FABRIC_FAIL` lists (comma-separated) fail their WRITE, untried.
+    if std::env::var("GIXL_TEST_FABRIC_FAIL").is_ok_and(|v| v.split(',').any(|d| d.trim() == domain)) {
+        let error = Error::backend(format!("{domain} failed on purpose (GIXL_TEST_FABRIC_FAIL)"));
+        let outcome = Outcome::Failed { step: Step::Write, error, after: Duration::ZERO };
+        let t = SelfTest { provider: provider.to_owned(), domain: domain.to_owned(), outcome };
+        record(&t);
+        return t;
+    }
     let outcome = on_thread(limit, Step::Endpoints, move |step, deadline| {
         let mut keep = Keep::new();
         match exercise(&*rig, &mut keep, step, deadline) {

@@ -43,6 +43,8 @@ pub const FI_MR_ENDPOINT: c_int = 1 << 9;
 pub const FI_MR_HMEM: c_int = 1 << 10;
 
 pub const FI_EP_RDM: u32 = 3;
+/// An address format: a NUL-terminated string (shm's `fi_shm://<pid>`).
+pub const FI_ADDR_STR: u32 = 9;
 pub const FI_THREAD_SAFE: u32 = 1;
 pub const FI_AV_TABLE: u32 = 2;
 pub const FI_CQ_FORMAT_DATA: u32 = 3;
@@ -457,6 +459,7 @@ pub const ABI: &[(&str, usize)] = &[
     ("FI_MR_ENDPOINT", FI_MR_ENDPOINT as usize),
     ("FI_MR_HMEM", FI_MR_HMEM as usize),
     ("FI_EP_RDM", FI_EP_RDM as usize),
+    ("FI_ADDR_STR", FI_ADDR_STR as usize),
     ("FI_THREAD_SAFE", FI_THREAD_SAFE as usize),
     ("FI_AV_TABLE", FI_AV_TABLE as usize),
     ("FI_CQ_FORMAT_DATA", FI_CQ_FORMAT_DATA as usize),

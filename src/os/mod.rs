@@ -3,7 +3,7 @@
 //! event loops' reactor (`reactor`: an epoll set, its wake-up line, tokens handed out by tag), sockets beyond
 //! `std::net` (`sock`: vectored I/O on raw memory, non-blocking single calls, timeouts, interface addresses)
 //! and descriptors passed over Unix sockets with the peer's credentials (`fdpass`: SCM_RIGHTS, SO_PEERCRED),
-//! the NUMA node of a page (`numa_node_of`), and shared libraries opened at run time (`dl`). No policy lives here.
+//! the NUMA node of a page (`numa_node_of`) and a NIC's place (`nic_place`), and shared libraries opened at run time (`dl`). No policy lives here.
 
 pub(crate) mod dl;
 pub(crate) mod fdpass;
@@ -34,4 +34,15 @@ pub(crate) fn numa_node_of(addr: u64) -> Option<i32> {
         )
     };
     (r == 0 && node >= 0).then_some(node)
+}
+
+/// A NIC's NUMA node and PCI path from its sysfs device folder (`/sys/class/infiniband/mlx5_0/device`,
+/// `/sys/class/net/eth0/device`), each where sysfs says (a virtual interface has neither).
+pub(crate) fn nic_place(device: &std::path::Path) -> (Option<i32>, Option<String>) {
+    let numa = std::fs::read_to_string(device.join("numa_node"))
+        .ok()
+        .and_then(|s| s.trim().parse::<i32>().ok())
+        .filter(|&n| n >= 0);
+    let pci = std::fs::canonicalize(device).ok().map(|p| p.to_string_lossy().into_owned());
+    (numa, pci)
 }

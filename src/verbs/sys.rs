@@ -459,13 +459,7 @@ impl SysFabric {
         let mut gid = [0u8; 16];
         // SAFETY: a live context, a port that answered, a 16-byte out-parameter.
         unsafe { (self.lib.query_gid)(c.ctx, port, 0, &mut gid) };
-        let numa = std::fs::read_to_string(format!("/sys/class/infiniband/{name}/device/numa_node"))
-            .ok()
-            .and_then(|s| s.trim().parse::<i32>().ok())
-            .filter(|&n| n >= 0);
-        let pci = std::fs::canonicalize(format!("/sys/class/infiniband/{name}/device"))
-            .ok()
-            .map(|p| p.to_string_lossy().into_owned());
+        let (numa, pci) = crate::os::nic_place(std::path::Path::new(&format!("/sys/class/infiniband/{name}/device")));
         let info = PortInfo {
             device: name.to_owned(),
             port,

@@ -106,6 +106,12 @@ pub struct Net {
 impl Net {
     /// None (after printing why) where namespaces cannot be created here.
     pub fn new(tag: &str, n: usize) -> Option<Net> {
+        Net::with_rails(tag, n, 1)
+    }
+
+    /// As `new`, with `rails` links per host: host `i`'s `eth{r}` on bridge `br{r}` of the switch, addressed
+    /// `rail_ip(r, i)` (rail 0 as `new` makes it).
+    pub fn with_rails(tag: &str, n: usize, rails: usize) -> Option<Net> {
         let base = format!("gixl-t{}{tag}", std::process::id());
         let switch = format!("{base}-sw");
         let names: Vec<String> = (0..n).map(|i| format!("{base}-h{i}")).collect();
@@ -116,8 +122,11 @@ impl Net {
         // From here on, dropping `net` deletes whatever was created.
         let mut net = Net { names: Vec::new(), switch: switch.clone() };
         let setup = || -> Result<(), String> {
-            ip(&["-n", &switch, "link", "add", "br0", "type", "bridge"])?;
-            ip(&["-n", &switch, "link", "set", "br0", "up"])?;
+            for r in 0..rails {
+                let br = format!("br{r}");
+                ip(&["-n", &switch, "link", "add", &br, "type", "bridge"])?;
+                ip(&["-n", &switch, "link", "set", &br, "up"])?;
+            }
             Ok(())
         };
         if let Err(e) = setup() {
@@ -125,16 +134,22 @@ impl Net {
             return None;
         }
         for (i, ns) in names.iter().enumerate() {
-            let port = format!("p{i}");
-            let addr = format!("192.0.2.{}/24", i + 1);
             let r = (|| -> Result<(), String> {
                 ip(&["netns", "add", ns])?;
                 net.names.push(ns.clone());
-                ip(&["-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", &port, "netns", &switch])?;
-                ip(&["-n", &switch, "link", "set", &port, "master", "br0"])?;
-                ip(&["-n", &switch, "link", "set", &port, "up"])?;
-                ip(&["-n", ns, "addr", "add", &addr, "dev", "eth0"])?;
-                ip(&["-n", ns, "link", "set", "eth0", "up"])?;
+                for r in 0..rails {
+                    let (port, eth, br) = (
+                        if r == 0 { format!("p{i}") } else { format!("p{i}r{r}") },
+                        format!("eth{r}"),
+                        format!("br{r}"),
+                    );
+                    let addr = format!("{}/24", Net::rail_ip(r, i));
+                    ip(&["-n", ns, "link", "add", &eth, "type", "veth", "peer", "name", &port, "netns", &switch])?;
+                    ip(&["-n", &switch, "link", "set", &port, "master", &br])?;
+                    ip(&["-n", &switch, "link", "set", &port, "up"])?;
+                    ip(&["-n", ns, "addr", "add", &addr, "dev", &eth])?;
+                    ip(&["-n", ns, "link", "set", &eth, "up"])?;
+                }
                 ip(&["-n", ns, "link", "set", "lo", "up"])?;
                 Ok(())
             })();
@@ -153,7 +168,26 @@ impl Net {
     }
 
     pub fn ip(&self, i: usize) -> String {
-        format!("192.0.2.{}", i + 1)
+        Net::rail_ip(0, i)
+    }
+
+    /// Host `i`'s address on rail `r`: 192.0.2.0/24 for rail 0, 198.51.100.0/24 for rail 1, then 10.r.0.0/24.
+    pub fn rail_ip(r: usize, i: usize) -> String {
+        match r {
+            0 => format!("192.0.2.{}", i + 1),
+            1 => format!("198.51.100.{}", i + 1),
+            _ => format!("10.{r}.0.{}", i + 1),
+        }
+    }
+
+    /// The bytes host `i`'s `eth{r}` sent and received so far.
+    pub fn rail_bytes(&self, i: usize, r: usize) -> u64 {
+        let read = |what: &str| -> u64 {
+            let f = format!("/sys/class/net/eth{r}/statistics/{what}_bytes");
+            let out = std::process::Command::new("ip").args(["netns", "exec", &self.names[i], "cat", &f]).output();
+            out.ok().and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok()).unwrap_or(0)
+        };
+        read("rx") + read("tx")
     }
 
     /// Cut (or restore) host `i`'s cable: its end of the link goes down.

@@ -98,22 +98,8 @@ pub fn create(init: BackendInit) -> Result<Arc<dyn Backend>> {
 pub fn create_libfabric(init: BackendInit) -> Result<Arc<dyn Backend>> {
     let agent = init.agent_name.clone();
     let engine = Engine::named(init, "LIBFABRIC")?;
-    let fabric = engine.shared.sides.routes().any(|(n, _)| n.name() == "libfabric");
-    if fabric {
-        crate::telemetry::log::info(&format!(
-            "agent '{agent}': backend LIBFABRIC: its peers go over the libfabric route once this host's device \
-             passes its self-test (run in the background once the endpoint opens, waited for by a first peer that \
-             comes sooner), else over TCP with a WARN line"
-        ));
-    } else {
-        // Never a silent fallback: whoever asked for a fabric is told that no libfabric route carries its data.
-        crate::telemetry::log::warn(&format!(
-            "agent '{agent}': backend LIBFABRIC has no libfabric provider to use here (none of efa, verbs, psm… \
-             was found; tcp and shm are used only with GIXL_TRANSPORT=fabric), so peers on other hosts go over \
-             TCP (RDMA where its port reaches them); `python -m gixl doctor` says what this host has \
-             (docs/libfabric.md)"
-        ));
-    }
+    let fabric = engine.shared.sides.routes().find(|(n, _)| n.name() == "libfabric").map(|(_, s)| s);
+    route::fabric::say(&agent, fabric);
     Ok(Arc::new(engine))
 }
 

@@ -17,6 +17,7 @@
 pub(super) mod cma;
 pub(super) mod fabric;
 pub(super) mod in_process;
+pub(super) mod near;
 pub(super) mod rdma;
 pub(super) mod tcp;
 

@@ -3,19 +3,24 @@
 //! at run time). Taken for providers that are not themselves sockets or shared memory (efa, verbs, psm…) for
 //! peers on another host; with `GIXL_TRANSPORT=fabric` for every peer the provider reaches, even on this host
 //! (how the tests run it over the tcp and shm providers):
-//! - `side`: this engine's endpoint (opened on first need), its registrations' memory regions (keys never
-//!   handed out twice), its connection-info section, the target's half of the greeting, and the endpoint's
-//!   progress while initiators are greeted;
-//! - here, the initiator: a request's pieces as READ/WRITE operations on this engine's endpoint to the peer's
-//!   (its address inserted in the address vector), a few in flight, their completions waited for by sleeping
-//!   on the queue's wait descriptor (`crate::fabric::wait`); a WRITE completes delivery-complete, so the data is
-//!   at the target when the request completes and its notification leaves;
+//! - `side`: this engine's rails (every domain of the provider, each with its endpoint, opened on first need),
+//!   its registrations' memory regions (one per rail, keys never handed out twice), its connection-info section,
+//!   the target's half of the greeting, and each rail's progress while initiators are greeted on it;
+//! - here, the initiator: paths (one of our rails whose self-test passed, paired with a rail of the peer's on
+//!   the same fabric, spread over the peer's rails); a request's pieces, each over a live path from a rail
+//!   nearest its local memory, then to one nearest the remote memory, in turn among the equally near
+//!   (`near::choose`, the RDMA route's choice; with no NUMA or PCI to set rails apart, pieces spread over all of
+//!   them), as READ/WRITE operations on that rail's endpoint to the peer's (its address inserted in the address
+//!   vector), a few in flight, their completions waited for by sleeping on the queue's wait descriptor
+//!   (`crate::fabric::wait`); a WRITE completes delivery-complete, so the data is at the target when the request
+//!   completes and its notification leaves; a path whose rail fails while the peer lives is dropped and the
+//!   piece goes again over another;
 //! - `wire`: the section, the ticket and the greeting as pure functions.
 //!
-//! The peer's TCP link carries what is not data: the authenticated greeting (a `wire::KIND` connection on the
-//! TCP listener, kept open while the route lives: the target drives its endpoint while it is, and its closing
-//! says the peer is gone), heartbeats while requests are in flight, and notifications. GPU memory is staged
-//! over the TCP link (`FI_HMEM` not yet). Not yet either: several NICs (rails) of a provider.
+//! The peer's TCP link carries what is not data: the authenticated greetings (a `wire::KIND` connection on the
+//! TCP listener per path, kept open while the route lives: the target drives that rail while it is, and its
+//! closing says the peer is gone), heartbeats while requests are in flight, and notifications. GPU memory is
+//! staged over the TCP link (`FI_HMEM` not yet).
 
 pub(crate) mod side;
 pub(crate) mod wire;
@@ -24,17 +29,18 @@ use std::any::Any;
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::{Job, Net, Prepared, Reach, Regions, Route, Setting, Side, TcpLink, TcpShared, Transport, VramWay};
+use super::{near, Job, Net, Prepared, Reach, Regions, Route, Setting, Side, TcpLink, TcpShared, Transport, VramWay};
 use crate::backend::{Seg, XferOp, XferPlan};
 use crate::fabric::{Mr, RemoteKey};
 use crate::status::{Error, Result, Status};
-use side::{Busy, FabricExport, FabricSide, OpState, Open, Slot};
-use wire::FabricKey;
+use side::{Busy, FabricExport, FabricSide, OpState, Rail, Rails, Slot};
+use wire::FabricKeys;
 
 /// Bytes per operation.
 const MAX_OP_BYTES: u64 = 8 << 20;
@@ -56,8 +62,10 @@ fn asked(setting: Setting) -> (Option<(String, bool)>, Option<String>) {
 }
 
 /// The first provider offered that is not itself sockets or shared memory (efa, verbs, psm…), looked up once
-/// per process (libfabric absent: none).
-fn fabric_provider() -> Option<String> {
+/// per process (libfabric absent: none). The first call opens libfabric: with Debian's build that costs about
+/// 300 ms here (its psm and psm2 libraries calibrate the clock when loaded, then every provider initialises), so
+/// engines look it up in the background (`look_up_soon`), never on agent creation's path.
+pub(crate) fn fabric_provider() -> Option<String> {
     static FOUND: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     FOUND
         .get_or_init(|| {
@@ -65,6 +73,69 @@ fn fabric_provider() -> Option<String> {
             all.iter().map(|d| d.provider()).find(|p| !side::is_sockets(p))
         })
         .clone()
+}
+
+/// `fabric_provider` started on a thread of its own, once per process; a caller that needs its answer sooner
+/// waits for it (`OnceLock`), or, where the thread could not start, looks it up itself.
+fn look_up_soon() {
+    static STARTED: std::sync::Once = std::sync::Once::new();
+    STARTED.call_once(|| {
+        let _ = std::thread::Builder::new().name("gixl-fabric-lu".into()).spawn(|| {
+            fabric_provider();
+        });
+    });
+}
+
+/// Whether this host has a device that a libfabric provider other than sockets and shared memory drives: an
+/// RDMA device (`/sys/class/infiniband`: efa, verbs, usnic, and psm3 and ucx over them), an Omni-Path or
+/// TrueScale adapter (`/dev/hfi1*`, `/dev/ipath*`: psm2, opx, psm), a Slingshot NIC (`/sys/class/cxi`) or a
+/// Gemini/Aries one (`/dev/kgni*`). A few directory reads: where there is none, libfabric is not opened at all
+/// for a provider that could only find nothing (a provider named, `GIXL_TRANSPORT=fabric` or `gixl doctor`
+/// open it anyway).
+pub(crate) fn fabric_hardware() -> bool {
+    let any = |dir: &str, prefixes: &[&str]| {
+        std::fs::read_dir(dir)
+            .is_ok_and(|d| d.flatten().any(|e| prefixes.iter().any(|p| e.file_name().to_string_lossy().starts_with(p))))
+    };
+    any("/sys/class/infiniband", &[""]) || any("/sys/class/cxi", &[""]) || any("/dev", &["hfi1", "ipath", "kgni"])
+}
+
+/// What a `LIBFABRIC` backend says when created, once it is known (never silent, never on agent creation's
+/// path): where this engine looks its provider up in the background, a thread says it when the lookup ends.
+pub(crate) fn say(agent: &str, side: Option<&Arc<dyn Side>>) {
+    let side = side.and_then(|s| (s.clone() as Arc<dyn Any + Send + Sync>).downcast::<FabricSide>().ok());
+    let pending = side.as_ref().is_some_and(|s| !s.named());
+    let tell = move |agent: &str, found: bool| {
+        if found {
+            crate::telemetry::log::info(&format!(
+                "agent '{agent}': backend LIBFABRIC: its peers go over the libfabric route once this host's device \
+                 passes its self-test (run in the background once the endpoint opens, waited for by a first peer \
+                 that comes sooner), else over TCP with a WARN line"
+            ));
+        } else {
+            // Never a silent fallback: whoever asked for a fabric is told that no libfabric route carries its data.
+            crate::telemetry::log::warn(&format!(
+                "agent '{agent}': backend LIBFABRIC has no libfabric provider to use here (none of efa, verbs, psm… \
+                 was found; tcp and shm are used only with GIXL_TRANSPORT=fabric), so peers on other hosts go over \
+                 TCP (RDMA where its port reaches them); `python -m gixl doctor` says what this host has \
+                 (docs/libfabric.md)"
+            ));
+        }
+    };
+    let found = side.is_some();
+    let Some(side) = side.filter(|_| pending) else {
+        return tell(agent, found);
+    };
+    let agent2 = agent.to_owned();
+    let spawned = std::thread::Builder::new()
+        .name("gixl-fabric-say".into())
+        .spawn(move || tell(&agent2, !side.provider().0.is_empty()));
+    if spawned.is_err() {
+        crate::telemetry::log::warn(&format!(
+            "agent '{agent}': backend LIBFABRIC: whether this host has a libfabric provider is not known yet \
+             (`python -m gixl doctor` says)"
+        ));
+    }
 }
 
 /// The libfabric route as the engine lists it (`sides::NET`).
@@ -92,18 +163,27 @@ impl Net for FabricNet {
         let (provider, domain) = asked(setting);
         let provider = match (transport, provider) {
             (Transport::Tcp | Transport::Rdma, _) => return None,
-            (Transport::Fabric, Some(p)) => p,
-            (Transport::Fabric, None) => (fabric_provider().unwrap_or_else(|| "tcp;ofi_rxm".into()), true),
+            (Transport::Fabric, Some(p)) => Some(p),
+            // The first that is not sockets (looked up when the endpoint opens), else `tcp;ofi_rxm`.
+            (Transport::Fabric, None) => {
+                look_up_soon();
+                None
+            }
             // Sockets and shared memory only when forced: gixl's own routes are faster.
             (Transport::Auto, Some(p)) if side::is_sockets(&p.0) => return None,
-            (Transport::Auto, Some(p)) => p,
-            (Transport::Auto, None) => (fabric_provider()?, true),
+            (Transport::Auto, Some(p)) => Some(p),
+            // Looked up in the background where some device could have one (and where none turns out to be
+            // there, the side advertises nothing and opens nothing).
+            (Transport::Auto, None) if fabric_hardware() => {
+                look_up_soon();
+                None
+            }
+            (Transport::Auto, None) => return None,
         };
-        crate::telemetry::log::info(&format!(
-            "agent '{agent}': libfabric provider {} (opened on first use)",
-            provider.0
-        ));
-        let side = FabricSide::new(agent, provider, domain);
+        let which = provider.as_ref().map_or("looked up in the background", |p| &p.0);
+        crate::telemetry::log::info(&format!("agent '{agent}': libfabric provider {which} (opened on first use)"));
+        let fallback = (transport == Transport::Fabric).then(|| "tcp;ofi_rxm".to_owned());
+        let side = FabricSide::new(agent, provider, fallback, domain);
         let s = side.clone();
         tcp.set_side(wire::KIND, Box::new(move |c| s.serve(c, patience)));
         Some(side)
@@ -122,10 +202,13 @@ impl Net for FabricNet {
         if to.same_host && to.transport != Transport::Fabric {
             return Err("same host");
         }
-        // Our device's self-test (started when our endpoint opened) is waited for at the first peer that
+        // Our rails' self-tests (started when their endpoints opened) are waited for at the first peer that
         // advertises an endpoint at all (so a failure is said even where the peer's own device failed too).
         let section = to.section.ok_or("it advertises no libfabric endpoint")?;
-        let (open, ms) = side.ready().map_err(|why| {
+        if side.provider().0.is_empty() {
+            return Err("this host has no libfabric provider that is not sockets or shared memory");
+        }
+        let (rails, passed) = side.ready().map_err(|why| {
             if why.starts_with("self-test") {
                 "our libfabric device failed its self-test (said above)"
             } else {
@@ -133,22 +216,47 @@ impl Net for FabricNet {
             }
         })?;
         let advert = wire::decode_section(section).ok_or("it advertises no usable libfabric endpoint")?;
-        if advert.provider != open.dev.provider() {
+        if advert.provider != rails[0].dev.provider() {
             return Err("its libfabric provider is not ours");
         }
-        let said = format!("{}/{}, its self-test passed in {ms:.1} ms", open.dev.provider(), open.dev.domain());
-        Ok((Box::new(Fabric::new((to.link)(), open, to.agent, advert.addr)), said))
+        // Each of our rails that passed, to a rail of the peer's on its fabric (one of the first release, which
+        // names none: its one rail) with addresses of its format, spread over them.
+        let paths: Vec<Path> = (rails.iter().zip(&passed))
+            .filter(|(_, ms)| ms.is_some())
+            .filter_map(|(r, _)| {
+                let fabric = r.dev.fabric();
+                let theirs = |j: &usize| {
+                    let t = &advert.rails[*j];
+                    (t.fabric.is_empty() || t.fabric == fabric) && r.takes(&t.addr)
+                };
+                let reach: Vec<usize> = (0..advert.rails.len()).filter(theirs).collect();
+                let j = *reach.get(r.index % reach.len().max(1))?;
+                Some(Path::new(r.index, j, advert.rails[j].addr.clone()))
+            })
+            .collect();
+        if paths.is_empty() {
+            return Err("no rail of the peer on a fabric of our rails that passed their self-tests");
+        }
+        let said = paths
+            .iter()
+            .map(|p| {
+                let ms = passed[p.local].unwrap_or_default();
+                format!("{} -> its rail {} (self-test passed in {ms:.1} ms)", rails[p.local].name(), p.remote)
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        Ok((Box::new(Fabric::new((to.link)(), rails, to.agent, paths)), said))
     }
     fn fuzz(&self, b: &[u8]) {
         wire::fuzz(b);
     }
 }
 
-/// A request's regions as `prepare` found them: each local one's memory region (by `Seg::lreg`) and each
-/// remote one's key (by `Seg::rreg`).
+/// A request's regions as `prepare` found them: each local one's memory regions (by `Seg::lreg`) and each
+/// remote one's keys (by `Seg::rreg`).
 struct Keys {
     local: Vec<Option<Arc<Slot>>>,
-    remote: Vec<Option<FabricKey>>,
+    remote: Vec<Option<FabricKeys>>,
 }
 
 impl Keys {
@@ -158,20 +266,45 @@ impl Keys {
     }
 }
 
+/// The rails nearest the memory of every region of `segs`, here and at the peer (masks by rail index).
+fn nearest(job: &Job, segs: &[Seg]) -> (u32, u32) {
+    let keys = Keys::of(job.prepared);
+    let here = near::common(segs.iter().filter_map(|s| keys.local.get(s.lreg as usize)?.as_ref()).map(|l| l.keys.near));
+    let there = near::common(segs.iter().filter_map(|s| keys.remote.get(s.rreg as usize)?.as_ref()).map(|r| r.near));
+    (here, there)
+}
+
+/// Our rail `local` to the peer's rail `remote` (indices in the two sections).
+struct Path {
+    local: usize,
+    remote: usize,
+    /// The peer's endpoint address on its rail.
+    addr: Vec<u8>,
+    /// Once greeted: its address-vector entry, the greeting connection (open while the route lives) and our
+    /// rail's progress held on meanwhile.
+    greeted: Mutex<Option<(u64, Arc<TcpStream>, Busy)>>,
+    /// The path failed (its rail, or the peer's refused it) while the peer lives: pieces go over the others.
+    dead: AtomicBool,
+}
+
+impl Path {
+    fn new(local: usize, remote: usize, addr: Vec<u8>) -> Path {
+        Path { local, remote, addr, greeted: Mutex::default(), dead: AtomicBool::new(false) }
+    }
+}
+
 pub(crate) struct Fabric {
     link: Arc<TcpLink>,
-    open: Arc<Open>,
+    rails: Rails,
     name: String,
-    /// The peer's endpoint address.
-    addr: Vec<u8>,
-    /// Once greeted: its address-vector entry, the greeting connection (open while the route lives) and this
-    /// endpoint's progress held on meanwhile.
-    greeted: Mutex<Option<(u64, Arc<TcpStream>, Busy)>>,
+    /// Pieces are spread over the live ones (see `near::choose`).
+    paths: Vec<Path>,
+    turn: AtomicUsize,
 }
 
 impl Fabric {
-    fn new(link: Arc<TcpLink>, open: Arc<Open>, name: &str, addr: Vec<u8>) -> Fabric {
-        Fabric { link, open, name: name.to_owned(), addr, greeted: Mutex::default() }
+    fn new(link: Arc<TcpLink>, rails: Rails, name: &str, paths: Vec<Path>) -> Fabric {
+        Fabric { link, rails, name: name.to_owned(), paths, turn: AtomicUsize::new(0) }
     }
 
     fn gone(&self, why: &str) -> Error {
@@ -182,81 +315,120 @@ impl Fabric {
         self.gone(&self.link.why().unwrap_or_else(|| "down".into()))
     }
 
-    /// The peer's address-vector entry and greeting connection: greeted now the first time (over a proven
-    /// connection of the TCP link, so a restarted peer is refused there).
-    fn greet(&self) -> Result<(u64, Arc<TcpStream>)> {
-        let mut g = self.greeted.lock();
+    /// The path's address-vector entry and greeting connection: greeted now the first time (over a proven
+    /// connection of the TCP link, so a restarted peer is refused there). Err: why, and whether the peer lives
+    /// (it refused that rail: the path is unusable, not the peer).
+    fn greet(&self, path: &Path) -> std::result::Result<(u64, Arc<TcpStream>), (Error, bool)> {
+        let rail = &self.rails[path.local];
+        let mut g = path.greeted.lock();
         if let Some((a, c, _)) = &*g {
             if !hung_up(c) {
                 return Ok((*a, c.clone()));
             }
             let _ = c.shutdown(Shutdown::Both);
             *g = None;
-            return Err(self.gone("its greeting connection closed"));
+            return Err((self.gone("its greeting connection closed"), false));
         }
-        let mut conn = self.link.dial_proven(wire::KIND)?;
-        let io = |e: std::io::Error| self.gone(&format!("greeting: {e}"));
-        conn.write_all(&wire::encode_greeting(&self.open.addr)).map_err(io)?;
+        let mut conn = self.link.dial_proven(wire::KIND).map_err(|e| (e, false))?;
+        let io = |e: std::io::Error| (self.gone(&format!("greeting: {e}")), false);
+        conn.write_all(&wire::encode_greeting(path.remote as u8, &rail.addr)).map_err(io)?;
         let mut answer = [0u8; 1];
         conn.read_exact(&mut answer).map_err(io)?;
         if answer[0] != wire::ANSWER_OK {
-            return Err(self.gone("it refused our endpoint"));
+            let why = format!("it refused our endpoint on its rail {} (its self-test failed there)", path.remote);
+            return Err((self.gone(&why), true));
         }
-        // Where the target READs a byte to fence a region it retires; our endpoint's progress held on
-        // meanwhile, so that READ is answered while we are idle (a target of an older release discards it).
-        let (mr, buf) = &self.open.scratch;
-        let scratch = mr.remote(buf.as_ptr()).ok_or_else(|| Error::backend("libfabric scratch's key"))?;
+        // Where the target READs a byte to fence a region it retires; our rail's progress held on meanwhile, so
+        // that READ is answered while we are idle (a target of an older release discards it).
+        let (mr, buf) = &rail.scratch;
+        let scratch = mr.remote(buf.as_ptr()).ok_or_else(|| (Error::backend("libfabric scratch's key"), false))?;
         conn.write_all(&wire::encode_scratch(scratch)).map_err(io)?;
-        let a = self.open.peer(&self.addr)?;
+        let a = rail.peer(&path.addr).map_err(|e| (e, true))?;
         let conn = Arc::new(conn);
-        *g = Some((a, conn.clone(), self.open.hold()));
+        *g = Some((a, conn.clone(), rail.hold()));
         Ok((a, conn))
     }
 
-    /// Post `segs` as operations to the peer's endpoint `peer`, up to `MAX_IN_FLIGHT` at a time, and wait for
-    /// them all.
-    fn run(&self, peer: u64, conn: &TcpStream, job: &Job, segs: &[Seg]) -> Result<()> {
-        let _waiting = self.open.waiting();
+    /// The piece over `path`, greeted first; again (up to three times) where the provider dropped its
+    /// connection while the peer lives: tcp through ofi_rxm does so after a refused key, and makes a new one for
+    /// the next operation (READ and WRITE land the same bytes in the same place twice). Also whether the peer
+    /// lives (its link up, its greeting connection open).
+    fn on(&self, path: &Path, job: &Job, segs: &[Seg]) -> (Result<()>, bool) {
+        let (peer, conn) = match self.greet(path) {
+            Ok(g) => g,
+            Err((e, lives)) => return (Err(e), lives),
+        };
+        let rail = &self.rails[path.local];
+        let mut r = self.run(rail, path, peer, &conn, job, segs);
+        for _ in 0..3 {
+            match &r {
+                Err(e) if e.status() == Status::RemoteDisconnect && !self.link.down() && !hung_up(&conn) => {
+                    crate::telemetry::log::info(&format!(
+                        "agent '{}': peer '{}': libfabric piece again on {} ({e})",
+                        job.agent,
+                        self.name,
+                        rail.name()
+                    ));
+                    std::thread::sleep(Duration::from_millis(10));
+                    r = self.run(rail, path, peer, &conn, job, segs);
+                }
+                _ => break,
+            }
+        }
+        (r, !self.link.down() && !hung_up(&conn))
+    }
+
+    /// Post `segs` as operations on `rail` (the path's) to the peer's endpoint `peer`, up to `MAX_IN_FLIGHT`
+    /// at a time, and wait for them all.
+    fn run(&self, rail: &Rail, path: &Path, peer: u64, conn: &TcpStream, job: &Job, segs: &[Seg]) -> Result<()> {
+        let _waiting = rail.waiting();
         let keys = Keys::of(job.prepared);
-        // The local regions' memory regions, held while the piece runs (deregistration waits for them).
-        let mut held: Vec<(u32, Arc<Mr>)> = Vec::new();
+        // The local regions' memory regions (one per rail), held while the piece runs (deregistration waits for
+        // them).
+        let mut held: Vec<(u32, Arc<Vec<Mr>>)> = Vec::new();
         let mut flight: Vec<(u64, Arc<OpState>)> = Vec::with_capacity(MAX_IN_FLIGHT);
         // The last remote byte written (its address as the provider names it, and its key).
         let mut last = None;
         let r = (|| {
             for s in segs {
-                let mr = match held.iter().find(|(r, _)| *r == s.lreg) {
+                let mrs = match held.iter().find(|(r, _)| *r == s.lreg) {
                     Some((_, m)) => m.clone(),
                     None => {
                         let slot = keys.local.get(s.lreg as usize).and_then(Option::as_ref).ok_or_else(|| {
                             Error::invalid_param("a local region of this request is not registered with libfabric")
                         })?;
-                        let m = slot.mr.lock().clone().ok_or_else(|| {
+                        let m = slot.mrs.lock().clone().ok_or_else(|| {
                             Error::invalid_param("a local region of this request was deregistered while it ran")
                         })?;
                         held.push((s.lreg, m.clone()));
                         m
                     }
                 };
-                let remote = keys.remote.get(s.rreg as usize).copied().flatten().ok_or_else(|| {
-                    Error::not_supported(format!(
-                        "agent '{}' registered a region of this request without a libfabric key",
-                        self.name
-                    ))
-                })?;
+                let mr = mrs.get(rail.index).ok_or_else(|| Error::backend("a local region without its rail's key"))?;
+                let remote = keys
+                    .remote
+                    .get(s.rreg as usize)
+                    .and_then(Option::as_ref)
+                    .and_then(|k| k.keys.get(path.remote).copied())
+                    .ok_or_else(|| {
+                        Error::not_supported(format!(
+                            "agent '{}' registered a region of this request without a libfabric key on its rail {}",
+                            self.name, path.remote
+                        ))
+                    })?;
                 let mut off = 0;
                 while off < s.len {
                     let n = (s.len - off).min(MAX_OP_BYTES);
                     let rk = RemoteKey { addr: (s.remote + off).wrapping_sub(remote.base), key: remote.key };
-                    let (id, st) = self.open.ops.start();
+                    let (id, st) = rail.ops.start();
                     loop {
                         // SAFETY: the local range lies in `mr`'s region (the engine checked the request against
                         // its registrations) and `mr` is held until the operation completes or the piece fails;
                         // the remote range is the peer's registered region (its provider checks the key).
                         let posted = unsafe {
-                            self.open.ep.post(
+                            rail.ep.post(
                                 job.op == XferOp::Write,
-                                &mr,
+                                mr,
                                 ((s.local + off) as *mut u8, n as usize),
                                 peer,
                                 rk,
@@ -268,16 +440,16 @@ impl Fabric {
                             // The provider's queue is full (or its connection still being made): read the
                             // queue, sleeping where nothing of ours is in flight to wake us.
                             Ok(false) if flight.is_empty() => {
-                                self.open.pump()?;
+                                rail.pump()?;
                                 self.check(conn, job)?;
-                                self.open.sleep()?;
+                                rail.sleep()?;
                             }
                             Ok(false) => {
                                 let fewer = flight.len() - 1;
-                                self.wait(conn, job, &mut flight, fewer)?
+                                self.wait(rail, conn, job, &mut flight, fewer)?
                             }
                             Err(e) => {
-                                self.open.ops.forget(id);
+                                rail.ops.forget(id);
                                 return Err(e);
                             }
                         }
@@ -286,7 +458,7 @@ impl Fabric {
                     last = Some(RemoteKey { addr: rk.addr + n - 1, key: rk.key });
                     off += n;
                     if flight.len() >= MAX_IN_FLIGHT {
-                        self.wait(conn, job, &mut flight, MAX_IN_FLIGHT / 2)?;
+                        self.wait(rail, conn, job, &mut flight, MAX_IN_FLIGHT / 2)?;
                     }
                 }
             }
@@ -295,30 +467,30 @@ impl Fabric {
             // asked for), but the target answers the READ only after it has placed the WRITEs before it on the
             // same connection; so the request completes, and its notification leaves, once the data is there.
             if let (XferOp::Write, Some(rk)) = (job.op, last) {
-                self.wait(conn, job, &mut flight, 0)?;
-                let (mr, buf) = &self.open.scratch;
-                let (id, st) = self.open.ops.start();
+                self.wait(rail, conn, job, &mut flight, 0)?;
+                let (mr, buf) = &rail.scratch;
+                let (id, st) = rail.ops.start();
                 loop {
                     // SAFETY: one byte of the scratch buffer, registered as `mr`, kept for the engine's life.
-                    match unsafe { self.open.ep.post(false, mr, (buf.as_ptr() as *mut u8, 1), peer, rk, id as _) } {
+                    match unsafe { rail.ep.post(false, mr, (buf.as_ptr() as *mut u8, 1), peer, rk, id as _) } {
                         Ok(true) => break,
                         Ok(false) => {
-                            self.open.pump()?;
+                            rail.pump()?;
                             self.check(conn, job)?;
-                            self.open.sleep()?;
+                            rail.sleep()?;
                         }
                         Err(e) => {
-                            self.open.ops.forget(id);
+                            rail.ops.forget(id);
                             return Err(e);
                         }
                     }
                 }
                 flight.push((id, st));
             }
-            self.wait(conn, job, &mut flight, 0)
+            self.wait(rail, conn, job, &mut flight, 0)
         })();
         if r.is_err() {
-            flight.iter().for_each(|(id, _)| self.open.ops.forget(*id));
+            flight.iter().for_each(|(id, _)| rail.ops.forget(*id));
         }
         drop(held);
         r
@@ -326,7 +498,14 @@ impl Fabric {
 
     /// Read the queue until at most `left` operations of `flight` are pending, sleeping on its wait descriptor
     /// between reads; an operation that failed fails the piece.
-    fn wait(&self, conn: &TcpStream, job: &Job, flight: &mut Vec<(u64, Arc<OpState>)>, left: usize) -> Result<()> {
+    fn wait(
+        &self,
+        rail: &Rail,
+        conn: &TcpStream,
+        job: &Job,
+        flight: &mut Vec<(u64, Arc<OpState>)>,
+        left: usize,
+    ) -> Result<()> {
         let mut since = std::time::Instant::now();
         // An operation canceled because the provider dropped its connection: the others in flight end too, and
         // the one whose refusal made the provider drop it (a closed key: NOT_FOUND) says what happened.
@@ -336,7 +515,7 @@ impl Fabric {
         let mut failed: Option<(Error, i32, i32)> = None;
         let mut until = None;
         loop {
-            self.open.pump()?;
+            rail.pump()?;
             flight.retain(|(_, st)| {
                 if !st.done.load(std::sync::atomic::Ordering::Acquire) {
                     return true;
@@ -355,7 +534,7 @@ impl Fabric {
                     return Err(self.failed(conn, e, errno, prov));
                 }
                 failed = Some((e, errno, prov));
-                self.open.sleep()?;
+                rail.sleep()?;
                 continue;
             }
             if flight.len() <= left {
@@ -365,7 +544,7 @@ impl Fabric {
                 since = std::time::Instant::now();
                 self.check(conn, job)?;
             }
-            self.open.sleep()?;
+            rail.sleep()?;
         }
     }
 
@@ -458,8 +637,10 @@ impl Route for Fabric {
         self.link.connect().map(|_| ())
     }
     fn close(&self) {
-        if let Some((_, c, _)) = self.greeted.lock().take() {
-            let _ = c.shutdown(Shutdown::Both);
+        for p in &self.paths {
+            if let Some((_, c, _)) = p.greeted.lock().take() {
+                let _ = c.shutdown(Shutdown::Both);
+            }
         }
         self.link.close()
     }
@@ -475,36 +656,50 @@ impl Route for Fabric {
     }
     fn prepare(&self, regions: &Regions<'_>) -> Option<Prepared> {
         let local = regions.local_exports::<FabricExport>().map(|e| e.map(|e| e.slot.clone()));
-        let remote = regions.remote_tickets::<FabricKey>().map(|k| k.copied());
+        let remote = regions.remote_tickets::<FabricKeys>().map(|k| k.cloned());
         Some(Box::new(Keys { local: local.collect(), remote: remote.collect() }))
     }
+    /// Over a live path from a rail nearest the local memory (then to one nearest the remote memory), in turn
+    /// among the equally near; a path whose rail fails while the peer lives (its link up, its greeting
+    /// connection open) is dropped, said in the log, and the piece goes again over another. With none left, or
+    /// the peer gone, the peer is down.
     fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {
-        if self.link.down() {
-            return Err(self.link_down());
-        }
-        let (peer, conn) = self.greet()?;
-        let mut r = self.run(peer, &conn, job, segs);
-        // The provider dropped its connection while the peer lives (its greeting connection open, its link up):
-        // tcp through ofi_rxm does so after a refused key, and makes a new one for the next operation. The
-        // piece goes again (READ and WRITE land the same bytes in the same place twice).
-        for _ in 0..3 {
-            match &r {
-                Err(e) if e.status() == Status::RemoteDisconnect && !self.link.down() && !hung_up(&conn) => {
-                    crate::telemetry::log::info(&format!(
-                        "agent '{}': peer '{}': libfabric piece again ({e})",
-                        job.agent, self.name
-                    ));
-                    std::thread::sleep(Duration::from_millis(10));
-                    r = self.run(peer, &conn, job, segs);
+        let nearest = nearest(job, segs);
+        loop {
+            if self.link.down() {
+                return Err(self.link_down());
+            }
+            let alive = |p: &Path| !p.dead.load(Ordering::Acquire);
+            let live = self.paths.iter().filter(|p| alive(p)).count();
+            let Some(path) = near::choose(&self.paths, |p| (p.local, p.remote), alive, nearest, &self.turn) else {
+                let why = "every libfabric rail to it failed";
+                self.link.kill(why.into());
+                return Err(self.gone(why));
+            };
+            match self.on(path, job, segs) {
+                (Err(e), true) if e.status() == Status::RemoteDisconnect => {
+                    if !path.dead.swap(true, Ordering::AcqRel) {
+                        crate::telemetry::log::warn(&format!(
+                            "agent '{}': peer '{}': libfabric path {} -> its rail {} failed ({e}); {} left",
+                            job.agent,
+                            self.name,
+                            self.rails[path.local].name(),
+                            path.remote,
+                            live - 1
+                        ));
+                    }
+                    if let Some((_, c, _)) = path.greeted.lock().take() {
+                        let _ = c.shutdown(Shutdown::Both);
+                    }
                 }
-                _ => break,
+                (Err(e), _) => {
+                    if e.status() == Status::RemoteDisconnect && !self.link.down() {
+                        self.link.kill(e.message().to_owned());
+                    }
+                    return Err(e);
+                }
+                (Ok(()), _) => return Ok(()),
             }
         }
-        if let Err(e) = &r {
-            if e.status() == Status::RemoteDisconnect && !self.link.down() {
-                self.link.kill(e.message().to_owned());
-            }
-        }
-        r
     }
 }

@@ -1,22 +1,26 @@
 //! The libfabric route's side of this engine (`FabricSide`): the provider it was given, and, opened on first
-//! need (a registration, the connection info, a peer), one domain of it with one RDM endpoint, its completion
-//! queue and address vector (`Open`); its registrations' memory regions (`FabricExport`: keys never handed out
-//! twice, see `keys`); its connection-info section; the target's half of the greeting (a `wire::KIND`
-//! connection per initiator route, kept open while that route lives); and the progress of its endpoint.
+//! need (a registration, the connection info, a peer), its rails: every domain of the provider that libfabric
+//! offers (a NIC; an interface for tcp; not the loopback interface nor one with only link-local addresses, unless
+//! nothing else is offered or it is the domain asked for), each with one RDM endpoint, its completion queue and
+//! address vector (`Rail`); its registrations' memory regions, one per rail (`FabricExport`: keys never handed
+//! out twice per domain, see `keys`; the rails nearest the region's memory, see `near`); its connection-info
+//! section (every rail's fabric and address); the target's half of the greeting (a `wire::KIND` connection per
+//! initiator path, naming the rail it reaches, kept open while that path lives); and the progress of each rail.
 //!
 //! Progress: the providers run here (tcp through `ofi_rxm`, shm) move data only when the endpoint's queue is
 //! read (`FI_PROGRESS_MANUAL`), on the target's side too: an initiator's READ or WRITE completes only while the
-//! target reads its queue. So a thread (`progress`) reads it, sleeping on its wait descriptor at most
-//! `fabric::SLICE` between reads, but only while a greeting connection is open (an initiator greeted here, or
-//! one of this engine's routes greeted at a peer: so that the peer's fence READs are answered, see `retire`);
-//! with none it sleeps on a condition variable, so an engine without peers on this route wakes for nothing. Initiators read
-//! the same queue while they wait; every operation's completion is found by its number (`Ops`), whoever read
-//! it.
+//! target reads its queue. So a thread per rail (`progress`) reads it, sleeping on its wait descriptor at most
+//! `fabric::SLICE` between reads, but only while a greeting connection on that rail is open (an initiator
+//! greeted here, or one of this engine's paths greeted at a peer: so that the peer's fence READs are answered,
+//! see `retire`); with none it sleeps on a condition variable, so an engine without peers on this route wakes
+//! for nothing. Initiators read the same queue while they wait; every operation's completion is found by its
+//! number (`Ops`), whoever read it.
 //!
-//! A device is used for data only after its self-test passed in this process (`selftest::run_on`, on this
-//! side's own endpoint, started in the background as soon as the endpoint opens (`test_soon`), waited for by a
-//! first peer that comes sooner (`ready`); run once per device and process, the verdict kept and shown by `gixl
-//! doctor`); a failed one is one WARN line naming the device, the step and the fallback.
+//! A rail is used for data only after its device's self-test passed in this process (`selftest::run_on`, on
+//! the rail's own endpoint, started in the background as soon as the endpoint opens (`test_soon`), waited for
+//! by a first peer that comes sooner (`ready`); run once per device and process, the verdict kept and shown by
+//! `gixl doctor`); a failed one is one WARN line naming the device, the step and the fallback (the other rails,
+//! else TCP), and greetings on it are refused.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -27,8 +31,9 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::wire::{self, Advert, FabricKey};
+use super::wire::{self, Advert, FabricKey, FabricKeys, RailAdvert};
 use crate::backend::engine::keys::KeyLedger;
+use crate::backend::engine::route::near::{self, Place};
 use crate::backend::engine::route::{Export, Registration, Side};
 pub(crate) use crate::fabric::is_sockets;
 use crate::fabric::selftest;
@@ -93,8 +98,11 @@ impl Ops {
     }
 }
 
-/// The opened domain, endpoint and queues of a side.
-pub(crate) struct Open {
+/// One rail of a side: a domain of the provider (a NIC, or an interface for tcp), opened, with its endpoint and
+/// queues.
+pub(crate) struct Rail {
+    /// Its index among the side's rails (in the order the section lists them).
+    pub(crate) index: usize,
     pub(crate) dev: Device,
     pub(crate) fabric: fi::Fabric,
     pub(crate) domain: Domain,
@@ -108,14 +116,16 @@ pub(crate) struct Open {
     /// A few bytes the initiator reads into to flush its WRITEs (see `Fabric::run`), and that a target reads
     /// from to fence a region it retires (see `FabricSide::retire`): registered for remote reading too.
     pub(crate) scratch: (Mr, Box<[u8]>),
-    /// The side's progress switch: initiators hold it on while greeted (see `Open::hold`).
+    /// The rail's progress switch: initiators hold it on while greeted (see `Rail::hold`).
     progress: Arc<Progress>,
     /// Address-vector entries by peer address (inserted once each).
     peers: Mutex<HashMap<Vec<u8>, u64>>,
+    /// Its NIC's NUMA node and PCI path (sysfs), where known: for the rails nearest a region's memory.
+    place: (Option<i32>, Option<String>),
 }
 
-impl Open {
-    fn new(dev: Device, progress: Arc<Progress>) -> Result<Open> {
+impl Rail {
+    fn new(index: usize, dev: Device) -> Result<Rail> {
         let fabric = fi::Fabric::open(&dev)?;
         let domain = Domain::open(&fabric, &dev)?;
         let cq = Cq::open(&domain, 1024)?;
@@ -126,14 +136,28 @@ impl Open {
         // SAFETY: the buffer lives with its region (both in `scratch`, the region dropped first).
         let mr = unsafe { Mr::register(&domain, buf.as_mut_ptr(), buf.len(), &ep)? };
         let (keys, ops, peers) = (KeyLedger::new([mr.key()]), Ops::default(), Mutex::default());
-        Ok(Open { dev, fabric, domain, cq, av, ep, addr, keys, ops, peers, scratch: (mr, buf), progress })
+        let place = nic_place(&dev.domain());
+        let progress = Arc::default();
+        Ok(Rail { index, dev, fabric, domain, cq, av, ep, addr, keys, ops, peers, scratch: (mr, buf), progress, place })
     }
 
-    /// The address-vector entry of the endpoint at `addr`: an address of our own endpoint's length (libfabric
-    /// reads as many bytes as its format takes, whatever was received: another length is refused, never read
-    /// past).
+    /// What the log and the doctor call it.
+    pub(crate) fn name(&self) -> String {
+        format!("{}/{}", self.dev.provider(), self.dev.domain())
+    }
+
+    /// Whether libfabric reads `addr` within its bytes as an address of this endpoint's format: one of our
+    /// address's length, or, where the format is a string (`FI_ADDR_STR`, shm's `fi_shm://<pid>`, whose length
+    /// varies with the pid), one that ends in its only NUL.
+    pub(crate) fn takes(&self, addr: &[u8]) -> bool {
+        let string = |a: &[u8]| a.split_last().is_some_and(|(&end, s)| end == 0 && !s.contains(&0));
+        addr.len() == self.addr.len() || (self.dev.string_addresses() && string(addr))
+    }
+
+    /// The address-vector entry of the endpoint at `addr`: an address this endpoint `takes` (libfabric reads
+    /// as many bytes as its address format takes, whatever was received: another is refused, never read past).
     pub(crate) fn peer(&self, addr: &[u8]) -> Result<u64> {
-        if addr.len() != self.addr.len() {
+        if !self.takes(addr) {
             return Err(Error::mismatch(format!(
                 "a libfabric address of {} bytes where {} has {}-byte addresses",
                 addr.len(),
@@ -206,7 +230,7 @@ impl Open {
         r
     }
 
-    /// The endpoint's progress kept on while the returned value lives: an initiator holds it while greeted, so
+    /// The rail's progress kept on while the returned value lives: an initiator holds it while greeted, so
     /// that its target's fence READs (see `FabricSide::retire`) are answered while it is idle too (the
     /// providers here serve a peer's READ only while the queue is read).
     pub(crate) fn hold(&self) -> Busy {
@@ -273,7 +297,7 @@ impl Open {
     }
 }
 
-impl selftest::Rig for Open {
+impl selftest::Rig for Rail {
     fn domain(&self) -> &Domain {
         &self.domain
     }
@@ -284,11 +308,11 @@ impl selftest::Rig for Open {
         self.peer(&self.addr)
     }
     fn complete(&self, deadline: Instant, post: &mut dyn FnMut(*mut std::ffi::c_void) -> Result<bool>) -> Result<()> {
-        Open::complete(self, deadline, post)
+        Rail::complete(self, deadline, post)
     }
 }
 
-/// The greeting connections being served and the progress thread's switch.
+/// A rail's greeting connections being served and its progress thread's switch.
 #[derive(Default)]
 pub(crate) struct Progress {
     /// Greeting connections open: initiators greeted here, and this engine's own routes greeted elsewhere.
@@ -300,7 +324,15 @@ pub(crate) struct Progress {
     waiters: AtomicUsize,
 }
 
-/// A thread of this engine reading the queue for its own operations (see `Open::waiting`).
+impl Progress {
+    /// The progress thread told to end.
+    fn halt(&self) {
+        self.stop.store(true, Ordering::Release);
+        self.cv.notify_all();
+    }
+}
+
+/// A thread of this engine reading the queue for its own operations (see `Rail::waiting`).
 pub(crate) struct Waiting(Arc<Progress>);
 
 impl Drop for Waiting {
@@ -309,7 +341,7 @@ impl Drop for Waiting {
     }
 }
 
-/// The endpoint's progress held on (see `Open::hold`); released when dropped.
+/// The endpoint's progress held on (see `Rail::hold`); released when dropped.
 pub(crate) struct Busy(Arc<Progress>);
 
 impl Drop for Busy {
@@ -321,162 +353,268 @@ impl Drop for Busy {
 
 pub(crate) struct FabricSide {
     agent: String,
-    /// The provider (libfabric's full name or its core provider's) and domain asked for; None: the first.
-    pub(crate) provider: String,
-    /// The provider is named by its full name (else as `FI_PROVIDER` names it, see `provider_is`).
-    exact: bool,
+    /// The provider asked for (libfabric's full name, or its core provider's, see `provider_is`), and whether
+    /// by its full name; None: the first offered that is not sockets (`super::fabric_provider`, looked up in
+    /// the background), else `fallback`.
+    asked: Option<(String, bool)>,
+    fallback: Option<String>,
+    /// The domain asked for; None: every one.
     domain: Option<String>,
-    /// Opened on first need; the error where it could not be.
-    open: Mutex<Option<std::result::Result<Arc<Open>, String>>>,
-    progress: Arc<Progress>,
+    /// The rails, opened on first need; the error where none could be.
+    open: Mutex<Option<std::result::Result<Rails, String>>>,
     /// Greeting connections being served: shut down when the engine goes.
     conns: Mutex<Vec<TcpStream>>,
-    /// The initiators greeted here that said where their scratch is: by greeting, their address-vector entry
-    /// and scratch (for `fence`).
-    initiators: Mutex<Vec<(u64, u64, RemoteKey)>>,
+    /// The initiators greeted here that said where their scratch is (for `fence`).
+    initiators: Mutex<Vec<Greeted>>,
+}
+
+/// A side's rails, by index.
+pub(crate) type Rails = Arc<[Arc<Rail>]>;
+
+/// An initiator greeted on one of our rails: the greeting's number, the rail, the initiator's address-vector
+/// entry on it and its scratch.
+struct Greeted {
+    id: u64,
+    rail: usize,
+    peer: u64,
+    scratch: RemoteKey,
 }
 
 /// A self-test's result as the route keeps it: passed (with its cost in ms) or why not.
 type Verdict = std::result::Result<f64, String>;
 
-/// One device's self-test in this process (by the provider and domain asked for): run once, by the first
-/// engine that opens an endpoint on the device (in the background, see `FabricSide::opened`) or by the first
-/// peer that needs it, whichever comes first; the others wait for its verdict.
+/// One device's self-test in this process (by provider and domain): run once, by the first engine that opens
+/// an endpoint on the device (in the background, see `FabricSide::opened`) or by the first peer that needs it,
+/// whichever comes first; the others wait for its verdict.
 #[derive(Default)]
 struct Trial {
     verdict: Mutex<Option<Verdict>>,
     cv: Condvar,
 }
 
+impl Trial {
+    /// Its verdict, waited for (bounded by the test's own limit).
+    fn wait(&self) -> Verdict {
+        let mut v = self.verdict.lock();
+        let until = Instant::now() + SELFTEST_LIMIT + Duration::from_secs(1);
+        while v.is_none() && !self.cv.wait_until(&mut v, until).timed_out() {}
+        v.clone().unwrap_or_else(|| Err("self-test failed at its time limit".into()))
+    }
+}
+
 /// Greeting connections served by this process, numbered.
 static NEXT_GREETING: AtomicU64 = AtomicU64::new(0);
 
-/// The provider and domain a side asked for.
+/// A device: its provider and domain (for a provider that could not be opened: as asked).
 type Asked = (String, Option<String>);
 
 /// Self-tests this process started.
 static TESTED: Mutex<Vec<(Asked, Arc<Trial>)>> = Mutex::new(Vec::new());
 
+/// The trial of device `key`, and whether the caller is the first to ask (and so runs it).
+fn trial(key: Asked) -> (Arc<Trial>, bool) {
+    let mut all = TESTED.lock();
+    if let Some((_, t)) = all.iter().find(|(k, _)| *k == key) {
+        return (t.clone(), false);
+    }
+    let t = Arc::new(Trial::default());
+    all.push((key, t.clone()));
+    (t, true)
+}
+
+fn rail_key(rail: &Rail) -> Asked {
+    (rail.dev.provider(), Some(rail.dev.domain()))
+}
+
+/// The NUMA node and PCI path of the NIC behind domain `domain` (sysfs: an RDMA device, `efa`'s and `verbs`'
+/// domains, with or without the `-rdm`/`-dgrm` suffix libfabric adds; else a network interface, tcp's domains);
+/// neither where sysfs has no device for it (veths, shm).
+fn nic_place(domain: &str) -> (Option<i32>, Option<String>) {
+    let base = domain.rsplit_once('-').map_or(domain, |(b, _)| b);
+    [
+        format!("/sys/class/infiniband/{domain}"),
+        format!("/sys/class/infiniband/{base}"),
+        format!("/sys/class/net/{domain}"),
+    ]
+    .iter()
+    .map(|d| std::path::Path::new(d).join("device"))
+    .find(|d| d.exists())
+    .map_or((None, None), |d| crate::os::nic_place(&d))
+}
+
 impl FabricSide {
-    pub(crate) fn new(agent: &str, (provider, exact): (String, bool), domain: Option<String>) -> Arc<FabricSide> {
+    pub(crate) fn new(
+        agent: &str,
+        asked: Option<(String, bool)>,
+        fallback: Option<String>,
+        domain: Option<String>,
+    ) -> Arc<FabricSide> {
         Arc::new(FabricSide {
             agent: agent.to_owned(),
-            provider,
-            exact,
+            asked,
+            fallback,
             domain,
             open: Mutex::default(),
-            progress: Arc::default(),
             conns: Mutex::default(),
             initiators: Mutex::default(),
         })
     }
 
-    /// The device asked for: the first of the provider's on the domain asked for, else the first not on the
-    /// loopback interface (reachable from other hosts and namespaces), else the first.
-    fn device(&self) -> Result<Device> {
+    /// Whether its provider was asked for (else it is looked up).
+    pub(crate) fn named(&self) -> bool {
+        self.asked.is_some()
+    }
+
+    /// Its provider and whether by its full name: as asked, else the first libfabric offers that is not sockets
+    /// (waiting for the background lookup where it has not ended), else the fallback; empty: none.
+    pub(crate) fn provider(&self) -> (String, bool) {
+        match &self.asked {
+            Some(p) => p.clone(),
+            None => (super::fabric_provider().or_else(|| self.fallback.clone()).unwrap_or_default(), true),
+        }
+    }
+
+    /// The rails' devices: every domain of the provider (the one asked for alone, where asked), but the
+    /// loopback interface and those whose fabric is link-local only (`fe80::`: not reachable from another link)
+    /// where others are offered; at most `wire::MAX_RAILS`.
+    fn devices(&self) -> Result<Vec<Device>> {
+        let (provider, exact) = self.provider();
+        if provider.is_empty() {
+            return Err(Error::not_supported(
+                "libfabric offers no provider here that is not itself sockets or shared memory (efa, verbs, psm…)",
+            ));
+        }
         let all = fi::devices(None, self.domain.as_deref())?;
-        let mine: Vec<Device> =
-            all.into_iter().filter(|d| provider_is(&d.provider(), &self.provider, self.exact)).collect();
-        let pick = mine.iter().position(|d| d.domain() != "lo").unwrap_or(0);
-        mine.into_iter().nth(pick).ok_or_else(|| {
+        let mine: Vec<Device> = all.into_iter().filter(|d| provider_is(&d.provider(), &provider, exact)).collect();
+        let rails: Vec<Device> = (mine.iter())
+            .filter(|d| d.domain() != "lo" && !d.fabric().starts_with("fe80:"))
+            .take(wire::MAX_RAILS)
+            .cloned()
+            .collect();
+        if !rails.is_empty() {
+            return Ok(rails);
+        }
+        mine.into_iter().next().map(|d| vec![d]).ok_or_else(|| {
             Error::not_supported(format!(
-                "libfabric offers no {} device with an RDM endpoint and one-sided RMA{}",
-                self.provider,
+                "libfabric offers no {provider} device with an RDM endpoint and one-sided RMA{}",
                 self.domain.as_deref().map(|d| format!(" on {d}")).unwrap_or_default()
             ))
         })
     }
 
-    /// The opened endpoint (opened now, the first time); the reason where it cannot be.
-    pub(crate) fn opened(&self) -> std::result::Result<Arc<Open>, String> {
+    /// The opened rails (opened now, the first time: each with its progress thread and its self-test started
+    /// in the background); the reason where none can be.
+    pub(crate) fn opened(&self) -> std::result::Result<Rails, String> {
         let mut o = self.open.lock();
         if let Some(r) = &*o {
             return r.clone();
         }
-        let r = self
-            .device()
-            .and_then(|d| Open::new(d, self.progress.clone()))
-            .map(Arc::new)
-            .map_err(|e| e.message().to_owned());
-        match &r {
-            Ok(open) => {
-                crate::telemetry::log::info(&format!(
-                    "agent '{}': libfabric endpoint on {}/{}",
-                    self.agent,
-                    open.dev.provider(),
-                    open.dev.domain()
-                ));
-                let (o2, p) = (open.clone(), self.progress.clone());
-                let spawned = std::thread::Builder::new().name("gixl-fabric-pr".into()).spawn(move || progress(o2, p));
-                if let Err(e) = spawned {
-                    let r = Err(format!("cannot start the libfabric progress thread: {e}"));
-                    *o = Some(r.clone());
-                    return r;
-                }
-                self.test_soon(open);
-            }
+        let r = self.open_rails();
+        if let Err(why) = &r {
             // Said as a WARN by `ready` at the first peer that would have used it.
-            Err(why) => crate::telemetry::log::info(&format!(
+            crate::telemetry::log::info(&format!(
                 "agent '{}': libfabric provider {} not opened ({why})",
-                self.agent, self.provider
-            )),
+                self.agent,
+                self.provider().0
+            ));
         }
         *o = Some(r.clone());
         r
     }
 
-    /// This device's trial, and whether the caller is the first to ask (and so runs it).
-    fn trial(&self) -> (Arc<Trial>, bool) {
-        let key = (self.provider.clone(), self.domain.clone());
-        let mut all = TESTED.lock();
-        if let Some((_, t)) = all.iter().find(|(k, _)| *k == key) {
-            return (t.clone(), false);
+    fn open_rails(&self) -> std::result::Result<Rails, String> {
+        let devs = self.devices().map_err(|e| e.message().to_owned())?;
+        let (mut rails, mut why) = (Vec::new(), Vec::new());
+        for d in devs {
+            let name = format!("{}/{}", d.provider(), d.domain());
+            match Rail::new(rails.len(), d) {
+                Ok(r) => rails.push(Arc::new(r)),
+                Err(e) => {
+                    crate::telemetry::log::info(&format!(
+                        "agent '{}': libfabric rail {name} not opened ({e})",
+                        self.agent
+                    ));
+                    why.push(format!("{name}: {}", e.message()));
+                }
+            }
         }
-        let t = Arc::new(Trial::default());
-        all.push((key, t.clone()));
-        (t, true)
+        if rails.is_empty() {
+            return Err(why.join("; "));
+        }
+        for rail in &rails {
+            let r2 = rail.clone();
+            let spawned = std::thread::Builder::new().name("gixl-fabric-pr".into()).spawn(move || progress(r2));
+            if let Err(e) = spawned {
+                rails.iter().for_each(|r| r.progress.halt());
+                return Err(format!("cannot start the libfabric progress thread: {e}"));
+            }
+        }
+        let names: Vec<String> = rails.iter().map(|r| r.name()).collect();
+        crate::telemetry::log::info(&format!(
+            "agent '{}': libfabric endpoint on {} rail(s): {}",
+            self.agent,
+            rails.len(),
+            names.join(", ")
+        ));
+        rails.iter().for_each(|r| self.test_soon(r));
+        Ok(rails.into())
     }
 
-    /// The device's self-test started now in the background on the endpoint just opened, unless this process
-    /// has one already: by the time a first peer needs the route it has usually passed.
-    fn test_soon(&self, open: &Arc<Open>) {
-        let (trial, first) = self.trial();
+    /// The rail's self-test started now in the background on its endpoint just opened, unless this process has
+    /// one already: by the time a first peer needs the route it has usually passed.
+    fn test_soon(&self, rail: &Arc<Rail>) {
+        let (trial, first) = trial(rail_key(rail));
         if !first {
             return;
         }
-        let (agent, provider, open2, t2) = (self.agent.clone(), self.provider.clone(), open.clone(), trial.clone());
+        let (agent, r2, t2) = (self.agent.clone(), rail.clone(), trial.clone());
         let spawned = std::thread::Builder::new()
             .name("gixl-fabric-st".into())
-            .spawn(move || settle(&t2, test(&agent, &provider, None, Some(open2))));
+            .spawn(move || settle(&t2, test(&agent, &r2.dev.provider(), None, Some(r2.clone()))));
         if spawned.is_err() {
             // Run by the first peer that needs it instead.
             TESTED.lock().retain(|(_, t)| !Arc::ptr_eq(t, &trial));
         }
     }
 
-    /// The endpoint, for data: only once the device passed its self-test in this process (run now, where the
-    /// endpoint's opening did not start it, or waited for: one WARN line where it fails). Err: why not (said
-    /// in the router's line for the peer).
-    pub(crate) fn ready(&self) -> std::result::Result<(Arc<Open>, f64), String> {
-        // Opening the endpoint starts the self-test (`test_soon`).
-        let opened = self.opened();
-        let (trial, first) = self.trial();
-        let ms = if first {
-            settle(&trial, test(&self.agent, &self.provider, self.domain.as_deref(), opened.clone().ok()))
-        } else {
-            let mut v = trial.verdict.lock();
-            let until = Instant::now() + SELFTEST_LIMIT + Duration::from_secs(1);
-            while v.is_none() && !trial.cv.wait_until(&mut v, until).timed_out() {}
-            v.clone().unwrap_or_else(|| Err("self-test failed at its time limit".into()))
-        }?;
-        let open = opened.inspect_err(|why| {
-            crate::telemetry::log::warn(&format!(
-                "agent '{}': libfabric provider {} passed its self-test but this engine's endpoint could not be \
-                 opened ({why}): its peers go over TCP",
-                self.agent, self.provider
-            ))
-        })?;
-        Ok((open, ms))
+    /// The verdict of `rail`'s self-test: run now where its opening did not start it, else waited for.
+    fn verdict(&self, rail: &Arc<Rail>) -> Verdict {
+        let (trial, first) = trial(rail_key(rail));
+        if first {
+            return settle(&trial, test(&self.agent, &rail.dev.provider(), None, Some(rail.clone())));
+        }
+        trial.wait()
+    }
+
+    /// The rails, for data, and each one's self-test cost where it passed in this process (None: it failed, and
+    /// is not used). Err: why no rail is usable (said in the router's line for the peer); a failed self-test is
+    /// one WARN line.
+    pub(crate) fn ready(&self) -> std::result::Result<(Rails, Vec<Option<f64>>), String> {
+        let rails = match self.opened() {
+            Ok(r) => r,
+            Err(why) => {
+                // The provider tested alone: it fails at the step that says why (once per process).
+                let provider = self.provider().0;
+                let (trial, first) = trial((provider.clone(), self.domain.clone()));
+                let v = if first {
+                    settle(&trial, test(&self.agent, &provider, self.domain.as_deref(), None))
+                } else {
+                    trial.wait()
+                };
+                v?;
+                crate::telemetry::log::warn(&format!(
+                    "agent '{}': libfabric provider {} passed its self-test but this engine's endpoint could not be \
+                     opened ({why}): its peers go over TCP",
+                    self.agent, provider
+                ));
+                return Err(why);
+            }
+        };
+        let verdicts: Vec<Verdict> = rails.iter().map(|r| self.verdict(r)).collect();
+        if verdicts.iter().all(Result::is_err) {
+            return Err(verdicts.into_iter().find_map(Result::err).unwrap_or_default());
+        }
+        Ok((rails, verdicts.into_iter().map(Result::ok).collect()))
     }
 
     /// Serve one greeting connection (authenticated by the TCP listener): insert the initiator's address,
@@ -493,48 +631,68 @@ impl FabricSide {
         crate::os::sock::tune(&s, patience);
         let _ = s.set_read_timeout(Some(patience));
         let _ = s.set_write_timeout(Some(patience));
-        let mut head = [0u8; wire::GREETING_HEAD];
-        if s.read_exact(&mut head).is_err() {
+        let mut head = [0u8; wire::GREETING_HEAD + 1];
+        if s.read_exact(&mut head[..wire::GREETING_HEAD]).is_err() {
             return;
         }
-        let Some(n) = wire::greeting_len(&head) else { return };
+        let (rail, n) = match wire::greeting_len(&head[..wire::GREETING_HEAD]) {
+            Some(Ok(g)) => g,
+            Some(Err(())) => {
+                if s.read_exact(&mut head[wire::GREETING_HEAD..]).is_err() {
+                    return;
+                }
+                match wire::greeting_len(&head) {
+                    Some(Ok(g)) => g,
+                    _ => return,
+                }
+            }
+            None => return,
+        };
         let mut addr = vec![0u8; n];
         if s.read_exact(&mut addr).is_err() {
             return;
         }
-        let Ok(open) = self.opened() else {
+        // Refused: no such rail, or one whose self-test failed (the initiator takes another path).
+        let rail = self.opened().ok().and_then(|r| r.get(rail as usize).cloned());
+        let Some(rail) = rail.filter(|r| self.verdict(r).is_ok()) else {
             let _ = s.write_all(&[wire::ANSWER_REFUSED]);
             return;
         };
-        if open.peer(&addr).is_err() {
+        let Ok(peer) = rail.peer(&addr) else {
             let _ = s.write_all(&[wire::ANSWER_REFUSED]);
             return;
-        }
+        };
         if s.write_all(&[wire::ANSWER_OK]).is_err() {
             return;
         }
         if let Ok(c) = s.try_clone() {
             self.conns.lock().push(c);
         }
-        let busy = open.hold();
-        // The initiator's route lives as long as the connection. Its first bytes, where it sends them, say
+        let busy = rail.hold();
+        // The initiator's path lives as long as the connection. Its first bytes, where it sends them, say
         // where its scratch is (`wire::decode_scratch`), for the fence of regions retired here.
         let _ = s.set_read_timeout(None);
         let id = NEXT_GREETING.fetch_add(1, Ordering::Relaxed);
-        let peer = open.peer(&addr).ok();
         let (mut b, mut head) = ([0u8; 64], Vec::new());
         while let Ok(n @ 1..) = s.read(&mut b) {
             if head.len() < wire::SCRATCH {
                 head.extend_from_slice(&b[..n.min(wire::SCRATCH - head.len())]);
-                if let (Some(peer), Some(rk)) = (peer, wire::decode_scratch(&head)) {
-                    self.initiators.lock().push((id, peer, rk));
+                if let Some(scratch) = wire::decode_scratch(&head) {
+                    self.initiators.lock().push(Greeted { id, rail: rail.index, peer, scratch });
                 }
             }
         }
-        self.initiators.lock().retain(|(g, _, _)| *g != id);
+        self.initiators.lock().retain(|g| g.id != id);
         drop(busy);
         let me = s.local_addr().ok().zip(s.peer_addr().ok());
         self.conns.lock().retain(|c| c.local_addr().ok().zip(c.peer_addr().ok()) != me);
+    }
+
+    /// Every rail's progress thread told to end.
+    fn halt(&self) {
+        if let Some(Ok(rails)) = &*self.open.lock() {
+            rails.iter().for_each(|r| r.progress.halt());
+        }
     }
 }
 
@@ -545,14 +703,13 @@ fn settle(trial: &Trial, v: Verdict) -> Verdict {
     v
 }
 
-/// The self-test of the device behind `open` (on that endpoint: it adds none of its own), or, where the
-/// endpoint could not be opened, of `provider` alone (it then fails at the step that says why); its INFO or
-/// WARN line.
-fn test(agent: &str, provider: &str, domain: Option<&str>, open: Option<Arc<Open>>) -> Verdict {
-    let t = match open {
-        Some(o) => {
-            let (p, d) = (o.dev.provider(), o.dev.domain());
-            selftest::run_on(o, &p, &d, SELFTEST_LIMIT)
+/// The self-test of `rail`'s device (on its endpoint: it adds none of its own), or, where no rail could be
+/// opened, of `provider` alone (it then fails at the step that says why); its INFO or WARN line.
+fn test(agent: &str, provider: &str, domain: Option<&str>, rail: Option<Arc<Rail>>) -> Verdict {
+    let t = match rail {
+        Some(r) => {
+            let (p, d) = (r.dev.provider(), r.dev.domain());
+            selftest::run_on(r, &p, &d, SELFTEST_LIMIT)
         }
         None => selftest::run_provider(provider, domain, SELFTEST_LIMIT),
     };
@@ -564,7 +721,7 @@ fn test(agent: &str, provider: &str, domain: Option<&str>, open: Option<Arc<Open
         selftest::Outcome::Failed { step, error, .. } => {
             crate::telemetry::log::warn(&format!(
                 "agent '{agent}': libfabric device {}/{} failed its self-test at step '{}' ({error}): its peers go \
-                 over TCP; `python -m gixl doctor` shows the result",
+                 over its other rails, else over TCP; `python -m gixl doctor` shows the result",
                 if t.provider.is_empty() { provider } else { &t.provider },
                 if t.domain.is_empty() { "-" } else { &t.domain },
                 step.name()
@@ -574,9 +731,10 @@ fn test(agent: &str, provider: &str, domain: Option<&str>, open: Option<Arc<Open
     }
 }
 
-/// The endpoint's progress while any initiator is greeted (see the module's comment); ends when the engine
-/// goes.
-fn progress(open: Arc<Open>, p: Arc<Progress>) {
+/// A rail's progress while any greeting connection on it is open (see the module's comment); ends when the
+/// engine goes.
+fn progress(rail: Arc<Rail>) {
+    let p = rail.progress.clone();
     loop {
         {
             let mut n = p.active.lock();
@@ -592,16 +750,17 @@ fn progress(open: Arc<Open>, p: Arc<Progress>) {
             std::thread::sleep(STAND_ASIDE);
             continue;
         }
-        if open.pump().and_then(|_| fi::wait_up_to(&open.fabric, &[&open.cq], TARGET_SLEEP)).is_err() {
+        if rail.pump().and_then(|_| fi::wait_up_to(&rail.fabric, &[&rail.cq], TARGET_SLEEP)).is_err() {
             std::thread::sleep(fi::SLICE);
         }
     }
 }
 
-/// A registration's memory region on this side's endpoint, shared with requests while they run a piece on it.
+/// A registration's memory regions, one per rail (by rail index), shared with requests while they run a piece
+/// on it; and its keys and nearest rails as its ticket carries them.
 pub(crate) struct Slot {
-    pub(crate) mr: Mutex<Option<Arc<Mr>>>,
-    pub(crate) key: FabricKey,
+    pub(crate) mrs: Mutex<Option<Arc<Vec<Mr>>>>,
+    pub(crate) keys: FabricKeys,
 }
 
 /// What the side exports for one registration (see `Side::export`).
@@ -611,63 +770,79 @@ pub(crate) struct FabricExport {
 
 impl Export for FabricExport {
     fn put_sections(&self, out: &mut Vec<u8>) {
-        self.slot.key.put_sections(out);
+        self.slot.keys.put_sections(out);
     }
 }
 
 impl Side for FabricSide {
     fn section(&self) -> (u64, Vec<u8>) {
         let b = match self.opened() {
-            Ok(o) => wire::encode_section(&Advert { provider: o.dev.provider(), addr: o.addr.clone() }),
+            Ok(rails) => wire::encode_section(&Advert {
+                provider: rails[0].dev.provider(),
+                rails: rails.iter().map(|r| RailAdvert { fabric: r.dev.fabric(), addr: r.addr.clone() }).collect(),
+            }),
             Err(_) => Vec::new(),
         };
         (wire::SECTION, b)
     }
 
-    /// Host memory: a memory region on the endpoint (an error fails the registration). GPU memory: none (not
-    /// yet through `FI_HMEM`): libfabric peers' requests on it are staged over their TCP link.
+    /// Host memory: a memory region on every rail (an error fails the registration), and the rails nearest its
+    /// first page's NUMA node. GPU memory: none (not yet through `FI_HMEM`): libfabric peers' requests on it are
+    /// staged over their TCP link.
     fn export(&self, r: &Registration) -> Result<Option<Box<dyn Export>>> {
         if r.mem != MemType::Dram || r.len == 0 {
             return Ok(None);
         }
-        let Ok(open) = self.opened() else { return Ok(None) };
-        let mr = open.register(r.addr, r.len)?;
-        let remote = mr.remote(r.addr as *const u8).ok_or_else(|| Error::backend("libfabric region's key"))?;
-        let key = FabricKey { key: remote.key, base: r.addr - remote.addr };
-        Ok(Some(Box::new(FabricExport { slot: Arc::new(Slot { mr: Mutex::new(Some(Arc::new(mr))), key }) })))
+        let Ok(rails) = self.opened() else { return Ok(None) };
+        let (mut mrs, mut keys) = (Vec::with_capacity(rails.len()), Vec::with_capacity(rails.len()));
+        for rail in rails.iter() {
+            let mr = rail.register(r.addr, r.len)?;
+            let remote = mr.remote(r.addr as *const u8).ok_or_else(|| Error::backend("libfabric region's key"))?;
+            keys.push(FabricKey { key: remote.key, base: r.addr - remote.addr });
+            mrs.push(mr);
+        }
+        let near = near::near(rails.iter().map(|r| (r.place.0, r.place.1.as_deref())), &Place::host(r.addr));
+        let slot = Slot { mrs: Mutex::new(Some(Arc::new(mrs))), keys: FabricKeys { keys, near } };
+        Ok(Some(Box::new(FabricExport { slot: Arc::new(slot) })))
     }
 
-    /// No new piece takes the region; pieces running on it finish first (bounded wait), then it is closed, so
-    /// the provider refuses its key.
+    /// No new piece takes the region; pieces running on it finish first (bounded wait), then it is closed on
+    /// every rail, so the providers refuse its keys; then every rail's greeted initiators are fenced.
     fn retire(&self, e: &dyn Export) {
         let Some(e) = (e as &dyn std::any::Any).downcast_ref::<FabricExport>() else { return };
-        let Some(mr) = e.slot.mr.lock().take() else { return };
+        let Some(mrs) = e.slot.mrs.lock().take() else { return };
         let t = Instant::now();
-        while Arc::strong_count(&mr) > 1 && t.elapsed() < Duration::from_secs(10) {
+        while Arc::strong_count(&mrs) > 1 && t.elapsed() < Duration::from_secs(10) {
             std::thread::sleep(Duration::from_millis(1));
         }
-        if Arc::strong_count(&mr) > 1 {
+        if Arc::strong_count(&mrs) > 1 {
             crate::telemetry::log::warn("libfabric: a region was deregistered while a piece still ran on it");
         }
-        drop(mr);
-        // Peers' WRITEs the provider accepted before the region closed may still be placing bytes: fenced.
-        let open = self.open.lock().clone().and_then(|o| o.ok());
-        let initiators: Vec<(u64, RemoteKey)> = self.initiators.lock().iter().map(|&(_, p, k)| (p, k)).collect();
-        if let (Some(open), false) = (open, initiators.is_empty()) {
-            if let Err(n) = open.fence(&initiators, Instant::now() + FENCE_LIMIT) {
-                crate::telemetry::log::warn(&format!(
-                    "libfabric: a deregistered region's fence was not answered by {n} of {} initiators within {} ms \
-                     (not progressing): a WRITE of theirs accepted before it closed may still land",
-                    initiators.len(),
-                    FENCE_LIMIT.as_millis()
-                ));
+        drop(mrs);
+        // Peers' WRITEs the provider accepted before the region closed may still be placing bytes: fenced, on
+        // every rail they may come over.
+        let Some(Ok(rails)) = self.open.lock().clone() else { return };
+        let deadline = Instant::now() + FENCE_LIMIT;
+        let (mut late, mut all) = (0, 0);
+        for rail in rails.iter() {
+            let initiators: Vec<(u64, RemoteKey)> =
+                self.initiators.lock().iter().filter(|g| g.rail == rail.index).map(|g| (g.peer, g.scratch)).collect();
+            all += initiators.len();
+            if !initiators.is_empty() {
+                late += rail.fence(&initiators, deadline).err().unwrap_or(0);
             }
+        }
+        if late > 0 {
+            crate::telemetry::log::warn(&format!(
+                "libfabric: a deregistered region's fence was not answered by {late} of {all} initiator paths within \
+                 {} ms (not progressing): a WRITE of theirs accepted before it closed may still land",
+                FENCE_LIMIT.as_millis()
+            ));
         }
     }
 
     fn close(&self) {
-        self.progress.stop.store(true, Ordering::Release);
-        self.progress.cv.notify_all();
+        self.halt();
         for c in self.conns.lock().drain(..) {
             let _ = c.shutdown(Shutdown::Both);
         }
@@ -676,7 +851,6 @@ impl Side for FabricSide {
 
 impl Drop for FabricSide {
     fn drop(&mut self) {
-        self.progress.stop.store(true, Ordering::Release);
-        self.progress.cv.notify_all();
+        self.halt();
     }
 }

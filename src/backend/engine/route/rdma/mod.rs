@@ -36,7 +36,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::{Job, Net, Prepared, Reach, Regions, Route, Setting, Side, TcpLink, TcpShared, Transport, VramWay};
+use super::{near, Job, Net, Prepared, Reach, Regions, Route, Setting, Side, TcpLink, TcpShared, Transport, VramWay};
 use crate::backend::{Seg, XferOp, XferPlan};
 use crate::status::{Error, Result, Status};
 use crate::verbs::{Completion, Cq, Op, Qp, QpCaps, Sge, WcStatus, Wr};
@@ -102,18 +102,10 @@ fn key_at(keys: &[u32], bounds: &[u64], ports: usize, addr: u64, port: usize) ->
 /// The ports nearest the memory of every region of `segs`, here and at the peer (masks by port index; every port
 /// where the regions say nothing or disagree).
 fn nearest(job: &Job, segs: &[Seg]) -> (u32, u32) {
-    let (mut here, mut there) = (u32::MAX, u32::MAX);
     let keys = Keys::of(job.prepared);
-    for s in segs {
-        if let Some(l) = keys.local(s).filter(|l| l.near != 0) {
-            here &= l.near;
-        }
-        if let Some(r) = keys.remote(s).filter(|r| r.near != 0) {
-            there &= r.near;
-        }
-    }
-    let any = |m: u32| if m == 0 { u32::MAX } else { m };
-    (any(here), any(there))
+    let here = near::common(segs.iter().filter_map(|s| keys.local(s)).map(|l| l.near));
+    let there = near::common(segs.iter().filter_map(|s| keys.remote(s)).map(|r| r.near));
+    (here, there)
 }
 
 /// A work request of a chain: its list (`count` entries of `Chain::sges` from `first`) and its remote range;
@@ -516,21 +508,16 @@ impl Route for Rdma {
     /// cable), it is marked dead, said in the log, and the piece goes again over another (READ and WRITE
     /// land the same bytes in the same place twice); with none left, the peer is down.
     fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {
-        let (here, there) = nearest(job, segs);
-        // Paths from a port near the local memory first, then those also to a port near the remote memory.
-        let rank = |p: &Path| 2 * (here >> p.local & 1) + (there >> p.remote & 1);
+        let nearest = nearest(job, segs);
         loop {
             if self.link.down() {
                 return Err(self.link_down());
             }
             let alive =
-                |p: &&Path| !p.dead.load(Ordering::Acquire) && !self.side.ports[p.local].down.load(Ordering::Acquire);
-            let live = self.paths.iter().filter(alive).count();
-            let best = self.paths.iter().filter(alive).map(rank).max().unwrap_or(0);
-            let near = |p: &&Path| rank(p) == best;
-            let turn =
-                self.turn.fetch_add(1, Ordering::Relaxed) % self.paths.iter().filter(alive).filter(near).count().max(1);
-            let Some(path) = self.paths.iter().filter(alive).filter(near).nth(turn) else {
+                |p: &Path| !p.dead.load(Ordering::Acquire) && !self.side.ports[p.local].down.load(Ordering::Acquire);
+            let live = self.paths.iter().filter(|p| alive(p)).count();
+            // Paths from a port near the local memory first, then those also to a port near the remote memory.
+            let Some(path) = near::choose(&self.paths, |p| (p.local, p.remote), alive, nearest, &self.turn) else {
                 let why = "every RDMA path to it failed";
                 self.link.kill(why.into());
                 return Err(self.gone(why));

@@ -21,6 +21,7 @@ use parking_lot::Mutex;
 
 use super::wire::{self, Port, RdmaKeys};
 use crate::backend::engine::keys::KeyLedger;
+use crate::backend::engine::route::near::{self, Place};
 use crate::backend::engine::route::{Export, Registration, Side, Transport};
 use crate::mem::MemType;
 use crate::status::Result;
@@ -28,15 +29,6 @@ use crate::verbs::{self, Cq, Mr, Nic, PortEvent, QpAddr, QpCaps, LOCAL_WRITE, RE
 
 /// Target pairs only answer: they post nothing.
 const TARGET_CAPS: QpCaps = QpCaps { send_wr: 1, recv_wr: 1, sge: 1 };
-
-/// Where a registration's memory is, for choosing the NIC nearest it (`RdmaSide::near`).
-pub(crate) enum Place {
-    /// Host memory on this NUMA node.
-    Numa(i32),
-    /// Device memory of the GPU at this PCI path (sysfs).
-    Pci(String),
-    Unknown,
-}
 
 pub(crate) struct RdmaSide {
     /// Every active port, opened, each with its own protection domain (in the order the section lists them).
@@ -133,10 +125,7 @@ impl Side for RdmaSide {
                     return Ok(None);
                 }
             },
-            _ => {
-                let numa = crate::os::numa_node_of(r.addr).map_or(Place::Unknown, Place::Numa);
-                (self.register(r.addr, r.len)?, Vec::new(), numa)
-            }
+            _ => (self.register(r.addr, r.len)?, Vec::new(), Place::host(r.addr)),
         };
         // The ports nearest its memory: its GPU's PCI place, or its first page's NUMA node.
         Ok(Some(Box::new(RdmaExport { mrs, near: self.near(&place), bounds })))
@@ -263,30 +252,9 @@ impl RdmaSide {
             .collect()
     }
 
-    /// The ports nearest `place` (a mask by port index): those on its NUMA node, or sharing the most of a GPU's
-    /// PCI path; every port where the topology sets none apart.
+    /// The ports nearest `place` (a mask by port index, see `near::near`).
     pub(crate) fn near(&self, place: &Place) -> u32 {
-        let scores: Vec<usize> = self
-            .ports
-            .iter()
-            .map(|p| {
-                let port = p.nic.port();
-                match place {
-                    Place::Numa(n) => usize::from(port.numa == Some(*n)),
-                    Place::Pci(gpu) => port
-                        .pci
-                        .as_deref()
-                        .map_or(0, |nic| gpu.split('/').zip(nic.split('/')).take_while(|(a, b)| a == b).count()),
-                    Place::Unknown => 0,
-                }
-            })
-            .collect();
-        let best = scores.iter().copied().max().unwrap_or(0);
-        let all = u32::MAX >> (32 - self.ports.len().clamp(1, 32));
-        if scores.iter().all(|&s| s == best) {
-            return all;
-        }
-        scores.iter().enumerate().filter(|(_, &s)| s == best).fold(0, |m, (i, _)| m | 1 << i)
+        near::near(self.ports.iter().map(|p| (p.nic.port().numa, p.nic.port().pci.as_deref())), place)
     }
 
     /// A memory region for host memory `[addr, addr + len)` on every port (by port index).
