@@ -8,11 +8,12 @@
 //!
 //! - DRAM ↔ FILE is the POSIX backend's request, run by a POSIX backend this one owns (io_uring, or the
 //!   thread pool): same checks, same statuses, same messages.
-//! - VRAM ↔ FILE is staged: the request is cut into pieces of at most [`SLOT`] bytes, each piece gets a slot
-//!   of page-locked host memory (slots are cut from buffers of the engine's one staging pool), and the device
-//!   copy of one piece overlaps the file I/O of the others (WRITE: device → slot, then the slot's writes are
-//!   queued while the next piece is copied; READ: the reads of several slots are queued, each slot copied to
-//!   the device once its reads are done, then refilled). The file I/O is the POSIX backend's queue.
+//! - VRAM ↔ FILE is staged: the request is cut into pieces of one slot each (slots of page-locked host memory,
+//!   cut from buffers of the engine's one staging pool, sized per request for about [`PIECES`] pieces, at most
+//!   [`SLOT`] bytes), and the device copy of one piece overlaps the file I/O of the others (WRITE: device →
+//!   slot, then the slot's writes are queued while the next piece is copied; READ: the reads of several slots
+//!   are queued, each slot copied to the device once its reads are done, then refilled). The file I/O is the
+//!   POSIX backend's queue.
 //!   `O_DIRECT` files are honoured: file offsets and lengths are checked for the kernel's alignment at prep
 //!   (`NIXL_ERR_INVALID_PARAM`), and slot positions are aligned so the I/O from host memory is valid.
 //! - VRAM ↔ FILE is direct (cuFile) only where cuFile proved itself in this process ([`cufile`]: loaded,
