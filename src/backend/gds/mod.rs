@@ -8,11 +8,12 @@
 //!
 //! - DRAM ↔ FILE is the POSIX backend's request, run by a POSIX backend this one owns (io_uring, or the
 //!   thread pool): same checks, same statuses, same messages.
-//! - VRAM ↔ FILE is staged: the request is cut into pieces of at most [`SLOT`] bytes, each piece gets a slot
-//!   of page-locked host memory (slots are cut from buffers of the engine's one staging pool), and the device
-//!   copy of one piece overlaps the file I/O of the others (WRITE: device → slot, then the slot's writes are
-//!   queued while the next piece is copied; READ: the reads of several slots are queued, each slot copied to
-//!   the device once its reads are done, then refilled). The file I/O is the POSIX backend's queue.
+//! - VRAM ↔ FILE is staged: the request is cut into pieces of one slot each (slots of page-locked host memory,
+//!   cut from buffers of the engine's one staging pool, sized per request for about [`PIECES`] pieces, at most
+//!   [`SLOT`] bytes), and the device copy of one piece overlaps the file I/O of the others (WRITE: device →
+//!   slot, then the slot's writes are queued while the next piece is copied; READ: the reads of several slots
+//!   are queued, each slot copied to the device once its reads are done, then refilled). The file I/O is the
+//!   POSIX backend's queue.
 //!   `O_DIRECT` files are honoured: file offsets and lengths are checked for the kernel's alignment at prep
 //!   (`NIXL_ERR_INVALID_PARAM`), and slot positions are aligned so the I/O from host memory is valid.
 //! - VRAM ↔ FILE is direct (cuFile) only where cuFile proved itself in this process ([`cufile`]: loaded,
@@ -64,8 +65,24 @@ use crate::status::{Error, Result, Status};
 pub use cufile::{direct_path, staged_reason};
 use cufile::{BufReg, CuFile, FileHandle};
 
-/// Bytes of one staging slot: one piece of a staged request.
+/// Bytes of one staging slot at most: one piece of a staged request.
 pub const SLOT: u64 = 2 << 20;
+
+/// Bytes of one staging slot at least (unless the request is smaller).
+pub const MIN_SLOT: u64 = 256 << 10;
+
+/// A staged request is cut into about this many pieces (slots of [`MIN_SLOT`] to [`SLOT`] bytes). The pipeline
+/// cannot hide the first piece's device copy (WRITE) or the last one's (READ), nor the first piece's file I/O
+/// (READ): with 32 pieces that is about 3 % of the copy; larger slots cost fewer kernel entries per byte.
+const PIECES: u64 = 32;
+
+/// The slot size for a staged request of `total` bytes whose files need slot positions aligned to `align`.
+fn slot_size(total: u64, align: u64) -> u64 {
+    let want = (total / PIECES).clamp(MIN_SLOT, SLOT);
+    // A power of two, so that slots cut from a page-aligned buffer stay aligned.
+    let p = if want.is_power_of_two() { want } else { want.next_power_of_two() / 2 };
+    p.max(align.next_power_of_two()).min(SLOT)
+}
 
 /// Staging buffers (of the engine's pool) one staged post uses at most; each gives several slots.
 const BUFFERS: usize = 2;
@@ -337,7 +354,10 @@ impl Backend for Gds {
                 how: How::Direct { direct: Arc::new(d), run: Mutex::new(None) },
             }));
         }
-        let mut pieces = Pieces::default();
+        // O_DIRECT files need slots of at least their alignment.
+        let align = files.iter().filter_map(|f| f.direct).map(|a| a.mem.max(a.off).max(4096)).max().unwrap_or(0);
+        let total: u64 = segs.iter().map(|s| s.len).sum();
+        let mut pieces = Pieces::new(slot_size(total, align));
         for s in &segs {
             let f = files_of(s)?;
             // The VRAM address is never given to the kernel: only the file side must be aligned.
@@ -348,7 +368,8 @@ impl Backend for Gds {
             };
             pieces.add(s, dev, f)?;
         }
-        let staged = Arc::new(Staged { read, pieces: pieces.done() });
+        let slot = pieces.slot;
+        let staged = Arc::new(Staged { read, slot, pieces: pieces.done() });
         Ok(Box::new(GdsXfer {
             core: self.core.clone(),
             regions,
@@ -535,7 +556,7 @@ impl Core {
 
 // ----- staged requests -----
 
-/// One piece of a staged request: at most `SLOT` bytes, moved through one slot.
+/// One piece of a staged request: at most a slot's bytes, moved through one slot.
 #[derive(Debug, Default, Clone)]
 struct Piece {
     parts: Vec<Part>,
@@ -553,14 +574,19 @@ struct Part {
     direct: bool,
 }
 
-#[derive(Default)]
 struct Pieces {
+    /// Bytes of a slot.
+    slot: u64,
     done: Vec<Piece>,
     cur: Piece,
     pos: u64,
 }
 
 impl Pieces {
+    fn new(slot: u64) -> Pieces {
+        Pieces { slot, done: Vec::new(), cur: Piece::default(), pos: 0 }
+    }
+
     fn add(&mut self, s: &Seg, dev: u32, f: &FileReg) -> Result<()> {
         // O_DIRECT: slot positions aligned for the kernel (slots themselves are page-aligned), pieces of whole
         // file blocks; buffered: cache-line positions.
@@ -568,16 +594,18 @@ impl Pieces {
             Some(a) => (a.mem.max(a.off).max(4096), a.off.max(1)),
             None => (64, 1),
         };
-        if pad > SLOT || block > SLOT {
+        if pad > self.slot || block > self.slot {
             return Err(Error::not_supported(format!(
-                "fd {} needs O_DIRECT alignment of {pad} bytes, more than a staging slot ({SLOT} bytes)",
-                f.fd
+                "fd {} needs O_DIRECT alignment of {} bytes, more than a staging slot ({} bytes)",
+                f.fd,
+                pad.max(block),
+                self.slot
             )));
         }
         let mut done = 0;
         while done < s.len {
             self.pos = self.pos.div_ceil(pad) * pad;
-            let room = SLOT.saturating_sub(self.pos) / block * block;
+            let room = self.slot.saturating_sub(self.pos) / block * block;
             if room == 0 {
                 self.flush();
                 continue;
@@ -614,6 +642,8 @@ impl Pieces {
 /// A prepared staged request.
 struct Staged {
     read: bool,
+    /// Bytes of a slot (a power of two, at most [`SLOT`]).
+    slot: u64,
     pieces: Vec<Piece>,
 }
 
@@ -856,9 +886,9 @@ fn drive(core: &Core, s: &Staged, regions: &[Arc<Region>], run: &Run) -> Result<
         let base = b.ptr().div_ceil(4096) * 4096;
         let end = b.ptr() + b.size();
         let mut a = base;
-        while a + SLOT <= end {
+        while a + s.slot <= end && slots.len() < s.pieces.len() {
             slots.push(a);
-            a += SLOT;
+            a += s.slot;
         }
         bufs.push(b);
     }
@@ -995,7 +1025,7 @@ mod tests {
 
     #[test]
     fn pieces_fill_slots_and_keep_direct_alignment() {
-        let mut p = Pieces::default();
+        let mut p = Pieces::new(SLOT);
         let f = file(false);
         // 1024 blocks of 16 KiB: 128 per 2 MiB slot, packed back to back.
         for i in 0..1024u64 {
@@ -1006,14 +1036,14 @@ mod tests {
         assert!(v.iter().all(|x| x.parts.len() == 128));
         assert_eq!(v[1].parts[0].off, 128 * 65536);
         // One segment larger than a slot is cut at slot size.
-        let mut p = Pieces::default();
+        let mut p = Pieces::new(SLOT);
         p.add(&seg(0x1000_0000, 0, 5 * SLOT + 100), 1, &f).unwrap();
         let v = p.done();
         assert_eq!(v.len(), 6);
         assert_eq!(v.iter().map(|x| x.parts.iter().map(|p| p.len).sum::<u64>()).sum::<u64>(), 5 * SLOT + 100);
         // O_DIRECT: positions on 4 KiB, pieces of whole 4 KiB blocks.
         let d = file(true);
-        let mut p = Pieces::default();
+        let mut p = Pieces::new(SLOT);
         p.add(&seg(0x1000_0000, 0, 100), 0, &f).unwrap();
         p.add(&seg(0x2000_0000, 8192, 3 * 4096), 0, &d).unwrap();
         p.add(&seg(0x3000_0000, 1 << 30, SLOT), 0, &d).unwrap();
@@ -1026,8 +1056,29 @@ mod tests {
         assert_eq!(v.iter().flat_map(|x| &x.parts).map(|x| x.len).sum::<u64>(), 100 + 3 * 4096 + SLOT);
         // An alignment larger than a slot cannot be staged: refused, not looped on.
         let huge = FileReg::fake(3, Some((512, 2 * SLOT)));
-        let e = Pieces::default().add(&seg(0x1000_0000, 0, 4 * SLOT), 0, &huge).unwrap_err();
+        let e = Pieces::new(SLOT).add(&seg(0x1000_0000, 0, 4 * SLOT), 0, &huge).unwrap_err();
         assert_eq!(e.status(), Status::NotSupported);
+    }
+
+    #[test]
+    fn slots_give_about_32_pieces_within_bounds() {
+        // 1024 x 16 KiB: 32 slots of 512 KiB; 64 MiB: 2 MiB slots; small requests: the smallest slot.
+        assert_eq!(slot_size(16 << 20, 0), 512 << 10);
+        assert_eq!(slot_size(64 << 20, 0), SLOT);
+        assert_eq!(slot_size(1 << 30, 0), SLOT);
+        assert_eq!(slot_size(4096, 0), MIN_SLOT);
+        // Not a power of two: rounded down; an O_DIRECT alignment above it: raised to it, never above SLOT.
+        assert_eq!(slot_size(48 << 20, 0), 1 << 20);
+        assert_eq!(slot_size(4096, 1 << 20), 1 << 20);
+        assert_eq!(slot_size(4096, 3 * SLOT), SLOT);
+        let mut p = Pieces::new(slot_size(16 << 20, 4096));
+        let f = file(true);
+        for i in 0..1024u64 {
+            p.add(&seg(0x1000_0000 + i * 16384, i * 65536, 16384), 0, &f).unwrap();
+        }
+        let v = p.done();
+        assert_eq!(v.len(), 32);
+        assert!(v.iter().all(|x| x.parts.len() == 32 && x.parts.iter().all(|p| p.pos % 4096 == 0)));
     }
 
     #[test]
