@@ -43,9 +43,6 @@ pub(super) struct Shared {
     pub(super) pid: i32,
     pub(super) start_time: u64,
     pub(super) threads: usize,
-    /// The cores this process may run on (at least 1), read once: a same-host request's copy threads and the
-    /// thread that posts it are never more than these.
-    pub(super) cores: usize,
     pub(super) transport: Transport,
     pub(super) tcp_opts: TcpOpts,
     /// Shown only inside this engine's metadata; a TCP connection must present it.
@@ -179,7 +176,6 @@ impl Shared {
             pid,
             start_time,
             threads,
-            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             transport,
             tcp_opts,
             secret,

@@ -24,26 +24,12 @@ const INLINE_BYTES: u64 = 4 << 20;
 /// Pieces of a split request are at least this large.
 const MIN_PIECE: u64 = 1 << 20;
 /// A split DRAM request has at most this many pieces. They are many more than the copy threads: each copy
-/// thread and the posting thread take the next one still queued, so a thread that is descheduled (another
+/// thread and each poll takes the next one still queued, so a copy thread that is descheduled (another
 /// process on its core) holds up at most the one piece it took, while the others go on (split only in as many
 /// pieces as threads, a descheduled thread held up half an 8 MiB WRITE under nixlbench, 0.2× NIXL's rate).
 const MAX_PIECES: u64 = 256;
 /// Over TCP, requests up to this size run inline in `post` (one round trip); larger ones go to workers.
 const TCP_INLINE_BYTES: u64 = 256 << 10;
-
-/// How `post` runs a request.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Split {
-    /// Copied in `post`, in one piece.
-    Inline,
-    /// Pieces for the TCP workers (one per data connection).
-    Tcp,
-    /// One piece per copy thread (VRAM, NIC routes: the route keeps each in flight).
-    Threads,
-    /// CPU copies (CMA, in-process) in many small pieces, taken in turn by the copy threads and by `post`
-    /// itself.
-    Shared,
-}
 
 /// A prepared request (its peer, if any, is `plan.target`, checked to be this engine's), shared with the copy
 /// threads.
@@ -78,20 +64,16 @@ impl EngineXfer {
 #[derive(Default)]
 pub(super) struct Run {
     state: AtomicI32,
-    /// Pieces not finished yet.
     pending: AtomicUsize,
-    /// Pieces this post was cut in.
-    pieces: AtomicUsize,
     pub(super) abort: AtomicBool,
     err: Mutex<Option<(Status, String)>>,
     done_at: Mutex<Option<Instant>>,
     idle: Condvar,
     idle_lock: Mutex<()>,
     notif: Option<Vec<u8>>,
-    /// Pieces that no thread has taken yet. The posting thread takes them until none is left (`Split::Shared`);
-    /// otherwise a poll of the request takes one and copies it itself (`EngineXfer::status`): a caller spinning
-    /// on the status (nixlbench, NIXL's examples) then moves data instead of taking a core from the copy
-    /// threads, as NIXL's UCX progresses in the polling thread.
+    /// Pieces for the copy threads that none has taken yet. A poll of the request takes one and copies it
+    /// itself (`EngineXfer::status`): a caller spinning on the status (nixlbench, NIXL's examples) then moves
+    /// data instead of taking a core from the copy threads, as NIXL's UCX progresses in the polling thread.
     queued: Mutex<VecDeque<Vec<Seg>>>,
 }
 
@@ -201,18 +183,17 @@ impl BackendXfer for EngineXfer {
             // The control connection carries the heartbeats that bound this request.
             link.connect()?;
         }
-        let (pieces, how) = match tcp {
-            Some(_) if plan.total_bytes <= TCP_INLINE_BYTES => (1, Split::Inline),
-            Some(_) => ((plan.total_bytes / MIN_PIECE).clamp(1, core.shared.tcp_opts.conns as u64), Split::Tcp),
-            None if plan.total_bytes <= INLINE_BYTES || core.shared.threads <= 1 => (1, Split::Inline),
+        let (pieces, inline) = match tcp {
+            Some(_) if plan.total_bytes <= TCP_INLINE_BYTES => (1, true),
+            Some(_) => ((plan.total_bytes / MIN_PIECE).clamp(1, core.shared.tcp_opts.conns as u64) as usize, false),
+            None if plan.total_bytes <= INLINE_BYTES || core.shared.threads <= 1 => (1, true),
             // A VRAM request's pieces each set up device copies, a NIC's are kept in flight by its route: one
             // per copy thread.
             None if core.mover.is_some() || core.peer().is_some_and(|p| !p.via().cpu_copies()) => {
-                ((plan.total_bytes / MIN_PIECE).clamp(1, core.shared.threads as u64), Split::Threads)
+                ((plan.total_bytes / MIN_PIECE).clamp(1, core.shared.threads as u64) as usize, false)
             }
-            None => ((plan.total_bytes / MIN_PIECE).clamp(1, MAX_PIECES), Split::Shared),
+            None => ((plan.total_bytes / MIN_PIECE).clamp(1, MAX_PIECES) as usize, false),
         };
-        let pieces = pieces as usize;
         let run = Arc::new(Run {
             state: AtomicI32::new(Status::InProg as i32),
             pending: AtomicUsize::new(pieces),
@@ -223,7 +204,7 @@ impl BackendXfer for EngineXfer {
         if let Some(link) = tcp {
             link.begin();
         }
-        if how == Split::Inline {
+        if inline {
             core.guarded_copy(&plan.segs, &run);
             core.finish(&run);
             return self.status();
@@ -231,8 +212,7 @@ impl BackendXfer for EngineXfer {
         // About equal bytes each, segments split where needed.
         let parts = copy::chunks(&plan.segs, plan.total_bytes.div_ceil(pieces as u64).max(1));
         run.pending.store(parts.len(), Ordering::Release);
-        run.pieces.store(parts.len(), Ordering::Relaxed);
-        if how == Split::Tcp {
+        if tcp.is_some() {
             // Over TCP a piece waits on sockets: only the TCP workers take them, never a polling caller.
             for part in parts {
                 let (c, run) = (core.clone(), run.clone());
@@ -241,24 +221,12 @@ impl BackendXfer for EngineXfer {
             return Ok(Status::InProg);
         }
         // Up to one task per copy thread, each taking the next piece still queued (polls take them too) until
-        // none is left. CPU copies: this thread is one of the workers, so the tasks leave it a core.
-        let tasks = match how {
-            Split::Shared => (parts.len() - 1).min(core.shared.threads).min(core.shared.cores - 1),
-            _ => parts.len().min(core.shared.threads),
-        };
+        // none is left.
+        let tasks = parts.len().min(core.shared.threads);
         *run.queued.lock() = parts.into();
         for _ in 0..tasks {
             let (c, run) = (core.clone(), run.clone());
             core.shared.pool.submit(Box::new(move || while run.take_piece(&c) {}));
-        }
-        if how == Split::Shared {
-            // As NIXL's UCX copies over CMA inside the post: a posting thread that returned at once was often
-            // preempted by the copy threads it woke and then only waited (2 cores, nixlbench), while the
-            // pieces it now takes run beside theirs.
-            while run.take_piece(core) {}
-            if run.state.load(Ordering::Acquire) != Status::InProg as i32 {
-                return self.status();
-            }
         }
         Ok(Status::InProg)
     }
@@ -354,36 +322,30 @@ mod tests {
         let src = vec![1u8; SIZE];
         let dst = vec![0u8; SIZE];
         let (_a, b, x) = write_between_engines("ct", &src, &dst);
+        assert_eq!(x.post(None).unwrap(), Status::InProg);
         let probe = (dst.as_ptr() as usize + SIZE / 2 + (8 << 20)) as *const u8;
-        std::thread::scope(|s| {
-            // The posting thread copies pieces too: it posts beside this one, which watches and polls.
-            let posted = s.spawn(|| x.post(None));
-            // SAFETY: `dst` lives to the end of the test; volatile because other threads write it.
-            while unsafe { std::ptr::read_volatile(probe) } == 0 {
-                std::hint::spin_loop();
+        // SAFETY: `dst` lives to the end of the test; volatile because a copy thread writes it.
+        while unsafe { std::ptr::read_volatile(probe) } == 0 {
+            std::hint::spin_loop();
+        }
+        drop(b);
+        let t = Instant::now();
+        let st = loop {
+            match x.status() {
+                Ok(Status::InProg) if t.elapsed() < Duration::from_secs(20) => std::thread::yield_now(),
+                other => break other,
             }
-            drop(b);
-            let t = Instant::now();
-            let st = loop {
-                match x.status() {
-                    Ok(Status::InProg) if t.elapsed() < Duration::from_secs(20) => std::thread::yield_now(),
-                    other => break other,
-                }
-            };
-            let run = x.run.lock().clone().unwrap();
-            assert_eq!(st.as_ref().err().map(|e| e.status()), Some(Status::RemoteDisconnect), "{st:?}");
-            assert_eq!(run.pending.load(Ordering::Acquire), 0, "a copy thread still works on a terminal request");
-            assert_ne!(run.state.load(Ordering::Acquire), Status::InProg as i32);
-            // The post itself returns too (whatever it saw: it may have taken the last piece before the abort).
-            let _answer = posted.join().expect("the posting thread returned");
-        });
+        };
+        let run = x.run.lock().clone().unwrap();
+        assert_eq!(st.as_ref().err().map(|e| e.status()), Some(Status::RemoteDisconnect), "{st:?}");
+        assert_eq!(run.pending.load(Ordering::Acquire), 0, "a copy thread still works on a terminal request");
+        assert_ne!(run.state.load(Ordering::Acquire), Status::InProg as i32);
     }
 
-    /// The posting thread moves the pieces no copy thread has taken: with every copy thread held busy, `post`
-    /// alone completes a request split in 1 MiB pieces, byte-exact, and the copy threads find nothing left
-    /// after.
+    /// A caller polling the status moves the pieces no copy thread has taken: with every copy thread held
+    /// busy, polls alone complete a split request, byte-exact, and the copy threads find nothing left after.
     #[test]
-    fn post_copies_the_pieces_no_copy_thread_took() {
+    fn polls_copy_the_pieces_no_copy_thread_took() {
         const SIZE: usize = 16 << 20;
         let src: Vec<u8> = (0..SIZE).map(|i| (i * 7 + i / 4096) as u8).collect();
         let dst = vec![0u8; SIZE];
@@ -404,11 +366,15 @@ mod tests {
         while started.load(Ordering::Acquire) < 2 {
             std::thread::yield_now();
         }
-        assert_eq!(x.post(None).unwrap(), Status::Success, "the posting thread copied every piece");
-        let run = x.run.lock().clone().unwrap();
-        assert_eq!(run.pieces.load(Ordering::Relaxed), 16, "the request was split in 1 MiB pieces");
-        assert!(run.queued.lock().is_empty());
-        assert_eq!(dst, src, "the post moved every byte");
+        assert_eq!(x.post(None).unwrap(), Status::InProg);
+        let queued = x.run.lock().clone().unwrap().queued.lock().len();
+        assert_eq!(queued, 16, "the request was split in 1 MiB pieces");
+        let mut polls = 0;
+        while x.status().unwrap() == Status::InProg {
+            polls += 1;
+            assert!(polls <= queued, "each poll copies a piece: {polls} polls and still in progress");
+        }
+        assert_eq!(dst, src, "the polls moved every byte");
         *gate.0.lock() = true;
         gate.1.notify_all();
         // The copy threads' tasks for this request find its queue empty and leave it as it is.
