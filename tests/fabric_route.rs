@@ -201,6 +201,19 @@ impl Prefill {
         Prefill { child, stdin, stdout, md, addr }
     }
 
+    /// This binary as the initiator child `role` (`fabric-decode`, `fabric-writer`) in network namespace `ns`,
+    /// over the tcp provider, pointed at this target; its stdout piped.
+    fn initiator(&self, ns: &str, role: &str) -> Command {
+        let mut c = child_in(Some(ns));
+        c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+            .env("GIXL_CHILD", role)
+            .env("GIXL_FABRIC_PROVIDER", "tcp;ofi_rxm")
+            .env("GIXL_PEER_MD", hex(&self.md))
+            .env("GIXL_PEER_ADDR", self.addr.to_string())
+            .stdout(std::process::Stdio::piped());
+        c
+    }
+
     fn ask(&mut self, cmd: &str, until: &str) -> Vec<String> {
         writeln!(self.stdin, "{cmd}").unwrap();
         let mut lines = Vec::new();
@@ -454,14 +467,7 @@ fn tcp_provider_across_two_network_namespaces() {
     }
     let Some(net) = common::Net::new("fab", 2) else { return };
     let mut p = Prefill::start_in(Some(&net.ns(0)), 0, "tcp;ofi_rxm");
-    let mut c = child_in(Some(&net.ns(1)));
-    c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
-        .env("GIXL_CHILD", "fabric-decode")
-        .env("GIXL_FABRIC_PROVIDER", "tcp;ofi_rxm")
-        .env("GIXL_PEER_MD", hex(&p.md))
-        .env("GIXL_PEER_ADDR", p.addr.to_string())
-        .stdout(std::process::Stdio::piped());
-    let out = c.output().unwrap();
+    let out = p.initiator(&net.ns(1), "fabric-decode").output().unwrap();
     let out = String::from_utf8_lossy(&out.stdout);
     let line = out.lines().find(|l| l.starts_with("@decoded ")).unwrap_or_else(|| panic!("{out}"));
     assert_eq!(line, "@decoded libfabric ok");
@@ -492,15 +498,7 @@ fn tcp_provider_over_two_rails_across_two_network_namespaces() {
     for (case, target_env, decode_env, used) in cases {
         let mut p = Prefill::start_with(Some(&net.ns(0)), 0, "tcp;ofi_rxm", target_env);
         let before = [net.rail_bytes(0, 0), net.rail_bytes(0, 1)];
-        let mut c = child_in(Some(&net.ns(1)));
-        c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
-            .env("GIXL_CHILD", "fabric-decode")
-            .env("GIXL_FABRIC_PROVIDER", "tcp;ofi_rxm")
-            .env("GIXL_PEER_MD", hex(&p.md))
-            .env("GIXL_PEER_ADDR", p.addr.to_string())
-            .envs(decode_env.iter().copied())
-            .stdout(std::process::Stdio::piped());
-        let out = c.output().unwrap();
+        let out = p.initiator(&net.ns(1), "fabric-decode").envs(decode_env.iter().copied()).output().unwrap();
         let out = String::from_utf8_lossy(&out.stdout);
         let line = out.lines().find(|l| l.starts_with("@decoded ")).unwrap_or_else(|| panic!("{case}: {out}"));
         assert_eq!(line, "@decoded libfabric ok", "{case}");
@@ -534,14 +532,7 @@ fn a_region_deregistered_under_writes_on_two_rails_is_quiet_once_deregistration_
     for round in 0..3 {
         let mut p = Prefill::start_in(Some(&net.ns(0)), round, "tcp;ofi_rxm");
         let before = [net.rail_bytes(0, 0), net.rail_bytes(0, 1)];
-        let mut c = child_in(Some(&net.ns(1)));
-        c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
-            .env("GIXL_CHILD", "fabric-writer")
-            .env("GIXL_FABRIC_PROVIDER", "tcp;ofi_rxm")
-            .env("GIXL_PEER_MD", hex(&p.md))
-            .env("GIXL_PEER_ADDR", p.addr.to_string())
-            .stdout(std::process::Stdio::piped());
-        let mut w = c.spawn().unwrap();
+        let mut w = p.initiator(&net.ns(1), "fabric-writer").spawn().unwrap();
         let mut out = BufReader::new(w.stdout.take().unwrap());
         let mut line = String::new();
         while !line.starts_with("@posted") {
