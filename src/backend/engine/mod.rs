@@ -51,6 +51,7 @@ mod gate;
 mod harness;
 mod health;
 mod keys;
+mod near;
 mod notif;
 mod peer;
 pub(crate) mod pool;

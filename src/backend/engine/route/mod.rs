@@ -17,7 +17,6 @@
 pub(super) mod cma;
 pub(super) mod fabric;
 pub(super) mod in_process;
-pub(super) mod near;
 pub(super) mod rdma;
 pub(super) mod tcp;
 

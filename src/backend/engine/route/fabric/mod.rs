@@ -35,7 +35,8 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::{near, Job, Net, Prepared, Reach, Regions, Route, Setting, Side, TcpLink, TcpShared, Transport, VramWay};
+use super::{Job, Net, Prepared, Reach, Regions, Route, Setting, Side, TcpLink, TcpShared, Transport, VramWay};
+use crate::backend::engine::near;
 use crate::backend::{Seg, XferOp, XferPlan};
 use crate::fabric::{Mr, RemoteKey};
 use crate::status::{Error, Result, Status};
@@ -61,27 +62,13 @@ fn asked(setting: Setting) -> (Option<(String, bool)>, Option<String>) {
     (p, setting("fabric_domain", "GIXL_FABRIC_DOMAIN").map(trim))
 }
 
-/// The first provider offered that is not itself sockets or shared memory (efa, verbs, psm…), looked up once
-/// per process (libfabric absent: none). The first call opens libfabric: with Debian's build that costs about
-/// 300 ms here (its psm and psm2 libraries calibrate the clock when loaded, then every provider initialises), so
-/// engines look it up in the background (`look_up_soon`), never on agent creation's path.
-pub(crate) fn fabric_provider() -> Option<String> {
-    static FOUND: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
-    FOUND
-        .get_or_init(|| {
-            let all = crate::fabric::devices(None, None).ok()?;
-            all.iter().map(|d| d.provider()).find(|p| !side::is_sockets(p))
-        })
-        .clone()
-}
-
 /// `fabric_provider` started on a thread of its own, once per process; a caller that needs its answer sooner
 /// waits for it (`OnceLock`), or, where the thread could not start, looks it up itself.
 fn look_up_soon() {
     static STARTED: std::sync::Once = std::sync::Once::new();
     STARTED.call_once(|| {
         let _ = std::thread::Builder::new().name("gixl-fabric-lu".into()).spawn(|| {
-            fabric_provider();
+            side::fabric_provider();
         });
     });
 }

@@ -33,13 +33,27 @@ use parking_lot::{Condvar, Mutex};
 
 use super::wire::{self, Advert, FabricKey, FabricKeys, RailAdvert};
 use crate::backend::engine::keys::KeyLedger;
-use crate::backend::engine::route::near::{self, Place};
+use crate::backend::engine::near::{self, Place};
 use crate::backend::engine::route::{Export, Registration, Side};
 pub(crate) use crate::fabric::is_sockets;
 use crate::fabric::selftest;
 use crate::fabric::{self as fi, Av, Cq, CqRead, Device, Domain, Endpoint, Mr, RemoteKey};
 use crate::mem::MemType;
 use crate::status::{Error, Result};
+
+/// The first provider offered that is not itself sockets or shared memory (efa, verbs, psm…), looked up once
+/// per process (libfabric absent: none). The first call opens libfabric: with Debian's build that costs about
+/// 300 ms here (its psm and psm2 libraries calibrate the clock when loaded, then every provider initialises), so
+/// engines look it up in the background (`look_up_soon`), never on agent creation's path.
+pub(crate) fn fabric_provider() -> Option<String> {
+    static FOUND: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    FOUND
+        .get_or_init(|| {
+            let all = crate::fabric::devices(None, None).ok()?;
+            all.iter().map(|d| d.provider()).find(|p| !is_sockets(p))
+        })
+        .clone()
+}
 
 /// The longest the target's progress thread sleeps on its queue's wait descriptor between reads.
 const TARGET_SLEEP: Duration = Duration::from_millis(100);
@@ -354,7 +368,7 @@ impl Drop for Busy {
 pub(crate) struct FabricSide {
     agent: String,
     /// The provider asked for (libfabric's full name, or its core provider's, see `provider_is`), and whether
-    /// by its full name; None: the first offered that is not sockets (`super::fabric_provider`, looked up in
+    /// by its full name; None: the first offered that is not sockets (`fabric_provider`, looked up in
     /// the background), else `fallback`.
     asked: Option<(String, bool)>,
     fallback: Option<String>,
@@ -470,7 +484,7 @@ impl FabricSide {
     pub(crate) fn provider(&self) -> (String, bool) {
         match &self.asked {
             Some(p) => p.clone(),
-            None => (super::fabric_provider().or_else(|| self.fallback.clone()).unwrap_or_default(), true),
+            None => (fabric_provider().or_else(|| self.fallback.clone()).unwrap_or_default(), true),
         }
     }
 

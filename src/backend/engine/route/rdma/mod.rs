@@ -36,7 +36,8 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::{near, Job, Net, Prepared, Reach, Regions, Route, Setting, Side, TcpLink, TcpShared, Transport, VramWay};
+use super::{Job, Net, Prepared, Reach, Regions, Route, Setting, Side, TcpLink, TcpShared, Transport, VramWay};
+use crate::backend::engine::near;
 use crate::backend::{Seg, XferOp, XferPlan};
 use crate::status::{Error, Result, Status};
 use crate::verbs::{Completion, Cq, Op, Qp, QpCaps, Sge, WcStatus, Wr};

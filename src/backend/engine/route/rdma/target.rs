@@ -21,7 +21,7 @@ use parking_lot::Mutex;
 
 use super::wire::{self, Port, RdmaKeys};
 use crate::backend::engine::keys::KeyLedger;
-use crate::backend::engine::route::near::{self, Place};
+use crate::backend::engine::near::{self, Place};
 use crate::backend::engine::route::{Export, Registration, Side, Transport};
 use crate::mem::MemType;
 use crate::status::Result;
