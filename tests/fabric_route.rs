@@ -135,8 +135,8 @@ fn decode_child() {
     println!("\n@decoded {route} {verdict}");
 }
 
-/// An initiator in another network namespace: an 8 × 64 MiB WRITE of ones and twos in turn to the target (`GIXL_PEER_MD`,
-/// `GIXL_PEER_ADDR`), `@posted` once posted, `@wrote <status>` once it ended.
+/// An initiator in another network namespace: an 8 × 64 MiB WRITE of ones and twos in turn to the target
+/// (`GIXL_PEER_MD`, `GIXL_PEER_ADDR`), `@posted` once posted, `@wrote <status>` once it ended.
 fn writer_child() {
     setup("fabric writer child").expect("the parent found libfabric");
     let a = agent("writer-ns", &std::env::var("GIXL_FABRIC_PROVIDER").unwrap());

@@ -3,7 +3,8 @@
 //! event loops' reactor (`reactor`: an epoll set, its wake-up line, tokens handed out by tag), sockets beyond
 //! `std::net` (`sock`: vectored I/O on raw memory, non-blocking single calls, timeouts, interface addresses)
 //! and descriptors passed over Unix sockets with the peer's credentials (`fdpass`: SCM_RIGHTS, SO_PEERCRED),
-//! the NUMA node of a page (`numa_node_of`) and a NIC's place (`nic_place`), and shared libraries opened at run time (`dl`). No policy lives here.
+//! the NUMA node of a page (`numa_node_of`) and a NIC's place (`nic_place`), and shared libraries opened at run
+//! time (`dl`). No policy lives here.
 
 pub(crate) mod dl;
 pub(crate) mod fdpass;

@@ -360,8 +360,9 @@ mod tests {
         }
     }
 
-    /// Two agents that both ask for LIBFABRIC (as Ray does on both ends) talk over the engine's routes, the
-    /// section in their metadata named LIBFABRIC; an agent with only UCX has no backend in common with them (loading their metadata fails).
+    /// Two agents that both ask for LIBFABRIC (as Ray does on both ends) talk over the engine's routes, the section in
+    /// their metadata named LIBFABRIC; an agent with only UCX has no backend in common with them (loading their
+    /// metadata fails).
     #[test]
     fn the_libfabric_name_is_the_engine() {
         let b = Agent::new("lf-target", AgentConfig::default()).unwrap();

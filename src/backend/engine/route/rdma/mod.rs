@@ -1,28 +1,28 @@
 //! The RDMA route: peers whose connection info advertises a port on a fabric this engine's port reaches
 //! (`wire::Port::reaches`), on another host, or on this one with `GIXL_TRANSPORT=rdma`. Over the verbs layer
 //! (`crate::verbs`: rdma-core, or the fake fabric in tests):
-//! - `target`: this engine's port and protection domain, its registrations' memory regions (key values never
-//!   handed out twice), its connection-info section, and the target's half of the queue-pair exchange;
-//! - here, the initiator: paths (one of our ports paired with one of the peer's on a common fabric), a
-//!   request's pieces spread over the live ones nearest its memory, each piece as chains of RDMA READ/WRITE work requests on a lane
-//!   of its path (one RC queue pair, its completion queue and its exchange connection), only the last of a chain
+//! - `target`: this engine's port and protection domain, its registrations' memory regions (key values never handed out
+//!   twice), its connection-info section, and the target's half of the queue-pair exchange;
+//! - here, the initiator: paths (one of our ports paired with one of the peer's on a common fabric), a request's pieces
+//!   spread over the live ones nearest its memory, each piece as chains of RDMA READ/WRITE work requests on a lane of
+//!   its path (one RC queue pair, its completion queue and its exchange connection), only the last of a chain
 //!   signalled; the copying thread sleeps on the queue's event descriptor, no polling; a path whose port fails is
 //!   dropped and the piece goes again over another, and a port the NIC says went down (an async event, see
 //!   `target::watch`) is not taken;
 //! - `wire`: the section and the exchange as pure functions.
 //!
-//! The peer's TCP link carries what is not data: the authenticated exchange that connects the pairs (a
-//! `wire::KIND` connection on the TCP listener, kept open while they live), heartbeats while requests are in
-//! flight, and notifications, which leave after the request's last completion, so after its data (a WRITE's last chain on
-//! each pair ends with a 1-byte READ, a flush, so the data is in the target's memory by then, see `run`).
+//! The peer's TCP link carries what is not data: the authenticated exchange that connects the pairs (a `wire::KIND`
+//! connection on the TCP listener, kept open while they live), heartbeats while requests are in flight, and
+//! notifications, which leave after the request's last completion, so after its data (a WRITE's last chain on each pair
+//! ends with a 1-byte READ, a flush, so the data is in the target's memory by then, see `run`).
 //!
-//! GPU memory goes as host memory does where both sides' NICs reach the regions (registered through a dma-buf of
-//! the range, else as peer memory; chosen per region at registration, see `target::RdmaSide::register_device`);
-//! a request touching a region that neither reaches is staged over the TCP link (`router::vram_way`).
-//! A piece goes over a path from a port nearest its local regions' memory (their NUMA node, or their GPU's PCI
-//! place: `target::RdmaSide::near`, carried in region tickets for the peer's side too), then to a port nearest
-//! the remote regions; others only when those fail. Not yet: notifications as SEND. Over rdma-core (`verbs::sys`) this has never run on a NIC: a real fabric is taken only with
-//! `GIXL_TRANSPORT=rdma` (see `target::RdmaSide::start`); the tests run it over the fake fabric.
+//! GPU memory goes as host memory does where both sides' NICs reach the regions (registered through a dma-buf of the
+//! range, else as peer memory; chosen per region at registration, see `target::RdmaSide::register_device`); a request
+//! touching a region that neither reaches is staged over the TCP link (`router::vram_way`). A piece goes over a path
+//! from a port nearest its local regions' memory (their NUMA node, or their GPU's PCI place: `target::RdmaSide::near`,
+//! carried in region tickets for the peer's side too), then to a port nearest the remote regions; others only when
+//! those fail. Not yet: notifications as SEND. Over rdma-core (`verbs::sys`) this has never run on a NIC: a real fabric
+//! is taken only with `GIXL_TRANSPORT=rdma` (see `target::RdmaSide::start`); the tests run it over the fake fabric.
 
 pub(crate) mod target;
 pub(crate) mod wire;
