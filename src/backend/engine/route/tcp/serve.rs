@@ -188,10 +188,11 @@ impl ServeLoop {
             let now = monotonic_ns();
             // Every connection waits for a request and the last one was served a moment ago: look for the next
             // without sleeping for up to `net::LOOK_NS` (a peer's next small request arrives within its round
-            // trip). Never while payloads move.
+            // trip). Never while payloads move. Each look yields the core, as `net::look_readable` does (the
+            // initiator's thread may be queued on this core).
             let look = q.turns.is_empty() && now < served + net::LOOK_NS && conns.values().all(|c| c.waiting());
             if look {
-                std::hint::spin_loop();
+                std::thread::yield_now();
             }
             let timeout = if look || !q.turns.is_empty() {
                 0
