@@ -13,7 +13,8 @@
 //!   [`SLOT`] bytes), and the device copy of one piece overlaps the file I/O of the others (WRITE: device →
 //!   slot, then the slot's writes are queued while the next piece is copied; READ: the reads of several slots
 //!   are queued, each slot copied to the device once its reads are done, then refilled). The file I/O is the
-//!   POSIX backend's queue.
+//!   POSIX backend's queue, except a WRITE's writes to regular files without `O_DIRECT`: those are plain
+//!   `pwrite`s on a writer thread per file (by fd, one of `thread_count`), see [`Core::write_queue`].
 //!   `O_DIRECT` files are honoured: file offsets and lengths are checked for the kernel's alignment at prep
 //!   (`NIXL_ERR_INVALID_PARAM`), and slot positions are aligned so the I/O from host memory is valid.
 //! - VRAM ↔ FILE is direct (cuFile) only where cuFile proved itself in this process ([`cufile`]: loaded,
@@ -122,6 +123,9 @@ struct Core {
     /// Threads that drive staged posts (copies, then I/O; I/O, then copies) and make direct posts' cuFile calls.
     drivers: Pool,
     threads: usize,
+    /// Staged WRITEs to files without `O_DIRECT`: one thread each doing plain `pwrite`s, a slot's writes at a
+    /// time; a file's writes always go to the same one (by its fd), so they never contend for the file.
+    writers: Vec<Arc<Queue>>,
     /// Posts that may still be running, with the regions they touch. Pruned as they are seen finished.
     active: Mutex<Active>,
 }
@@ -172,6 +176,7 @@ impl Gds {
             queue: posix.queue().clone(),
             drivers: Pool::new(threads),
             threads,
+            writers: (0..threads).map(|_| Arc::new(Queue::one_thread())).collect(),
             active: Mutex::new(Active::default()),
         });
         Ok(Gds { name, params: init.params, posix, core })
@@ -504,6 +509,21 @@ fn region(k: Option<&RegionKey>) -> Option<Arc<Region>> {
 }
 
 impl Core {
+    /// The queue for the writes of a staged WRITE's piece `p`: with any file open `O_DIRECT` (or not a
+    /// regular file), the POSIX backend's (io_uring: the device works on several at once); otherwise the
+    /// writer thread of its first file. Buffered writes cost CPU, not device time, and io_uring does not
+    /// save it: on file systems without non-blocking buffered writes (ext4, tmpfs) it hands each one to a
+    /// kernel worker, whose completion then wakes the ring's thread: hundreds of wake-ups per request of 16 KiB
+    /// writes, CPU time the staged path needs for its copies (docs/gds.md).
+    fn write_queue(&self, p: &Piece) -> &Queue {
+        match p.parts.first() {
+            Some(x) if p.parts.iter().all(|x| x.buffered) && !self.writers.is_empty() => {
+                &self.writers[x.fd.unsigned_abs() as usize % self.writers.len()]
+            }
+            _ => &self.queue,
+        }
+    }
+
     /// Retire `gone` (every region, for None), then wait for the posts in flight on them.
     /// True when no post on them is running any more.
     fn retire(&self, gone: Option<&[Arc<Region>]>) -> bool {
@@ -572,6 +592,8 @@ struct Part {
     off: u64,
     len: u64,
     direct: bool,
+    /// A regular file without `O_DIRECT`: its writes may go to a writer thread ([`Core::write_queue`]).
+    buffered: bool,
 }
 
 struct Pieces {
@@ -619,6 +641,7 @@ impl Pieces {
                 off: s.remote + done,
                 len: n,
                 direct: f.direct.is_some(),
+                buffered: f.direct.is_none() && f.regular,
             });
             self.pos += n;
             done += n;
@@ -907,13 +930,13 @@ fn drive(core: &Core, s: &Staged, regions: &[Arc<Region>], run: &Run) -> Result<
         }
         Ok(())
     };
-    // (slot index, I/O run) in piece order.
-    let mut inflight: VecDeque<(usize, Arc<Run>)> = VecDeque::new();
+    // (slot index, I/O run, its queue) in piece order.
+    let mut inflight: VecDeque<(usize, Arc<Run>, &Queue)> = VecDeque::new();
     let out = pipeline(core, device, s, &slots, &mut inflight, stop);
     // Whatever happened, no I/O may still use a slot when the buffers go back.
-    for (_, io) in inflight.drain(..) {
+    for (_, io, q) in inflight.drain(..) {
         if out.is_err() {
-            core.queue.abort(&io);
+            q.abort(&io);
         }
         io.wait();
     }
@@ -921,12 +944,12 @@ fn drive(core: &Core, s: &Staged, regions: &[Arc<Region>], run: &Run) -> Result<
     out
 }
 
-fn pipeline(
-    core: &Core,
+fn pipeline<'c>(
+    core: &'c Core,
     device: &dyn Device,
     s: &Staged,
     slots: &[u64],
-    inflight: &mut VecDeque<(usize, Arc<Run>)>,
+    inflight: &mut VecDeque<(usize, Arc<Run>, &'c Queue)>,
     stop: impl Fn() -> Result<()>,
 ) -> Result<()> {
     let mut free: Vec<usize> = (0..slots.len()).rev().collect();
@@ -952,15 +975,16 @@ fn pipeline(
             let i = match free.pop() {
                 Some(i) => i,
                 None => {
-                    let (i, io) = inflight.pop_front().expect("a slot is in flight when none is free");
+                    let (i, io, _) = inflight.pop_front().expect("a slot is in flight when none is free");
                     finished(&io)?;
                     i
                 }
             };
             copy(device, p, slots[i], false)?;
-            inflight.push_back((i, core.queue.start(&io_of(p, slots[i]))));
+            let q = core.write_queue(p);
+            inflight.push_back((i, q.start(&io_of(p, slots[i])), q));
         }
-        while let Some((_, io)) = inflight.pop_front() {
+        while let Some((_, io, _)) = inflight.pop_front() {
             finished(&io)?;
         }
         return Ok(());
@@ -972,11 +996,11 @@ fn pipeline(
         while next < s.pieces.len() {
             let Some(i) = free.pop() else { break };
             stop()?;
-            inflight.push_back((i, core.queue.start(&io_of(&s.pieces[next], slots[i]))));
+            inflight.push_back((i, core.queue.start(&io_of(&s.pieces[next], slots[i])), &core.queue));
             order.push_back(next);
             next += 1;
         }
-        let (i, io) = inflight.pop_front().expect("a read is in flight");
+        let (i, io, _) = inflight.pop_front().expect("a read is in flight");
         let p = order.pop_front().expect("each read has its piece");
         finished(&io)?;
         stop()?;
@@ -1058,6 +1082,44 @@ mod tests {
         let huge = FileReg::fake(3, Some((512, 2 * SLOT)));
         let e = Pieces::new(SLOT).add(&seg(0x1000_0000, 0, 4 * SLOT), 0, &huge).unwrap_err();
         assert_eq!(e.status(), Status::NotSupported);
+    }
+
+    #[test]
+    fn buffered_writes_go_to_the_writer_of_their_file() {
+        let core = Core {
+            name: "GDS",
+            queue: Arc::new(Queue::one_thread()),
+            drivers: Pool::new(1),
+            threads: 2,
+            writers: (0..2).map(|_| Arc::new(Queue::one_thread())).collect(),
+            active: Mutex::new(Active::default()),
+        };
+        let part = |fd: i32, direct: bool, buffered: bool| Part {
+            dev: 0,
+            vram: 0x1000,
+            pos: 0,
+            fd,
+            off: 0,
+            len: 16384,
+            direct,
+            buffered,
+        };
+        let piece = |parts: Vec<Part>| Piece { parts };
+        let is = |a: &Queue, b: &Queue| std::ptr::eq(a, b);
+        // A piece of buffered regular-file writes: the writer of its first file, the same one every time.
+        let w3 = core.write_queue(&piece(vec![part(3, false, true), part(4, false, true)]));
+        assert!(is(w3, &core.writers[1]));
+        assert!(is(core.write_queue(&piece(vec![part(3, false, true)])), w3));
+        assert!(is(core.write_queue(&piece(vec![part(4, false, true)])), &core.writers[0]));
+        // Any O_DIRECT file, or a file that is not a regular one (a pipe): the POSIX backend's queue.
+        assert!(is(core.write_queue(&piece(vec![part(3, false, true), part(5, true, false)])), &core.queue));
+        assert!(is(core.write_queue(&piece(vec![part(6, false, false)])), &core.queue));
+        // FileReg says which: a regular file without O_DIRECT is buffered.
+        let mut p = Pieces::new(SLOT);
+        p.add(&seg(0x1000_0000, 0, 100), 0, &file(false)).unwrap();
+        p.add(&seg(0x2000_0000, 4096, 4096), 0, &file(true)).unwrap();
+        let v = p.done();
+        assert_eq!(v[0].parts.iter().map(|x| x.buffered).collect::<Vec<_>>(), [true, false]);
     }
 
     #[test]

@@ -286,6 +286,8 @@ pub(crate) struct FileReg {
     writable: bool,
     /// Set when the fd is open with `O_DIRECT`.
     pub(crate) direct: Option<DioAlign>,
+    /// A regular file (not a pipe, socket or device): `pwrite`/`pread` at any offset work on it.
+    pub(crate) regular: bool,
     /// Path mode: the descriptor the backend opened (closed when the last request using it is gone) and the
     /// devId it is known by.
     owned: Option<(std::os::fd::OwnedFd, u64)>,
@@ -369,6 +371,7 @@ impl FileReg {
             readable: acc == libc::O_RDONLY || acc == libc::O_RDWR,
             writable: acc == libc::O_WRONLY || acc == libc::O_RDWR,
             direct: (fl & libc::O_DIRECT != 0).then(|| dio_align(fd)),
+            regular: st.st_mode & libc::S_IFMT == libc::S_IFREG,
             owned: None,
         })
     }
@@ -442,7 +445,7 @@ impl FileReg {
     #[cfg(test)]
     pub(crate) fn fake(fd: RawFd, direct: Option<(u64, u64)>) -> FileReg {
         let direct = direct.map(|(mem, off)| DioAlign { mem, off });
-        FileReg { fd, dev: 0, ino: 0, readable: true, writable: true, direct, owned: None }
+        FileReg { fd, dev: 0, ino: 0, readable: true, writable: true, direct, regular: true, owned: None }
     }
 
     /// Is the fd still open on the file that was registered?
@@ -494,6 +497,11 @@ pub(crate) enum Queue {
 }
 
 impl Queue {
+    /// A queue of one thread doing plain `pwrite`/`pread`, one run after another (started on first use).
+    pub(crate) fn one_thread() -> Queue {
+        Queue::Threads(threads::Pool::new(1))
+    }
+
     pub(crate) fn start(&self, work: &Arc<Work>) -> Arc<Run> {
         match self {
             Queue::Uring(r) => {
@@ -810,6 +818,7 @@ mod tests {
             readable: true,
             writable: true,
             direct: Some(DioAlign { mem: 512, off: 4096 }),
+            regular: true,
             owned: None,
         });
         let al = 1 << 20;
