@@ -925,10 +925,31 @@ impl Side for FabricSide {
                 mrs.push(None);
                 continue;
             }
-            let mr = rail.register(r.addr, r.len, hmem)?;
+            let mr = match rail.register(r.addr, r.len, hmem) {
+                Ok(mr) => mr,
+                // GPU memory this rail's self-test passed for but this region does not register (one spanning
+                // several allocations, say): staged on this rail rather than failing the registration.
+                Err(e) if vram => {
+                    crate::telemetry::log::info(&format!(
+                        "agent '{}': VRAM region {:#x}+{}: not registered on libfabric rail {} ({e}): staged there",
+                        r.agent,
+                        r.addr,
+                        r.len,
+                        rail.name()
+                    ));
+                    carried &= !(1 << rail.index);
+                    keys.push(FabricKey { key: 0, base: 0 });
+                    mrs.push(None);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             let remote = mr.remote(r.addr as *const u8).ok_or_else(|| Error::backend("libfabric region's key"))?;
             keys.push(FabricKey { key: remote.key, base: r.addr - remote.addr });
             mrs.push(Some(mr));
+        }
+        if vram && carried == 0 {
+            return Ok(None);
         }
         let place = if vram {
             let pci = crate::device::get().ok().and_then(|d| d.pci_path(r.dev as u32));
