@@ -21,6 +21,11 @@
 //! by a first peer that comes sooner (`ready`); run once per device and process, the verdict kept and shown by
 //! `gixl doctor`); a failed one is one WARN line naming the device, the step and the fallback (the other rails,
 //! else TCP), and greetings on it are refused.
+//!
+//! GPU memory: a rail whose device offers `FI_HMEM` registers it with its interface (`hmem_of`) once the rail
+//! passed a GPU-memory self-test for that GPU (`selftest::run_vram_on`, run at the first registration of one of
+//! its regions: `vram_verdict`); a rail that failed it registers none (one WARN line), and the region's ticket
+//! names the rails that carry it (`FabricKeys::rails`).
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
