@@ -274,6 +274,11 @@ pub(crate) fn fuzz(b: &[u8]) {
             assert_eq!(k.rails_section(), rails, "libfabric rail keys changed");
         }
     }
+    if let Some(carried) = b.get(16..) {
+        if let Ok(Some(k)) = read_ticket(&[(TICKET, &b[..16]), (TICKET_CARRIED, carried)]) {
+            assert!(k.rails != 0 && k.rails.to_le_bytes()[..] == carried[..], "libfabric carried rails changed");
+        }
+    }
     if let Some(k) = decode_scratch(b) {
         assert_eq!(encode_scratch(k)[..], b[..SCRATCH], "libfabric scratch changed");
     }
