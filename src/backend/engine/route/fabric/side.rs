@@ -887,6 +887,7 @@ impl Side for FabricSide {
         // GPU memory: the interface, and which rails carry it.
         let mut carried = u32::MAX;
         let mut hmem = None;
+        let mut gpu_why: Vec<String> = Vec::new();
         if vram {
             let what = || format!("agent '{}': VRAM region {:#x}+{} on GPU {}", r.agent, r.addr, r.len, r.dev);
             let device = match crate::device::get() {
@@ -915,12 +916,7 @@ impl Side for FabricSide {
                 return Ok(None);
             }
             hmem = Some(h);
-            crate::telemetry::log::info(&format!(
-                "{}: reached by libfabric directly (FI_HMEM, {h:?}) on rail(s) {}{}",
-                what(),
-                rails.iter().filter(|x| carried & (1 << x.index) != 0).map(|x| x.name()).collect::<Vec<_>>().join(", "),
-                if why.is_empty() { String::new() } else { format!(" (not on: {})", why.join("; ")) }
-            ));
+            gpu_why = why;
         }
         let (mut mrs, mut keys) = (Vec::with_capacity(rails.len()), Vec::with_capacity(rails.len()));
         for rail in rails.iter() {
@@ -955,6 +951,19 @@ impl Side for FabricSide {
         }
         if vram && carried == 0 {
             return Ok(None);
+        }
+        if let Some(h) = hmem {
+            let on: Vec<String> = rails.iter().filter(|x| carried & (1 << x.index) != 0).map(|x| x.name()).collect();
+            crate::telemetry::log::info(&format!(
+                "agent '{}': VRAM region {:#x}+{} on GPU {}: reached by libfabric directly (FI_HMEM, {h:?}) on \
+                 rail(s) {}{}",
+                r.agent,
+                r.addr,
+                r.len,
+                r.dev,
+                on.join(", "),
+                if gpu_why.is_empty() { String::new() } else { format!(" (not on: {})", gpu_why.join("; ")) }
+            ));
         }
         let place = if vram {
             let pci = crate::device::get().ok().and_then(|d| d.pci_path(r.dev as u32));
