@@ -27,7 +27,8 @@
 //! apart, with the libfabric it found in `GIXL_LIBFABRIC`): the devices libfabric offers, each NIC provider's
 //! (efa, verbs…: not sockets or shared memory) self-test, and over the first that passed, a prefill and this
 //! process both with transport=fabric on it: DRAM→DRAM READ and WRITE 64 MiB and a VRAM→VRAM READ 64 MiB
-//! (staged over the TCP link: `FI_HMEM` is not done), data checked, and the route's own self-test. Where there
+//! (through `FI_HMEM` where the provider offers it and its GPU-memory self-test passed, else staged over the TCP
+//! link: it prints which), data checked, and the route's own self-test. Where there
 //! is no such provider it says so and runs none (`GIXL_GPU_CHECK_FABRIC_PROVIDER` names one anyway, e.g.
 //! `tcp;ofi_rxm` for a dry run).
 //!
@@ -727,9 +728,38 @@ fn fabric_cases(dev: u32, iters: usize) -> usize {
     check(pf.sums().1 == 0x44 * BULK as u64, "libfabric DRAM WRITE 64 MiB: data at the target");
     let r = mk(XferOp::Read, dl(MemType::Vram, vec![(lv, BULK)], dev), dl(MemType::Vram, vec![(pf.vram, BULK)], dev))
         .expect("request");
-    let name = format!("libfabric {prov}: VRAM→VRAM READ 1 × 64 MiB (staged over the TCP link)");
+    // GPU memory goes through FI_HMEM where this side's rails registered it (their device offers FI_HMEM and
+    // passed the GPU-memory self-test, run when the VRAM was registered above) and the peer's did too; else it
+    // is staged over the TCP link. This side's verdict, from its self-test records:
+    let gpu_tests: Vec<_> = gixl::fabric::selftest::records()
+        .into_iter()
+        .filter(|r| {
+            r.device.starts_with(&format!("{prov}/")) && r.device.ends_with(gixl::fabric::selftest::VRAM_SUFFIX)
+        })
+        .collect();
+    let hmem_here = gpu_tests.iter().any(|r| r.passed);
+    let how = if hmem_here {
+        "direct through FI_HMEM where the peer's rails carry it too (this side's GPU-memory self-test passed)"
+            .to_owned()
+    } else if gpu_tests.is_empty() {
+        "staged over the TCP link (no rail of this provider offers FI_HMEM)".to_owned()
+    } else {
+        let why: Vec<String> = gpu_tests.iter().map(|r| format!("{} at {}", r.device, r.step.unwrap_or("?"))).collect();
+        format!("staged over the TCP link (GPU-memory self-test failed: {})", why.join(", "))
+    };
+    println!("libfabric {prov}: VRAM: {how}");
+    let copied = gixl::device::is_fake().then(gixl::device::fake::copied_bytes);
+    let name = format!(
+        "libfabric {prov}: VRAM→VRAM READ 1 × 64 MiB ({})",
+        if hmem_here { "FI_HMEM, direct" } else { "staged over the TCP link" }
+    );
     rows.push((name, rate(&a, &r, BULK, iters).unwrap_or(f64::NAN)));
     check(mem::sum(lv, BULK) == 0x21 * BULK as u64, "libfabric VRAM READ 64 MiB: data");
+    if let Some(c) = copied {
+        // The fake device (a dry run): its copies are what staging does here; none where it went direct.
+        let c = gixl::device::fake::copied_bytes() - c;
+        println!("libfabric {prov}: the fake device layer copied {c} bytes during the VRAM READs (0: not staged here)");
+    }
     for r in gixl::fabric::selftest::records() {
         println!(
             "libfabric self-test record {}: {} in {:.1} ms{}",

@@ -28,7 +28,9 @@
 #       3. libfabric: the library this host has (/opt/amazon/efa/lib, the system's), else the carried one, and
 #          its providers (fi_info -l); then gpu_check again with GIXL_GPU_CHECK=fabric: the devices libfabric
 #          offers, each NIC provider's (efa, verbs…: not tcp, udp, sockets, net or shm) self-test, then DRAM
-#          READ/WRITE and a VRAM READ of 64 MiB over the libfabric route on the first that passed, data checked,
+#          READ/WRITE and a VRAM READ of 64 MiB over the libfabric route on the first that passed (through
+#          FI_HMEM where the provider offers it and the GPU-memory self-test passed, else staged: it says which),
+#          data checked,
 #          the route's own self-test (examples/gpu_check.rs, fabric_cases); where there is none, one line
 #          saying so;
 #       4. NIXL 1.5.1 on the same cases (scripts/gpu_check_nixl.py --impl nixl_cu12) if it can be imported

@@ -75,6 +75,10 @@ fn the_library_lists_its_devices() {
         assert_eq!(d.caps() & gixl::fabric::CAPS, gixl::fabric::CAPS, "{d:?}");
         assert_eq!(d.mr_mode() & !gixl::fabric::MR_MODES, 0, "{d:?} asks for a mode gixl did not offer");
     }
+    // FI_HMEM: Debian's 1.17 offers it on shm (MR modes FI_MR_VIRT_ADDR and FI_MR_HMEM), not on tcp.
+    let shm = all.iter().find(|d| d.provider() == "shm").unwrap();
+    assert!(shm.hmem() && shm.mr_mode() & gixl::fabric::FI_MR_HMEM != 0, "{shm:?}");
+    assert!(all.iter().filter(|d| d.provider() == "tcp;ofi_rxm").all(|d| !d.hmem()), "{all:?}");
     // A provider that does not exist is an empty list, not an error.
     assert!(gixl::fabric::devices(Some("no-such-provider"), None).unwrap().is_empty());
 }

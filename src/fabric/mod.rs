@@ -20,11 +20,33 @@ use std::time::{Duration, Instant};
 use crate::status::{Error, Result};
 use sys::Lib;
 
-pub use sys::{FI_MR_ALLOCATED, FI_MR_ENDPOINT, FI_MR_LOCAL, FI_MR_PROV_KEY, FI_MR_VIRT_ADDR};
+pub use sys::{FI_MR_ALLOCATED, FI_MR_ENDPOINT, FI_MR_HMEM, FI_MR_LOCAL, FI_MR_PROV_KEY, FI_MR_VIRT_ADDR};
 
 /// The MR modes gixl can honour (those EFA asks for), offered in the hints; the provider answers with the
-/// subset it requires (`Device::mr_mode`).
-pub const MR_MODES: c_int = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_PROV_KEY | FI_MR_ALLOCATED | FI_MR_ENDPOINT;
+/// subset it requires (`Device::mr_mode`). `FI_MR_HMEM` (GPU memory must be registered, with its interface):
+/// gixl registers every region it moves, GPU memory with `fi_mr_regattr` naming its interface ([`Hmem`]).
+pub const MR_MODES: c_int =
+    FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_PROV_KEY | FI_MR_ALLOCATED | FI_MR_ENDPOINT | FI_MR_HMEM;
+
+/// What memory a region registered with its interface is (`fi_mr_regattr`'s `iface` and `device`): a GPU's
+/// through CUDA (its ordinal), or host memory named as such (`FI_HMEM_SYSTEM`: what a provider's `FI_HMEM`
+/// path does with host memory; the tests register the fake device's memory, which is host memory, this way
+/// to run that path where no GPU is).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hmem {
+    System,
+    Cuda(i32),
+}
+
+impl Hmem {
+    fn iface(self) -> (u32, u64) {
+        match self {
+            Hmem::System => (sys::FI_HMEM_SYSTEM, 0),
+            // The union's `int cuda`: the low half of its `uint64_t` (little-endian).
+            Hmem::Cuda(d) => (sys::FI_HMEM_CUDA, d as u32 as u64),
+        }
+    }
+}
 /// The capabilities asked of every device: one-sided RMA both ways.
 pub const CAPS: u64 = sys::FI_RMA | sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE;
 
@@ -139,6 +161,11 @@ impl Device {
         // SAFETY: a live info.
         unsafe { (*self.info).caps }
     }
+    /// The provider offers `FI_HMEM` on this device (GPU memory registered with its interface, moved by the
+    /// provider's one-sided operations): it was asked for, and granted, in [`devices`].
+    pub fn hmem(&self) -> bool {
+        self.caps() & sys::FI_HMEM != 0
+    }
 }
 
 /// An owned `fi_getinfo` hints struct (allocated by the library with `fi_dupinfo(NULL)`, freed by it).
@@ -158,8 +185,33 @@ impl Drop for Hints<'_> {
 /// `provider` and a `domain` keep only those of exactly that name (libfabric's full name: `tcp;ofi_rxm` is
 /// the tcp provider under the rxm utility, which gives it RDM endpoints; `tcp` alone offers none).
 /// NOT_SUPPORTED where the library is absent; an empty list where none matches (`-FI_ENODATA`).
+///
+/// Each device is asked for with `FI_HMEM` too: where the provider offers it on the device (shm here; efa with
+/// CUDA), the entry kept is that one (its [`Device::hmem`]); otherwise the plain one, in libfabric's order.
 pub fn devices(provider: Option<&str>, domain: Option<&str>) -> Result<Vec<Device>> {
     let lib = sys::lib()?;
+    let hmem = query(&lib, provider, domain, CAPS | sys::FI_HMEM)?;
+    let plain = query(&lib, provider, domain, CAPS)?;
+    let mut out: Vec<Device> = Vec::with_capacity(plain.len());
+    for d in plain {
+        let same = |h: &&Device| h.provider() == d.provider() && h.domain() == d.domain();
+        out.push(match hmem.iter().find(same) {
+            Some(h) => h.clone(),
+            None => d,
+        });
+    }
+    // A device offered only with FI_HMEM (not expected): kept too.
+    for h in hmem {
+        if !out.iter().any(|o| o.provider() == h.provider() && o.domain() == h.domain()) {
+            out.push(h);
+        }
+    }
+    Ok(out)
+}
+
+/// One `fi_getinfo` for RDM endpoints with `caps` (see [`devices`]).
+fn query(lib: &Arc<Lib>, provider: Option<&str>, domain: Option<&str>, caps: u64) -> Result<Vec<Device>> {
+    let lib = lib.clone();
     // SAFETY: fi_dupinfo(NULL) allocates a zeroed info with every attribute struct (fi_allocinfo).
     let hints = Hints { lib: &lib, info: unsafe { (lib.dupinfo)(std::ptr::null()) } };
     if hints.info.is_null() {
@@ -173,7 +225,7 @@ pub fn devices(provider: Option<&str>, domain: Option<&str>) -> Result<Vec<Devic
     // SAFETY: the hints and their attribute structs are ours until freed; plain field writes.
     unsafe {
         let h = &mut *hints.info;
-        h.caps = CAPS;
+        h.caps = caps;
         (*h.ep_attr).type_ = sys::FI_EP_RDM;
         let d = &mut *h.domain_attr;
         d.mr_mode = MR_MODES;
@@ -734,18 +786,75 @@ impl Mr {
         ep: &Arc<Endpoint>,
         remote: bool,
     ) -> Result<Mr> {
+        // SAFETY: the caller's contract.
+        unsafe { Mr::register_as(domain, base, len, ep, remote, None) }
+    }
+
+    /// As [`Mr::register`], for memory of interface `hmem` (GPU memory: `fi_mr_regattr` naming its interface
+    /// and device; the domain's device must offer `FI_HMEM`, see [`Device::hmem`]).
+    ///
+    /// # Safety
+    /// `base..base + len` is memory of that interface and device that outlives the region.
+    pub unsafe fn register_hmem(
+        domain: &Domain,
+        base: *mut u8,
+        len: usize,
+        ep: &Arc<Endpoint>,
+        hmem: Hmem,
+    ) -> Result<Mr> {
+        // SAFETY: the caller's contract.
+        unsafe { Mr::register_as(domain, base, len, ep, true, Some(hmem)) }
+    }
+
+    /// # Safety
+    /// As [`Mr::register_hmem`] (host memory where `hmem` is None).
+    unsafe fn register_as(
+        domain: &Domain,
+        base: *mut u8,
+        len: usize,
+        ep: &Arc<Endpoint>,
+        remote: bool,
+        hmem: Option<Hmem>,
+    ) -> Result<Mr> {
         let lib = domain.lib();
         let d = domain.0.domain;
-        // SAFETY: a live domain's MR table.
-        let Some(reg) = (unsafe { (*(*d).mr).reg }) else { return Err(missing(lib, "fi_mr_reg")) };
         let mode = domain.0.mr_mode;
         let requested = if mode & FI_MR_PROV_KEY != 0 { 0 } else { domain.0.next_key.fetch_add(1, Ordering::Relaxed) };
         let access = sys::FI_READ | sys::FI_WRITE | if remote { sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE } else { 0 };
         let mut mr = null_mut();
-        // SAFETY: a live domain; the memory is the caller's contract; offset 0 (the region's first byte is
-        // address 0 where addresses are offsets).
-        let rc = unsafe { reg(d.cast(), base.cast(), len, access, 0, requested, 0, &mut mr, null_mut()) };
-        check(lib, "fi_mr_reg", rc)?;
+        let (rc, what) = match hmem {
+            None => {
+                // SAFETY: a live domain's MR table.
+                let Some(reg) = (unsafe { (*(*d).mr).reg }) else { return Err(missing(lib, "fi_mr_reg")) };
+                // SAFETY: a live domain; the memory is the caller's contract; offset 0 (the region's first
+                // byte is address 0 where addresses are offsets).
+                (unsafe { reg(d.cast(), base.cast(), len, access, 0, requested, 0, &mut mr, null_mut()) }, "fi_mr_reg")
+            }
+            Some(h) => {
+                // SAFETY: a live domain's MR table.
+                let Some(regattr) = (unsafe { (*(*d).mr).regattr }) else {
+                    return Err(missing(lib, "fi_mr_regattr"));
+                };
+                let iov = sys::IoVec { base: base.cast(), len };
+                let (iface, device) = h.iface();
+                let attr = sys::FiMrAttr {
+                    mr_iov: &iov,
+                    iov_count: 1,
+                    access,
+                    offset: 0,
+                    requested_key: requested,
+                    context: null_mut(),
+                    auth_key_size: 0,
+                    auth_key: null_mut(),
+                    iface,
+                    device,
+                };
+                // SAFETY: a live domain; the attributes point at locals that outlive the call (libfabric copies
+                // what it keeps); the memory is the caller's contract.
+                (unsafe { regattr(d.cast(), &attr, 0, &mut mr) }, "fi_mr_regattr")
+            }
+        };
+        check(lib, what, rc)?;
         let mut m = Mr { domain: domain.clone(), mr, base, len, _ep: None };
         if mode & FI_MR_ENDPOINT != 0 {
             // SAFETY: a live region and endpoint of one domain.

@@ -47,6 +47,13 @@ pub enum Step {
     Write,
     /// The READ, its completion and the bytes read.
     Read,
+    /// GPU memory (see [`run_vram_on`]): allocating two buffers of the device layer and registering them with
+    /// their interface (`FI_HMEM`).
+    VramRegister,
+    /// The WRITE between them, and the bytes at the target (copied back by the device layer).
+    VramWrite,
+    /// The READ, and the bytes read.
+    VramRead,
 }
 
 impl Step {
@@ -61,9 +68,12 @@ impl Step {
             Step::Register => "register",
             Step::Write => "write",
             Step::Read => "read",
+            Step::VramRegister => "vram-register",
+            Step::VramWrite => "vram-write",
+            Step::VramRead => "vram-read",
         }
     }
-    const ALL: [Step; 9] = [
+    const ALL: [Step; 12] = [
         Step::Library,
         Step::Info,
         Step::Fabric,
@@ -73,6 +83,9 @@ impl Step {
         Step::Register,
         Step::Write,
         Step::Read,
+        Step::VramRegister,
+        Step::VramWrite,
+        Step::VramRead,
     ];
 }
 
@@ -236,6 +249,97 @@ pub fn run_on(rig: Arc<dyn Rig>, provider: &str, domain: &str, limit: Duration) 
     let t = SelfTest { provider: provider.to_owned(), domain: domain.to_owned(), outcome };
     record(&t);
     t
+}
+
+/// What [`run_vram_on`] records its result under: the device's name with this after its domain.
+pub const VRAM_SUFFIX: &str = " (GPU memory)";
+
+/// The GPU-memory part of a device's self-test, on an endpoint already open (`rig`, as [`run_on`]): two
+/// buffers of GPU `dev` from the device layer (`device`), registered with interface `hmem` (`FI_HMEM`), a
+/// WRITE from the first into the second and a READ back, the bytes put there and checked through the device
+/// layer's copies, within `limit`. Recorded for `gixl doctor` under the device's name followed by
+/// [`VRAM_SUFFIX`]. Where it fails, its regions and buffers are left as [`run_on`] leaves its own.
+pub fn run_vram_on(
+    rig: Arc<dyn Rig>,
+    provider: &str,
+    domain: &str,
+    device: &'static dyn crate::device::Device,
+    dev: u32,
+    hmem: super::Hmem,
+    limit: Duration,
+) -> SelfTest {
+    let outcome = on_thread(limit, Step::VramRegister, move |step, deadline| {
+        let mut keep = KeepVram { mrs: Vec::new(), bufs: Vec::new() };
+        match exercise_vram(&*rig, &mut keep, device, dev, hmem, step, deadline) {
+            Ok(()) => Ok(Box::new(keep) as Box<dyn Send>),
+            Err(e) => Err((e, Some(Box::new(keep) as Box<dyn Send>))),
+        }
+    });
+    let t = SelfTest { provider: provider.to_owned(), domain: format!("{domain}{VRAM_SUFFIX}"), outcome };
+    record(&t);
+    t
+}
+
+/// What the GPU-memory test keeps: its regions (closed first) and its two device buffers.
+struct KeepVram {
+    mrs: Vec<Mr>,
+    bufs: Vec<Box<dyn crate::device::DevBuf>>,
+}
+
+/// The WRITE and the READ on `rig` between two buffers of GPU `dev`, registered as `hmem`.
+fn exercise_vram(
+    rig: &dyn Rig,
+    keep: &mut KeepVram,
+    device: &'static dyn crate::device::Device,
+    dev: u32,
+    hmem: super::Hmem,
+    step: &AtomicU8,
+    deadline: Instant,
+) -> Result<()> {
+    use crate::device::Copy;
+    let at = |s: Step| step.store(s as u8, Ordering::Release);
+    at(Step::VramRegister);
+    let me = rig.me()?;
+    let (domain, ep) = (rig.domain(), rig.endpoint());
+    for _ in 0..2 {
+        keep.bufs.push(device.dev_buf(dev, 2 * BYTES)?);
+    }
+    let (a, b) = (keep.bufs[0].ptr(), keep.bufs[1].ptr());
+    for p in [a, b] {
+        // SAFETY: a device buffer of 2 × BYTES kept (in `keep`) after its region is closed, or leaked with it.
+        keep.mrs.push(unsafe { Mr::register_hmem(domain, p as *mut u8, 2 * BYTES, ep, hmem)? });
+    }
+    let (mr0, mr1) = (&keep.mrs[0], &keep.mrs[1]);
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(7, |d| d.as_nanos() as u64);
+    let mut host = vec![0u8; BYTES];
+    let mut back = vec![0u8; BYTES];
+    let put = |dst: u64, src: &[u8]| device.copy(dev, &[Copy { dst, src: src.as_ptr() as u64, len: BYTES as u64 }]);
+    let get =
+        |dst: &mut [u8], src: u64| device.copy(dev, &[Copy { dst: dst.as_mut_ptr() as u64, src, len: BYTES as u64 }]);
+
+    at(Step::VramWrite);
+    pattern(&mut host, seed ^ 0x6770);
+    put(a, &host)?;
+    let remote = mr1.remote(b as *const u8).ok_or_else(|| Error::backend("the target region's key"))?;
+    // SAFETY: the first half of buffer a is in mr0, untouched until the completion; `remote` is mr1's.
+    rig.complete(deadline, &mut |ctx| unsafe { ep.post(true, mr0, (a as *mut u8, BYTES), me, remote, ctx) })?;
+    get(&mut back, b)?;
+    if back != host {
+        return Err(Error::backend("the WRITE completed but the target's GPU bytes differ from those written"));
+    }
+
+    at(Step::VramRead);
+    pattern(&mut host, seed.rotate_left(29) ^ 0x7ead);
+    put(b + BYTES as u64, &host)?;
+    let remote = mr1.remote((b + BYTES as u64) as *const u8).ok_or_else(|| Error::backend("the key"))?;
+    let dst = (a + BYTES as u64) as *mut u8;
+    // SAFETY: the second half of buffer a is in mr0, untouched until the completion; `remote` is mr1's.
+    rig.complete(deadline, &mut |ctx| unsafe { ep.post(false, mr0, (dst, BYTES), me, remote, ctx) })?;
+    get(&mut back, a + BYTES as u64)?;
+    if back != host {
+        return Err(Error::backend("the READ completed but the GPU bytes read differ from the target's"));
+    }
+    Ok(())
 }
 
 /// What the test keeps until its result is handed over: its regions (closed first) and their memory.

@@ -42,6 +42,11 @@ pub const FI_MR_PROV_KEY: c_int = 1 << 6;
 pub const FI_MR_ENDPOINT: c_int = 1 << 9;
 pub const FI_MR_HMEM: c_int = 1 << 10;
 
+/// `enum fi_hmem_iface`: what kind of memory a region registered with `fi_mr_regattr` is (host memory, or a
+/// GPU's through its runtime).
+pub const FI_HMEM_SYSTEM: u32 = 0;
+pub const FI_HMEM_CUDA: u32 = 1;
+
 pub const FI_EP_RDM: u32 = 3;
 /// An address format: a NUL-terminated string (shm's `fi_shm://<pid>`).
 pub const FI_ADDR_STR: u32 = 9;
@@ -210,12 +215,32 @@ pub struct FiOpsDomain {
 pub type MrReg =
     unsafe extern "C" fn(*mut Fid, *const c_void, usize, u64, u64, u64, u64, *mut *mut FidMr, *mut c_void) -> c_int;
 
+/// The `regattr` entry's type (`fid, attr, flags, mr`).
+pub type MrRegAttr = unsafe extern "C" fn(*mut Fid, *const FiMrAttr, u64, *mut *mut FidMr) -> c_int;
+
 #[repr(C)]
 pub struct FiOpsMr {
     pub size: usize,
     pub reg: Option<MrReg>,
     pub regv: *const c_void,
-    pub regattr: *const c_void,
+    pub regattr: Option<MrRegAttr>,
+}
+
+/// `struct fi_mr_attr` (1.17): one region's memory, access and key, and its memory's interface (`iface`,
+/// `FI_HMEM_*`) and device (the union `device`: a CUDA ordinal is its `int cuda`, the low half of the
+/// `uint64_t reserved` it shares, little-endian).
+#[repr(C)]
+pub struct FiMrAttr {
+    pub mr_iov: *const IoVec,
+    pub iov_count: usize,
+    pub access: u64,
+    pub offset: u64,
+    pub requested_key: u64,
+    pub context: *mut c_void,
+    pub auth_key_size: usize,
+    pub auth_key: *mut u8,
+    pub iface: u32,
+    pub device: u64,
 }
 
 #[repr(C)]
@@ -404,6 +429,13 @@ pub const ABI: &[(&str, usize)] = &[
     ("fi_ops_domain.cq_open", offset_of!(FiOpsDomain, cq_open)),
     ("fi_ops_domain.endpoint", offset_of!(FiOpsDomain, endpoint)),
     ("fi_ops_mr.reg", offset_of!(FiOpsMr, reg)),
+    ("fi_ops_mr.regattr", offset_of!(FiOpsMr, regattr)),
+    ("sizeof.fi_mr_attr", size_of::<FiMrAttr>()),
+    ("fi_mr_attr.mr_iov", offset_of!(FiMrAttr, mr_iov)),
+    ("fi_mr_attr.access", offset_of!(FiMrAttr, access)),
+    ("fi_mr_attr.requested_key", offset_of!(FiMrAttr, requested_key)),
+    ("fi_mr_attr.iface", offset_of!(FiMrAttr, iface)),
+    ("fi_mr_attr.device", offset_of!(FiMrAttr, device)),
     ("fid_mr.mem_desc", offset_of!(FidMr, mem_desc)),
     ("fid_mr.key", offset_of!(FidMr, key)),
     ("sizeof.fi_av_attr", size_of::<FiAvAttr>()),
@@ -458,6 +490,8 @@ pub const ABI: &[(&str, usize)] = &[
     ("FI_MR_PROV_KEY", FI_MR_PROV_KEY as usize),
     ("FI_MR_ENDPOINT", FI_MR_ENDPOINT as usize),
     ("FI_MR_HMEM", FI_MR_HMEM as usize),
+    ("FI_HMEM_SYSTEM", FI_HMEM_SYSTEM as usize),
+    ("FI_HMEM_CUDA", FI_HMEM_CUDA as usize),
     ("FI_EP_RDM", FI_EP_RDM as usize),
     ("FI_ADDR_STR", FI_ADDR_STR as usize),
     ("FI_THREAD_SAFE", FI_THREAD_SAFE as usize),

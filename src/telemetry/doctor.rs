@@ -227,7 +227,9 @@ fn libfabric_j() -> J {
          the engine's endpoint, started in the background once it opens; a failure is one WARN line and the peer \
          goes over TCP); providers that are not sockets or \
          shared memory on their own (here: {}), tcp/udp/sockets/shm only with GIXL_TRANSPORT=fabric and \
-         GIXL_FABRIC_PROVIDER (or FI_PROVIDER); GIXL_LIBFABRIC names the library",
+         GIXL_FABRIC_PROVIDER (or FI_PROVIDER); GIXL_LIBFABRIC names the library. GPU memory goes through \
+         FI_HMEM on rails whose provider offers it, once their GPU-memory self-test passed (run at the first VRAM \
+         registration; listed as '<device> (GPU memory)'), else it is staged over TCP",
         if fabric.is_empty() { "none".to_owned() } else { fabric.join(", ") }
     );
     let tests = records.into_iter().map(|r| self_test_j(r.device, r.passed, r.ms, r.step, r.error)).collect();
@@ -588,6 +590,9 @@ fn summary(f: &Facts) -> J {
                 kind,
                 if rdma_here {
                     "the NIC straight to GPU memory over RDMA where it reaches it (dma-buf or peer memory), else staged"
+                } else if forced_fabric {
+                    "libfabric straight to GPU memory through FI_HMEM on rails that passed their GPU-memory \
+                     self-test, else staged through pinned host buffers over TCP"
                 } else {
                     "staged through pinned host buffers over TCP"
                 }

@@ -18,7 +18,8 @@
 //!
 //! VRAM (either side in GPU memory) goes the way its peer's route says (`route::Route::vram`): on this host
 //! through `vram` (device copies, CUDA IPC handles, behind the same gate); over TCP staged (`route::tcp::vram`);
-//! over RDMA as DRAM does where the NICs reach every region, else staged over the TCP link.
+//! over RDMA as DRAM does where the NICs reach every region, and over libfabric where a path's rails carry every
+//! region (`FI_HMEM`), else staged over the TCP link.
 //!
 //! Small requests complete inline in `post`; large ones are split across a few copy threads (or, over TCP,
 //! across the peer's data connections).

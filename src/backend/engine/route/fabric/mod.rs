@@ -19,8 +19,10 @@
 //!
 //! The peer's TCP link carries what is not data: the authenticated greetings (a `wire::KIND` connection on the
 //! TCP listener per path, kept open while the route lives: the target drives that rail while it is, and its
-//! closing says the peer is gone), heartbeats while requests are in flight, and notifications. GPU memory is
-//! staged over the TCP link (`FI_HMEM` not yet).
+//! closing says the peer is gone), heartbeats while requests are in flight, and notifications. GPU memory goes
+//! as host memory does (one-sided operations on GPU memory registered with its interface, `FI_HMEM`) over paths
+//! whose two rails carry every region of the request (`side`: rails whose device offers `FI_HMEM` and passed
+//! its GPU-memory self-test); where no live path does, the request is staged over the TCP link (`vram`).
 
 pub(crate) mod side;
 pub(crate) mod wire;
@@ -258,6 +260,24 @@ impl Keys {
     }
 }
 
+/// The rails that carry every region of `segs`, here and at the peer (masks by rail index: GPU memory only on
+/// those with `FI_HMEM` that passed its GPU-memory self-test; host memory on every one).
+fn carried(job: &Job, segs: &[Seg]) -> (u32, u32) {
+    let keys = Keys::of(job.prepared);
+    let here = segs
+        .iter()
+        .filter_map(|s| keys.local.get(s.lreg as usize)?.as_ref())
+        .fold(u32::MAX, |m, l| m & l.keys.carried());
+    let there =
+        segs.iter().filter_map(|s| keys.remote.get(s.rreg as usize)?.as_ref()).fold(u32::MAX, |m, r| m & r.carried());
+    (here, there)
+}
+
+/// Whether rail `i` is in `mask`.
+fn has(mask: u32, i: usize) -> bool {
+    i < 32 && mask & (1 << i) != 0
+}
+
 /// The rails nearest the memory of every region of `segs`, here and at the peer (masks by rail index).
 fn nearest(job: &Job, segs: &[Seg]) -> (u32, u32) {
     let keys = Keys::of(job.prepared);
@@ -378,7 +398,7 @@ impl Fabric {
         let keys = Keys::of(job.prepared);
         // The local regions' memory regions (one per rail), held while the piece runs (deregistration waits for
         // them).
-        let mut held: Vec<(u32, Arc<Vec<Mr>>)> = Vec::new();
+        let mut held: Vec<(u32, Arc<Vec<Option<Mr>>>)> = Vec::new();
         let mut flight: Vec<(u64, Arc<OpState>)> = Vec::with_capacity(MAX_IN_FLIGHT);
         // The last remote byte written (its address as the provider names it, and its key).
         let mut last = None;
@@ -397,11 +417,15 @@ impl Fabric {
                         m
                     }
                 };
-                let mr = mrs.get(rail.index).ok_or_else(|| Error::backend("a local region without its rail's key"))?;
+                let mr = mrs
+                    .get(rail.index)
+                    .and_then(Option::as_ref)
+                    .ok_or_else(|| Error::backend("a local region without its rail's key"))?;
                 let remote = keys
                     .remote
                     .get(s.rreg as usize)
                     .and_then(Option::as_ref)
+                    .filter(|k| k.on(path.remote))
                     .and_then(|k| k.keys.get(path.remote).copied())
                     .ok_or_else(|| {
                         Error::not_supported(format!(
@@ -649,9 +673,21 @@ impl Route for Fabric {
     fn link(&self) -> Option<&Arc<TcpLink>> {
         Some(&self.link)
     }
-    /// Staged over the TCP link (GPU memory through `FI_HMEM` is not done yet).
-    fn vram(&self, _plan: &XferPlan, _prepared: Option<&(dyn Any + Send + Sync)>) -> Result<VramWay> {
-        Ok(VramWay::Staged(self.link.clone()))
+    /// As host memory goes (one-sided operations on GPU memory registered with `FI_HMEM`) where every region of
+    /// the request, here (as `prepared` found them) and there, is registered with libfabric and a live path's
+    /// two rails carry them all; else the whole request is staged over the TCP link.
+    fn vram(&self, plan: &XferPlan, prepared: Option<&(dyn Any + Send + Sync)>) -> Result<VramWay> {
+        let keys = Keys::of(prepared);
+        let here = keys.local.len() == plan.local_keys.len() && keys.local.iter().all(Option::is_some);
+        let there = keys.remote.len() == plan.remote_keys.len() && keys.remote.iter().all(Option::is_some);
+        if !(here && there) {
+            return Ok(VramWay::Staged(self.link.clone()));
+        }
+        let mine = keys.local.iter().flatten().fold(u32::MAX, |m, l| m & l.keys.carried());
+        let theirs = keys.remote.iter().flatten().fold(u32::MAX, |m, r| m & r.carried());
+        let direct =
+            self.paths.iter().any(|p| !p.dead.load(Ordering::Acquire) && has(mine, p.local) && has(theirs, p.remote));
+        Ok(if direct { VramWay::Direct } else { VramWay::Staged(self.link.clone()) })
     }
     fn prepare(&self, regions: &Regions<'_>) -> Option<Prepared> {
         let local = regions.local_exports::<FabricExport>().map(|e| e.map(|e| e.slot.clone()));
@@ -664,13 +700,25 @@ impl Route for Fabric {
     /// the peer gone, the peer is down.
     fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {
         let nearest = nearest(job, segs);
+        // GPU memory: only paths whose two rails carry every region of the piece.
+        let (mine, theirs) = carried(job, segs);
+        let carries = |p: &Path| has(mine, p.local) && has(theirs, p.remote);
         loop {
             if self.link.down() {
                 return Err(self.link_down());
             }
             let alive = |p: &Path| !p.dead.load(Ordering::Acquire);
             let live = self.paths.iter().filter(|p| alive(p)).count();
-            let Some(path) = near::choose(&self.paths, |p| (p.local, p.remote), alive, nearest, &self.turn) else {
+            let usable = |p: &Path| alive(p) && carries(p);
+            let Some(path) = near::choose(&self.paths, |p| (p.local, p.remote), usable, nearest, &self.turn) else {
+                if live > 0 {
+                    // Live paths, none of which carries these regions (their GPU memory's rails failed).
+                    return Err(Error::backend(format!(
+                        "no live libfabric path to agent '{}' carries every region of this request (GPU memory \
+                         is registered only on rails that passed their GPU-memory self-test)",
+                        self.name
+                    )));
+                }
                 let why = "every libfabric rail to it failed";
                 self.link.kill(why.into());
                 return Err(self.gone(why));

@@ -21,6 +21,11 @@
 //! by a first peer that comes sooner (`ready`); run once per device and process, the verdict kept and shown by
 //! `gixl doctor`); a failed one is one WARN line naming the device, the step and the fallback (the other rails,
 //! else TCP), and greetings on it are refused.
+//!
+//! GPU memory: a rail whose device offers `FI_HMEM` registers it with its interface (`hmem_of`) once the rail
+//! passed a GPU-memory self-test for that GPU (`selftest::run_vram_on`, run at the first registration of one of
+//! its regions: `vram_verdict`); a rail that failed it registers none (one WARN line), and the region's ticket
+//! names the rails that carry it (`FabricKeys::rails`).
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -37,7 +42,7 @@ use crate::backend::engine::near::{self, Place};
 use crate::backend::engine::route::{Export, Registration, Side};
 pub(crate) use crate::fabric::is_sockets;
 use crate::fabric::selftest;
-use crate::fabric::{self as fi, Av, Cq, CqRead, Device, Domain, Endpoint, Mr, RemoteKey};
+use crate::fabric::{self as fi, Av, Cq, CqRead, Device, Domain, Endpoint, Hmem, Mr, RemoteKey};
 use crate::mem::MemType;
 use crate::os::sock as net;
 use crate::status::{Error, Result};
@@ -288,14 +293,21 @@ impl Rail {
         }
     }
 
-    /// A memory region for `[addr, addr + len)` under a key this domain never handed out before.
-    fn register(&self, addr: u64, len: u64) -> Result<Mr> {
+    /// A memory region for `[addr, addr + len)` under a key this domain never handed out before: host memory,
+    /// or GPU memory of interface `hmem` (`FI_HMEM`).
+    fn register(&self, addr: u64, len: u64, hmem: Option<Hmem>) -> Result<Mr> {
         let what = format!("libfabric device {}/{}", self.dev.provider(), self.dev.domain());
+        let (p, n) = (addr as *mut u8, len as usize);
         self.keys.register(
             &what,
             // SAFETY: a registered region's memory is the application's and stays allocated while registered
             // (NIXL's contract); the region is closed when the registration is retired.
-            || unsafe { Mr::register(&self.domain, addr as *mut u8, len as usize, &self.ep) },
+            || unsafe {
+                match hmem {
+                    None => Mr::register(&self.domain, p, n, &self.ep),
+                    Some(h) => Mr::register_hmem(&self.domain, p, n, &self.ep, h),
+                }
+            },
             Mr::key,
             |mr| {
                 drop(mr);
@@ -601,6 +613,24 @@ impl FabricSide {
         trial.wait()
     }
 
+    /// The verdict of `rail`'s GPU-memory self-test for GPU `dev` as `hmem` (run now, once per process, the
+    /// first time a region of that GPU is registered: off agent creation's path). None where the rail's
+    /// device does not offer `FI_HMEM` (nothing to test: GPU memory is staged on it).
+    fn vram_verdict(
+        &self,
+        rail: &Arc<Rail>,
+        device: &'static dyn crate::device::Device,
+        dev: u32,
+        hmem: Hmem,
+    ) -> Option<Verdict> {
+        if !rail.dev.hmem() {
+            return None;
+        }
+        let key = (format!("{} {hmem:?}", rail.dev.provider()), Some(format!("{} gpu {dev}", rail.dev.domain())));
+        let (trial, first) = trial(key);
+        Some(if first { settle(&trial, test_vram(&self.agent, rail, device, dev, hmem)) } else { trial.wait() })
+    }
+
     /// The rails, for data, and each one's self-test cost where it passed in this process (None: it failed, and
     /// is not used). Err: why no rail is usable (said in the router's line for the peer); a failed self-test is
     /// one WARN line.
@@ -711,6 +741,20 @@ impl FabricSide {
     }
 }
 
+/// The interface GPU memory of this process's device layer is registered with (`fi_mr_regattr`): CUDA memory
+/// as `FI_HMEM_CUDA` with its ordinal. The fake device (`GIXL_FAKE_DEVICE=1`, host memory standing for a GPU)
+/// declares itself as a real GPU would (`FI_HMEM_CUDA`), unless `GIXL_TEST_FABRIC_HMEM=system`: a test knob
+/// that registers its memory as what it is, host memory (`FI_HMEM_SYSTEM`), so that the provider's `FI_HMEM`
+/// path and the route's direct GPU-memory path run where no GPU is (they then move host memory, not a GPU's).
+pub(crate) fn hmem_of(kind: &str, dev: u32) -> Hmem {
+    let system = kind == "fake" && std::env::var("GIXL_TEST_FABRIC_HMEM").is_ok_and(|v| v.trim() == "system");
+    if system {
+        Hmem::System
+    } else {
+        Hmem::Cuda(dev as i32)
+    }
+}
+
 /// Records a trial's verdict and wakes those waiting for it; the verdict.
 fn settle(trial: &Trial, v: Verdict) -> Verdict {
     *trial.verdict.lock() = Some(v.clone());
@@ -742,6 +786,33 @@ fn test(agent: &str, provider: &str, domain: Option<&str>, rail: Option<Arc<Rail
                 step.name()
             ));
             Err(format!("self-test failed at {}", step.name()))
+        }
+    }
+}
+
+/// The GPU-memory self-test of `rail` for GPU `dev` (see `selftest::run_vram_on`); its INFO or WARN line.
+fn test_vram(
+    agent: &str,
+    rail: &Arc<Rail>,
+    device: &'static dyn crate::device::Device,
+    dev: u32,
+    hmem: Hmem,
+) -> Verdict {
+    let (p, d) = (rail.dev.provider(), rail.dev.domain());
+    let t = selftest::run_vram_on(rail.clone(), &p, &d, device, dev, hmem, SELFTEST_LIMIT);
+    match &t.outcome {
+        selftest::Outcome::Passed { cost } => {
+            crate::telemetry::log::info(&format!("agent '{agent}': libfabric GPU-memory self-test ({hmem:?}) {t}"));
+            Ok(cost.as_secs_f64() * 1e3)
+        }
+        selftest::Outcome::Failed { step, error, .. } => {
+            crate::telemetry::log::warn(&format!(
+                "agent '{agent}': libfabric rail {p}/{d} failed its GPU-memory self-test (FI_HMEM, {hmem:?}, GPU \
+                 {dev}) at step '{}' ({error}): GPU memory on this rail is not registered, its libfabric peers' \
+                 requests on it are staged through host memory over TCP; `python -m gixl doctor` shows the result",
+                step.name()
+            ));
+            Err(format!("GPU-memory self-test failed at {}", step.name()))
         }
     }
 }
@@ -788,7 +859,8 @@ fn progress(rail: Arc<Rail>) {
 /// A registration's memory regions, one per rail (by rail index), shared with requests while they run a piece
 /// on it; and its keys and nearest rails as its ticket carries them.
 pub(crate) struct Slot {
-    pub(crate) mrs: Mutex<Option<Arc<Vec<Mr>>>>,
+    /// By rail index; None on a rail that does not carry it (GPU memory, see `FabricSide::export`).
+    pub(crate) mrs: Mutex<Option<Arc<Vec<Option<Mr>>>>>,
     pub(crate) keys: FabricKeys,
 }
 
@@ -816,22 +888,107 @@ impl Side for FabricSide {
     }
 
     /// Host memory: a memory region on every rail (an error fails the registration), and the rails nearest its
-    /// first page's NUMA node. GPU memory: none (not yet through `FI_HMEM`): libfabric peers' requests on it are
-    /// staged over their TCP link.
+    /// first page's NUMA node. GPU memory: a memory region (`fi_mr_regattr` with its interface, see `hmem_of`)
+    /// on each rail whose device offers `FI_HMEM` and passed its GPU-memory self-test (`vram_verdict`); its
+    /// ticket names those rails, and libfabric peers' requests on it go directly over a path between rails
+    /// that carry every region of the request, else are staged over their TCP link (`Fabric::vram`). One log
+    /// line per GPU region says which.
     fn export(&self, r: &Registration) -> Result<Option<Box<dyn Export>>> {
-        if r.mem != MemType::Dram || r.len == 0 {
+        if (r.mem != MemType::Dram && r.mem != MemType::Vram) || r.len == 0 {
             return Ok(None);
         }
         let Ok(rails) = self.opened() else { return Ok(None) };
+        let vram = r.mem == MemType::Vram;
+        // GPU memory: the interface, and which rails carry it.
+        let mut carried = u32::MAX;
+        let mut hmem = None;
+        let mut gpu_why: Vec<String> = Vec::new();
+        if vram {
+            let what = || format!("agent '{}': VRAM region {:#x}+{} on GPU {}", r.agent, r.addr, r.len, r.dev);
+            let device = match crate::device::get() {
+                Ok(d) => d,
+                Err(e) => {
+                    crate::telemetry::log::info(&format!("{}: staged for libfabric peers ({e})", what()));
+                    return Ok(None);
+                }
+            };
+            let h = hmem_of(device.kind(), r.dev as u32);
+            let mut why = Vec::new();
+            carried = 0;
+            for rail in rails.iter() {
+                match self.vram_verdict(rail, device, r.dev as u32, h) {
+                    Some(Ok(_)) => carried |= 1 << rail.index,
+                    Some(Err(e)) => why.push(format!("{}: {e}", rail.name())),
+                    None => why.push(format!("{}: no FI_HMEM", rail.name())),
+                }
+            }
+            if carried == 0 {
+                crate::telemetry::log::info(&format!(
+                    "{}: staged through host memory over TCP for libfabric peers (no rail carries GPU memory: {})",
+                    what(),
+                    why.join("; ")
+                ));
+                return Ok(None);
+            }
+            hmem = Some(h);
+            gpu_why = why;
+        }
         let (mut mrs, mut keys) = (Vec::with_capacity(rails.len()), Vec::with_capacity(rails.len()));
         for rail in rails.iter() {
-            let mr = rail.register(r.addr, r.len)?;
+            if carried & (1 << rail.index) == 0 {
+                // Not on this rail: a placeholder key the ticket's rail mask says not to use.
+                keys.push(FabricKey { key: 0, base: 0 });
+                mrs.push(None);
+                continue;
+            }
+            let mr = match rail.register(r.addr, r.len, hmem) {
+                Ok(mr) => mr,
+                // GPU memory this rail's self-test passed for but this region does not register (one spanning
+                // several allocations, say): staged on this rail rather than failing the registration.
+                Err(e) if vram => {
+                    crate::telemetry::log::info(&format!(
+                        "agent '{}': VRAM region {:#x}+{}: not registered on libfabric rail {} ({e}): staged there",
+                        r.agent,
+                        r.addr,
+                        r.len,
+                        rail.name()
+                    ));
+                    carried &= !(1 << rail.index);
+                    keys.push(FabricKey { key: 0, base: 0 });
+                    mrs.push(None);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             let remote = mr.remote(r.addr as *const u8).ok_or_else(|| Error::backend("libfabric region's key"))?;
             keys.push(FabricKey { key: remote.key, base: r.addr - remote.addr });
-            mrs.push(mr);
+            mrs.push(Some(mr));
         }
-        let near = near::near(rails.iter().map(|r| (r.place.0, r.place.1.as_deref())), &Place::host(r.addr));
-        let slot = Slot { mrs: Mutex::new(Some(Arc::new(mrs))), keys: FabricKeys { keys, near } };
+        if vram && carried == 0 {
+            return Ok(None);
+        }
+        if let Some(h) = hmem {
+            let on: Vec<String> = rails.iter().filter(|x| carried & (1 << x.index) != 0).map(|x| x.name()).collect();
+            crate::telemetry::log::info(&format!(
+                "agent '{}': VRAM region {:#x}+{} on GPU {}: reached by libfabric directly (FI_HMEM, {h:?}) on \
+                 rail(s) {}{}",
+                r.agent,
+                r.addr,
+                r.len,
+                r.dev,
+                on.join(", "),
+                if gpu_why.is_empty() { String::new() } else { format!(" (not on: {})", gpu_why.join("; ")) }
+            ));
+        }
+        let place = if vram {
+            let pci = crate::device::get().ok().and_then(|d| d.pci_path(r.dev as u32));
+            pci.map_or(Place::Unknown, Place::Pci)
+        } else {
+            Place::host(r.addr)
+        };
+        let near = near::near(rails.iter().map(|r| (r.place.0, r.place.1.as_deref())), &place);
+        let rails_mask = if vram { carried } else { 0 };
+        let slot = Slot { mrs: Mutex::new(Some(Arc::new(mrs))), keys: FabricKeys { keys, near, rails: rails_mask } };
         Ok(Some(Box::new(FabricExport { slot: Arc::new(slot) })))
     }
 

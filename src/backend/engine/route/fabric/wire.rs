@@ -10,6 +10,9 @@
 //!                                    address - base)
 //! RAILS    = near u32 | (key u64 | base u64) × (rails - 1)      the other rails' keys; near: the rails
 //!                                    nearest the region's memory, a mask by rail index
+//! CARRIED  = rails u32               the rails that carry the region, a mask by rail index (GPU memory:
+//!                                    those whose device offers FI_HMEM and passed its GPU-memory self-test;
+//!                                    the others' keys are placeholders); absent: every rail
 //! GREETING = "GXFR" | rail u8 | address (u16 length | bytes)    initiator → target: its endpoint's address,
 //!                                                           for the target's rail `rail` ("GXFA" | address:
 //!                                                           rail 0, as the first release sent it)
@@ -33,6 +36,8 @@ pub(crate) const KIND: u8 = 4;
 /// and the other rails' with the nearest rails.
 const TICKET: u64 = 16;
 const TICKET_RAILS: u64 = 17;
+/// The rails that carry the region, where not every one does (GPU memory).
+const TICKET_CARRIED: u64 = 18;
 
 /// A greeting for one rail, and the first release's (rail 0).
 pub(crate) const MAGIC: &[u8; 4] = b"GXFR";
@@ -130,12 +135,13 @@ pub(crate) struct FabricKey {
     pub(crate) base: u64,
 }
 
-/// A region's keys, one per rail of its engine (by rail index, at least one), and the rails nearest its memory
-/// (a mask by rail index; 0: not said, any).
+/// A region's keys, one per rail of its engine (by rail index, at least one), the rails nearest its memory
+/// (a mask by rail index; 0: not said, any) and the rails that carry it (a mask by rail index; 0: every one).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct FabricKeys {
     pub(crate) keys: Vec<FabricKey>,
     pub(crate) near: u32,
+    pub(crate) rails: u32,
 }
 
 fn put_key(b: &mut Vec<u8>, k: &FabricKey) {
@@ -152,6 +158,24 @@ impl FabricKeys {
         put_bytes(out, &b);
         put_uvar(out, TICKET_RAILS);
         put_bytes(out, &self.rails_section());
+        if self.rails != 0 {
+            put_uvar(out, TICKET_CARRIED);
+            put_bytes(out, &self.rails.to_le_bytes());
+        }
+    }
+
+    /// Whether the region is reachable on the engine's rail `rail`.
+    pub(crate) fn on(&self, rail: usize) -> bool {
+        rail < self.keys.len() && (self.rails == 0 || (rail < 32 && self.rails & (1 << rail) != 0))
+    }
+
+    /// The rails that carry it, as a mask by rail index (every one named: `u32::MAX` where all do).
+    pub(crate) fn carried(&self) -> u32 {
+        if self.rails == 0 {
+            u32::MAX
+        } else {
+            self.rails
+        }
     }
 
     /// Its `TICKET_RAILS` section's bytes.
@@ -173,7 +197,7 @@ pub(crate) fn read_ticket(sections: &[(u64, &[u8])]) -> Result<Option<FabricKeys
     if sec.len() != 16 {
         return Err(bad());
     }
-    let mut k = FabricKeys { keys: vec![key(sec)?], near: 0 };
+    let mut k = FabricKeys { keys: vec![key(sec)?], near: 0, rails: 0 };
     if let Some(&(_, rails)) = sections.iter().find(|(id, _)| *id == TICKET_RAILS) {
         if rails.len() < 4 || (rails.len() - 4) % 16 != 0 || (rails.len() - 4) / 16 >= MAX_RAILS {
             return Err(bad());
@@ -181,6 +205,13 @@ pub(crate) fn read_ticket(sections: &[(u64, &[u8])]) -> Result<Option<FabricKeys
         k.near = u32::from_le_bytes([rails[0], rails[1], rails[2], rails[3]]);
         for c in rails[4..].chunks(16) {
             k.keys.push(key(c)?);
+        }
+    }
+    if let Some(&(_, c)) = sections.iter().find(|(id, _)| *id == TICKET_CARRIED) {
+        let c: [u8; 4] = c.try_into().map_err(|_| bad())?;
+        k.rails = u32::from_le_bytes(c);
+        if k.rails == 0 {
+            return Err(bad());
         }
     }
     Ok(Some(k))
@@ -235,12 +266,17 @@ pub(crate) fn fuzz(b: &[u8]) {
     }
     if let Ok(Some(k)) = read_ticket(&[(TICKET, b)]) {
         let mut out = Vec::new();
-        FabricKeys { keys: k.keys[..1].to_vec(), near: 0 }.put_sections(&mut out);
+        FabricKeys { keys: k.keys[..1].to_vec(), near: 0, rails: 0 }.put_sections(&mut out);
         assert_eq!(&out[2..18], b, "libfabric ticket changed");
     }
     if let Some(rails) = b.get(16..) {
         if let Ok(Some(k)) = read_ticket(&[(TICKET, &b[..16]), (TICKET_RAILS, rails)]) {
             assert_eq!(k.rails_section(), rails, "libfabric rail keys changed");
+        }
+    }
+    if let Some(carried) = b.get(16..) {
+        if let Ok(Some(k)) = read_ticket(&[(TICKET, &b[..16]), (TICKET_CARRIED, carried)]) {
+            assert!(k.rails != 0 && k.rails.to_le_bytes()[..] == carried[..], "libfabric carried rails changed");
         }
     }
     if let Some(k) = decode_scratch(b) {
@@ -303,6 +339,7 @@ mod tests {
         let k = FabricKeys {
             keys: vec![FabricKey { key: 0x1234_5678_9abc, base: 0x7f00_0000_1000 }, FabricKey { key: 7, base: 0 }],
             near: 0b10,
+            rails: 0,
         };
         let mut t = Vec::new();
         k.put_sections(&mut t);
@@ -312,7 +349,24 @@ mod tests {
         with_rdma.extend(secs.iter().copied());
         assert_eq!(read_ticket(&with_rdma).unwrap(), Some(k.clone()));
         // The first release's ticket: rail 0's key alone.
-        assert_eq!(read_ticket(&secs[..1]).unwrap(), Some(FabricKeys { keys: k.keys[..1].to_vec(), near: 0 }));
+        assert_eq!(
+            read_ticket(&secs[..1]).unwrap(),
+            Some(FabricKeys { keys: k.keys[..1].to_vec(), near: 0, rails: 0 })
+        );
+        assert!(k.on(0) && k.on(1) && !k.on(2));
+        // GPU memory carried by rail 1 alone: the mask travels, rail 0's key is a placeholder not to use.
+        let g = FabricKeys {
+            keys: vec![FabricKey { key: 0, base: 0 }, FabricKey { key: 9, base: 0 }],
+            near: 0,
+            rails: 0b10,
+        };
+        let mut t = Vec::new();
+        g.put_sections(&mut t);
+        let got = read_ticket(&sections(&t)).unwrap().unwrap();
+        assert_eq!(got, g);
+        assert!(!got.on(0) && got.on(1) && got.carried() == 0b10);
+        assert!(read_ticket(&[secs[0], (TICKET_CARRIED, &[0, 0, 0, 0])]).is_err(), "a region no rail carries");
+        assert!(read_ticket(&[secs[0], (TICKET_CARRIED, &[1, 0, 0])]).is_err(), "a mask cut short");
         assert_eq!(read_ticket(&[(1, b"rdma's")]).unwrap(), None);
         assert!(read_ticket(&[(TICKET, &secs[0].1[..15])]).is_err());
         assert!(read_ticket(&[secs[0], (TICKET_RAILS, &secs[1].1[..7])]).is_err(), "a rail key cut short");
@@ -343,7 +397,7 @@ mod tests {
         };
         let a =
             Advert { provider: "efa".into(), rails: vec![RailAdvert { fabric: "efa".into(), addr: vec![1; 32] }; 3] };
-        let k = FabricKeys { keys: vec![FabricKey { key: 1, base: 2 }; 3], near: 5 };
+        let k = FabricKeys { keys: vec![FabricKey { key: 1, base: 2 }; 3], near: 5, rails: 0b101 };
         let mut t = Vec::new();
         k.put_sections(&mut t);
         let prefixes = [encode_section(&a), t, encode_greeting(2, &[9; 16]), b"GXFA\x10\0".to_vec(), Vec::new()];
