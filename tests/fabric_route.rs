@@ -24,21 +24,11 @@ use std::time::{Duration, Instant};
 use gixl::*;
 
 mod common;
-use common::fabric::setup;
+use common::fabric::{agent, setup};
 use common::{hex, unhex};
 
 const SIZE: usize = 64 << 20;
 const BLOCK: usize = 16 << 10;
-
-fn agent(name: &str, provider: &str) -> Agent {
-    let a = Agent::new(name, AgentConfig::default()).unwrap();
-    let p: Params = [("transport", "fabric"), ("fabric_provider", provider)]
-        .into_iter()
-        .map(|(k, v)| (k.into(), v.into()))
-        .collect();
-    a.create_backend("LIBFABRIC", &p).unwrap();
-    a
-}
 
 fn reg_list(buf: &[u8]) -> RegDList {
     let d = Desc::new(buf.as_ptr() as u64, buf.len() as u64, 0);

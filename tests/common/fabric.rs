@@ -1,8 +1,9 @@
-//! The real libfabric for the tests that need it (tests/fabric.rs, tests/fabric_route.rs): Debian's libfabric
-//! 1.17 as scripts/setup.sh unpacks it into ~/.cache/gixl/libfabric, or the one `GIXL_LIBFABRIC` names (with
-//! `GIXL_LIBFABRIC_ROOT` its unpacked root). The unpacked library's own dependencies are loaded by path first,
-//! so that the dynamic loader finds them by their names when libfabric asks, without LD_LIBRARY_PATH. Without
-//! it a test says so through the skip log (kind `libfabric`, in CI's must-run set).
+//! The real libfabric for the tests that need it (tests/fabric.rs, tests/fabric_route.rs, tests/fabric_vram.rs):
+//! Debian's libfabric 1.17 as scripts/setup.sh unpacks it into ~/.cache/gixl/libfabric, or the one
+//! `GIXL_LIBFABRIC` names (with `GIXL_LIBFABRIC_ROOT` its unpacked root). The unpacked library's own dependencies
+//! are loaded by path first, so that the dynamic loader finds them by their names when libfabric asks, without
+//! LD_LIBRARY_PATH. Without it a test says so through the skip log (kind `libfabric`, in CI's must-run set). And
+//! an agent forced onto the libfabric route (`agent`).
 
 use std::sync::OnceLock;
 
@@ -47,4 +48,16 @@ pub fn setup(test: &str) -> Option<std::path::PathBuf> {
         );
     }
     root.clone()
+}
+
+/// An agent whose `LIBFABRIC` backend is forced onto the libfabric route over `provider` (`tcp;ofi_rxm`, `shm`,
+/// `udp`…).
+pub fn agent(name: &str, provider: &str) -> gixl::Agent {
+    let a = gixl::Agent::new(name, gixl::AgentConfig::default()).unwrap();
+    let p: gixl::Params = [("transport", "fabric"), ("fabric_provider", provider)]
+        .into_iter()
+        .map(|(k, v)| (k.into(), v.into()))
+        .collect();
+    a.create_backend("LIBFABRIC", &p).unwrap();
+    a
 }
