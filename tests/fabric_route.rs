@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use gixl::*;
 
 mod common;
-use common::fabric::{agent, setup};
+use common::fabric::{agent, route_of, setup};
 use common::{hex, unhex};
 
 const SIZE: usize = 64 << 20;
@@ -39,6 +39,11 @@ fn reg_list(buf: &[u8]) -> RegDList {
 fn prefill_child() {
     setup("fabric child").expect("the parent found libfabric");
     let seed: usize = std::env::var("GIXL_SEED").unwrap().parse().unwrap();
+    if std::env::var("GIXL_TEST_STALE_SHM").is_ok() {
+        // What a killed process with this process's id left behind: the shm provider's region under that id.
+        let f = std::fs::File::create(format!("/dev/shm/{}:0:0", std::process::id())).unwrap();
+        f.set_len(16 << 20).unwrap();
+    }
     let a = agent("prefill", &std::env::var("GIXL_FABRIC_PROVIDER").unwrap());
     let mut buf = vec![0u8; SIZE];
     buf.iter_mut().enumerate().for_each(|(i, b)| *b = ((i + seed) % 251) as u8);
@@ -222,6 +227,7 @@ impl Prefill {
     fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        common::fabric::clear_shm_of(self.child.id());
     }
 }
 
@@ -283,16 +289,6 @@ fn failure(a: &Agent, req: &XferReq) -> Error {
         Ok(s) => wait(a, req, s).unwrap_err(),
         Err(e) => e,
     }
-}
-
-fn route_of(me: &str, peer: &str) -> String {
-    gixl::telemetry::live_agents()
-        .into_iter()
-        .filter(|(n, _, _)| n == me)
-        .flat_map(|(_, _, rows)| rows)
-        .find(|r| r.name == peer)
-        .map(|r| r.route)
-        .unwrap_or_default()
 }
 
 /// READ and WRITE of 64 MiB and of 1024 × 16 KiB (remote blocks reversed) to `p` (byte i = (i + seed) % 251),
@@ -423,6 +419,26 @@ fn shm_provider_between_two_processes_reads_and_writes() {
     a.load_remote_md(&p.md).unwrap();
     assert_eq!(route_of("decode-shm", "prefill"), "libfabric");
     read_write(&a, "decode-shm", &mut p, 5, &mut dst, &ones);
+    p.kill();
+}
+
+/// A killed process leaves the shm provider's region under its process id; a new process given that id must
+/// still open its shm endpoint (Debian's 1.17 refuses it with `EBUSY` unless the dead one's region is removed
+/// first, and the peer went over TCP).
+#[test]
+fn a_dead_process_shm_region_under_the_same_pid_does_not_keep_shm_away() {
+    if setup("fabric route shm stale region").is_none() {
+        return;
+    }
+    let mut p = Prefill::start_with(None, 6, "shm", &[("GIXL_TEST_STALE_SHM", "1")]);
+    let a = agent("decode-stale", "shm");
+    let dst = vec![0u8; 1 << 20];
+    a.register_mem(&reg_list(&dst), &[]).unwrap();
+    a.load_remote_md(&p.md).unwrap();
+    assert_eq!(route_of("decode-stale", "prefill"), "libfabric");
+    let r = run(&a, XferOp::Read, &local(&dst, 0, dst.len()), &remote(p.addr, 0, dst.len()), None);
+    assert_eq!(r.unwrap(), Status::Success);
+    assert!(dst.iter().enumerate().all(|(i, &b)| b == ((i + 6) % 251) as u8));
     p.kill();
 }
 

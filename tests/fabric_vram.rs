@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use gixl::*;
 
 mod common;
-use common::fabric::{agent, setup};
+use common::fabric::{agent, route_of, setup};
 use common::{hex, unhex};
 
 const SIZE: usize = 64 << 20;
@@ -139,6 +139,7 @@ impl Drop for Prefill {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        common::fabric::clear_shm_of(self.child.id());
     }
 }
 
@@ -163,16 +164,6 @@ fn run(a: &Agent, op: XferOp, l: &XferDList, r: &XferDList) -> Result<Status> {
         s = a.xfer_status(&req)?;
     }
     Ok(s)
-}
-
-fn route_of(me: &str, peer: &str) -> String {
-    gixl::telemetry::live_agents()
-        .into_iter()
-        .filter(|(n, _, _)| n == me)
-        .flat_map(|(_, _, rows)| rows)
-        .find(|r| r.name == peer)
-        .map(|r| r.route)
-        .unwrap_or_default()
 }
 
 static WARNS: Mutex<Vec<String>> = Mutex::new(Vec::new());

@@ -637,8 +637,31 @@ unsafe fn enable(lib: &Lib, what: &str, fid: *mut sys::Fid) -> Result<()> {
     check(lib, what, unsafe { control(fid, sys::FI_ENABLE, null_mut()) })
 }
 
+/// Removes, once per process and before its first shm endpoint, the shm provider's regions that carry this
+/// process's id. The shm provider names its region after the process (`/dev/shm/<pid>:<n>:<n>` with Debian's
+/// 1.17) and removes it when the endpoint closes; a process that died without closing (killed) leaves it behind,
+/// and a later process given the same id then fails `fi_enable` with `EBUSY` (seen: a test's shm peer went over
+/// TCP). No live process of this pid namespace has this process's id, so such a region is a dead one's.
+fn clear_stale_shm() {
+    static DONE: std::sync::Once = std::sync::Once::new();
+    DONE.call_once(|| {
+        let me = format!("{}:", std::process::id());
+        let Ok(dir) = std::fs::read_dir("/dev/shm") else { return };
+        for e in dir.flatten() {
+            let name = e.file_name();
+            let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(&me)) else { continue };
+            if !rest.is_empty() && rest.split(':').all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    });
+}
+
 impl Endpoint {
     pub fn open(domain: &Domain, dev: &Device, cq: &Arc<Cq>, av: &Arc<Av>) -> Result<Endpoint> {
+        if dev.provider() == "shm" {
+            clear_stale_shm();
+        }
         let lib = domain.lib();
         let d = domain.0.domain;
         // SAFETY: a live domain's table.
