@@ -26,7 +26,8 @@ use std::time::{Duration, Instant};
 use gixl::*;
 
 mod common;
-use common::fabric::{agent, route_of, setup};
+use common::fabric::{agent, setup};
+use common::route_of;
 use common::{hex, unhex};
 
 const SIZE: usize = 64 << 20;
@@ -139,7 +140,8 @@ impl Drop for Prefill {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        common::fabric::clear_shm_of(self.child.id());
+        // A killed child leaves its shm regions behind (tmpfs: memory).
+        gixl::fabric::clear_shm_regions(self.child.id());
     }
 }
 

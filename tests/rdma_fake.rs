@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use gixl::*;
 
 mod common;
-use common::{hex, unhex};
+use common::{hex, route_of, unhex};
 
 const SIZE: usize = 16 << 20;
 const BLOCK: usize = 16 << 10;
@@ -255,16 +255,6 @@ fn failure(a: &Agent, req: &XferReq) -> Error {
         },
         other => other.unwrap_err(),
     }
-}
-
-fn route_of(me: &str, peer: &str) -> String {
-    gixl::telemetry::live_agents()
-        .into_iter()
-        .filter(|(n, _, _)| n == me)
-        .flat_map(|(_, _, rows)| rows)
-        .find(|r| r.name == peer)
-        .map(|r| r.route)
-        .unwrap_or_default()
 }
 
 #[test]

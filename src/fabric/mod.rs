@@ -644,17 +644,22 @@ unsafe fn enable(lib: &Lib, what: &str, fid: *mut sys::Fid) -> Result<()> {
 /// TCP). No live process of this pid namespace has this process's id, so such a region is a dead one's.
 fn clear_stale_shm() {
     static DONE: std::sync::Once = std::sync::Once::new();
-    DONE.call_once(|| {
-        let me = format!("{}:", std::process::id());
-        let Ok(dir) = std::fs::read_dir("/dev/shm") else { return };
-        for e in dir.flatten() {
-            let name = e.file_name();
-            let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(&me)) else { continue };
-            if !rest.is_empty() && rest.split(':').all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())) {
-                let _ = std::fs::remove_file(e.path());
-            }
+    DONE.call_once(|| clear_shm_regions(std::process::id()));
+}
+
+/// Removes the shm provider's regions named after process `pid` (`/dev/shm/<pid>:<n>:<n>`). Only for a pid
+/// that no live process of this pid namespace but the caller has (see `clear_stale_shm`), or a process known
+/// dead (the tests' killed children).
+pub fn clear_shm_regions(pid: u32) {
+    let me = format!("{pid}:");
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else { return };
+    for e in dir.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(&me)) else { continue };
+        if !rest.is_empty() && rest.split(':').all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())) {
+            let _ = std::fs::remove_file(e.path());
         }
-    });
+    }
 }
 
 impl Endpoint {

@@ -3,7 +3,7 @@
 //! `GIXL_LIBFABRIC` names (with `GIXL_LIBFABRIC_ROOT` its unpacked root). The unpacked library's own dependencies
 //! are loaded by path first, so that the dynamic loader finds them by their names when libfabric asks, without
 //! LD_LIBRARY_PATH. Without it a test says so through the skip log (kind `libfabric`, in CI's must-run set). And
-//! an agent forced onto the libfabric route (`agent`), and the route an agent reports for a peer (`route_of`).
+//! an agent forced onto the libfabric route (`agent`).
 
 use std::sync::OnceLock;
 
@@ -60,29 +60,4 @@ pub fn agent(name: &str, provider: &str) -> gixl::Agent {
         .collect();
     a.create_backend("LIBFABRIC", &p).unwrap();
     a
-}
-
-/// The route agent `me` reports for its peer `peer` (its telemetry row), empty where it has none.
-pub fn route_of(me: &str, peer: &str) -> String {
-    gixl::telemetry::live_agents()
-        .into_iter()
-        .filter(|(n, _, _)| n == me)
-        .flat_map(|(_, _, rows)| rows)
-        .find(|r| r.name == peer)
-        .map(|r| r.route)
-        .unwrap_or_default()
-}
-
-/// Removes the shm provider's regions of process `pid` (`/dev/shm/<pid>:<n>:<n>`), which a killed process
-/// leaves behind (tmpfs: memory).
-pub fn clear_shm_of(pid: u32) {
-    let me = format!("{pid}:");
-    let Ok(dir) = std::fs::read_dir("/dev/shm") else { return };
-    for e in dir.flatten() {
-        let name = e.file_name();
-        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(&me)) else { continue };
-        if rest.split(':').all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())) {
-            let _ = std::fs::remove_file(e.path());
-        }
-    }
 }

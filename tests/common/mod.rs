@@ -366,3 +366,14 @@ fn b64(s: &str) -> Vec<u8> {
     }
     out
 }
+
+/// The route agent `me` reports for its peer `peer` (its telemetry row), empty where it has none.
+pub fn route_of(me: &str, peer: &str) -> String {
+    gixl::telemetry::live_agents()
+        .into_iter()
+        .filter(|(n, _, _)| n == me)
+        .flat_map(|(_, _, rows)| rows)
+        .find(|r| r.name == peer)
+        .map(|r| r.route)
+        .unwrap_or_default()
+}
