@@ -258,19 +258,15 @@ impl Keys {
         static NONE: Keys = Keys { local: Vec::new(), remote: Vec::new() };
         prepared.and_then(|p| p.downcast_ref::<Keys>()).unwrap_or(&NONE)
     }
-}
 
-/// The rails that carry every region of `segs`, here and at the peer (masks by rail index: GPU memory only on
-/// those with `FI_HMEM` that passed its GPU-memory self-test; host memory on every one).
-fn carried(job: &Job, segs: &[Seg]) -> (u32, u32) {
-    let keys = Keys::of(job.prepared);
-    let here = segs
-        .iter()
-        .filter_map(|s| keys.local.get(s.lreg as usize)?.as_ref())
-        .fold(u32::MAX, |m, l| m & l.keys.carried());
-    let there =
-        segs.iter().filter_map(|s| keys.remote.get(s.rreg as usize)?.as_ref()).fold(u32::MAX, |m, r| m & r.carried());
-    (here, there)
+    /// The rails that carry every one of the local regions `lregs` here and of the remote regions `rregs` at the
+    /// peer (masks by rail index: GPU memory only on those with `FI_HMEM` that passed its GPU-memory self-test;
+    /// host memory on every one). Regions without libfabric keys are left out.
+    fn carried(&self, lregs: impl Iterator<Item = usize>, rregs: impl Iterator<Item = usize>) -> (u32, u32) {
+        let here = lregs.filter_map(|i| self.local.get(i)?.as_ref()).fold(u32::MAX, |m, l| m & l.keys.carried());
+        let there = rregs.filter_map(|i| self.remote.get(i)?.as_ref()).fold(u32::MAX, |m, r| m & r.carried());
+        (here, there)
+    }
 }
 
 /// Whether rail `i` is in `mask`.
@@ -683,8 +679,7 @@ impl Route for Fabric {
         if !(here && there) {
             return Ok(VramWay::Staged(self.link.clone()));
         }
-        let mine = keys.local.iter().flatten().fold(u32::MAX, |m, l| m & l.keys.carried());
-        let theirs = keys.remote.iter().flatten().fold(u32::MAX, |m, r| m & r.carried());
+        let (mine, theirs) = keys.carried(0..keys.local.len(), 0..keys.remote.len());
         let direct =
             self.paths.iter().any(|p| !p.dead.load(Ordering::Acquire) && has(mine, p.local) && has(theirs, p.remote));
         Ok(if direct { VramWay::Direct } else { VramWay::Staged(self.link.clone()) })
@@ -701,7 +696,8 @@ impl Route for Fabric {
     fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {
         let nearest = nearest(job, segs);
         // GPU memory: only paths whose two rails carry every region of the piece.
-        let (mine, theirs) = carried(job, segs);
+        let (mine, theirs) =
+            Keys::of(job.prepared).carried(segs.iter().map(|s| s.lreg as usize), segs.iter().map(|s| s.rreg as usize));
         let carries = |p: &Path| has(mine, p.local) && has(theirs, p.remote);
         loop {
             if self.link.down() {
