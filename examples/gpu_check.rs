@@ -733,14 +733,15 @@ fn fabric_cases(dev: u32, iters: usize) -> usize {
     // is staged over the TCP link. This side's verdict, from its self-test records:
     let gpu_tests: Vec<_> = gixl::fabric::selftest::records()
         .into_iter()
-        .filter(|r| {
-            r.device.starts_with(&format!("{prov}/")) && r.device.ends_with(gixl::fabric::selftest::VRAM_SUFFIX)
-        })
+        .filter(|r| r.device.starts_with(&format!("{prov}/")) && r.device.contains(" (GPU memory"))
         .collect();
     let hmem_here = gpu_tests.iter().any(|r| r.passed);
     let how = if hmem_here {
-        "direct through FI_HMEM where the peer's rails carry it too (this side's GPU-memory self-test passed)"
-            .to_owned()
+        let ways: Vec<&str> = gpu_tests.iter().filter(|r| r.passed).map(|r| r.device.as_str()).collect();
+        format!(
+            "direct through FI_HMEM where the peer's rails carry it too (this side's GPU-memory self-test passed: {})",
+            ways.join(", ")
+        )
     } else if gpu_tests.is_empty() {
         "staged over the TCP link (no rail of this provider offers FI_HMEM)".to_owned()
     } else {

@@ -22,6 +22,12 @@
 #                ~/.cache/gixl/libfabric and NOT installed, for the same reason: gixl opens it by path
 #                (GIXL_LIBFABRIC) in the processes that use it, with LD_LIBRARY_PATH set to its folders there only
 #                (docs/libfabric.md).
+#   libfabric 2.1  libfabric 2.1.0 built from Debian's source (trixie's original tarball, its SHA-256 checked)
+#                into ~/.cache/gixl/libfabric-2.1.0 with the same layout: the tcp, udp, shm and utility (rxm, rxd)
+#                providers only, about a minute on 2 cores (autoconf, automake and libtool from apt). The
+#                libfabric tests run again over it: a library as new as those EFA's installer ships, and the first
+#                here that takes dma-buf registrations (FI_MR_DMABUF, API 1.20). Debian's own 2.1 package needs
+#                glibc 2.38, newer than bookworm's.
 #
 # Each phase prints how long it took, so a slow CI machine shows where its time went.
 set -euo pipefail
@@ -45,6 +51,10 @@ for lib in libsodium libzstd; do
     pkg-config --exists "$lib" 2>/dev/null || apt_missing+=("$lib-dev")
 done
 command -v pkg-config >/dev/null || apt_missing+=(pkg-config)
+# libfabric 2.1 is built from its source tarball (autogen.sh).
+command -v autoreconf >/dev/null || apt_missing+=(autoconf)
+command -v automake >/dev/null || apt_missing+=(automake)
+command -v libtoolize >/dev/null || apt_missing+=(libtool)
 if ((${#apt_missing[@]})); then
     echo "setup: apt-get install ${apt_missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
@@ -118,6 +128,32 @@ if [ ! -e "$libfabric/usr/include/rdma/fabric.h" ] || [ ! -e "$libfabric/usr/bin
     lf_path="$libfabric/usr/lib/x86_64-linux-gnu:$libfabric/lib/x86_64-linux-gnu"
     LD_LIBRARY_PATH="$lf_path" "$libfabric/usr/bin/fi_info" -l >/dev/null
     took "libfabric unpacked"
+fi
+libfabric2="$HOME/.cache/gixl/libfabric-2.1.0"
+if [ ! -e "$libfabric2/usr/include/rdma/fi_domain.h" ] || [ ! -e "$libfabric2/usr/bin/fi_info" ]; then
+    echo "setup: libfabric 2.1.0 built from Debian's source into $libfabric2 (not installed)"
+    src=$(mktemp -d)
+    tarball="$src/libfabric_2.1.0.orig.tar.xz"
+    python3 - "$tarball" <<'PY'
+import hashlib, sys, urllib.request
+url = "https://deb.debian.org/debian/pool/main/libf/libfabric/libfabric_2.1.0.orig.tar.xz"
+want = "1a66369772d5bb151737214af1c478993e969cf298e8f9ed369e7a2ab8d8c6df"
+data = urllib.request.urlopen(url, timeout=120).read()
+got = hashlib.sha256(data).hexdigest()
+if got != want:
+    sys.exit(f"{url}: sha256 {got}, expected {want}")
+open(sys.argv[1], "wb").write(data)
+PY
+    tar -xJf "$tarball" -C "$src"
+    # (set -e does not hold inside a list whose status is tested: each step is chained.)
+    (cd "$src/libfabric-2.1.0" && ./autogen.sh >"$src/build.log" 2>&1 &&
+        ./configure --prefix="$libfabric2/usr" --libdir="$libfabric2/usr/lib/x86_64-linux-gnu" --disable-static \
+            --enable-only --enable-tcp --enable-udp --enable-shm --enable-rxm --enable-rxd >>"$src/build.log" 2>&1 &&
+        make -j"$(nproc)" >>"$src/build.log" 2>&1 && make install >>"$src/build.log" 2>&1) ||
+        { tail -n 30 "$src/build.log"; echo "setup: building libfabric 2.1.0 failed (in $src)"; exit 1; }
+    rm -rf "$src"
+    LD_LIBRARY_PATH="$libfabric2/usr/lib/x86_64-linux-gnu" "$libfabric2/usr/bin/fi_info" -l >/dev/null
+    took "libfabric 2.1.0 built"
 fi
 # Always reinstall gixl itself so the venv matches the checkout.
 echo "setup: pip install . (builds the gixl wheel)"

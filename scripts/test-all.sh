@@ -144,6 +144,14 @@ rust_rdma() {
     fi
     echo "the wheel's extension ($ext) needs neither libibverbs nor libfabric to load"
 }
+rust_libfabric2() {
+    # The libfabric tests again over libfabric 2.1.0 (scripts/setup.sh builds it; `cargo test` ran them over
+    # Debian's 1.17): the bindings against 2.1's headers, API 1.20, GPU memory registered as dma-buf.
+    GIXL_LIBFABRIC_ROOT="$HOME/.cache/gixl/libfabric-2.1.0" \
+        cargo test --release --test fabric --test fabric_route --test fabric_vram -- --nocapture 2>&1 |
+        grep -vE '^gixl (INFO|DEBUG)'
+    return "${PIPESTATUS[0]}"
+}
 rust_lint() {
     # A machine without the tools must not pass this step by accident.
     if ! cargo fmt --version >/dev/null 2>&1; then
@@ -267,6 +275,7 @@ step "rustfmt + clippy -D warnings + module cycles" rust_lint
 step "cargo test" rust_tests
 step "cargo test --features cuda (fake device layer)" rust_cuda
 step "cargo test --features rdma (fake verbs, rdma-core ABI, no load-time libibverbs)" rust_rdma
+step "libfabric 2.1 (built from source): the libfabric tests again" rust_libfabric2
 step "header compiles alone (C11, C++17)" header
 step "C library exports" capi_exports
 step "C tests + nixl-sys consumer vs gixl" ffi_gixl

@@ -1,12 +1,15 @@
 //! GPU memory over the libfabric route (`FI_HMEM`), between two real processes over the real library (Debian's
-//! libfabric 1.17, see tests/common/fabric.rs), with the fake device layer (`GIXL_FAKE_DEVICE=1`: host memory
-//! standing for a GPU). Debian's libfabric is built without CUDA, and no GPU or NIC is here, so:
+//! libfabric 1.17, and libfabric 2.1.0 in scripts/test-all.sh's second run; see tests/common/fabric.rs), with
+//! the fake device layer (`GIXL_FAKE_DEVICE=1`: host memory standing for a GPU). Neither library is built with
+//! CUDA, and no GPU or NIC is here, so:
 //! - **shm, the fake device's memory registered as host memory** (`GIXL_TEST_FABRIC_HMEM=system`: it IS host
 //!   memory; `FI_HMEM_SYSTEM`): this runs our `FI_HMEM` path (`fi_mr_regattr` with an interface, the rail's
 //!   GPU-memory self-test, tickets naming the rails that carry the region, requests on VRAM going direct), not a
 //!   GPU's. VRAM←→VRAM, VRAM←→DRAM and DRAM←→VRAM READs and WRITEs of 64 MiB and of 1024 × 16 KiB, data checked,
 //!   and no byte staged: the fake device layer's copies (what staging over TCP does) stay at zero on both
-//!   sides. A VRAM region deregistered at the target hands out no byte (shm 1.17 never completes an operation
+//!   sides. With libfabric ≥ 1.20 the initiator's GPU memory goes as a dma-buf (`FI_MR_DMABUF`; shm uses the
+//!   address the descriptor gives, not the descriptor), the target's, a fake GPU exporting none
+//!   (`GIXL_FAKE_DMABUF=0`), by its interface after its dma-buf self-test failed. A VRAM region deregistered at the target hands out no byte (shm 1.17 never completes an operation
 //!   on a closed key, host memory alike: the READ neither succeeds nor brings a byte in 2 s, and releasing it
 //!   aborts it at once; NOT_FOUND is taken too, where a provider answers).
 //! - **shm, the fake device declaring `FI_HMEM_CUDA`** as a real GPU would, on this CUDA-less library: the
@@ -80,6 +83,16 @@ fn prefill_child() {
             "dsum" => writeln!(out, "dsum {}", sum(&dram)).unwrap(),
             // Bytes this process's fake device layer copied: staging, where VRAM is served over TCP.
             "copied" => writeln!(out, "copied {}", gixl::device::fake::copied_bytes()).unwrap(),
+            // This process's GPU-memory self-tests: `<device> <passed> <step>` each, on one line.
+            "selftests" => {
+                let rec = gixl::fabric::selftest::records();
+                let all: Vec<String> = rec
+                    .iter()
+                    .filter(|r| r.device.contains("GPU memory"))
+                    .map(|r| format!("{}={}:{}", r.device.replace(' ', "_"), r.passed, r.step.unwrap_or("-")))
+                    .collect();
+                writeln!(out, "selftests {}", all.join(" ")).unwrap()
+            }
             "dereg" => {
                 a.deregister_mem(&reg_of(MemType::Vram, vram), &[]).unwrap();
                 writeln!(out, "dereg done").unwrap();
@@ -108,7 +121,12 @@ struct Prefill {
 
 impl Prefill {
     fn start(seed: usize, provider: &str, hmem: &str) -> Prefill {
+        Prefill::start_with(seed, provider, hmem, &[])
+    }
+
+    fn start_with(seed: usize, provider: &str, hmem: &str, env: &[(&str, &str)]) -> Prefill {
         let mut c = Command::new(std::env::current_exe().unwrap());
+        c.envs(env.iter().copied());
         c.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
             .env("GIXL_CHILD", "fabric-vram-prefill")
             .env("GIXL_SEED", seed.to_string())
@@ -234,15 +252,34 @@ fn gpu_memory_goes_through_fi_hmem_where_the_rail_carries_it_else_staged_over_tc
 
     // (a) shm, the fake device's memory registered as the host memory it is (FI_HMEM_SYSTEM): our FI_HMEM path
     // runs for real (not a GPU's): every request direct, nothing staged.
+    // From libfabric 1.20 on, GPU memory goes as a dma-buf (the fake device's memfd; shm reaches the memory by
+    // the address the dma-buf descriptor gives); the target here is a fake GPU that exports none
+    // (GIXL_FAKE_DMABUF=0): its dma-buf self-test fails at registration and it registers by interface instead.
     std::env::set_var("GIXL_TEST_FABRIC_HMEM", "system");
+    let dmabuf = gixl::fabric::sys::lib().unwrap().api >= gixl::fabric::sys::API_1_20;
     {
-        let mut p = Prefill::start(5, "shm", "system");
+        let mut p = Prefill::start_with(5, "shm", "system", &[("GIXL_FAKE_DMABUF", "0")]);
         let (a, vram, mut dram) = start("decode-hmem-system", "shm", &p);
         let (here, there) = exchange(&a, &mut p, 5, vram, &mut dram);
         assert_eq!((here, there), (0, 0), "FI_HMEM over shm: nothing staged through the device layer on either side");
         let rec = gixl::fabric::selftest::records();
-        let gpu = rec.iter().find(|r| r.device == "shm/shm (GPU memory)").unwrap_or_else(|| panic!("{rec:?}"));
-        assert!(gpu.passed, "{gpu:?}");
+        let gpu: Vec<_> = rec.iter().filter(|r| r.device.starts_with("shm/shm (GPU memory")).collect();
+        let names: Vec<&str> = gpu.iter().map(|r| r.device.as_str()).collect();
+        if dmabuf {
+            assert_eq!(names, ["shm/shm (GPU memory, dma-buf)"], "{rec:?}");
+        } else {
+            assert_eq!(names, ["shm/shm (GPU memory)"], "{rec:?}");
+        }
+        assert!(gpu[0].passed, "{gpu:?}");
+        let theirs = p.ask("selftests");
+        if dmabuf {
+            assert_eq!(
+                theirs, "selftests shm/shm_(GPU_memory,_dma-buf)=false:vram-register shm/shm_(GPU_memory)=true:-",
+                "the target, which exports no dma-buf"
+            );
+        } else {
+            assert_eq!(theirs, "selftests shm/shm_(GPU_memory)=true:-");
+        }
         // Deregistration: once the target's VRAM region is deregistered, its key hands out no byte. shm (1.17)
         // never completes an operation on a closed key (host memory alike: seen here with a DRAM region), so
         // the READ is given 2 s, must not have succeeded nor brought a byte, and is released (aborted).
@@ -281,6 +318,12 @@ fn gpu_memory_goes_through_fi_hmem_where_the_rail_carries_it_else_staged_over_tc
         let rec = gixl::fabric::selftest::records();
         let gpu = rec.iter().find(|r| r.device == "shm/shm (GPU memory)").unwrap_or_else(|| panic!("{rec:?}"));
         assert!(!gpu.passed && gpu.step.is_some_and(|s| s.starts_with("vram-")), "{gpu:?}");
+        if dmabuf {
+            // The dma-buf way was tried first, failed too, and was said at INFO (the WARN is the last way's).
+            let first =
+                rec.iter().find(|r| r.device == "shm/shm (GPU memory, dma-buf)").unwrap_or_else(|| panic!("{rec:?}"));
+            assert!(!first.passed, "{first:?}");
+        }
         let warns: Vec<String> =
             WARNS.lock().unwrap().iter().filter(|w| w.contains("GPU-memory self-test")).cloned().collect();
         assert_eq!(warns.len(), 1, "{warns:?}");

@@ -101,7 +101,7 @@ def render(r: dict) -> str:
     gd = rd["gpu_direct"]
     out.append(f"              GPU memory: peer-memory module {_yes(gd['peer_memory_module'])}; {gd['how']}")
     lf = routes["libfabric"]
-    found = f"{lf['library']} (libfabric {lf['version']})" if lf["found"] else f"not found ({lf['library']})"
+    found = f"{lf['library']} (libfabric {lf['version']}, API {lf['api']})" if lf["found"] else f"not found ({lf['library']})"
     out.append(f"  libfabric   {_yes(lf['works'])}  {found}; devices: {', '.join(lf['devices']) or 'none'}; {lf['why']}")
     for t in lf["self_tests"]:
         res = "passed" if t["passed"] else f"FAILED at {t['step']}: {t['error']}"

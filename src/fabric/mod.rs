@@ -11,7 +11,7 @@ pub mod selftest;
 pub mod sys;
 
 use std::ffi::{c_int, c_void, CStr, CString};
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::ptr::null_mut;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -36,6 +36,26 @@ pub const MR_MODES: c_int =
 pub enum Hmem {
     System,
     Cuda(i32),
+}
+
+/// How GPU memory is handed to a provider (`fi_mr_regattr`): its interface and device, and either as a dma-buf
+/// of its range (`FI_MR_DMABUF`, API ≥ 1.20: the device layer exports it, as `ibv_reg_dmabuf_mr` takes it in
+/// the RDMA route) or by its address, the provider reaching it through the interface's runtime itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Vram {
+    pub hmem: Hmem,
+    pub dmabuf: bool,
+}
+
+impl Vram {
+    /// How the self-test and `gixl doctor` name this way: `GPU memory` or `GPU memory, dma-buf`.
+    pub fn name(self) -> &'static str {
+        if self.dmabuf {
+            "GPU memory, dma-buf"
+        } else {
+            "GPU memory"
+        }
+    }
 }
 
 impl Hmem {
@@ -239,7 +259,7 @@ fn query(lib: &Arc<Lib>, provider: Option<&str>, domain: Option<&str>, caps: u64
     }
     let mut list = null_mut();
     // SAFETY: valid hints; `list` receives a list that is freed below.
-    let rc = unsafe { (lib.getinfo)(sys::API_VERSION, std::ptr::null(), std::ptr::null(), 0, hints.info, &mut list) };
+    let rc = unsafe { (lib.getinfo)(lib.api, std::ptr::null(), std::ptr::null(), 0, hints.info, &mut list) };
     if rc == -sys::FI_ENODATA {
         return Ok(Vec::new());
     }
@@ -355,7 +375,7 @@ impl Domain {
         })))
     }
 
-    fn lib(&self) -> &Lib {
+    pub(crate) fn lib(&self) -> &Lib {
         &self.0.fabric.0.lib
     }
 
@@ -818,31 +838,46 @@ impl Mr {
         unsafe { Mr::register_as(domain, base, len, ep, remote, None) }
     }
 
-    /// As [`Mr::register`], for memory of interface `hmem` (GPU memory: `fi_mr_regattr` naming its interface
-    /// and device; the domain's device must offer `FI_HMEM`, see [`Device::hmem`]).
+    /// As [`Mr::register`], for GPU memory handed over as `vram` says (the domain's device must offer
+    /// `FI_HMEM`, see [`Device::hmem`]); a dma-buf is asked of `device` (the device layer that owns it).
     ///
     /// # Safety
     /// `base..base + len` is memory of that interface and device that outlives the region.
-    pub unsafe fn register_hmem(
+    pub unsafe fn register_vram(
         domain: &Domain,
         base: *mut u8,
         len: usize,
         ep: &Arc<Endpoint>,
-        hmem: Hmem,
+        vram: Vram,
+        device: &dyn crate::device::Device,
     ) -> Result<Mr> {
-        // SAFETY: the caller's contract.
-        unsafe { Mr::register_as(domain, base, len, ep, true, Some(hmem)) }
+        if !vram.dmabuf {
+            // SAFETY: the caller's contract.
+            return unsafe { Mr::register_as(domain, base, len, ep, true, Some((vram.hmem, None))) };
+        }
+        let lib = domain.lib();
+        if lib.api < sys::API_1_20 {
+            let (major, minor) = lib.version();
+            return Err(Error::not_supported(format!(
+                "libfabric {major}.{minor} takes no dma-buf (FI_MR_DMABUF is 1.20's)"
+            )));
+        }
+        let (fd, offset) = device.dmabuf(base as u64, len as u64)?;
+        // SAFETY: the caller's contract; the dma-buf is the device layer's export of that memory, open for the
+        // call (a provider that keeps it takes its own reference).
+        unsafe { Mr::register_as(domain, base, len, ep, true, Some((vram.hmem, Some((fd.as_raw_fd(), offset))))) }
     }
 
     /// # Safety
-    /// As [`Mr::register_hmem`] (host memory where `hmem` is None).
+    /// As [`Mr::register_vram`] (host memory where `hmem` is None; with a dma-buf's descriptor and the offset of
+    /// `base` in it, where given).
     unsafe fn register_as(
         domain: &Domain,
         base: *mut u8,
         len: usize,
         ep: &Arc<Endpoint>,
         remote: bool,
-        hmem: Option<Hmem>,
+        hmem: Option<(Hmem, Option<(c_int, u64)>)>,
     ) -> Result<Mr> {
         let lib = domain.lib();
         let d = domain.0.domain;
@@ -858,15 +893,22 @@ impl Mr {
                 // byte is address 0 where addresses are offsets).
                 (unsafe { reg(d.cast(), base.cast(), len, access, 0, requested, 0, &mut mr, null_mut()) }, "fi_mr_reg")
             }
-            Some(h) => {
+            Some((h, dmabuf)) => {
                 // SAFETY: a live domain's MR table.
                 let Some(regattr) = (unsafe { (*(*d).mr).regattr }) else {
                     return Err(missing(lib, "fi_mr_regattr"));
                 };
                 let iov = sys::IoVec { base: base.cast(), len };
+                let buf = dmabuf.map(|(fd, offset)| sys::FiMrDmabuf {
+                    fd,
+                    offset,
+                    len,
+                    base_addr: (base as usize).wrapping_sub(offset as usize) as *mut c_void,
+                });
                 let (iface, device) = h.iface();
                 let attr = sys::FiMrAttr {
-                    mr_iov: &iov,
+                    // The union: the dma-buf's descriptor under FI_MR_DMABUF, else the iovec.
+                    mr_iov: buf.as_ref().map_or(&iov as *const sys::IoVec, |b| (b as *const sys::FiMrDmabuf).cast()),
                     iov_count: 1,
                     access,
                     offset: 0,
@@ -876,10 +918,12 @@ impl Mr {
                     auth_key: null_mut(),
                     iface,
                     device,
+                    hmem_data: null_mut(),
                 };
+                let flags = if buf.is_some() { sys::FI_MR_DMABUF } else { 0 };
                 // SAFETY: a live domain; the attributes point at locals that outlive the call (libfabric copies
                 // what it keeps); the memory is the caller's contract.
-                (unsafe { regattr(d.cast(), &attr, 0, &mut mr) }, "fi_mr_regattr")
+                (unsafe { regattr(d.cast(), &attr, flags, &mut mr) }, "fi_mr_regattr")
             }
         };
         check(lib, what, rc)?;

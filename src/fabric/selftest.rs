@@ -252,30 +252,29 @@ pub fn run_on(rig: Arc<dyn Rig>, provider: &str, domain: &str, limit: Duration) 
 }
 
 /// What [`run_vram_on`] records its result under: the device's name with this after its domain.
-pub const VRAM_SUFFIX: &str = " (GPU memory)";
-
 /// The GPU-memory part of a device's self-test, on an endpoint already open (`rig`, as [`run_on`]): two
-/// buffers of GPU `dev` from the device layer (`device`), registered with interface `hmem` (`FI_HMEM`), a
-/// WRITE from the first into the second and a READ back, the bytes put there and checked through the device
-/// layer's copies, within `limit`. Recorded for `gixl doctor` under the device's name followed by
-/// [`VRAM_SUFFIX`]. Where it fails, its regions and buffers are left as [`run_on`] leaves its own.
+/// buffers of GPU `dev` from the device layer (`device`), registered as `vram` says (`FI_HMEM`: by interface,
+/// or as dma-buf), a WRITE from the first into the second and a READ back, the bytes put there and checked
+/// through the device layer's copies, within `limit`. Recorded for `gixl doctor` under the device's name
+/// followed by the way's name in parentheses (`shm/shm (GPU memory)`, `… (GPU memory, dma-buf)`). Where it
+/// fails, its regions and buffers are left as [`run_on`] leaves its own.
 pub fn run_vram_on(
     rig: Arc<dyn Rig>,
     provider: &str,
     domain: &str,
     device: &'static dyn crate::device::Device,
     dev: u32,
-    hmem: super::Hmem,
+    vram: super::Vram,
     limit: Duration,
 ) -> SelfTest {
     let outcome = on_thread(limit, Step::VramRegister, move |step, deadline| {
         let mut keep = KeepVram { mrs: Vec::new(), bufs: Vec::new() };
-        match exercise_vram(&*rig, &mut keep, device, dev, hmem, step, deadline) {
+        match exercise_vram(&*rig, &mut keep, device, dev, vram, step, deadline) {
             Ok(()) => Ok(Box::new(keep) as Box<dyn Send>),
             Err(e) => Err((e, Some(Box::new(keep) as Box<dyn Send>))),
         }
     });
-    let t = SelfTest { provider: provider.to_owned(), domain: format!("{domain}{VRAM_SUFFIX}"), outcome };
+    let t = SelfTest { provider: provider.to_owned(), domain: format!("{domain} ({})", vram.name()), outcome };
     record(&t);
     t
 }
@@ -286,13 +285,13 @@ struct KeepVram {
     bufs: Vec<Box<dyn crate::device::DevBuf>>,
 }
 
-/// The WRITE and the READ on `rig` between two buffers of GPU `dev`, registered as `hmem`.
+/// The WRITE and the READ on `rig` between two buffers of GPU `dev`, registered as `vram` says.
 fn exercise_vram(
     rig: &dyn Rig,
     keep: &mut KeepVram,
     device: &'static dyn crate::device::Device,
     dev: u32,
-    hmem: super::Hmem,
+    vram: super::Vram,
     step: &AtomicU8,
     deadline: Instant,
 ) -> Result<()> {
@@ -307,7 +306,7 @@ fn exercise_vram(
     let (a, b) = (keep.bufs[0].ptr(), keep.bufs[1].ptr());
     for p in [a, b] {
         // SAFETY: a device buffer of 2 × BYTES kept (in `keep`) after its region is closed, or leaked with it.
-        keep.mrs.push(unsafe { Mr::register_hmem(domain, p as *mut u8, 2 * BYTES, ep, hmem)? });
+        keep.mrs.push(unsafe { Mr::register_vram(domain, p as *mut u8, 2 * BYTES, ep, vram, device)? });
     }
     let (mr0, mr1) = (&keep.mrs[0], &keep.mrs[1]);
     let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(7, |d| d.as_nanos() as u64);

@@ -5,13 +5,17 @@
 //! the structs and operation tables that libfabric's `static inline` calls (`fi_domain`, `fi_endpoint`,
 //! `fi_cq_read`, `fi_write`, …) go through, as `<rdma/fabric.h>`, `fi_domain.h`, `fi_endpoint.h`, `fi_cm.h`,
 //! `fi_eq.h` and `fi_rma.h` of libfabric 1.17 define them. Every offset, size and constant here is checked
-//! against those headers by `tests/fabric_abi.rs` (a C program compiled against them prints them; [`ABI`] lists
+//! against those headers by tests/fabric.rs (a C program compiled against them prints them; [`ABI`] lists
 //! ours). An entry of an operation table is an `Option`: a provider that leaves it NULL gets `-FI_ENOSYS`, as
 //! the header's `FI_CHECK_OP` gives, never a call through NULL.
 //!
 //! libfabric only appends to its structs and tables (the library allocates every struct it returns), so the
-//! 1.17 layout holds for the newer libraries EFA installs (≥ 1.21); [`API_VERSION`] asks for the 1.17 API,
-//! which they serve. Only Debian's 1.17 has run here.
+//! 1.17 layout holds for the newer libraries EFA installs (≥ 1.21). The two structs gixl fills or has filled
+//! and that grew since (`fi_mr_attr`, `fi_cq_err_entry`) are mirrored up to their 1.20 fields, and the API
+//! asked for is 1.20 where the library is at least that ([`Lib::api`], for dma-buf registration), else 1.17:
+//! a library copies no more of those two than the API asked for has (`ofi_mr_update_attr`,
+//! `ofi_cq_err_memcpy`). Debian's 1.17 and libfabric 2.1 (built from Debian's source by scripts/setup.sh)
+//! run here; [`abi_check`] says how each entry of [`ABI`] is held against either's headers.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::mem::{offset_of, size_of};
@@ -20,8 +24,10 @@ use std::sync::{Arc, OnceLock};
 use crate::os::dl::fn_ptr;
 use crate::status::{Error, Result};
 
-/// `FI_VERSION(1, 17)`: the API gixl asks for.
-pub const API_VERSION: u32 = (1 << 16) | 17;
+/// `FI_VERSION(1, 17)`: the API gixl asks of a library older than 1.20.
+pub const API_1_17: u32 = (1 << 16) | 17;
+/// `FI_VERSION(1, 20)`: the API gixl asks of a library of 1.20 or newer (the first with `FI_MR_DMABUF`).
+pub const API_1_20: u32 = (1 << 16) | 20;
 
 pub const FI_RMA: u64 = 1 << 2;
 pub const FI_READ: u64 = 1 << 8;
@@ -34,6 +40,9 @@ pub const FI_REMOTE_WRITE: u64 = 1 << 13;
 pub const FI_COMPLETION: u64 = 1 << 24;
 pub const FI_DELIVERY_COMPLETE: u64 = 1 << 28;
 pub const FI_HMEM: u64 = 1 << 47;
+/// `fi_mr_regattr` flag (API ≥ 1.20): the region is a dma-buf, `fi_mr_attr`'s first field points at a
+/// [`FiMrDmabuf`].
+pub const FI_MR_DMABUF: u64 = 1 << 40;
 
 pub const FI_MR_LOCAL: c_int = 1 << 2;
 pub const FI_MR_VIRT_ADDR: c_int = 1 << 4;
@@ -226,9 +235,11 @@ pub struct FiOpsMr {
     pub regattr: Option<MrRegAttr>,
 }
 
-/// `struct fi_mr_attr` (1.17): one region's memory, access and key, and its memory's interface (`iface`,
-/// `FI_HMEM_*`) and device (the union `device`: a CUDA ordinal is its `int cuda`, the low half of the
-/// `uint64_t reserved` it shares, little-endian).
+/// `struct fi_mr_attr` up to its 1.20 fields: one region's memory, access and key, and its memory's interface
+/// (`iface`, `FI_HMEM_*`) and device (the union `device`: a CUDA ordinal is its `int cuda`, the low half of the
+/// `uint64_t reserved` it shares, little-endian). `mr_iov` is a union with `const struct fi_mr_dmabuf *dmabuf`
+/// (read as that under [`FI_MR_DMABUF`]); `hmem_data` (1.19) is left NULL. A library asked for API 1.17 reads
+/// the fields before `hmem_data` only; one asked for 1.20 up to `hmem_data` (`page_size` and after: ≥ 1.22).
 #[repr(C)]
 pub struct FiMrAttr {
     pub mr_iov: *const IoVec,
@@ -241,6 +252,17 @@ pub struct FiMrAttr {
     pub auth_key: *mut u8,
     pub iface: u32,
     pub device: u64,
+    pub hmem_data: *mut c_void,
+}
+
+/// `struct fi_mr_dmabuf` (1.20): a dma-buf's descriptor, the offset and length of the region in it, and the
+/// virtual address its byte 0 stands for (the region's address is `base_addr + offset`).
+#[repr(C)]
+pub struct FiMrDmabuf {
+    pub fd: c_int,
+    pub offset: u64,
+    pub len: usize,
+    pub base_addr: *mut c_void,
 }
 
 #[repr(C)]
@@ -325,6 +347,8 @@ pub struct FiCqErrEntry {
     pub prov_errno: c_int,
     pub err_data: *mut c_void,
     pub err_data_size: usize,
+    /// 1.20: written only where the API asked for is at least that.
+    pub src_addr: u64,
 }
 
 #[repr(C)]
@@ -388,7 +412,7 @@ pub struct FiOpsRma {
     pub writemsg: Option<RmaMsg>,
 }
 
-/// Every layout fact and constant the bindings rely on, by the name `tests/fabric_abi.rs`'s C program prints:
+/// Every layout fact and constant the bindings rely on, by the name tests/fabric.rs's C program prints:
 /// `sizeof.S` is `sizeof(struct S)`, `S.f` is `offsetof(struct S, f)`, anything else a constant.
 pub const ABI: &[(&str, usize)] = &[
     ("sizeof.fid", size_of::<Fid>()),
@@ -436,6 +460,11 @@ pub const ABI: &[(&str, usize)] = &[
     ("fi_mr_attr.requested_key", offset_of!(FiMrAttr, requested_key)),
     ("fi_mr_attr.iface", offset_of!(FiMrAttr, iface)),
     ("fi_mr_attr.device", offset_of!(FiMrAttr, device)),
+    ("fi_mr_attr.hmem_data", offset_of!(FiMrAttr, hmem_data)),
+    ("sizeof.fi_mr_dmabuf", size_of::<FiMrDmabuf>()),
+    ("fi_mr_dmabuf.offset", offset_of!(FiMrDmabuf, offset)),
+    ("fi_mr_dmabuf.len", offset_of!(FiMrDmabuf, len)),
+    ("fi_mr_dmabuf.base_addr", offset_of!(FiMrDmabuf, base_addr)),
     ("fid_mr.mem_desc", offset_of!(FidMr, mem_desc)),
     ("fid_mr.key", offset_of!(FidMr, key)),
     ("sizeof.fi_av_attr", size_of::<FiAvAttr>()),
@@ -460,6 +489,8 @@ pub const ABI: &[(&str, usize)] = &[
     ("fi_cq_err_entry.err", offset_of!(FiCqErrEntry, err)),
     ("fi_cq_err_entry.prov_errno", offset_of!(FiCqErrEntry, prov_errno)),
     ("fi_cq_err_entry.err_data", offset_of!(FiCqErrEntry, err_data)),
+    ("fi_cq_err_entry.err_data_size", offset_of!(FiCqErrEntry, err_data_size)),
+    ("fi_cq_err_entry.src_addr", offset_of!(FiCqErrEntry, src_addr)),
     ("fid_ep.cm", offset_of!(FidEp, cm)),
     ("fid_ep.rma", offset_of!(FidEp, rma)),
     ("fi_ops_cm.getname", offset_of!(FiOpsCm, getname)),
@@ -484,6 +515,7 @@ pub const ABI: &[(&str, usize)] = &[
     ("FI_COMPLETION", FI_COMPLETION as usize),
     ("FI_DELIVERY_COMPLETE", FI_DELIVERY_COMPLETE as usize),
     ("FI_HMEM", FI_HMEM as usize),
+    ("FI_MR_DMABUF", FI_MR_DMABUF as usize),
     ("FI_MR_LOCAL", FI_MR_LOCAL as usize),
     ("FI_MR_VIRT_ADDR", FI_MR_VIRT_ADDR as usize),
     ("FI_MR_ALLOCATED", FI_MR_ALLOCATED as usize),
@@ -508,13 +540,64 @@ pub const ABI: &[(&str, usize)] = &[
     ("FI_ENODATA", FI_ENODATA as usize),
     ("FI_ETOOSMALL", FI_ETOOSMALL as usize),
     ("FI_EAVAIL", FI_EAVAIL as usize),
-    ("FI_VERSION(1, 17)", API_VERSION as usize),
+    ("FI_VERSION(1, 17)", API_1_17 as usize),
+    ("FI_VERSION(1, 20)", API_1_20 as usize),
 ];
+
+/// How an entry of [`ABI`] is held against the headers of libfabric `major.minor`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AbiCheck {
+    /// The headers' value is ours.
+    Exact,
+    /// The headers' struct is ours or longer: one the library allocates and appends to, or one gixl fills
+    /// whose newer fields are read only at an API above the one gixl asks of such a library.
+    AtLeast,
+    /// The headers' struct is ours or shorter: one gixl fills or has filled, mirrored up to its 1.20 fields,
+    /// which a library older than 1.20 (asked for 1.17) reads or writes no further than its own.
+    AtMost,
+    /// Not in headers this old.
+    Absent,
+}
+
+/// The entries added after 1.17, with the version that added them.
+const SINCE: &[(&str, (u32, u32))] = &[
+    ("fi_mr_attr.hmem_data", (1, 19)),
+    ("sizeof.fi_mr_dmabuf", (1, 20)),
+    ("fi_mr_dmabuf.offset", (1, 20)),
+    ("fi_mr_dmabuf.len", (1, 20)),
+    ("fi_mr_dmabuf.base_addr", (1, 20)),
+    ("fi_cq_err_entry.src_addr", (1, 20)),
+    ("FI_MR_DMABUF", (1, 20)),
+];
+
+/// How `name` (an entry of [`ABI`]) is held against the headers of libfabric `header` (`major.minor`).
+pub fn abi_check(name: &str, header: (u32, u32)) -> AbiCheck {
+    if SINCE.iter().any(|&(n, v)| n == name && header < v) {
+        return AbiCheck::Absent;
+    }
+    match name {
+        "sizeof.fi_mr_attr" | "sizeof.fi_cq_err_entry" if header < (1, 20) => AbiCheck::AtMost,
+        "sizeof.fi_mr_attr" | "sizeof.fi_cq_err_entry" => AbiCheck::AtLeast,
+        "sizeof.fid"
+        | "sizeof.fi_tx_attr"
+        | "sizeof.fi_ep_attr"
+        | "sizeof.fi_domain_attr"
+        | "sizeof.fi_fabric_attr"
+        | "sizeof.fi_info"
+            if header > (1, 17) =>
+        {
+            AbiCheck::AtLeast
+        }
+        _ => AbiCheck::Exact,
+    }
+}
 
 /// The exported functions called (the rest of the API is inline, through the tables above).
 pub struct Lib {
     /// Where it was opened from (the name given to `dlopen`).
     pub path: String,
+    /// The API asked of it: [`API_1_20`] where the library is 1.20 or newer, else [`API_1_17`].
+    pub api: u32,
     pub getinfo: unsafe extern "C" fn(u32, *const c_char, *const c_char, u64, *const FiInfo, *mut *mut FiInfo) -> c_int,
     pub freeinfo: unsafe extern "C" fn(*mut FiInfo),
     pub dupinfo: unsafe extern "C" fn(*const FiInfo) -> *mut FiInfo,
@@ -555,6 +638,10 @@ fn open() -> std::result::Result<Lib, String> {
     let sym = |s: &CStr| dl.sym(s);
     // SAFETY: each symbol is libfabric's exported function of that name (its default version), whose C
     // signature the field's type spells (fabric.h, fi_errno.h).
+    let version: unsafe extern "C" fn() -> u32 = unsafe { fn_ptr(sym(c"fi_version")?) };
+    // SAFETY: fi_version takes nothing and returns FI_VERSION(major, minor).
+    let api = if unsafe { version() } >= API_1_20 { API_1_20 } else { API_1_17 };
+    // SAFETY: as above.
     unsafe {
         Ok(Lib {
             getinfo: fn_ptr(sym(c"fi_getinfo")?),
@@ -562,7 +649,8 @@ fn open() -> std::result::Result<Lib, String> {
             dupinfo: fn_ptr(sym(c"fi_dupinfo")?),
             fabric: fn_ptr(sym(c"fi_fabric")?),
             strerror: fn_ptr(sym(c"fi_strerror")?),
-            version: fn_ptr(sym(c"fi_version")?),
+            version,
+            api,
             path: dl.name.clone(),
         })
     }

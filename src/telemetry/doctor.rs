@@ -212,9 +212,11 @@ fn libcuda() -> Result<(), String> {
 /// process ran. `works`: a device passed its self-test in this process (the route uses only those).
 fn libfabric_j() -> J {
     let lib = crate::fabric::sys::lib();
-    let (found, library, version) = match &lib {
-        Ok(l) => (true, l.path.clone(), format!("{}.{}", l.version().0, l.version().1)),
-        Err(e) => (false, e.message().to_owned(), String::new()),
+    let (found, library, version, api) = match &lib {
+        Ok(l) => {
+            (true, l.path.clone(), format!("{}.{}", l.version().0, l.version().1), format!("1.{}", l.api & 0xffff))
+        }
+        Err(e) => (false, e.message().to_owned(), String::new(), String::new()),
     };
     let all = lib.and_then(|_| crate::fabric::devices(None, None)).unwrap_or_default();
     let devices = all.iter().map(|d| J::s(format!("{}/{}", d.provider(), d.domain()))).collect();
@@ -228,8 +230,10 @@ fn libfabric_j() -> J {
          goes over TCP); providers that are not sockets or \
          shared memory on their own (here: {}), tcp/udp/sockets/shm only with GIXL_TRANSPORT=fabric and \
          GIXL_FABRIC_PROVIDER (or FI_PROVIDER); GIXL_LIBFABRIC names the library. GPU memory goes through \
-         FI_HMEM on rails whose provider offers it, once their GPU-memory self-test passed (run at the first VRAM \
-         registration; listed as '<device> (GPU memory)'), else it is staged over TCP",
+         FI_HMEM on rails whose provider offers it, as a dma-buf where the library takes one (API 1.20) and that \
+         way's GPU-memory self-test passed, else by its interface where that way's passed (run at the first VRAM \
+         registration; listed as '<device> (GPU memory, dma-buf)' and '<device> (GPU memory)'), else it is staged \
+         over TCP",
         if fabric.is_empty() { "none".to_owned() } else { fabric.join(", ") }
     );
     let tests = records.into_iter().map(|r| self_test_j(r.device, r.passed, r.ms, r.step, r.error)).collect();
@@ -238,6 +242,7 @@ fn libfabric_j() -> J {
         ("found", J::Bool(found)),
         ("library", J::s(library)),
         ("version", J::s(version)),
+        ("api", J::s(api)),
         ("devices", J::Arr(devices)),
         ("self_tests", J::Arr(tests)),
         ("why", J::s(why)),

@@ -22,10 +22,11 @@
 //! `gixl doctor`); a failed one is one WARN line naming the device, the step and the fallback (the other rails,
 //! else TCP), and greetings on it are refused.
 //!
-//! GPU memory: a rail whose device offers `FI_HMEM` registers it with its interface (`hmem_of`) once the rail
-//! passed a GPU-memory self-test for that GPU (`selftest::run_vram_on`, run at the first registration of one of
-//! its regions: `vram_verdict`); a rail that failed it registers none (one WARN line), and the region's ticket
-//! names the rails that carry it (`FabricKeys::rails`).
+//! GPU memory: a rail whose device offers `FI_HMEM` registers it (interface: `hmem_of`) as a dma-buf where the
+//! library takes one (≥ 1.20) and that way passed a GPU-memory self-test for that GPU, else by its interface
+//! where that way passed (`vram_way`; `selftest::run_vram_on`, run at the first registration of one of its
+//! regions: `vram_verdict`); a rail where neither passed registers none (one WARN line), and the region's
+//! ticket names the rails that carry it (`FabricKeys::rails`).
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -42,7 +43,7 @@ use crate::backend::engine::near::{self, Place};
 use crate::backend::engine::route::{Export, Registration, Side};
 pub(crate) use crate::fabric::is_sockets;
 use crate::fabric::selftest;
-use crate::fabric::{self as fi, Av, Cq, CqRead, Device, Domain, Endpoint, Hmem, Mr, RemoteKey};
+use crate::fabric::{self as fi, Av, Cq, CqRead, Device, Domain, Endpoint, Hmem, Mr, RemoteKey, Vram};
 use crate::mem::MemType;
 use crate::os::sock as net;
 use crate::status::{Error, Result};
@@ -294,8 +295,8 @@ impl Rail {
     }
 
     /// A memory region for `[addr, addr + len)` under a key this domain never handed out before: host memory,
-    /// or GPU memory of interface `hmem` (`FI_HMEM`).
-    fn register(&self, addr: u64, len: u64, hmem: Option<Hmem>) -> Result<Mr> {
+    /// or GPU memory of the device layer `device`, handed over as `vram` says (`FI_HMEM`).
+    fn register(&self, addr: u64, len: u64, vram: Option<(Vram, &dyn crate::device::Device)>) -> Result<Mr> {
         let what = format!("libfabric device {}/{}", self.dev.provider(), self.dev.domain());
         let (p, n) = (addr as *mut u8, len as usize);
         self.keys.register(
@@ -303,9 +304,9 @@ impl Rail {
             // SAFETY: a registered region's memory is the application's and stays allocated while registered
             // (NIXL's contract); the region is closed when the registration is retired.
             || unsafe {
-                match hmem {
+                match vram {
                     None => Mr::register(&self.domain, p, n, &self.ep),
-                    Some(h) => Mr::register_hmem(&self.domain, p, n, &self.ep, h),
+                    Some((v, device)) => Mr::register_vram(&self.domain, p, n, &self.ep, v, device),
                 }
             },
             Mr::key,
@@ -613,22 +614,50 @@ impl FabricSide {
         trial.wait()
     }
 
-    /// The verdict of `rail`'s GPU-memory self-test for GPU `dev` as `hmem` (run now, once per process, the
-    /// first time a region of that GPU is registered: off agent creation's path). None where the rail's
-    /// device does not offer `FI_HMEM` (nothing to test: GPU memory is staged on it).
-    fn vram_verdict(
+    /// How `rail` carries GPU memory of GPU `dev` (interface `hmem`): as a dma-buf where the library takes one
+    /// (API ≥ 1.20) and that way's self-test passed, else by its interface where that way's passed. None where
+    /// the rail's device does not offer `FI_HMEM` (nothing to test: GPU memory is staged on it); Err: why
+    /// neither way passed.
+    fn vram_way(
         &self,
         rail: &Arc<Rail>,
         device: &'static dyn crate::device::Device,
         dev: u32,
         hmem: Hmem,
-    ) -> Option<Verdict> {
+    ) -> Option<std::result::Result<Vram, String>> {
         if !rail.dev.hmem() {
             return None;
         }
-        let key = (format!("{} {hmem:?}", rail.dev.provider()), Some(format!("{} gpu {dev}", rail.dev.domain())));
+        let mut why = Vec::new();
+        for dmabuf in [true, false] {
+            if dmabuf && rail.domain.lib().api < fi::sys::API_1_20 {
+                continue;
+            }
+            let vram = Vram { hmem, dmabuf };
+            match self.vram_verdict(rail, device, dev, vram) {
+                Ok(_) => return Some(Ok(vram)),
+                Err(e) => why.push(format!("{}: {e}", vram.name())),
+            }
+        }
+        Some(Err(why.join("; ")))
+    }
+
+    /// The verdict of `rail`'s GPU-memory self-test for GPU `dev` handed over as `vram` says (run now, once per
+    /// process, the first time a region of that GPU is registered: off agent creation's path).
+    fn vram_verdict(
+        &self,
+        rail: &Arc<Rail>,
+        device: &'static dyn crate::device::Device,
+        dev: u32,
+        vram: Vram,
+    ) -> Verdict {
+        let key = (format!("{} {vram:?}", rail.dev.provider()), Some(format!("{} gpu {dev}", rail.dev.domain())));
         let (trial, first) = trial(key);
-        Some(if first { settle(&trial, test_vram(&self.agent, rail, device, dev, hmem)) } else { trial.wait() })
+        if first {
+            settle(&trial, test_vram(&self.agent, rail, device, dev, vram))
+        } else {
+            trial.wait()
+        }
     }
 
     /// The rails, for data, and each one's self-test cost where it passed in this process (None: it failed, and
@@ -790,26 +819,39 @@ fn test(agent: &str, provider: &str, domain: Option<&str>, rail: Option<Arc<Rail
     }
 }
 
-/// The GPU-memory self-test of `rail` for GPU `dev` (see `selftest::run_vram_on`); its INFO or WARN line.
+/// The GPU-memory self-test of `rail` for GPU `dev` handed over as `vram` says (see `selftest::run_vram_on`);
+/// its INFO line, or, where GPU memory then goes by neither way on the rail, its WARN line (a failed dma-buf
+/// way is followed by the interface way's own test, so it is said at INFO).
 fn test_vram(
     agent: &str,
     rail: &Arc<Rail>,
     device: &'static dyn crate::device::Device,
     dev: u32,
-    hmem: Hmem,
+    vram: Vram,
 ) -> Verdict {
     let (p, d) = (rail.dev.provider(), rail.dev.domain());
-    let t = selftest::run_vram_on(rail.clone(), &p, &d, device, dev, hmem, SELFTEST_LIMIT);
+    let t = selftest::run_vram_on(rail.clone(), &p, &d, device, dev, vram, SELFTEST_LIMIT);
     match &t.outcome {
         selftest::Outcome::Passed { cost } => {
-            crate::telemetry::log::info(&format!("agent '{agent}': libfabric GPU-memory self-test ({hmem:?}) {t}"));
+            crate::telemetry::log::info(&format!("agent '{agent}': libfabric GPU-memory self-test ({vram:?}) {t}"));
             Ok(cost.as_secs_f64() * 1e3)
+        }
+        selftest::Outcome::Failed { step, error, .. } if vram.dmabuf => {
+            crate::telemetry::log::info(&format!(
+                "agent '{agent}': libfabric rail {p}/{d} failed its GPU-memory self-test as dma-buf ({:?}, GPU \
+                 {dev}) at step '{}' ({error}): GPU memory is registered by its interface instead where that \
+                 way's own self-test passes",
+                vram.hmem,
+                step.name()
+            ));
+            Err(format!("self-test failed at {}", step.name()))
         }
         selftest::Outcome::Failed { step, error, .. } => {
             crate::telemetry::log::warn(&format!(
-                "agent '{agent}': libfabric rail {p}/{d} failed its GPU-memory self-test (FI_HMEM, {hmem:?}, GPU \
+                "agent '{agent}': libfabric rail {p}/{d} failed its GPU-memory self-test (FI_HMEM, {:?}, GPU \
                  {dev}) at step '{}' ({error}): GPU memory on this rail is not registered, its libfabric peers' \
                  requests on it are staged through host memory over TCP; `python -m gixl doctor` shows the result",
+                vram.hmem,
                 step.name()
             ));
             Err(format!("GPU-memory self-test failed at {}", step.name()))
@@ -901,7 +943,9 @@ impl Side for FabricSide {
         let vram = r.mem == MemType::Vram;
         // GPU memory: the interface, and which rails carry it.
         let mut carried = u32::MAX;
-        let mut hmem = None;
+        // Each carrying rail's way, and the device layer the memory is of.
+        let mut ways: Vec<(usize, Vram)> = Vec::new();
+        let mut gpu: Option<&'static dyn crate::device::Device> = None;
         let mut gpu_why: Vec<String> = Vec::new();
         if vram {
             let what = || format!("agent '{}': VRAM region {:#x}+{} on GPU {}", r.agent, r.addr, r.len, r.dev);
@@ -914,10 +958,14 @@ impl Side for FabricSide {
             };
             let h = hmem_of(device.kind(), r.dev as u32);
             let mut why = Vec::new();
+            gpu = Some(device);
             carried = 0;
             for rail in rails.iter() {
-                match self.vram_verdict(rail, device, r.dev as u32, h) {
-                    Some(Ok(_)) => carried |= 1 << rail.index,
+                match self.vram_way(rail, device, r.dev as u32, h) {
+                    Some(Ok(v)) => {
+                        carried |= 1 << rail.index;
+                        ways.push((rail.index, v));
+                    }
                     Some(Err(e)) => why.push(format!("{}: {e}", rail.name())),
                     None => why.push(format!("{}: no FI_HMEM", rail.name())),
                 }
@@ -930,7 +978,6 @@ impl Side for FabricSide {
                 ));
                 return Ok(None);
             }
-            hmem = Some(h);
             gpu_why = why;
         }
         let (mut mrs, mut keys) = (Vec::with_capacity(rails.len()), Vec::with_capacity(rails.len()));
@@ -941,7 +988,8 @@ impl Side for FabricSide {
                 mrs.push(None);
                 continue;
             }
-            let mr = match rail.register(r.addr, r.len, hmem) {
+            let way = ways.iter().find(|(i, _)| *i == rail.index).map(|(_, v)| *v);
+            let mr = match rail.register(r.addr, r.len, way.zip(gpu)) {
                 Ok(mr) => mr,
                 // GPU memory this rail's self-test passed for but this region does not register (one spanning
                 // several allocations, say): staged on this rail rather than failing the registration.
@@ -967,11 +1015,16 @@ impl Side for FabricSide {
         if vram && carried == 0 {
             return Ok(None);
         }
-        if let Some(h) = hmem {
-            let on: Vec<String> = rails.iter().filter(|x| carried & (1 << x.index) != 0).map(|x| x.name()).collect();
+        if vram {
+            let on: Vec<String> = ways
+                .iter()
+                .filter(|(i, _)| carried & (1 << i) != 0)
+                .filter_map(|(i, v)| {
+                    rails.iter().find(|x| x.index == *i).map(|x| format!("{} ({:?}, {})", x.name(), v.hmem, v.name()))
+                })
+                .collect();
             crate::telemetry::log::info(&format!(
-                "agent '{}': VRAM region {:#x}+{} on GPU {}: reached by libfabric directly (FI_HMEM, {h:?}) on \
-                 rail(s) {}{}",
+                "agent '{}': VRAM region {:#x}+{} on GPU {}: reached by libfabric directly (FI_HMEM) on rail(s) {}{}",
                 r.agent,
                 r.addr,
                 r.len,
