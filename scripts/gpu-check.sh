@@ -6,6 +6,8 @@
 #       libfabric scripts/setup.sh unpacked (~/.cache/gixl/libfabric: Debian's 1.17 with rdma-core's
 #       libibverbs and providers, fi_info, fi_pingpong; shared libraries only) into target/gpu-check/libfabric
 #       where there is one, and with --with-nixl packs NIXL 1.5.1 (nixl_cu12 + numpy from .venv/nixl) into target/gpu-check/nixl.tar.zst;
+#       builds libfabric 2.1.0 with CUDA into ~/.cache/gixl/libfabric-2.1.0-cuda (once) and copies it with the
+#       CUDA runtime it opens into target/gpu-check/libfabric-cuda (step 3b below);
 #       prints the sizes (the device tool carries at most 64 MiB).
 #   scripts/gpu-check.sh                           on the GPU machine (carry target/gpu-check):
 #       1. nvidia-smi, driver version;
@@ -33,6 +35,11 @@
 #          data checked,
 #          the route's own self-test (examples/gpu_check.rs, fabric_cases); where there is none, one line
 #          saying so;
+#       3b. libfabric 2.1.0 built with CUDA (carried: --prepare builds it with scripts/build-libfabric.sh against
+#          the headers of NVIDIA's nvidia-cuda-runtime-cu12 wheel and carries its libcudart.so.12): gpu_check
+#          with GIXL_GPU_CHECK=fabric forced onto shm between two processes of the host, so that real GPU memory
+#          goes through libfabric (FI_HMEM_CUDA: as a dma-buf, else by interface; the self-test records say
+#          which way passed), data checked; where no GPU is, one line saying so;
 #       4. NIXL 1.5.1 on the same cases (scripts/gpu_check_nixl.py --impl nixl_cu12) if it can be imported
 #          (installed, or unpacked from target/gpu-check/nixl.tar.zst; needs python3.11); otherwise says so.
 # Exit status: non-zero if any gixl case failed.
@@ -57,6 +64,40 @@ if [ "${1:-}" = "--prepare" ]; then
     else
         echo "no libfabric under $fl (scripts/setup.sh unpacks it): the device machine's own is used, if any"
     fi
+    # libfabric 2.1.0 with CUDA memory support (CUDA opened at run time), and the CUDA runtime it opens: shm
+    # between two processes over real GPU memory (FI_HMEM_CUDA, by interface and as dma-buf) on the device. The
+    # headers it is built against and libcudart.so.12 come from NVIDIA's wheels (nvidia-cuda-runtime-cu12; the
+    # crt/ headers cuda_runtime.h includes, from nvidia-cuda-nvcc-cu12, a 40 MB download; nvml.h from
+    # nvidia-nvml-dev-cu12), downloaded once into ~/.cache/gixl.
+    cu="$HOME/.cache/gixl/cuda-12.9"
+    if [ ! -f "$cu/include/crt/host_config.h" ] || [ ! -f "$cu/include/nvml.h" ] || [ ! -f "$cu/lib/libcudart.so.12" ]; then
+        wheels=$(mktemp -d)
+        python3 -m pip download -q --no-deps -d "$wheels" nvidia-cuda-runtime-cu12==12.9.79 \
+            nvidia-cuda-nvcc-cu12==12.9.86 nvidia-nvml-dev-cu12==12.9.79
+        python3 - "$wheels" "$cu" <<'PY'
+import glob, os, sys, zipfile
+wheels, cu = sys.argv[1:]
+want = {"nvidia/cuda_runtime/include/": "include/", "nvidia/cuda_runtime/lib/libcudart.so.12": "lib/libcudart.so.12",
+        "nvidia/cuda_nvcc/include/crt/": "include/crt/", "nvidia/nvml_dev/include/nvml.h": "include/nvml.h"}
+for whl in glob.glob(wheels + "/*.whl"):
+    z = zipfile.ZipFile(whl)
+    for name in z.namelist():
+        for src, dst in want.items():
+            if name.startswith(src) and not name.endswith("/"):
+                out = os.path.join(cu, dst + name[len(src):]) if src.endswith("/") else os.path.join(cu, dst)
+                os.makedirs(os.path.dirname(out), exist_ok=True)
+                open(out, "wb").write(z.read(name))
+PY
+        rm -rf "$wheels"
+    fi
+    flc="$HOME/.cache/gixl/libfabric-2.1.0-cuda"
+    [ -f "$flc/usr/lib/x86_64-linux-gnu/libfabric.so.1" ] || scripts/build-libfabric.sh "$flc" "$cu"
+    rm -rf "$out/libfabric-cuda"
+    mkdir -p "$out/libfabric-cuda/lib" "$out/libfabric-cuda/bin"
+    cp -L "$flc/usr/lib/x86_64-linux-gnu/libfabric.so.1" "$cu/lib/libcudart.so.12" \
+        "$out/libfabric-cuda/lib/"
+    ln -sf libcudart.so.12 "$out/libfabric-cuda/lib/libcudart.so"
+    cp -L "$flc/usr/bin/fi_info" "$out/libfabric-cuda/bin/"
     if [ "${2:-}" = "--with-nixl" ]; then
         site=$(ls -d .venv/nixl/lib/python3*/site-packages | head -n 1)
         tar -C "$site" -cf - nixl_cu12 nixl_cu12.libs numpy numpy.libs | zstd -q -12 -T0 -o "$out/nixl.tar.zst" -f
@@ -159,6 +200,23 @@ else
         echo "=== gixl over libfabric: exit $fs"
         [ $fs -eq 0 ] || status=1
     fi
+fi
+
+# GPU memory through libfabric for real: the carried libfabric 2.1.0 built with CUDA, shm between two processes
+# of this host (forced: GIXL_GPU_CHECK_FABRIC_PROVIDER=shm), the VRAM regions registered with FI_HMEM_CUDA, as a
+# dma-buf first (API 1.20) and by interface where that way's self-test fails; the self-test records say which.
+flc="$out/libfabric-cuda/lib"
+if [ -f "$flc/libfabric.so.1" ] && [ -x "$bin" ] && command -v nvidia-smi >/dev/null; then
+    echo "=== libfabric 2.1.0 with CUDA (carried), shm: GPU memory through FI_HMEM_CUDA"
+    echo "    providers built in (fi_info -l): $(LD_LIBRARY_PATH="$flc" "$out/libfabric-cuda/bin/fi_info" -l 2>/dev/null | grep -v version | tr -d ':' | tr '\n' ' ')"
+    echo "    shm with FI_HMEM (fi_info -p shm -c FI_HMEM): $(LD_LIBRARY_PATH="$flc" "$out/libfabric-cuda/bin/fi_info" -p shm -c FI_HMEM 2>&1 | grep -m1 -E 'domain|No data' | tr -s ' ')"
+    LD_LIBRARY_PATH="$flc:${LD_LIBRARY_PATH:-}" GIXL_LIBFABRIC="$flc/libfabric.so.1" GIXL_GPU_CHECK=fabric \
+        GIXL_GPU_CHECK_FABRIC_PROVIDER=shm timeout 300 "$bin"
+    fs=$?
+    echo "=== libfabric with CUDA over shm: exit $fs"
+    [ $fs -eq 0 ] || status=1
+else
+    echo "=== libfabric with CUDA over shm: not run (no carried target/gpu-check/libfabric-cuda, no gpu_check, or no GPU)"
 fi
 
 py=""

@@ -22,7 +22,8 @@
 #                ~/.cache/gixl/libfabric and NOT installed, for the same reason: gixl opens it by path
 #                (GIXL_LIBFABRIC) in the processes that use it, with LD_LIBRARY_PATH set to its folders there only
 #                (docs/libfabric.md).
-#   libfabric 2.1  libfabric 2.1.0 built from Debian's source (trixie's original tarball, its SHA-256 checked)
+#   libfabric 2.1  libfabric 2.1.0 built from Debian's source by scripts/build-libfabric.sh (trixie's original tarball,
+#                its SHA-256 checked)
 #                into ~/.cache/gixl/libfabric-2.1.0 with the same layout: the tcp, udp, shm and utility (rxm, rxd)
 #                providers only, about a minute on 2 cores (autoconf, automake and libtool from apt). The
 #                libfabric tests run again over it: a library as new as those EFA's installer ships, and the first
@@ -132,27 +133,7 @@ fi
 libfabric2="$HOME/.cache/gixl/libfabric-2.1.0"
 if [ ! -e "$libfabric2/usr/include/rdma/fi_domain.h" ] || [ ! -e "$libfabric2/usr/bin/fi_info" ]; then
     echo "setup: libfabric 2.1.0 built from Debian's source into $libfabric2 (not installed)"
-    src=$(mktemp -d)
-    tarball="$src/libfabric_2.1.0.orig.tar.xz"
-    python3 - "$tarball" <<'PY'
-import hashlib, sys, urllib.request
-url = "https://deb.debian.org/debian/pool/main/libf/libfabric/libfabric_2.1.0.orig.tar.xz"
-want = "1a66369772d5bb151737214af1c478993e969cf298e8f9ed369e7a2ab8d8c6df"
-data = urllib.request.urlopen(url, timeout=120).read()
-got = hashlib.sha256(data).hexdigest()
-if got != want:
-    sys.exit(f"{url}: sha256 {got}, expected {want}")
-open(sys.argv[1], "wb").write(data)
-PY
-    tar -xJf "$tarball" -C "$src"
-    # (set -e does not hold inside a list whose status is tested: each step is chained.)
-    (cd "$src/libfabric-2.1.0" && ./autogen.sh >"$src/build.log" 2>&1 &&
-        ./configure --prefix="$libfabric2/usr" --libdir="$libfabric2/usr/lib/x86_64-linux-gnu" --disable-static \
-            --enable-only --enable-tcp --enable-udp --enable-shm --enable-rxm --enable-rxd >>"$src/build.log" 2>&1 &&
-        make -j"$(nproc)" >>"$src/build.log" 2>&1 && make install >>"$src/build.log" 2>&1) ||
-        { tail -n 30 "$src/build.log"; echo "setup: building libfabric 2.1.0 failed (in $src)"; exit 1; }
-    rm -rf "$src"
-    LD_LIBRARY_PATH="$libfabric2/usr/lib/x86_64-linux-gnu" "$libfabric2/usr/bin/fi_info" -l >/dev/null
+    scripts/build-libfabric.sh "$libfabric2"
     took "libfabric 2.1.0 built"
 fi
 # Always reinstall gixl itself so the venv matches the checkout.
