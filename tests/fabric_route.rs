@@ -421,6 +421,45 @@ fn shm_provider_between_two_processes_reads_and_writes() {
     a.load_remote_md(&p.md).unwrap();
     assert_eq!(route_of("decode-shm", "prefill"), "libfabric");
     read_write(&a, "decode-shm", &mut p, 5, &mut dst, &ones);
+
+    // The target deregisters and registers the same buffer again, under a 32 × 64 MiB READ in flight. shm never
+    // answers an operation on a closed key; the target's closed-key notice (on the greeting connection) ends the
+    // READ in flight with NOT_FOUND within the bound (its operations the target took after the key closed are
+    // given up), and has the handles made before refused with NOT_FOUND, READ and WRITE, before posting; the new
+    // region is untouched.
+    let o = XferOpts::default();
+    let before_w = a.create_xfer_req(XferOp::Write, &local(&dst, 0, 4096), &remote(p.addr, 0, 4096), "prefill", &o);
+    let before_r = a.create_xfer_req(XferOp::Read, &local(&dst, 0, SIZE), &remote(p.addr, 0, SIZE), "prefill", &o);
+    let big_l =
+        XferDList::with_descs(MemType::Dram, (0..32).map(|_| Desc::new(dst.as_ptr() as u64, SIZE as u64, 0)).collect());
+    let big_r = XferDList::with_descs(MemType::Dram, (0..32).map(|_| Desc::new(p.addr, SIZE as u64, 0)).collect());
+    let big = a.create_xfer_req(XferOp::Read, &big_l, &big_r, "prefill", &o).unwrap();
+    assert_eq!(a.post_xfer_req(&big, NotifUpdate::Keep).unwrap(), Status::InProg, "32 × 64 MiB finished at once");
+    std::thread::sleep(Duration::from_millis(20));
+    let md = p.ask("rereg", "@md").pop().unwrap();
+    let t = Instant::now();
+    let e = wait(&a, &big, Status::InProg).unwrap_err();
+    assert_eq!(e.status(), Status::NotFound, "{e}");
+    assert!(t.elapsed() < Duration::from_secs(2), "the READ in flight ended after {:?}", t.elapsed());
+    eprintln!("shm, a region deregistered under a READ: {e} after {:?}", t.elapsed());
+    dst.iter_mut().for_each(|b| *b = 0);
+    for req in [before_w.unwrap(), before_r.unwrap()] {
+        let t = Instant::now();
+        let e = failure(&a, &req);
+        assert_eq!(e.status(), Status::NotFound, "{e}");
+        assert!(t.elapsed() < Duration::from_secs(2), "refused after {:?}", t.elapsed());
+        eprintln!("shm, a deregistered region: {e} after {:?}", t.elapsed());
+    }
+    assert!(dst.iter().all(|&b| b == 0), "a READ of the deregistered region brought bytes");
+    assert_eq!(p.ask("sum", "sum")[0], format!("sum {}", 0xEE * SIZE as u64), "the new region was written");
+    let md = unhex(md.strip_prefix("@md ").unwrap().split(' ').next().unwrap());
+    a.invalidate_remote_md("prefill").unwrap();
+    // shm answers its operations in order: the one it dropped holds back every later answer on this rail's
+    // endpoint, so the rail was given up (one WARN line) and the peer, loaded again, goes over TCP.
+    a.load_remote_md(&md).unwrap();
+    assert_eq!(route_of("decode-shm", "prefill"), "tcp");
+    assert_eq!(run(&a, XferOp::Read, &local(&dst, 0, 4096), &remote(p.addr, 0, 4096), None).unwrap(), Status::Success);
+    assert!(dst[..4096].iter().all(|&b| b == 0xEE));
     p.kill();
 }
 

@@ -205,6 +205,8 @@ impl Net for FabricNet {
         let (rails, passed) = side.ready().map_err(|why| {
             if why.starts_with("self-test") {
                 "our libfabric device failed its self-test (said above)"
+            } else if why.starts_with("stalled") {
+                "our libfabric rails stalled (said above)"
             } else {
                 "our libfabric endpoint could not be opened (said above)"
             }
@@ -293,12 +295,69 @@ struct Path {
     greeted: Mutex<Option<(u64, Arc<TcpStream>, Busy)>>,
     /// The path failed (its rail, or the peer's refused it) while the peer lives: pieces go over the others.
     dead: AtomicBool,
+    /// The peer's keys on its rail that it said are closed (closed-key notices on the greeting connection).
+    closed: Mutex<Closed>,
+}
+
+/// What the greeting connection said of closed keys: the notices' bytes not yet whole, and the keys.
+#[derive(Default)]
+struct Closed {
+    partial: Vec<u8>,
+    keys: std::collections::HashSet<u64>,
+    /// The bytes were no notice: the rest of the stream is not read for them.
+    garbled: bool,
 }
 
 impl Path {
     fn new(local: usize, remote: usize, addr: Vec<u8>) -> Path {
-        Path { local, remote, addr, greeted: Mutex::default(), dead: AtomicBool::new(false) }
+        Path { local, remote, addr, greeted: Mutex::default(), dead: AtomicBool::new(false), closed: Mutex::default() }
     }
+
+    /// Takes in the closed-key notices the peer sent on `conn`, never waiting (the stream's end is left for
+    /// `hung_up` to see).
+    fn absorb(&self, conn: &TcpStream) {
+        let mut c = self.closed.lock();
+        let mut b = [0u8; 4096];
+        loop {
+            // SAFETY: a connected socket and a buffer valid for its length; MSG_DONTWAIT never blocks.
+            let n = unsafe { libc::recv(conn.as_raw_fd(), b.as_mut_ptr().cast(), b.len(), libc::MSG_DONTWAIT) };
+            if n <= 0 {
+                break;
+            }
+            if c.garbled {
+                continue;
+            }
+            c.partial.extend_from_slice(&b[..n as usize]);
+            loop {
+                match wire::decode_closed(&c.partial) {
+                    Ok(Some((keys, len))) => {
+                        c.keys.extend(keys);
+                        c.partial.drain(..len);
+                    }
+                    Ok(None) => break,
+                    Err(()) => {
+                        c.garbled = true;
+                        c.partial = Vec::new();
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether the peer said `key` (of its rail) is closed.
+    fn is_closed(&self, key: u64) -> bool {
+        let c = self.closed.lock();
+        !c.keys.is_empty() && c.keys.contains(&key)
+    }
+}
+
+/// Whether provider `name` drops an operation on a closed key without answering it: shm (1.17 and 2.1: its
+/// target checks the key when it takes the command and, where that fails, drops it, `smr_progress_cmd_rma`). Its
+/// in-flight operations on a key the peer said is closed are then given up (the peer's provider, which does
+/// the copying for shm, will not touch them: it takes commands in order and checks each one's key then).
+fn silent_on_closed_keys(name: &str) -> bool {
+    name == "shm"
 }
 
 pub(crate) struct Fabric {
@@ -319,6 +378,15 @@ impl Fabric {
         Error::disconnected(format!("agent '{}' is unreachable over libfabric: {why}", self.name))
     }
 
+    /// A piece on a key the peer said is closed: refused here, nothing posted (or, with a provider that never
+    /// answers such an operation, what was posted given up).
+    fn closed(&self) -> Error {
+        Error::not_found(format!(
+            "agent '{}' deregistered the remote region of this request (it said its libfabric key is closed)",
+            self.name
+        ))
+    }
+
     fn link_down(&self) -> Error {
         self.gone(&self.link.why().unwrap_or_else(|| "down".into()))
     }
@@ -330,6 +398,7 @@ impl Fabric {
         let rail = &self.rails[path.local];
         let mut g = path.greeted.lock();
         if let Some((a, c, _)) = &*g {
+            path.absorb(c);
             if !hung_up(c) {
                 return Ok((*a, c.clone()));
             }
@@ -350,7 +419,10 @@ impl Fabric {
         // that READ is answered while we are idle (a target of an older release discards it).
         let (mr, buf) = &rail.scratch;
         let scratch = mr.remote(buf.as_ptr()).ok_or_else(|| (Error::backend("libfabric scratch's key"), false))?;
-        conn.write_all(&wire::encode_scratch(scratch)).map_err(io)?;
+        let mut said = wire::encode_scratch(scratch).to_vec();
+        // And that we read closed-key notices (an older target reads and drops that byte).
+        said.push(wire::READS_CLOSED);
+        conn.write_all(&said).map_err(io)?;
         let a = rail.peer(&path.addr).map_err(|e| (e, true))?;
         let conn = Arc::new(conn);
         *g = Some((a, conn.clone(), rail.hold()));
@@ -370,7 +442,7 @@ impl Fabric {
         let mut r = self.run(rail, path, peer, &conn, job, segs);
         for _ in 0..3 {
             match &r {
-                Err(e) if e.status() == Status::RemoteDisconnect && !self.link.down() && !hung_up(&conn) => {
+                Err(e) if e.status() == Status::RemoteDisconnect && !self.link.down() && up(path, &conn) => {
                     crate::telemetry::log::info(&format!(
                         "agent '{}': peer '{}': libfabric piece again on {} ({e})",
                         job.agent,
@@ -383,7 +455,7 @@ impl Fabric {
                 _ => break,
             }
         }
-        (r, !self.link.down() && !hung_up(&conn))
+        (r, !self.link.down() && up(path, &conn))
     }
 
     /// Post `segs` as operations on `rail` (the path's) to the peer's endpoint `peer`, up to `MAX_IN_FLIGHT`
@@ -395,9 +467,11 @@ impl Fabric {
         // The local regions' memory regions (one per rail), held while the piece runs (deregistration waits for
         // them).
         let mut held: Vec<(u32, Arc<Vec<Option<Mr>>>)> = Vec::new();
-        let mut flight: Vec<(u64, Arc<OpState>)> = Vec::with_capacity(MAX_IN_FLIGHT);
+        // Each operation in flight: its number, its state and the peer's key it names.
+        let mut flight: Vec<(u64, Arc<OpState>, u64)> = Vec::with_capacity(MAX_IN_FLIGHT);
         // The last remote byte written (its address as the provider names it, and its key).
         let mut last = None;
+        path.absorb(conn);
         let r = (|| {
             for s in segs {
                 let mrs = match held.iter().find(|(r, _)| *r == s.lreg) {
@@ -429,6 +503,9 @@ impl Fabric {
                             self.name, path.remote
                         ))
                     })?;
+                if path.is_closed(remote.key) {
+                    return Err(self.closed());
+                }
                 let mut off = 0;
                 while off < s.len {
                     let n = (s.len - off).min(MAX_OP_BYTES);
@@ -454,12 +531,15 @@ impl Fabric {
                             // queue, sleeping where nothing of ours is in flight to wake us.
                             Ok(false) if flight.is_empty() => {
                                 rail.pump()?;
-                                self.check(conn, job)?;
+                                self.check(path, conn, job)?;
+                                if path.is_closed(rk.key) {
+                                    return Err(self.closed());
+                                }
                                 rail.sleep()?;
                             }
                             Ok(false) => {
                                 let fewer = flight.len() - 1;
-                                self.wait(rail, conn, job, &mut flight, fewer, look)?
+                                self.wait(rail, (path, conn), job, &mut flight, fewer, look)?
                             }
                             Err(e) => {
                                 rail.ops.forget(id);
@@ -467,11 +547,11 @@ impl Fabric {
                             }
                         }
                     }
-                    flight.push((id, st));
+                    flight.push((id, st, rk.key));
                     last = Some(RemoteKey { addr: rk.addr + n - 1, key: rk.key });
                     off += n;
                     if flight.len() >= MAX_IN_FLIGHT {
-                        self.wait(rail, conn, job, &mut flight, MAX_IN_FLIGHT / 2, look)?;
+                        self.wait(rail, (path, conn), job, &mut flight, MAX_IN_FLIGHT / 2, look)?;
                     }
                 }
             }
@@ -480,7 +560,7 @@ impl Fabric {
             // asked for), but the target answers the READ only after it has placed the WRITEs before it on the
             // same connection; so the request completes, and its notification leaves, once the data is there.
             if let (XferOp::Write, Some(rk)) = (job.op, last) {
-                self.wait(rail, conn, job, &mut flight, 0, look)?;
+                self.wait(rail, (path, conn), job, &mut flight, 0, look)?;
                 let (mr, buf) = &rail.scratch;
                 let (id, st) = rail.ops.start();
                 loop {
@@ -489,7 +569,7 @@ impl Fabric {
                         Ok(true) => break,
                         Ok(false) => {
                             rail.pump()?;
-                            self.check(conn, job)?;
+                            self.check(path, conn, job)?;
                             rail.sleep()?;
                         }
                         Err(e) => {
@@ -498,12 +578,12 @@ impl Fabric {
                         }
                     }
                 }
-                flight.push((id, st));
+                flight.push((id, st, rk.key));
             }
-            self.wait(rail, conn, job, &mut flight, 0, look)
+            self.wait(rail, (path, conn), job, &mut flight, 0, look)
         })();
         if r.is_err() {
-            flight.iter().for_each(|(id, _)| rail.ops.forget(*id));
+            flight.iter().for_each(|(id, _, _)| rail.ops.forget(*id));
         }
         drop(held);
         r
@@ -514,9 +594,9 @@ impl Fabric {
     fn wait(
         &self,
         rail: &Rail,
-        conn: &TcpStream,
+        (path, conn): (&Path, &TcpStream),
         job: &Job,
-        flight: &mut Vec<(u64, Arc<OpState>)>,
+        flight: &mut Vec<(u64, Arc<OpState>, u64)>,
         left: usize,
         look: bool,
     ) -> Result<()> {
@@ -531,7 +611,7 @@ impl Fabric {
         let mut until = None;
         loop {
             rail.pump()?;
-            flight.retain(|(_, st)| {
+            flight.retain(|(_, st, _)| {
                 if !st.done.load(std::sync::atomic::Ordering::Acquire) {
                     return true;
                 }
@@ -546,7 +626,7 @@ impl Fabric {
                 // Bounded: the rest end at once once the connection is gone.
                 let until = *until.get_or_insert_with(|| std::time::Instant::now() + Duration::from_secs(1));
                 if !canceled(errno, prov) || flight.is_empty() || std::time::Instant::now() >= until {
-                    return Err(self.failed(conn, e, errno, prov));
+                    return Err(self.failed(path, conn, e, errno, prov));
                 }
                 failed = Some((e, errno, prov));
                 rail.sleep()?;
@@ -557,7 +637,24 @@ impl Fabric {
             }
             if since.elapsed() >= WAKE {
                 since = std::time::Instant::now();
-                self.check(conn, job)?;
+                self.check(path, conn, job)?;
+                // A provider that never answers an operation on a closed key: given up once the peer said so. shm
+                // answers in order, so the one it dropped holds back every later answer on the rail's endpoint:
+                // the rail is given up too (its paths dropped; new routes and greetings take the others, else TCP).
+                if silent_on_closed_keys(&rail.dev.provider()) && flight.iter().any(|f| path.is_closed(f.2)) {
+                    let why = "the provider dropped an operation on a key the peer had closed, and answers none \
+                               after it";
+                    if rail.stall(why) {
+                        crate::telemetry::log::warn(&format!(
+                            "agent '{}': libfabric rail {}: {why}: its paths are dropped, new peers go over the other \
+                             rails, else TCP",
+                            job.agent,
+                            rail.name()
+                        ));
+                    }
+                    path.dead.store(true, Ordering::Release);
+                    return Err(self.closed());
+                }
             }
             if look && (looked.elapsed().as_nanos() as u64) < net::LOOK_NS {
                 std::thread::yield_now();
@@ -567,15 +664,16 @@ impl Fabric {
         }
     }
 
-    /// The request was aborted, or the peer is gone (its link down, its greeting connection closed).
-    fn check(&self, conn: &TcpStream, job: &Job) -> Result<()> {
+    /// The request was aborted, or the peer is gone (its link down, its greeting connection closed); the
+    /// peer's closed-key notices taken in on the way.
+    fn check(&self, path: &Path, conn: &TcpStream, job: &Job) -> Result<()> {
         if let Some(e) = job.stopped() {
             return Err(e);
         }
         if self.link.down() {
             return Err(self.link_down());
         }
-        if hung_up(conn) {
+        if !up(path, conn) {
             return Err(self.gone("its greeting connection closed"));
         }
         Ok(())
@@ -584,13 +682,13 @@ impl Fabric {
     /// The error a failed operation means: the peer went away (its greeting connection closed, or its link is
     /// down), or, with the peer alive, its provider refused the key (the region is no longer registered: tcp
     /// here answers `FI_ECANCELED` with the provider's `ENOENT`, the key not found).
-    fn failed(&self, conn: &TcpStream, e: Error, errno: i32, prov: i32) -> Error {
+    fn failed(&self, path: &Path, conn: &TcpStream, e: Error, errno: i32, prov: i32) -> Error {
         if self.link.down() {
             return self.link_down();
         }
         // A peer that died closes the greeting connection; give the kernel a moment to say so.
         std::thread::sleep(Duration::from_millis(20));
-        if hung_up(conn) {
+        if !up(path, conn) {
             return self.gone(&format!("its greeting connection closed ({})", e.message()));
         }
         match errno {
@@ -617,6 +715,13 @@ impl Fabric {
             _ => Error::backend(format!("libfabric request to agent '{}' failed: {}", self.name, e.message())),
         }
     }
+}
+
+/// Whether the path's greeting connection is still open, its closed-key notices taken in first (unread, they
+/// would hide the stream's end from `hung_up`). Never blocks.
+fn up(path: &Path, conn: &TcpStream) -> bool {
+    path.absorb(conn);
+    !hung_up(conn)
 }
 
 /// Whether the peer closed `conn` (or it failed): readable at EOF, or hung up. Never blocks.
@@ -694,6 +799,18 @@ impl Route for Fabric {
     /// connection open) is dropped, said in the log, and the piece goes again over another. With none left, or
     /// the peer gone, the peer is down.
     fn copy(&self, job: &Job, segs: &[Seg]) -> Result<()> {
+        // A region the peer said it deregistered (on any path): refused whatever the paths' state.
+        let keys = Keys::of(job.prepared);
+        let closed = |p: &Path| {
+            !p.closed.lock().keys.is_empty()
+                && segs.iter().any(|s| {
+                    let k = keys.remote.get(s.rreg as usize).and_then(Option::as_ref);
+                    k.and_then(|k| k.keys.get(p.remote)).is_some_and(|k| p.is_closed(k.key))
+                })
+        };
+        if self.paths.iter().any(closed) {
+            return Err(self.closed());
+        }
         let nearest = nearest(job, segs);
         // GPU memory: only paths whose two rails carry every region of the piece.
         let (mine, theirs) =
@@ -703,7 +820,7 @@ impl Route for Fabric {
             if self.link.down() {
                 return Err(self.link_down());
             }
-            let alive = |p: &Path| !p.dead.load(Ordering::Acquire);
+            let alive = |p: &Path| !p.dead.load(Ordering::Acquire) && self.rails[p.local].stalled().is_none();
             let live = self.paths.iter().filter(|p| alive(p)).count();
             let usable = |p: &Path| alive(p) && carries(p);
             let Some(path) = near::choose(&self.paths, |p| (p.local, p.remote), usable, nearest, &self.turn) else {

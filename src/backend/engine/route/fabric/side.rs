@@ -31,6 +31,7 @@
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -143,6 +144,8 @@ pub(crate) struct Rail {
     peers: Mutex<HashMap<Vec<u8>, u64>>,
     /// Its NIC's NUMA node and PCI path (sysfs), where known: for the rails nearest a region's memory.
     place: (Option<i32>, Option<String>),
+    /// Why its endpoint can no longer be trusted to complete operations (see `Rail::stall`); None while it can.
+    stalled: Mutex<Option<String>>,
 }
 
 impl Rail {
@@ -159,7 +162,38 @@ impl Rail {
         let (keys, ops, peers) = (KeyLedger::new([mr.key()]), Ops::default(), Mutex::default());
         let place = nic_place(&dev.domain());
         let progress = Arc::default();
-        Ok(Rail { index, dev, fabric, domain, cq, av, ep, addr, keys, ops, peers, scratch: (mr, buf), progress, place })
+        let stalled = Mutex::default();
+        Ok(Rail {
+            index,
+            dev,
+            fabric,
+            domain,
+            cq,
+            av,
+            ep,
+            addr,
+            keys,
+            ops,
+            peers,
+            scratch: (mr, buf),
+            progress,
+            place,
+            stalled,
+        })
+    }
+
+    /// The rail's endpoint will not complete operations any more (`why`): no new route or greeting takes it,
+    /// and routes over it drop their paths on it. True the first time (the caller says so, once).
+    pub(crate) fn stall(&self, why: &str) -> bool {
+        let mut s = self.stalled.lock();
+        let first = s.is_none();
+        s.get_or_insert_with(|| why.to_owned());
+        first
+    }
+
+    /// Why the rail stalled, where it did.
+    pub(crate) fn stalled(&self) -> Option<String> {
+        self.stalled.lock().clone()
     }
 
     /// What the log and the doctor call it.
@@ -400,12 +434,51 @@ pub(crate) struct FabricSide {
 pub(crate) type Rails = Arc<[Arc<Rail>]>;
 
 /// An initiator greeted on one of our rails: the greeting's number, the rail, the initiator's address-vector
-/// entry on it and its scratch.
+/// entry on it and its scratch; the greeting connection, whether the initiator reads closed-key notices on it,
+/// and what of them the socket did not take yet.
 struct Greeted {
     id: u64,
     rail: usize,
     peer: u64,
     scratch: RemoteKey,
+    conn: Arc<TcpStream>,
+    notices: bool,
+    unsent: Vec<u8>,
+}
+
+/// The most notice bytes kept for an initiator that does not read them (it is idle, or stuck): beyond it, its
+/// notices stop (its provider's own answer to a closed key is then all it gets, as with an older initiator).
+const UNSENT_MAX: usize = 64 << 10;
+
+impl Greeted {
+    /// Queue `notice` and send what the socket takes now, never waiting (a full socket keeps the rest for
+    /// the next notice); an initiator whose backlog passed `UNSENT_MAX` gets no more.
+    fn tell(&mut self, notice: &[u8]) {
+        if !self.notices {
+            return;
+        }
+        self.unsent.extend_from_slice(notice);
+        while !self.unsent.is_empty() {
+            // SAFETY: a connected socket; the buffer is valid for its length; MSG_DONTWAIT never blocks and
+            // MSG_NOSIGNAL turns a closed peer into EPIPE instead of a signal.
+            let n = unsafe {
+                libc::send(
+                    self.conn.as_raw_fd(),
+                    self.unsent.as_ptr().cast(),
+                    self.unsent.len(),
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                )
+            };
+            if n <= 0 {
+                break;
+            }
+            self.unsent.drain(..n as usize);
+        }
+        if self.unsent.len() > UNSENT_MAX {
+            self.notices = false;
+            self.unsent = Vec::new();
+        }
+    }
 }
 
 /// A self-test's result as the route keeps it: passed (with its cost in ms) or why not.
@@ -684,7 +757,10 @@ impl FabricSide {
                 return Err(why);
             }
         };
-        let verdicts: Vec<Verdict> = rails.iter().map(|r| self.verdict(r)).collect();
+        let verdicts: Vec<Verdict> = rails
+            .iter()
+            .map(|r| r.stalled().map_or_else(|| self.verdict(r), |why| Err(format!("stalled: {why}"))))
+            .collect();
         if verdicts.iter().all(Result::is_err) {
             return Err(verdicts.into_iter().find_map(Result::err).unwrap_or_default());
         }
@@ -728,7 +804,7 @@ impl FabricSide {
         }
         // Refused: no such rail, or one whose self-test failed (the initiator takes another path).
         let rail = self.opened().ok().and_then(|r| r.get(rail as usize).cloned());
-        let Some(rail) = rail.filter(|r| self.verdict(r).is_ok()) else {
+        let Some(rail) = rail.filter(|r| self.verdict(r).is_ok() && r.stalled().is_none()) else {
             let _ = s.write_all(&[wire::ANSWER_REFUSED]);
             return;
         };
@@ -742,18 +818,35 @@ impl FabricSide {
         if let Ok(c) = s.try_clone() {
             self.conns.lock().push(c);
         }
+        let Ok(conn) = s.try_clone().map(Arc::new) else { return };
         let busy = rail.hold();
         // The initiator's path lives as long as the connection. Its first bytes, where it sends them, say
-        // where its scratch is (`wire::decode_scratch`), for the fence of regions retired here.
+        // where its scratch is (`wire::decode_scratch`), for the fence of regions retired here, and the next
+        // whether it reads closed-key notices (`retire`).
         let _ = s.set_read_timeout(None);
         let id = NEXT_GREETING.fetch_add(1, Ordering::Relaxed);
         let (mut b, mut head) = ([0u8; 64], Vec::new());
         while let Ok(n @ 1..) = s.read(&mut b) {
-            if head.len() < wire::SCRATCH {
-                head.extend_from_slice(&b[..n.min(wire::SCRATCH - head.len())]);
+            let had = head.len();
+            if had <= wire::SCRATCH {
+                head.extend_from_slice(&b[..n.min(wire::SCRATCH + 1 - had)]);
+            }
+            if had < wire::SCRATCH {
                 if let Some(scratch) = wire::decode_scratch(&head) {
-                    self.initiators.lock().push(Greeted { id, rail: rail.index, peer, scratch });
+                    let g = Greeted {
+                        id,
+                        rail: rail.index,
+                        peer,
+                        scratch,
+                        conn: conn.clone(),
+                        notices: false,
+                        unsent: Vec::new(),
+                    };
+                    self.initiators.lock().push(g);
                 }
+            }
+            if had <= wire::SCRATCH && head.get(wire::SCRATCH) == Some(&wire::READS_CLOSED) {
+                self.initiators.lock().iter_mut().filter(|g| g.id == id).for_each(|g| g.notices = true);
             }
         }
         self.initiators.lock().retain(|g| g.id != id);
@@ -1046,7 +1139,10 @@ impl Side for FabricSide {
     }
 
     /// No new piece takes the region; pieces running on it finish first (bounded wait), then it is closed on
-    /// every rail, so the providers refuse its keys; then every rail's greeted initiators are fenced.
+    /// every rail, so the providers refuse its keys; then every rail's greeted initiators are fenced, and those
+    /// that read them are told its keys on that rail are closed (a closed-key notice on the greeting connection:
+    /// they refuse their own pieces on those keys from then on, which a provider that drops an operation on a
+    /// closed key without answering, shm, needs).
     fn retire(&self, e: &dyn Export) {
         let Some(e) = (e as &dyn std::any::Any).downcast_ref::<FabricExport>() else { return };
         let Some(mrs) = e.slot.mrs.lock().take() else { return };
@@ -1077,6 +1173,13 @@ impl Side for FabricSide {
                  {} ms (not progressing): a WRITE of theirs accepted before it closed may still land",
                 FENCE_LIMIT.as_millis()
             ));
+        }
+        let keys = &e.slot.keys;
+        for rail in rails.iter() {
+            let carried = keys.rails == 0 || keys.rails & (1 << rail.index) != 0;
+            let Some(k) = keys.keys.get(rail.index).filter(|_| carried) else { continue };
+            let notice = wire::encode_closed(&[k.key]);
+            self.initiators.lock().iter_mut().filter(|g| g.rail == rail.index).for_each(|g| g.tell(&notice));
         }
     }
 

@@ -244,6 +244,47 @@ pub(crate) fn decode_scratch(b: &[u8]) -> Option<RemoteKey> {
     Some(RemoteKey { key: w(0)?, addr: w(8)? })
 }
 
+/// After its scratch, an initiator that reads closed-key notices says so with this byte (an older target reads
+/// and drops it; an older initiator sends none and gets no notices).
+pub(crate) const READS_CLOSED: u8 = 1;
+
+/// A closed-key notice, target to initiator on the greeting connection, once a region deregistered at the
+/// target was closed on the connection's rail and fenced: its tag, a count (u32, little-endian, 1 to
+/// `CLOSED_MAX`) and that many keys of the rail (u64 each). The initiator refuses its own pieces on those keys
+/// from then on (see `Fabric::closed`).
+const CLOSED_TAG: u8 = b'K';
+/// The most keys one notice carries (a region's keys are one per rail; several regions retired at once are
+/// sent as several notices where they exceed it).
+pub(crate) const CLOSED_MAX: usize = 4096;
+
+pub(crate) fn encode_closed(keys: &[u64]) -> Vec<u8> {
+    debug_assert!(!keys.is_empty() && keys.len() <= CLOSED_MAX);
+    let mut out = Vec::with_capacity(5 + 8 * keys.len());
+    out.push(CLOSED_TAG);
+    out.extend_from_slice(&(keys.len() as u32).to_le_bytes());
+    keys.iter().for_each(|k| out.extend_from_slice(&k.to_le_bytes()));
+    out
+}
+
+/// The notice at the head of `b`: its keys and its length in bytes; Ok(None) until all of it arrived; Err where
+/// the bytes are no notice (the stream is then of no use).
+#[allow(clippy::result_unit_err)]
+pub(crate) fn decode_closed(b: &[u8]) -> std::result::Result<Option<(Vec<u64>, usize)>, ()> {
+    let Some(&tag) = b.first() else { return Ok(None) };
+    if tag != CLOSED_TAG {
+        return Err(());
+    }
+    let Some(n) = b.get(1..5) else { return Ok(None) };
+    let n = u32::from_le_bytes([n[0], n[1], n[2], n[3]]) as usize;
+    if n == 0 || n > CLOSED_MAX {
+        return Err(());
+    }
+    let len = 5 + 8 * n;
+    let Some(body) = b.get(5..len) else { return Ok(None) };
+    let keys = body.chunks_exact(8).map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]));
+    Ok(Some((keys.collect(), len)))
+}
+
 /// What a greeting whose first bytes are `head` announces: the rail and the address's length, or that one more
 /// byte is needed (`Err(())`: read `GREETING_HEAD + 1` and ask again); None where they are no greeting.
 pub(crate) fn greeting_len(head: &[u8]) -> Option<std::result::Result<(u8, usize), ()>> {
@@ -278,6 +319,9 @@ pub(crate) fn fuzz(b: &[u8]) {
         if let Ok(Some(k)) = read_ticket(&[(TICKET, &b[..16]), (TICKET_CARRIED, carried)]) {
             assert!(k.rails != 0 && k.rails.to_le_bytes()[..] == carried[..], "libfabric carried rails changed");
         }
+    }
+    if let Ok(Some((keys, len))) = decode_closed(b) {
+        assert_eq!(encode_closed(&keys)[..], b[..len], "libfabric closed-key notice changed");
     }
     if let Some(k) = decode_scratch(b) {
         assert_eq!(encode_scratch(k)[..], b[..SCRATCH], "libfabric scratch changed");
@@ -384,6 +428,22 @@ mod tests {
         assert_eq!(decode_scratch(&b[..15]), None, "not all there yet");
     }
 
+    #[test]
+    fn a_closed_key_notice_decodes_once_all_of_it_arrived_and_garbage_is_refused() {
+        let b = encode_closed(&[3, u64::MAX]);
+        assert_eq!(b.len(), 5 + 16);
+        for cut in 0..b.len() {
+            assert_eq!(decode_closed(&b[..cut]), Ok(None), "{cut} bytes");
+        }
+        let mut two = b.clone();
+        two.extend_from_slice(&encode_closed(&[9]));
+        assert_eq!(decode_closed(&two), Ok(Some((vec![3, u64::MAX], b.len()))));
+        assert_eq!(decode_closed(&two[b.len()..]), Ok(Some((vec![9], 13))));
+        assert_eq!(decode_closed(b"X"), Err(()));
+        assert_eq!(decode_closed(&[b'K', 0, 0, 0, 0]), Err(()), "no keys");
+        assert_eq!(decode_closed(&[b'K', 0xff, 0xff, 0xff, 0xff]), Err(()), "more than CLOSED_MAX");
+    }
+
     /// Random bytes, and random bytes behind each valid prefix, through every decoder (`fuzz` asserts what
     /// decodes encodes back the same).
     #[test]
@@ -400,7 +460,14 @@ mod tests {
         let k = FabricKeys { keys: vec![FabricKey { key: 1, base: 2 }; 3], near: 5, rails: 0b101 };
         let mut t = Vec::new();
         k.put_sections(&mut t);
-        let prefixes = [encode_section(&a), t, encode_greeting(2, &[9; 16]), b"GXFA\x10\0".to_vec(), Vec::new()];
+        let prefixes = [
+            encode_section(&a),
+            t,
+            encode_greeting(2, &[9; 16]),
+            b"GXFA\x10\0".to_vec(),
+            encode_closed(&[7, 1 << 40]),
+            Vec::new(),
+        ];
         for round in 0..20_000 {
             let p = &prefixes[round % prefixes.len()];
             let keep = (next() as usize) % (p.len() + 1);
