@@ -356,7 +356,7 @@ impl Path {
 /// target checks the key when it takes the command and, where that fails, drops it, `smr_progress_cmd_rma`). Its
 /// in-flight operations on a key the peer said is closed are then given up (the peer's provider, which does
 /// the copying for shm, will not touch them: it takes commands in order and checks each one's key then).
-fn silent_on_closed_keys(name: &str) -> bool {
+pub(crate) fn silent_on_closed_keys(name: &str) -> bool {
     name == "shm"
 }
 
@@ -398,8 +398,8 @@ impl Fabric {
         let rail = &self.rails[path.local];
         let mut g = path.greeted.lock();
         if let Some((a, c, _)) = &*g {
-            path.absorb(c);
-            if !hung_up(c) {
+            // The peer's health, and its closed-key notices taken in (each piece starts here).
+            if up(path, c) {
                 return Ok((*a, c.clone()));
             }
             let _ = c.shutdown(Shutdown::Both);
@@ -471,7 +471,6 @@ impl Fabric {
         let mut flight: Vec<(u64, Arc<OpState>, u64)> = Vec::with_capacity(MAX_IN_FLIGHT);
         // The last remote byte written (its address as the provider names it, and its key).
         let mut last = None;
-        path.absorb(conn);
         let r = (|| {
             for s in segs {
                 let mrs = match held.iter().find(|(r, _)| *r == s.lreg) {
@@ -641,7 +640,7 @@ impl Fabric {
                 // A provider that never answers an operation on a closed key: given up once the peer said so. shm
                 // answers in order, so the one it dropped holds back every later answer on the rail's endpoint:
                 // the rail is given up too (its paths dropped; new routes and greetings take the others, else TCP).
-                if silent_on_closed_keys(&rail.dev.provider()) && flight.iter().any(|f| path.is_closed(f.2)) {
+                if rail.drops_closed && flight.iter().any(|f| path.is_closed(f.2)) {
                     let why = "the provider dropped an operation on a key the peer had closed, and answers none \
                                after it";
                     if rail.stall(why) {
@@ -717,9 +716,17 @@ impl Fabric {
     }
 }
 
-/// Whether the path's greeting connection is still open, its closed-key notices taken in first (unread, they
-/// would hide the stream's end from `hung_up`). Never blocks.
+/// Whether the path's greeting connection is still open, its closed-key notices taken in where any arrived
+/// (unread, they would hide the stream's end from `hung_up`). One `poll` where nothing arrived. Never blocks.
 fn up(path: &Path, conn: &TcpStream) -> bool {
+    let mut p = libc::pollfd { fd: conn.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd, no wait.
+    if unsafe { libc::poll(&mut p, 1, 0) } <= 0 {
+        return true;
+    }
+    if p.revents & (libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0 {
+        return false;
+    }
     path.absorb(conn);
     !hung_up(conn)
 }

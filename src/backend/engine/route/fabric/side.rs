@@ -146,6 +146,9 @@ pub(crate) struct Rail {
     place: (Option<i32>, Option<String>),
     /// Why its endpoint can no longer be trusted to complete operations (see `Rail::stall`); None while it can.
     stalled: Mutex<Option<String>>,
+    /// Its provider drops an operation on a closed key without answering it (shm, see
+    /// `fabric::silent_on_closed_keys`).
+    pub(crate) drops_closed: bool,
 }
 
 impl Rail {
@@ -162,7 +165,7 @@ impl Rail {
         let (keys, ops, peers) = (KeyLedger::new([mr.key()]), Ops::default(), Mutex::default());
         let place = nic_place(&dev.domain());
         let progress = Arc::default();
-        let stalled = Mutex::default();
+        let (stalled, drops_closed) = (Mutex::default(), super::silent_on_closed_keys(&dev.provider()));
         Ok(Rail {
             index,
             dev,
@@ -179,6 +182,7 @@ impl Rail {
             progress,
             place,
             stalled,
+            drops_closed,
         })
     }
 
