@@ -286,6 +286,18 @@ fn wait(a: &Agent, req: &XferReq, mut s: Status) -> Result<Status> {
     Ok(s)
 }
 
+/// After the target deregistered its buffer and registered it again filled with 0xEE (`rereg`, which answered
+/// `md_line`): the new region was not written, and its metadata loaded again reaches it over `route`.
+fn reloaded(a: &Agent, me: &str, p: &mut Prefill, md_line: &str, dst: &mut [u8], route: &str) {
+    assert_eq!(p.ask("sum", "sum")[0], format!("sum {}", 0xEE * SIZE as u64), "the new region was written");
+    let md = unhex(md_line.strip_prefix("@md ").unwrap().split(' ').next().unwrap());
+    a.invalidate_remote_md("prefill").unwrap();
+    a.load_remote_md(&md).unwrap();
+    assert_eq!(route_of(me, "prefill"), route);
+    assert_eq!(run(a, XferOp::Read, &local(dst, 0, 4096), &remote(p.addr, 0, 4096), None).unwrap(), Status::Success);
+    assert!(dst[..4096].iter().all(|&b| b == 0xEE));
+}
+
 fn failure(a: &Agent, req: &XferReq) -> Error {
     match a.post_xfer_req(req, NotifUpdate::Keep) {
         Ok(s) => wait(a, req, s).unwrap_err(),
@@ -369,13 +381,7 @@ fn tcp_provider_between_two_processes_reads_writes_notifies_and_survives_deregis
     let md = p.ask("rereg", "@md").pop().unwrap();
     let e = failure(&a, &before);
     assert_eq!(e.status(), Status::NotFound, "{e}");
-    assert_eq!(p.ask("sum", "sum")[0], format!("sum {}", 0xEE * SIZE as u64), "the new region was written");
-    let md = unhex(md.strip_prefix("@md ").unwrap().split(' ').next().unwrap());
-    a.invalidate_remote_md("prefill").unwrap();
-    a.load_remote_md(&md).unwrap();
-    assert_eq!(route_of("decode", "prefill"), "libfabric");
-    assert_eq!(run(&a, XferOp::Read, &local(&dst, 0, 4096), &remote(p.addr, 0, 4096), None).unwrap(), Status::Success);
-    assert!(dst[..4096].iter().all(|&b| b == 0xEE));
+    reloaded(&a, "decode", &mut p, &md, &mut dst, "libfabric");
 
     // Killed in the middle of a transfer (8 × 64 MiB READ): REMOTE_DISCONNECT within the bound.
     let stale = a
@@ -451,15 +457,9 @@ fn shm_provider_between_two_processes_reads_and_writes() {
         eprintln!("shm, a deregistered region: {e} after {:?}", t.elapsed());
     }
     assert!(dst.iter().all(|&b| b == 0), "a READ of the deregistered region brought bytes");
-    assert_eq!(p.ask("sum", "sum")[0], format!("sum {}", 0xEE * SIZE as u64), "the new region was written");
-    let md = unhex(md.strip_prefix("@md ").unwrap().split(' ').next().unwrap());
-    a.invalidate_remote_md("prefill").unwrap();
     // shm answers its operations in order: the one it dropped holds back every later answer on this rail's
     // endpoint, so the rail was given up (one WARN line) and the peer, loaded again, goes over TCP.
-    a.load_remote_md(&md).unwrap();
-    assert_eq!(route_of("decode-shm", "prefill"), "tcp");
-    assert_eq!(run(&a, XferOp::Read, &local(&dst, 0, 4096), &remote(p.addr, 0, 4096), None).unwrap(), Status::Success);
-    assert!(dst[..4096].iter().all(|&b| b == 0xEE));
+    reloaded(&a, "decode-shm", &mut p, &md, &mut dst, "tcp");
     p.kill();
 }
 
