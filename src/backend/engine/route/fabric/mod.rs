@@ -352,14 +352,6 @@ impl Path {
     }
 }
 
-/// Whether provider `name` drops an operation on a closed key without answering it: shm (1.17 and 2.1: its
-/// target checks the key when it takes the command and, where that fails, drops it, `smr_progress_cmd_rma`). Its
-/// in-flight operations on a key the peer said is closed are then given up (the peer's provider, which does
-/// the copying for shm, will not touch them: it takes commands in order and checks each one's key then).
-pub(crate) fn silent_on_closed_keys(name: &str) -> bool {
-    name == "shm"
-}
-
 pub(crate) struct Fabric {
     link: Arc<TcpLink>,
     rails: Rails,
