@@ -10,7 +10,8 @@
 #                           tests run against NIXL; the wheel carries libraries, not headers
 # and then (run, the default) runs each on this host: two processes over nixlbench's ASIO runtime (no etcd),
 # backend UCX, DRAM to DRAM, READ and WRITE, with --check_consistency, block sizes 4 KiB to 64 MiB, the
-# implementations alternating per operation. Extra arguments go to nixlbench. Needs: meson, ninja, Debian's
+# implementations alternating per operation (medians over many sweeps: scripts/nixlbench_rounds.py, after a build).
+# Extra arguments go to nixlbench. Needs: meson, ninja, Debian's
 # libgflags-dev, libasio-dev, libtomlplusplus-dev (installed here if missing), and scripts/setup.sh's venvs.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
