@@ -14,7 +14,8 @@
 #
 # Skips: a Rust test that cannot run here calls tests/common::skip, which appends a line to $GIXL_SKIP_LOG;
 # pytest and the C runner count their own. With CI=true, a skip in the must-run set (network namespaces,
-# etcd, the CMA fall-back, io_uring, the Prometheus scrape, the TCPStore tests' torch master) fails the run.
+# etcd, the CMA fall-back, io_uring, the Prometheus scrape, libfabric, loop devices, real-time scheduling, Garage,
+# the TCPStore tests' torch master) fails the run.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -177,7 +178,7 @@ py_exports() {
 # On CI (root, Linux) the tests that need namespaces, etcd, another uid or io_uring must have run.
 must_run() {
     local must
-    must=$(grep -E '^SKIPPED: .* \[(netns|etcd|cma|io_uring|prometheus|libfabric)\]: ' "$GIXL_SKIP_LOG")
+    must=$(grep -E '^SKIPPED: .* \[(netns|etcd|cma|io_uring|prometheus|libfabric|loopdev|sched)\]: ' "$GIXL_SKIP_LOG")
     # pytest's own skips (-rs lines) of the Python etcd, TCPStore and Garage (OBJ) tests count too, and the
     # C++ TCPStore test's skip (no torch for its master).
     local py
@@ -187,10 +188,10 @@ must_run() {
     [ -n "$py" ] && must=$(printf '%s\n%s' "$must" "$py")
     [ -n "$must" ] && printf 'must-run tests skipped:\n%s\n' "$must"
     if [ "${CI:-}" = "true" ] && [ -n "$must" ]; then
-        echo "CI=true: these tests must run here (root, Linux, etcd, io_uring, loop devices, garage, torch); failing"
+        echo "CI=true: these tests must run here (root, Linux, etcd, io_uring, loop devices, SCHED_FIFO, garage, torch); failing"
         return 1
     fi
-    echo "must-run set (netns, etcd, cma, io_uring, prometheus, libfabric, loopdev, garage, tcpstore): $(grep -c . <<<"${must}") skipped"
+    echo "must-run set (netns, etcd, cma, io_uring, prometheus, libfabric, loopdev, sched, garage, tcpstore): $(grep -c . <<<"${must}") skipped"
 }
 header() { scripts/check-header.sh; }
 capi_exports() {

@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 /// `SKIPPED: <test> [<kind>]: <why>` on stderr (libtest shows it for passing tests only with `--nocapture`),
 /// and the same line appended to the file named by `GIXL_SKIP_LOG` when set.
 /// `scripts/test-all.sh` sets it, counts the lines per suite, and fails on CI (`CI=true`) when a test of
-/// the must-run kinds (`netns`, `etcd`, `cma`, `io_uring`, `prometheus`) skipped. `kind` names what was missing.
+/// the must-run kinds (`netns`, `etcd`, `cma`, `io_uring`, `prometheus`, `libfabric`, `loopdev`, `sched`)
+/// skipped. `kind` names what was missing.
 pub fn skip(kind: &str, why: &str) {
     gixl::test_skip(kind, why);
 }

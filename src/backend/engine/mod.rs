@@ -636,6 +636,63 @@ mod tests {
         l.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() / 1024
     }
 
+    /// A notification poll that finds nothing gives its core away (nixlbench's target spins on `getNotifs` for a
+    /// whole run; spinning on beside the copy threads, it held them back). Made exact with the real-time
+    /// scheduler: two `SCHED_FIFO` threads of one priority on one CPU, where the second runs only once the first
+    /// blocks or yields. Spinning alone for 20 ms, the first never lets the second run (the control); polling
+    /// notifications, it does at the first empty poll.
+    #[test]
+    fn an_empty_notification_poll_yields_its_core() {
+        let a = Arc::new(tcp_agent("yield-A", &[]));
+        let poller = a.clone();
+        let outcome = std::thread::spawn(move || -> std::result::Result<(bool, usize), String> {
+            // SAFETY: plain calls on this thread's own scheduling; `set` and `param` outlive them.
+            unsafe {
+                let cpu = libc::sched_getcpu().max(0) as usize;
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                libc::CPU_SET(cpu, &mut set);
+                if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+                    return Err(format!("sched_setaffinity: {}", std::io::Error::last_os_error()));
+                }
+                let param = libc::sched_param { sched_priority: 1 };
+                if libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) != 0 {
+                    return Err(format!("SCHED_FIFO: {}", std::io::Error::last_os_error()));
+                }
+            }
+            // The other thread inherits the CPU and the policy; of equal priority, it waits until this one yields.
+            use std::sync::atomic::{AtomicBool, Ordering};
+            let ran = Arc::new(AtomicBool::new(false));
+            let flag = ran.clone();
+            let other = std::thread::spawn(move || flag.store(true, Ordering::Release));
+            let t = Instant::now();
+            while !ran.load(Ordering::Acquire) && t.elapsed() < Duration::from_millis(20) {
+                std::hint::spin_loop();
+            }
+            let ran_while_spinning = ran.load(Ordering::Acquire);
+            let mut polls = 0;
+            while !ran.load(Ordering::Acquire) && polls < 1000 {
+                assert!(poller.notifs(&[]).unwrap().is_empty());
+                polls += 1;
+            }
+            // SAFETY: as above; back to the ordinary policy before waiting on the other thread.
+            unsafe {
+                let param = libc::sched_param { sched_priority: 0 };
+                libc::sched_setscheduler(0, libc::SCHED_OTHER, &param);
+            }
+            other.join().unwrap();
+            Ok((ran_while_spinning, polls))
+        })
+        .join()
+        .unwrap();
+        match outcome {
+            Err(why) => crate::util::test_skip("sched", &format!("no real-time scheduling here ({why})")),
+            Ok((ran_while_spinning, polls)) => {
+                assert!(!ran_while_spinning, "the control: a thread of equal priority ran while the first spun");
+                assert_eq!(polls, 1, "the other thread ran only after {polls} empty notification polls");
+            }
+        }
+    }
+
     /// A peer floods notifications over TCP at an agent that does not poll: the target's queue stops
     /// at its bound (the control connection is not read), the sender gets BACKEND after a bound, every
     /// notification that returned Ok is delivered, in order, once the target polls, and the peer stays
