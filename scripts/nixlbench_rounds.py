@@ -11,7 +11,6 @@ per-round ratios to NIXL with their range, then each way's median GB/s."""
 
 import argparse
 import os
-import re
 import socket
 import statistics
 import subprocess
@@ -19,9 +18,10 @@ import sys
 import time
 from pathlib import Path
 
+from nixlbench_table import ROW, size  # nixlbench's result rows, and block sizes as the table names them
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "target" / "nixlbench"
-ROW = re.compile(r"^(\d+)\s+(\d+)\s+([0-9.]+)\s+([0-9.]+)")
 
 
 def free_port() -> int:
@@ -53,10 +53,6 @@ def run(impl: str, op: str, env_extra: dict[str, str], lo: int, hi: int, nixl_li
     if not rates or any(p.returncode for p in procs):
         sys.exit(f"nixlbench ({impl}, {op}) failed:\n" + "\n".join(o[-2000:] for o in outs))
     return rates
-
-
-def size(n: int) -> str:
-    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
 def main() -> int:
